@@ -1,0 +1,1 @@
+"""Entry points: the `cellfeed` CLI, the local campaign and the Modal app."""

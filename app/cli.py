@@ -1,0 +1,130 @@
+"""The `cellfeed` command line. User errors print one line and exit 2; bugs keep their traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from coordination.errors import CellfeedError
+
+ROWS_PER_FRAGMENT = 1 << 22
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def cmd_synth(args) -> int:
+    from producers.synth import SynthSpec, synthesize
+
+    spec = SynthSpec(n_cells=args.cells, n_genes=args.genes, n_plates=args.plates, seed=args.seed)
+    ds = synthesize(args.out, spec, rows_per_fragment=args.rows_per_fragment, overwrite=args.overwrite,
+                    progress=not args.quiet)
+    print(f"wrote {ds.uri}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros, "
+          f"{len(ds.fragments)} fragments")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from producers.convert import convert
+
+    *inputs, out = args.paths
+    if not inputs:
+        raise CellfeedError("usage: cellfeed convert IN.h5ad [IN2.h5ad ...] OUT")
+    ds = convert(inputs, out, layer=args.layer, rows_per_fragment=args.rows_per_fragment,
+                 chunk_cells=args.chunk_cells, allow_negative=args.allow_negative, overwrite=args.overwrite,
+                 progress=not args.quiet)
+    print(f"wrote {ds.uri}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros "
+          f"({ds.value_type}), {len(ds.fragments)} fragments")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from producers.dataset import open_dataset
+
+    ds = open_dataset(args.dataset)
+    print(describe(ds, n_values=args.values))
+    return 0
+
+
+def describe(ds, n_values: int = 3) -> str:
+    """A human-readable summary of a dataset."""
+    straddling = ds.straddling_cells()
+    sizes = [f.row_end - f.row_start for f in ds.fragments]
+    lines = [
+        f"dataset     {ds.uri}",
+        f"format      SLAF {ds.config.get('format_version', '?')}",
+        f"cells       {ds.n_cells:,}",
+        f"genes       {ds.n_genes:,}",
+        f"non-zeros   {ds.n_rows:,} ({ds.n_rows / max(1, ds.n_cells):,.0f} per cell, values {ds.value_type})",
+        f"fragments   {len(sizes)} (rows per fragment: min {min(sizes, default=0):,}, max {max(sizes, default=0):,})",
+        f"straddling  {len(straddling):,} cells cut by a fragment boundary",
+        "obs columns:",
+    ]
+    head = ds.cells.head(max(n_values, 1)).to_pydict()
+    for name in ds.obs_columns:
+        field = ds.cells.schema.field(name)
+        shown = ", ".join(repr(v) for v in head[name][:n_values])
+        lines.append(f"  {name:<20} {str(field.type):<10} {shown}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cellfeed",
+        description="Feed single-cell data (SLAF-layout Lance datasets, local or S3) to GPU training.",
+        epilog="S3 addresses (s3://bucket/prefix) use AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY and AWS_REGION from the environment.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("synth", help="write a synthetic Tahoe-like atlas (plates stored in order)")
+    p.add_argument("out", help="output dataset: a local path or s3://bucket/prefix")
+    p.add_argument("--cells", type=_positive_int, required=True, help="number of cells")
+    p.add_argument("--genes", type=_positive_int, default=62_710, help="number of genes (default: 62710, as Tahoe)")
+    p.add_argument("--plates", type=_positive_int, default=14, help="number of plates (default: 14)")
+    p.add_argument("--seed", type=int, default=0, help="random seed; same seed, same dataset (default: 0)")
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("convert", help="convert h5ad file(s) with the same genes into one dataset")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="IN.h5ad [IN2.h5ad ...] OUT")
+    p.add_argument("--layer", default="X", help="matrix to store: X (default), raw.X, or a layer name")
+    p.add_argument("--chunk-cells", type=_positive_int, default=8192, help="cells read per chunk (default: 8192)")
+    p.add_argument("--allow-negative", action="store_true",
+                   help="store a matrix with negative values (e.g. scaled data) as float32 instead of refusing")
+    p.set_defaults(func=cmd_convert)
+
+    for p in (sub.choices["synth"], sub.choices["convert"]):
+        p.add_argument("--rows-per-fragment", type=_positive_int, default=ROWS_PER_FRAGMENT,
+                       help=f"expression rows per Lance fragment (default: {ROWS_PER_FRAGMENT:,}); "
+                       "cells straddle fragment boundaries as in compacted datasets")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at the output")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("inspect", help="summarise a dataset: shape, fragments, straddling cells, obs columns")
+    p.add_argument("dataset", help="a local path or s3://bucket/prefix")
+    p.add_argument("--values", type=int, default=3, help="example values per obs column (default: 3)")
+    p.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CellfeedError as exc:
+        print(f"cellfeed: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cellfeed: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,407 @@
+"""SLAF-layout datasets: open one (local or S3) and read row ranges; write one chunk by chunk.
+
+Layout (SLAF 0.5, see DESIGN.md): `config.json`, `expression.lance` (one row per non-zero,
+cell-major), `cells.lance` (obs + `cell_start_index`), `genes.lance` (var). Fragments of
+`expression.lance` are cut by row count, so a cell may straddle two fragments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import threading
+import uuid
+from dataclasses import dataclass
+from functools import cached_property
+
+import lance
+import numpy as np
+import pyarrow as pa
+
+from coordination.errors import CellfeedError
+from producers.storage import LocalLocation, Location, S3Settings, location
+
+FORMAT_VERSION = "0.5"
+TABLES = {"expression": "expression.lance", "cells": "cells.lance", "genes": "genes.lance"}
+EXPRESSION_COLUMNS = ("cell_integer_id", "gene_integer_id", "value")
+LANCE_FILE_VERSION = "2.2"  # what SLAF 0.5 pins
+MAX_UINT16_GENES = 65_535
+
+
+def gene_id_type(n_genes: int) -> pa.DataType:
+    return pa.uint16() if n_genes <= MAX_UINT16_GENES else pa.int32()
+
+
+def expression_schema(n_genes: int, value_type: pa.DataType) -> pa.Schema:
+    return pa.schema(
+        [("cell_integer_id", pa.uint32()), ("gene_integer_id", gene_id_type(n_genes)), ("value", value_type)]
+    )
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """One Lance fragment of expression.lance and the global rows [row_start, row_end) it holds."""
+
+    id: int
+    row_start: int
+    row_end: int
+
+
+@dataclass
+class RowBlock:
+    """Expression rows as parallel NumPy arrays, in storage order."""
+
+    cell: np.ndarray
+    gene: np.ndarray
+    value: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.cell)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text[:300]
+
+
+def _open_lance(uri: str, options: dict | None, what: str) -> lance.LanceDataset:
+    try:
+        return lance.dataset(uri, storage_options=options)
+    except Exception as exc:  # noqa: BLE001 - one clear line for the user
+        raise CellfeedError(f"cannot open the {what} table at {uri}: {_first_line(exc)}") from None
+
+
+class Dataset:
+    """An opened dataset: shape, fragments, the cell→row index, obs/var, and row reads."""
+
+    def __init__(self, loc: Location, config: dict):
+        self.location = loc
+        self.uri = loc.uri
+        self.config = config
+        tables = config.get("tables") or {}
+        missing = [t for t in TABLES if t not in tables]
+        if missing:
+            raise CellfeedError(f"{self.uri}/config.json lists no {', '.join(missing)} table; the dataset is incomplete")
+        opts = loc.lance_options()
+        self.expression = _open_lance(loc.join(tables["expression"]), opts, "expression")
+        self.cells = _open_lance(loc.join(tables["cells"]), opts, "cells")
+        self.genes = _open_lance(loc.join(tables["genes"]), opts, "genes")
+        names = set(self.expression.schema.names)
+        if not set(EXPRESSION_COLUMNS) <= names:
+            raise CellfeedError(
+                f"{tables['expression']} at {self.uri} has columns {sorted(names)}; expected {list(EXPRESSION_COLUMNS)}"
+            )
+        self.n_cells = int(config.get("n_cells", self.cells.count_rows()))
+        self.n_genes = int(config.get("n_genes", self.genes.count_rows()))
+        self.n_rows = self.expression.count_rows()
+        self.value_type = self.expression.schema.field("value").type
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n_cells, self.n_genes)
+
+    @property
+    def is_counts(self) -> bool:
+        """True when values are integer counts (what rank-based tokenizers need)."""
+        return pa.types.is_integer(self.value_type)
+
+    @cached_property
+    def fragments(self) -> list[Fragment]:
+        out, start = [], 0
+        for frag in self.expression.get_fragments():
+            n = frag.count_rows()
+            out.append(Fragment(frag.fragment_id, start, start + n))
+            start += n
+        return out
+
+    @cached_property
+    def cell_row_start(self) -> np.ndarray:
+        """int64[n_cells + 1]: cell c owns expression rows [start[c], start[c + 1])."""
+        if "cell_start_index" in self.cells.schema.names:
+            starts = self.cells.to_table(columns=["cell_start_index"]).column(0).to_numpy()
+            offsets = np.empty(len(starts) + 1, dtype=np.int64)
+            offsets[:-1] = starts
+        else:  # datasets without the index (older SLAF): count rows per cell once
+            counts = np.zeros(self.n_cells, dtype=np.int64)
+            for batch in self.expression.to_batches(columns=["cell_integer_id"], batch_size=1 << 20):
+                counts += np.bincount(batch.column(0).to_numpy(), minlength=self.n_cells)
+            offsets = np.zeros(self.n_cells + 1, dtype=np.int64)
+            np.cumsum(counts, out=offsets[1:])
+        offsets[-1] = self.n_rows
+        return offsets
+
+    @property
+    def obs_columns(self) -> list[str]:
+        return [c for c in self.cells.schema.names if c not in ("cell_start_index",)]
+
+    def obs(self, columns: list[str] | None = None) -> pa.Table:
+        if columns:
+            unknown = [c for c in columns if c not in self.cells.schema.names]
+            if unknown:
+                raise CellfeedError(f"unknown obs column(s) {unknown}; available: {self.obs_columns}")
+        return self.cells.to_table(columns=columns)
+
+    def var(self, columns: list[str] | None = None) -> pa.Table:
+        return self.genes.to_table(columns=columns)
+
+    @staticmethod
+    def _block(table: pa.Table) -> RowBlock:
+        cols = [table.column(name).to_numpy() for name in EXPRESSION_COLUMNS]
+        return RowBlock(*cols)
+
+    def read_rows(self, start: int, stop: int) -> RowBlock:
+        """Expression rows [start, stop) in storage order."""
+        return self._block(
+            self.expression.to_table(columns=list(EXPRESSION_COLUMNS), offset=int(start), limit=int(stop - start))
+        )
+
+    def read_row_ranges(self, ranges: np.ndarray) -> RowBlock:
+        """Rows of many [start, stop) ranges at once, concatenated in the order given."""
+        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        lengths = ranges[:, 1] - ranges[:, 0]
+        if len(ranges) == 1:
+            return self.read_rows(*ranges[0])
+        total = int(lengths.sum())
+        # indices = concatenation of arange(start, stop) for each range, built without a Python loop
+        offsets = np.repeat(ranges[:, 0] - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+        indices = np.arange(total, dtype=np.int64) + offsets
+        return self._block(self.expression.take(indices, columns=list(EXPRESSION_COLUMNS)))
+
+    def read_cells(self, cell_ids: np.ndarray) -> RowBlock:
+        """All rows of the given cells (in the order given)."""
+        starts = self.cell_row_start
+        cell_ids = np.asarray(cell_ids, dtype=np.int64)
+        return self.read_row_ranges(np.stack([starts[cell_ids], starts[cell_ids + 1]], axis=1))
+
+    def straddling_cells(self) -> np.ndarray:
+        """Ids of cells whose rows are cut by a fragment boundary."""
+        bounds = np.array([f.row_start for f in self.fragments[1:]], dtype=np.int64)
+        starts = self.cell_row_start
+        cell = np.searchsorted(starts, bounds, side="right") - 1
+        cut = (starts[cell] < bounds) & (starts[np.minimum(cell + 1, self.n_cells)] > bounds)
+        return np.unique(cell[cut])
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Identifies this exact dataset content (epoch plans are functions of it)."""
+        desc = {
+            "uri": self.uri,
+            "shape": [self.n_cells, self.n_genes, self.n_rows],
+            "versions": [self.expression.version, self.cells.version, self.genes.version],
+            "fragments": [[f.id, f.row_start, f.row_end] for f in self.fragments],
+        }
+        return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def open_dataset(uri: str | os.PathLike, settings: S3Settings | None = None) -> Dataset:
+    """Open a dataset (ours or written by `slaf convert`) at a local path or s3://bucket/prefix."""
+    loc = location(uri, settings)
+    if isinstance(loc, LocalLocation) and not loc.exists():
+        raise CellfeedError(f"no dataset at {loc.uri}: the path does not exist")
+    loc.check_reachable()
+    try:
+        raw = loc.read_bytes("config.json")
+    except (FileNotFoundError, NotADirectoryError):
+        raise CellfeedError(
+            f"{loc.uri} is not a dataset: config.json is missing (write one with `cellfeed convert` or `cellfeed synth`)"
+        ) from None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise CellfeedError(f"{loc.uri}/config.json is not valid JSON ({exc.msg}); the dataset is damaged") from None
+    if not isinstance(config, dict):
+        raise CellfeedError(f"{loc.uri}/config.json is not a JSON object; the dataset is damaged")
+    return Dataset(loc, config)
+
+
+# ----------------------------------------------------------------------------------------- writing
+
+
+class _LanceStream:
+    """Feeds record batches to `lance.write_dataset` running in a thread: any size, bounded memory."""
+
+    def __init__(self, uri: str, schema: pa.Schema, options: dict | None, rows_per_fragment: int):
+        self.schema = schema
+        self._queue: queue.Queue = queue.Queue(maxsize=4)
+        self._error: BaseException | None = None
+        kwargs = dict(
+            schema=schema,
+            mode="create",
+            max_rows_per_file=rows_per_fragment,
+            storage_options=options,
+            data_storage_version=LANCE_FILE_VERSION,
+        )
+        self._thread = threading.Thread(target=self._run, args=(uri, kwargs), daemon=True)
+        self._thread.start()
+
+    def _batches(self):
+        while (batch := self._queue.get()) is not None:
+            yield batch
+
+    def _run(self, uri, kwargs):
+        try:
+            reader = pa.RecordBatchReader.from_batches(self.schema, self._batches())
+            lance.write_dataset(reader, uri, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            self._error = exc
+            while self._queue.get() is not None:  # unblock the producer side
+                pass
+
+    def put(self, batch: pa.RecordBatch | None) -> None:
+        while True:
+            if self._error is not None:
+                raise CellfeedError(f"writing a Lance table failed: {_first_line(self._error)}")
+            try:
+                self._queue.put(batch, timeout=1.0)
+                return
+            except queue.Full:
+                if not self._thread.is_alive():
+                    raise CellfeedError("the Lance writer stopped unexpectedly") from None
+
+    def close(self) -> None:
+        self.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise CellfeedError(f"writing a Lance table failed: {_first_line(self._error)}")
+
+
+class DatasetWriter:
+    """Writes a dataset chunk by chunk and makes it visible only on `commit`.
+
+    Locally it writes into a hidden sibling folder and renames it into place; on S3 (no rename)
+    it writes config.json last, so a dataset without config.json is never taken as valid, and
+    `abort` deletes what was written.
+    """
+
+    def __init__(
+        self,
+        uri: str | os.PathLike,
+        *,
+        n_genes: int,
+        value_type: pa.DataType,
+        rows_per_fragment: int = 1 << 22,
+        overwrite: bool = False,
+        settings: S3Settings | None = None,
+    ):
+        if rows_per_fragment < 1:
+            raise CellfeedError(f"rows per fragment must be >= 1, got {rows_per_fragment}")
+        self.final = location(uri, settings)
+        self.final.check_reachable(for_write=True)
+        if self.final.exists() and not overwrite:
+            raise CellfeedError(f"{self.final.uri} already exists; choose another path or pass --overwrite")
+        if isinstance(self.final, LocalLocation):
+            parent, name = self.final.path.parent, self.final.path.name
+            self.staging: Location = LocalLocation(parent / f".{name}.partial-{uuid.uuid4().hex[:8]}")
+            self.staging.path.mkdir()
+        else:
+            if overwrite:
+                self.final.delete()
+            self.staging = self.final
+        self.n_genes = n_genes
+        self.value_type = value_type
+        self.rows_per_fragment = rows_per_fragment
+        self.n_cells = 0
+        self.n_rows = 0
+        self._expression: _LanceStream | None = None
+        self._cells: _LanceStream | None = None
+        self._done = False
+
+    def __enter__(self) -> "DatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None or not self._done:
+            self.abort()
+
+    def append(self, obs: pa.Table, indptr: np.ndarray, genes: np.ndarray, values: np.ndarray) -> None:
+        """Append cells: `obs` rows, and their non-zeros as CSR (`indptr`, sorted `genes`, `values`)."""
+        n = obs.num_rows
+        if len(indptr) != n + 1:
+            raise ValueError("indptr must have one entry more than obs rows")
+        counts = np.diff(indptr).astype(np.int64)
+        cell_ids = np.arange(self.n_cells, self.n_cells + n, dtype=np.uint32)
+        starts = self.n_rows + np.asarray(indptr[:-1], dtype=np.int64) - int(indptr[0])
+        obs = obs.append_column("cell_integer_id", pa.array(cell_ids)).append_column(
+            "cell_start_index", pa.array(starts, type=pa.int64())
+        )
+        if self._cells is None:
+            opts = self.staging.lance_options()
+            schema = expression_schema(self.n_genes, self.value_type)
+            self._expression = _LanceStream(self.staging.join(TABLES["expression"]), schema, opts, self.rows_per_fragment)
+            self._cells = _LanceStream(self.staging.join(TABLES["cells"]), obs.schema, opts, 1 << 24)
+        for batch in obs.cast(self._cells.schema).to_batches():
+            self._cells.put(batch)
+        schema = self._expression.schema
+        self._expression.put(
+            pa.RecordBatch.from_arrays(
+                [
+                    pa.array(np.repeat(cell_ids, counts), type=pa.uint32()),
+                    pa.array(np.asarray(genes).astype(schema.field(1).type.to_pandas_dtype(), copy=False)),
+                    pa.array(np.asarray(values).astype(schema.field(2).type.to_pandas_dtype(), copy=False)),
+                ],
+                schema=schema,
+            )
+        )
+        self.n_cells += n
+        self.n_rows += int(counts.sum())
+
+    def commit(self, var: pa.Table, metadata: dict | None = None) -> Dataset:
+        """Finish the tables, write genes.lance and config.json, and make the dataset visible."""
+        if self._cells is None:
+            raise CellfeedError("no cells were written; the input holds no cells")
+        if var.num_rows != self.n_genes:
+            raise ValueError(f"var has {var.num_rows} rows, expected {self.n_genes}")
+        self._expression.close()
+        self._cells.close()
+        var = var.append_column("gene_integer_id", pa.array(np.arange(self.n_genes), type=gene_id_type(self.n_genes)))
+        lance.write_dataset(
+            var,
+            self.staging.join(TABLES["genes"]),
+            storage_options=self.staging.lance_options(),
+            data_storage_version=LANCE_FILE_VERSION,
+        )
+        config = {
+            "format_version": FORMAT_VERSION,
+            "array_shape": [self.n_cells, self.n_genes],
+            "n_cells": self.n_cells,
+            "n_genes": self.n_genes,
+            "tables": dict(TABLES),
+            "metadata": {
+                "expression_count": self.n_rows,
+                "density": self.n_rows / max(1, self.n_cells * self.n_genes),
+                "value_type": str(self.value_type),
+                "rows_per_fragment": self.rows_per_fragment,
+                "writer": "cellfeed",
+                **(metadata or {}),
+            },
+        }
+        self.staging.write_bytes("config.json", json.dumps(config, indent=2).encode())
+        if isinstance(self.final, LocalLocation):
+            self._move_into_place()
+        self._done = True
+        return open_dataset(self.final.uri, getattr(self.final, "settings", None))
+
+    def _move_into_place(self) -> None:
+        final = self.final.path
+        trash = None
+        if final.exists():
+            trash = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(final, trash)
+        os.rename(self.staging.path, final)
+        if trash is not None:
+            LocalLocation(trash).delete()
+
+    def abort(self) -> None:
+        """Remove everything written so far; never leaves a dataset that looks valid."""
+        if self._done:
+            return
+        for stream in (self._expression, self._cells):
+            if stream is not None and stream._thread.is_alive():
+                try:
+                    stream.close()
+                except CellfeedError:
+                    pass
+        self.staging.delete()
+        self._done = True

@@ -1,0 +1,226 @@
+"""Where a dataset lives: a local directory or an `s3://bucket/prefix` on any S3-compatible store.
+
+Lance does the heavy reads and writes itself (it takes `lance_options`); this module does the
+few small-object operations around it (config.json, existence checks, clean-up of a failed
+write) and turns storage failures into one clear `CellfeedError`.
+
+S3 settings come from the environment, never from code: AWS_ENDPOINT_URL (Tigris, R2, MinIO,
+a local test server), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN and
+AWS_REGION (or AWS_DEFAULT_REGION). Plain-http endpoints are allowed. Keys never appear in
+errors or logs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coordination.errors import CellfeedError
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    endpoint: str | None = None
+    region: str = "us-east-1"
+    access_key_id: str | None = None
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_env(cls, env: dict | None = None) -> "S3Settings":
+        env = os.environ if env is None else env
+        return cls(
+            endpoint=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None,
+            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+            access_key_id=env.get("AWS_ACCESS_KEY_ID") or None,
+            secret_access_key=env.get("AWS_SECRET_ACCESS_KEY") or None,
+            session_token=env.get("AWS_SESSION_TOKEN") or None,
+        )
+
+    def lance_options(self) -> dict[str, str]:
+        """Lance/object_store `storage_options` for these settings."""
+        opts = {"aws_region": self.region}
+        if self.endpoint:
+            opts["aws_endpoint"] = self.endpoint
+            if self.endpoint.startswith("http://"):
+                opts["allow_http"] = "true"
+        if self.access_key_id:
+            opts["aws_access_key_id"] = self.access_key_id
+        if self.secret_access_key:
+            opts["aws_secret_access_key"] = self.secret_access_key
+        if self.session_token:
+            opts["aws_session_token"] = self.session_token
+        return opts
+
+
+class Location:
+    """A dataset directory: `join` names files in it, the rest are small-object operations."""
+
+    uri: str
+
+    def join(self, name: str) -> str:
+        return f"{self.uri.rstrip('/')}/{name}"
+
+    def lance_options(self) -> dict[str, str] | None:
+        return None
+
+    def read_bytes(self, name: str) -> bytes: ...
+    def write_bytes(self, name: str, data: bytes) -> None: ...
+    def exists(self, name: str = "") -> bool: ...
+    def delete(self) -> None: ...
+
+    def check_reachable(self, for_write: bool = False) -> None:
+        """Raise a `CellfeedError` now, before any work, if the location cannot be used."""
+
+
+class LocalLocation(Location):
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path).expanduser().absolute()
+        self.uri = str(self.path)
+
+    def read_bytes(self, name: str) -> bytes:
+        return (self.path / name).read_bytes()
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        target = self.path / name
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+
+    def exists(self, name: str = "") -> bool:
+        return (self.path / name).exists() if name else self.path.exists()
+
+    def delete(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def check_reachable(self, for_write: bool = False) -> None:
+        if for_write:
+            parent = self.path.parent
+            if not parent.is_dir():
+                raise CellfeedError(f"cannot write {self.uri}: folder {parent} does not exist; create it first")
+            if not os.access(parent, os.W_OK):
+                raise CellfeedError(f"cannot write {self.uri}: folder {parent} is not writable")
+
+
+class S3Location(Location):
+    def __init__(self, uri: str, settings: S3Settings | None = None):
+        rest = uri[len("s3://"):]
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise CellfeedError(f"bad S3 address {uri!r}: expected s3://bucket/prefix")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.settings = settings or S3Settings.from_env()
+        self._client = None
+
+    def lance_options(self) -> dict[str, str]:
+        return self.settings.lance_options()
+
+    def _key(self, name: str) -> str:
+        return "/".join(p for p in (self.prefix, name) if p)
+
+    @property
+    def client(self):
+        if self._client is None:
+            import boto3
+            from botocore.config import Config
+
+            s = self.settings
+            self._client = boto3.client(
+                "s3",
+                endpoint_url=s.endpoint,
+                region_name=s.region,
+                aws_access_key_id=s.access_key_id,
+                aws_secret_access_key=s.secret_access_key,
+                aws_session_token=s.session_token,
+                config=Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 3}),
+            )
+        return self._client
+
+    def _explain(self, exc: Exception, action: str) -> CellfeedError:
+        """Map a boto/botocore failure to one actionable line (no keys, no traceback)."""
+        from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+        where = self.settings.endpoint or "the default AWS endpoint"
+        if isinstance(exc, NoCredentialsError):
+            return CellfeedError(
+                f"cannot {action} {self.uri}: no S3 credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+            )
+        if isinstance(exc, EndpointConnectionError) or type(exc).__name__ in (
+            "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError"
+        ):
+            return CellfeedError(
+                f"cannot {action} {self.uri}: S3 endpoint {where} is unreachable; check AWS_ENDPOINT_URL and the network"
+            )
+        if isinstance(exc, ClientError):
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in ("NoSuchBucket", "404", "NotFound") and action != "read":
+                return CellfeedError(
+                    f"cannot {action} {self.uri}: bucket {self.bucket!r} does not exist at {where}; create it first"
+                )
+            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "AccessDenied", "Forbidden"):
+                return CellfeedError(
+                    f"cannot {action} {self.uri}: access denied by {where} ({code}); check AWS_ACCESS_KEY_ID, "
+                    "AWS_SECRET_ACCESS_KEY and the bucket's permissions"
+                )
+            if code in ("NoSuchKey", "404", "NotFound"):
+                return CellfeedError(f"cannot {action} {self.uri}: not found")
+            return CellfeedError(f"cannot {action} {self.uri}: S3 error {code}")
+        return CellfeedError(f"cannot {action} {self.uri}: {type(exc).__name__}")
+
+    def check_reachable(self, for_write: bool = False) -> None:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except Exception as exc:  # noqa: BLE001 - translated to one clear line
+            raise self._explain(exc, "write" if for_write else "open") from None
+
+    def read_bytes(self, name: str) -> bytes:
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
+        except Exception as exc:  # noqa: BLE001
+            err = self._explain(exc, "read")
+            if "not found" in str(err):
+                raise FileNotFoundError(self.join(name)) from None
+            raise err from None
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+        except Exception as exc:  # noqa: BLE001
+            raise self._explain(exc, "write") from None
+
+    def exists(self, name: str = "") -> bool:
+        prefix = self._key(name)
+        try:
+            resp = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix + "/" if prefix else "", MaxKeys=1)
+            if resp.get("KeyCount", 0):
+                return True
+            if name:
+                self.client.head_object(Bucket=self.bucket, Key=prefix)
+                return True
+            return False
+        except Exception as exc:  # noqa: BLE001
+            from botocore.exceptions import ClientError
+
+            if isinstance(exc, ClientError) and str(exc.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise self._explain(exc, "open") from None
+
+    def delete(self) -> None:
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key("") + "/" if self.prefix else ""):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+
+
+def location(uri: str | os.PathLike, settings: S3Settings | None = None) -> Location:
+    """The `Location` for a local path or an `s3://` address."""
+    text = str(uri)
+    if text.startswith("s3://"):
+        return S3Location(text, settings)
+    if "://" in text:
+        raise CellfeedError(f"unsupported address {text!r}: use a local path or s3://bucket/prefix")
+    return LocalLocation(text)

@@ -1,0 +1,188 @@
+"""A synthetic, Tahoe-like atlas: plates of unequal size stored in order, each with its own
+expression shift, heavy-tailed gene popularity and integer counts.
+
+It exists to make the ordering problem real in tests and benchmarks: streaming it in storage
+order yields batches from one plate at a time, and a classifier can tell plates apart.
+
+Generation is chunked (CHUNK_CELLS cells at a time, each chunk seeded by (seed, chunk index)),
+so memory is bounded by a chunk and the output depends only on the seed and the sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+from tqdm import tqdm
+
+from coordination.errors import CellfeedError
+from producers.dataset import Dataset, DatasetWriter
+
+CHUNK_CELLS = 8192
+URN_SIZE = 1 << 22  # a gene "urn" per plate: drawing uniformly from it samples gene popularity
+N_CELL_LINES = 50
+N_DRUGS = 380
+DOSES_UM = (0.05, 0.5, 5.0)
+PLATE_SMALLEST, PLATE_LARGEST = 0.047, 0.104  # Tahoe-100M's plates span 4.7%..10.4% of cells
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    n_cells: int
+    n_genes: int = 62_710
+    n_plates: int = 14
+    seed: int = 0
+    median_nnz: int = 1500
+    min_nnz: int = 500
+    max_nnz: int = 3000
+    near_empty_fraction: float = 0.002
+
+    def validate(self) -> None:
+        if self.n_cells < 1:
+            raise CellfeedError(f"--cells must be >= 1, got {self.n_cells}")
+        if not 1 <= self.n_plates <= self.n_cells:
+            raise CellfeedError(f"--plates must be between 1 and the number of cells, got {self.n_plates}")
+        if self.n_genes < 16:
+            raise CellfeedError(f"--genes must be >= 16, got {self.n_genes}")
+        if self.n_genes > np.iinfo(np.int32).max:
+            raise CellfeedError(f"--genes must be < 2^31, got {self.n_genes}")
+
+
+def plate_sizes(n_cells: int, n_plates: int) -> np.ndarray:
+    """Cells per plate: unequal, from ~4.7% to ~10.4% of the atlas for 14 plates (as in Tahoe).
+
+    Fractions follow smallest + (largest - smallest) * (i / (P - 1)) ** k with k chosen so the
+    14-plate fractions sum to 1; other plate counts keep the same shape, renormalised.
+    """
+    if n_plates == 1:
+        return np.array([n_cells])
+    x = np.linspace(0.0, 1.0, 14)
+    lo, hi = 0.1, 10.0
+    for _ in range(60):  # bisection on k: sum of the 14 fractions == 1
+        k = (lo + hi) / 2
+        s = np.sum(PLATE_SMALLEST + (PLATE_LARGEST - PLATE_SMALLEST) * x**k)
+        lo, hi = (k, hi) if s > 1 else (lo, k)
+    frac = PLATE_SMALLEST + (PLATE_LARGEST - PLATE_SMALLEST) * np.linspace(0.0, 1.0, n_plates) ** k
+    frac = np.random.default_rng(12345).permutation(frac / frac.sum())
+    sizes = np.floor(frac * n_cells).astype(np.int64)
+    remainder = n_cells - sizes.sum()
+    sizes[np.argsort(-(frac * n_cells - sizes))[:remainder]] += 1  # largest remainders
+    return sizes
+
+
+class _Model:
+    """Per-plate gene urns and depth factors, built once from the seed."""
+
+    def __init__(self, spec: SynthSpec):
+        rng = np.random.default_rng([spec.seed, 0xA71A5])
+        g = spec.n_genes
+        # heavy-tailed popularity (Zipf-like), genes in random order
+        base = rng.permutation(1.0 / np.arange(1, g + 1) ** 0.9)
+        self.urns = []
+        for _ in range(spec.n_plates):
+            w = base.copy()
+            shifted = rng.choice(g, size=max(1, g // 8), replace=False)  # plate-specific programme
+            w[shifted] *= np.exp(rng.normal(0.0, 1.5, size=len(shifted)))
+            counts = np.floor(w / w.sum() * URN_SIZE).astype(np.int64)
+            self.urns.append(np.repeat(np.arange(g, dtype=np.int32), counts))
+        self.plate_drugs = [
+            np.sort(rng.choice(N_DRUGS, size=max(1, N_DRUGS // spec.n_plates + 1), replace=False))
+            for _ in range(spec.n_plates)
+        ]
+        self.depth = np.exp(rng.normal(0.0, 0.12, size=spec.n_plates))  # plate sequencing depth
+        # draws with replacement collide on popular genes: tabulate expected distinct genes per
+        # number of draws, E[distinct | d] = sum_g 1 - (1 - p_g)^d, to draw as many as a cell needs
+        self.draw_grid = np.unique(np.geomspace(1, 40 * spec.max_nnz, 96).astype(np.int64))
+        self.distinct = []
+        for urn in self.urns:
+            p = np.bincount(urn, minlength=g) / len(urn)
+            log_q = np.log1p(-p[p > 0])
+            self.distinct.append(np.array([np.sum(-np.expm1(d * log_q)) for d in self.draw_grid]))
+
+    def draws_for(self, plate: int, nnz: np.ndarray) -> np.ndarray:
+        """Draws needed so that a cell of `plate` expects `nnz` distinct genes."""
+        return np.ceil(np.interp(nnz, self.distinct[plate], self.draw_grid)).astype(np.int64)
+
+
+def _chunk(spec: SynthSpec, model: _Model, plate_of: np.ndarray, start: int, stop: int, chunk_index: int):
+    """Cells [start, stop): obs table and CSR (indptr, genes, values), sorted by gene per cell."""
+    rng = np.random.default_rng([spec.seed, chunk_index])
+    n = stop - start
+    plates = plate_of[start:stop]
+    nnz = np.exp(rng.normal(np.log(spec.median_nnz), 0.38, size=n)) * model.depth[plates]
+    nnz = np.clip(nnz, spec.min_nnz, spec.max_nnz).astype(np.int64)
+    near_empty = rng.random(n) < spec.near_empty_fraction
+    nnz[near_empty] = rng.integers(1, 20, size=int(near_empty.sum()))
+    # draw genes with replacement from the plate's urn; repeats merge into counts
+    draws = np.empty(n, dtype=np.int64)
+    for p in np.unique(plates):
+        draws[plates == p] = model.draws_for(p, nnz[plates == p])
+    cell_of_draw = np.repeat(np.arange(n, dtype=np.int64), draws)
+    genes = np.empty(len(cell_of_draw), dtype=np.int64)
+    pos = 0
+    for p in np.unique(plates):  # plates are contiguous in storage: at most a couple per chunk
+        sel = plates == p
+        k = int(draws[sel].sum())
+        urn = model.urns[p]
+        genes[pos : pos + k] = urn[rng.integers(0, len(urn), size=k)]
+        pos += k
+    key = cell_of_draw * spec.n_genes + genes
+    key.sort()
+    first = np.empty(len(key), dtype=bool)
+    first[0] = True
+    np.not_equal(key[1:], key[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    multiplicity = np.diff(np.append(starts, len(key)))
+    key = key[starts]
+    cell = key // spec.n_genes
+    genes = key - cell * spec.n_genes
+    values = np.minimum(multiplicity * rng.geometric(0.55, size=len(key)), 65_535).astype(np.uint16)
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(cell, minlength=n), out=indptr[1:])
+
+    ids = np.arange(start, stop)
+    drug_pick = rng.integers(0, 1 << 30, size=n)
+    drugs = np.empty(n, dtype=np.int64)
+    for p in np.unique(plates):
+        sel = plates == p
+        choices = model.plate_drugs[p]
+        drugs[sel] = choices[drug_pick[sel] % len(choices)]
+    obs = pa.table(
+        {
+            "cell_id": pa.array([f"cell_{i:09d}" for i in ids]),
+            "plate": pa.array([f"plate{p + 1:02d}" for p in plates]),
+            "cell_line": pa.array([f"CVCL_{c:04d}" for c in rng.integers(0, N_CELL_LINES, size=n)]),
+            "drug": pa.array([f"drug_{d:03d}" for d in drugs]),
+            "dose": pa.array(np.asarray(DOSES_UM)[rng.integers(0, len(DOSES_UM), size=n)], type=pa.float32()),
+        }
+    )
+    return obs, indptr, genes, values
+
+
+def synthesize(
+    out: str,
+    spec: SynthSpec,
+    *,
+    rows_per_fragment: int = 1 << 22,
+    overwrite: bool = False,
+    progress: bool = True,
+    settings=None,
+) -> Dataset:
+    """Write a synthetic atlas to `out` (local path or s3://); returns the opened dataset."""
+    spec.validate()
+    model = _Model(spec)
+    sizes = plate_sizes(spec.n_cells, spec.n_plates)
+    plate_of = np.repeat(np.arange(spec.n_plates), sizes)
+    writer = DatasetWriter(
+        out, n_genes=spec.n_genes, value_type=pa.uint16(), rows_per_fragment=rows_per_fragment,
+        overwrite=overwrite, settings=settings,
+    )
+    with writer, tqdm(total=spec.n_cells, unit="cell", unit_scale=True, desc="synth", disable=not progress) as bar:
+        for index, start in enumerate(range(0, spec.n_cells, CHUNK_CELLS)):
+            stop = min(start + CHUNK_CELLS, spec.n_cells)
+            writer.append(*_chunk(spec, model, plate_of, start, stop, index))
+            bar.update(stop - start)
+        var = pa.table({"gene_id": pa.array([f"ENSG{g:011d}" for g in range(spec.n_genes)])})
+        meta = {"synthetic": {"seed": spec.seed, "n_plates": spec.n_plates, "plate_sizes": sizes.tolist()}}
+        return writer.commit(var, meta)

@@ -1,0 +1,1 @@
+"""The GPU half: consumer stream, model, DDP loop, metrics, checkpoints. Never imports Lance or Polars."""
