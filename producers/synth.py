@@ -19,7 +19,7 @@ from tqdm import tqdm
 from coordination.errors import CellfeedError
 from producers.dataset import Dataset, DatasetWriter
 
-CHUNK_CELLS = 8192
+CHUNK_CELLS = 4096
 URN_SIZE = 1 << 22  # a gene "urn" per plate: drawing uniformly from it samples gene popularity
 N_CELL_LINES = 50
 N_DRUGS = 380
@@ -160,6 +160,19 @@ def _chunk(spec: SynthSpec, model: _Model, plate_of: np.ndarray, start: int, sto
     return obs, indptr, genes, values
 
 
+def iter_chunks(spec: SynthSpec):
+    """The atlas as (obs, indptr, genes, values) chunks of CHUNK_CELLS cells, in storage order."""
+    spec.validate()
+    model = _Model(spec)
+    plate_of = np.repeat(np.arange(spec.n_plates), plate_sizes(spec.n_cells, spec.n_plates))
+    for index, start in enumerate(range(0, spec.n_cells, CHUNK_CELLS)):
+        yield _chunk(spec, model, plate_of, start, min(start + CHUNK_CELLS, spec.n_cells), index)
+
+
+def gene_table(spec: SynthSpec) -> pa.Table:
+    return pa.table({"gene_id": pa.array([f"ENSG{g:011d}" for g in range(spec.n_genes)])})
+
+
 def synthesize(
     out: str,
     spec: SynthSpec,
@@ -171,18 +184,14 @@ def synthesize(
 ) -> Dataset:
     """Write a synthetic atlas to `out` (local path or s3://); returns the opened dataset."""
     spec.validate()
-    model = _Model(spec)
-    sizes = plate_sizes(spec.n_cells, spec.n_plates)
-    plate_of = np.repeat(np.arange(spec.n_plates), sizes)
     writer = DatasetWriter(
         out, n_genes=spec.n_genes, value_type=pa.uint16(), rows_per_fragment=rows_per_fragment,
         overwrite=overwrite, settings=settings,
     )
     with writer, tqdm(total=spec.n_cells, unit="cell", unit_scale=True, desc="synth", disable=not progress) as bar:
-        for index, start in enumerate(range(0, spec.n_cells, CHUNK_CELLS)):
-            stop = min(start + CHUNK_CELLS, spec.n_cells)
-            writer.append(*_chunk(spec, model, plate_of, start, stop, index))
-            bar.update(stop - start)
-        var = pa.table({"gene_id": pa.array([f"ENSG{g:011d}" for g in range(spec.n_genes)])})
-        meta = {"synthetic": {"seed": spec.seed, "n_plates": spec.n_plates, "plate_sizes": sizes.tolist()}}
-        return writer.commit(var, meta)
+        for obs, indptr, genes, values in iter_chunks(spec):
+            writer.append(obs, indptr, genes, values)
+            bar.update(obs.num_rows)
+        sizes = plate_sizes(spec.n_cells, spec.n_plates).tolist()
+        meta = {"synthetic": {"seed": spec.seed, "n_plates": spec.n_plates, "plate_sizes": sizes}}
+        return writer.commit(gene_table(spec), meta)

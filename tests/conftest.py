@@ -1,0 +1,98 @@
+"""Shared fixtures: a real S3-compatible server on 127.0.0.1 (moto's server mode), h5ad builders,
+and small synthetic datasets."""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+PBMC = SHARED_DATA / "pbmc68k_reduced.h5ad"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server in this process, listening on a free loopback port."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint, monkeypatch):
+    """S3 settings in the environment (as a user sets them) and a fresh bucket; yields the bucket name."""
+    import boto3
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    bucket = f"cellfeed-{os.urandom(4).hex()}"
+    boto3.client(
+        "s3", endpoint_url=s3_endpoint, aws_access_key_id="testing-key",
+        aws_secret_access_key="testing-secret", region_name="us-east-1",
+    ).create_bucket(Bucket=bucket)
+    return bucket
+
+
+def random_counts(n_cells: int, n_genes: int, seed: int, density: float = 0.1, floats: bool = False) -> sp.csr_matrix:
+    """A random sparse matrix with a few empty cells and values that need uint16 or float32."""
+    rng = np.random.default_rng(seed)
+    x = sp.random(n_cells, n_genes, density=density, format="csr", random_state=rng, dtype=np.float64)
+    x.data = rng.random(len(x.data)) * 10 if floats else np.ceil(x.data * 300)
+    x = x.tolil()
+    x[3, :] = 0  # an empty cell
+    x = x.tocsr()
+    x.eliminate_zeros()
+    return x.astype(np.float32)
+
+
+def write_h5ad(path: Path, x, *, genes: list[str] | None = None, obs_extra: dict | None = None, layer=None) -> Path:
+    """Write an AnnData with `x` as X (CSR, CSC or dense as given) and categorical obs columns."""
+    import anndata as ad
+    import pandas as pd
+
+    n_cells, n_genes = x.shape
+    rng = np.random.default_rng(n_cells)
+    obs = pd.DataFrame(
+        {
+            "plate": pd.Categorical(rng.choice(["p1", "p2", "p3"], size=n_cells), categories=["p3", "p1", "p2"]),
+            "score": rng.random(n_cells).astype(np.float32),
+            **(obs_extra or {}),
+        },
+        index=[f"c{i}" for i in range(n_cells)],
+    )
+    var = pd.DataFrame({"chrom": pd.Categorical(rng.choice(["1", "X"], size=n_genes))},
+                       index=genes or [f"g{j}" for j in range(n_genes)])
+    adata = ad.AnnData(X=x, obs=obs, var=var)
+    if layer is not None:
+        adata.layers[layer[0]] = layer[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        adata.write_h5ad(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_synth(tmp_path_factory):
+    """A 3,000-cell synthetic atlas with small fragments (many straddling cells)."""
+    from producers.synth import SynthSpec, synthesize
+
+    out = tmp_path_factory.mktemp("synth") / "atlas"
+    return synthesize(str(out), SynthSpec(n_cells=3000, seed=7), rows_per_fragment=250_000, progress=False)

@@ -1,0 +1,187 @@
+"""h5ad → dataset: exact round trips (CSR/CSC/dense, counts/floats), real PBMC data, several
+inputs, and every bad input named in the issue."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import scipy.sparse as sp
+
+from app.cli import main as cli
+from coordination.errors import CellfeedError
+from producers.convert import convert
+from producers.dataset import DatasetWriter, open_dataset
+from tests.conftest import PBMC, random_counts, write_h5ad
+
+
+def assert_same_cells(ds, x: sp.csr_matrix) -> None:
+    """Every cell's (gene, value) rows in the dataset equal the source row exactly."""
+    x = sp.csr_matrix(x)
+    x.eliminate_zeros()
+    x.sort_indices()
+    assert ds.shape == x.shape
+    assert ds.n_rows == x.nnz
+    everything = ds.read_rows(0, ds.n_rows)  # storage order is cell-major
+    np.testing.assert_array_equal(everything.cell, np.repeat(np.arange(x.shape[0]), np.diff(x.indptr)))
+    np.testing.assert_array_equal(everything.gene, x.indices)
+    np.testing.assert_array_equal(everything.value.astype(np.float64), x.data.astype(np.float64))
+    np.testing.assert_array_equal(ds.cell_row_start, x.indptr)
+    # and cell by cell through the index, straddling cells included
+    for c in range(x.shape[0]):
+        rows = ds.read_cells(np.array([c]))
+        lo, hi = x.indptr[c], x.indptr[c + 1]
+        np.testing.assert_array_equal(rows.gene, x.indices[lo:hi])
+        np.testing.assert_array_equal(rows.value.astype(np.float64), x.data[lo:hi].astype(np.float64))
+
+
+@pytest.mark.parametrize("layout", ["csr", "csc", "dense"])
+@pytest.mark.parametrize("kind", ["counts", "floats"])
+def test_round_trip_exact(tmp_path, layout, kind):
+    x = random_counts(120, 300, seed=1, floats=kind == "floats")
+    src = {"csr": x, "csc": sp.csc_matrix(x), "dense": x.toarray()}[layout]
+    h5 = write_h5ad(tmp_path / "in.h5ad", src)
+    ds = convert([str(h5)], str(tmp_path / "ds"), rows_per_fragment=997, chunk_cells=17, progress=False)
+    assert ds.value_type == (pa.uint16() if kind == "counts" else pa.float32())
+    assert len(ds.fragments) == -(-x.nnz // 997)
+    assert len(ds.straddling_cells()) > 0
+    assert_same_cells(ds, x)
+    obs = ds.obs().to_pydict()
+    assert obs["cell_id"] == [f"c{i}" for i in range(120)]
+    assert obs["cell_integer_id"] == list(range(120))
+    cats = ds.config["metadata"]["categories"]
+    assert cats["obs"]["plate"] == ["p3", "p1", "p2"] and cats["var"]["chrom"]
+    assert ds.var().column("gene_id").to_pylist() == [f"g{j}" for j in range(300)]
+
+
+def test_counts_above_uint16_become_float32_not_clipped(tmp_path):
+    x = random_counts(20, 50, seed=2)
+    x.data[0] = 70_000
+    ds = convert([str(write_h5ad(tmp_path / "big.h5ad", x))], str(tmp_path / "ds"), progress=False)
+    assert ds.value_type == pa.float32()
+    assert ds.read_rows(0, 1).value[0] == 70_000
+
+
+def test_real_pbmc_raw_converts_exactly(tmp_path):
+    import anndata as ad
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        adata = ad.read_h5ad(PBMC)
+    ds = convert([str(PBMC)], str(tmp_path / "raw"), layer="raw.X", rows_per_fragment=5000, progress=False)
+    assert_same_cells(ds, adata.raw.X)
+    assert ds.obs(["bulk_labels"]).column(0).to_pylist() == adata.obs["bulk_labels"].astype(str).tolist()
+    assert not ds.is_counts  # log-normalised floats
+
+
+def test_real_pbmc_scaled_x_refused_then_stored_as_float(tmp_path, capsys):
+    import anndata as ad
+
+    out = tmp_path / "x"
+    assert cli(["convert", str(PBMC), str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "negative values" in err[0] and "--layer raw.X" in err[0]
+    assert not out.exists()
+    assert cli(["convert", str(PBMC), str(out), "--allow-negative", "--quiet"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dense = ad.read_h5ad(PBMC).X
+    ds = open_dataset(out)
+    assert ds.value_type == pa.float32()
+    assert_same_cells(ds, sp.csr_matrix(dense))
+
+
+def test_several_inputs_concatenate_and_reorder_genes(tmp_path):
+    a = random_counts(30, 40, seed=3)
+    b = random_counts(25, 40, seed=4)
+    genes = [f"g{j}" for j in range(40)]
+    perm = np.random.default_rng(0).permutation(40)
+    # b stored with its genes in another order: column j of b_perm is gene perm[j]
+    b_perm = sp.csr_matrix(b.toarray()[:, perm])
+    write_h5ad(tmp_path / "a.h5ad", a, genes=genes)
+    write_h5ad(tmp_path / "b.h5ad", b_perm, genes=[genes[p] for p in perm])
+    ds = convert([str(tmp_path / "a.h5ad"), str(tmp_path / "b.h5ad")], str(tmp_path / "ab"), rows_per_fragment=100,
+                 progress=False)
+    assert_same_cells(ds, sp.vstack([a, b]).tocsr())
+    assert ds.obs(["cell_integer_id"]).column(0).to_pylist() == list(range(55))
+
+
+def test_mismatched_genes_is_a_clear_error(tmp_path):
+    write_h5ad(tmp_path / "a.h5ad", random_counts(10, 20, seed=5))
+    write_h5ad(tmp_path / "b.h5ad", random_counts(10, 20, seed=6), genes=[f"h{j}" for j in range(20)])
+    with pytest.raises(CellfeedError, match="do not match"):
+        convert([str(tmp_path / "a.h5ad"), str(tmp_path / "b.h5ad")], str(tmp_path / "o"), progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+def _bad_inputs(tmp_path):
+    nan = random_counts(10, 20, seed=7)
+    nan.data[1] = np.nan
+    neg = random_counts(10, 20, seed=8)
+    neg.data[2] = -3
+    (tmp_path / "text.h5ad").write_text("not hdf5")
+    return {
+        "does not exist": [str(tmp_path / "missing.h5ad"), str(tmp_path / "o")],
+        "not an h5ad": [str(tmp_path / "text.h5ad"), str(tmp_path / "o")],
+        "NaN": [str(write_h5ad(tmp_path / "nan.h5ad", nan)), str(tmp_path / "o")],
+        "negative values": [str(write_h5ad(tmp_path / "neg.h5ad", neg)), str(tmp_path / "o")],
+        "no layer 'counts'": [str(write_h5ad(tmp_path / "ok.h5ad", random_counts(10, 20, seed=9))),
+                              str(tmp_path / "o"), "--layer", "counts"],
+        "appears more than once": [str(write_h5ad(tmp_path / "dup.h5ad", random_counts(10, 3, seed=9),
+                                                  genes=["a", "b", "a"])), str(tmp_path / "o")],
+    }
+
+
+def test_bad_inputs_give_one_line_and_no_output(tmp_path, capsys):
+    for needle, args in _bad_inputs(tmp_path).items():
+        assert cli(["convert", *args, "--quiet"]) == 2, needle
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0], (needle, err)
+        assert not (tmp_path / "o").exists()
+    leftovers = [p for p in os.listdir(tmp_path) if p.startswith(".o.")]
+    assert leftovers == []
+
+
+def test_existing_output_needs_overwrite(tmp_path, capsys):
+    h5 = str(write_h5ad(tmp_path / "in.h5ad", random_counts(10, 20, seed=10)))
+    assert cli(["convert", h5, str(tmp_path / "ds"), "--quiet"]) == 0
+    assert cli(["convert", h5, str(tmp_path / "ds"), "--quiet"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert cli(["convert", h5, str(tmp_path / "ds"), "--quiet", "--overwrite"]) == 0
+    assert open_dataset(tmp_path / "ds").n_cells == 10
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    out = tmp_path / "partial"
+    with pytest.raises(RuntimeError):
+        with DatasetWriter(out, n_genes=5, value_type=pa.uint16(), rows_per_fragment=3) as w:
+            w.append(pa.table({"cell_id": ["a", "b"]}), np.array([0, 2, 3]), np.array([0, 4, 1]),
+                     np.array([1, 2, 3]))
+            raise RuntimeError("crash mid-write")
+    assert not out.exists()
+    assert os.listdir(tmp_path) == []
+
+
+def test_open_rejects_broken_datasets(small_synth, tmp_path):
+    import shutil
+
+    with pytest.raises(CellfeedError, match="config.json is missing"):
+        open_dataset(tmp_path)
+    broken = tmp_path / "broken"
+    shutil.copytree(small_synth.uri, broken)
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(CellfeedError, match="not valid JSON"):
+        open_dataset(broken)
+    cfg = json.loads((open_dataset(small_synth.uri).location.read_bytes("config.json")))
+    (broken / "config.json").write_text(json.dumps(cfg))
+    shutil.rmtree(broken / "cells.lance")
+    with pytest.raises(CellfeedError, match="cells table"):
+        open_dataset(broken)
+    cfg["tables"].pop("genes")
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CellfeedError, match="no genes table"):
+        open_dataset(broken)
