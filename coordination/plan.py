@@ -1,0 +1,312 @@
+"""Epoch plans: which cells each work unit reads and emits (sampling), as a pure function of
+(dataset geometry, sampling settings, seed, epoch, subset).
+
+Strategies (see DESIGN.md):
+- `sequential`: scanner chunks of `unit_cells` cells in storage order, fragment by fragment.
+- `mixture`: one scanner per fragment; each unit is one round in which `n_scanners` scanners,
+  drawn at random among those not exhausted, each contribute their next chunk.
+- `block`: blocks of `block_size` consecutive selected cells in a Feistel-permuted order,
+  `fetch_factor * batch_size` cells' worth of blocks per unit, ranges sorted before reading.
+- `random`: `block` with block_size 1.
+
+Scanner chunks never cross a fragment, so a cell whose rows straddle a fragment edge is a
+*boundary cell*: each unit holding a piece of it stitches it through the map. Block units read
+whole cells wherever they lie, so they have no boundary cells.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from coordination.errors import CellfeedError
+
+STRATEGIES = ("sequential", "mixture", "block", "random")
+FEISTEL_ROUNDS = 6
+
+
+# ------------------------------------------------------------------------------ Feistel permutation
+
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fast, well-mixing 64-bit hash (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def derive_key(*parts: int | str) -> int:
+    """A 64-bit key from seed/epoch/purpose: the same parts always give the same key."""
+    text = json.dumps([str(p) for p in parts]).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+class FeistelPermutation:
+    """A pseudo-random bijection of range(n) in O(1) memory: a balanced Feistel network on the
+    smallest even bit width covering n, with cycle walking to stay inside [0, n)."""
+
+    def __init__(self, n: int, key: int, rounds: int = FEISTEL_ROUNDS):
+        if n < 1:
+            raise ValueError("a permutation needs n >= 1")
+        self.n = n
+        self.half = max(1, ((n - 1).bit_length() + 1) // 2)
+        self.mask = np.uint64((1 << self.half) - 1)
+        seq = np.random.SeedSequence(key & ((1 << 64) - 1))
+        self.round_keys = [np.uint64(k) for k in seq.generate_state(rounds, dtype=np.uint64)]
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        h = np.uint64(self.half)
+        left, right = x >> h, x & self.mask
+        with np.errstate(over="ignore"):
+            for k in self.round_keys:
+                left, right = right, left ^ (_mix64(right ^ k) & self.mask)
+        return (left << h) | right
+
+    def __call__(self, index) -> np.ndarray:
+        x = np.atleast_1d(np.asarray(index, dtype=np.uint64))
+        if x.size and int(x.max()) >= self.n:
+            raise IndexError("index out of range")
+        y = self._encrypt(x)
+        outside = y >= np.uint64(self.n)
+        while outside.any():  # cycle walking: the orbit of an in-range x returns in range
+            y[outside] = self._encrypt(y[outside])
+            outside = y >= np.uint64(self.n)
+        return y.astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class DatasetGeometry:
+    """What a plan needs to know about a dataset: row offsets of cells and fragments."""
+
+    fingerprint: str
+    cell_row_start: np.ndarray = field(repr=False)  # int64[n_cells + 1]
+    fragment_row_start: np.ndarray = field(repr=False)  # int64[n_fragments + 1]
+
+    @classmethod
+    def of(cls, dataset) -> "DatasetGeometry":
+        frags = dataset.fragments
+        bounds = np.array([f.row_start for f in frags] + [frags[-1].row_end if frags else 0], dtype=np.int64)
+        return cls(dataset.fingerprint, dataset.cell_row_start, bounds)
+
+    @property
+    def n_cells(self) -> int:
+        return len(self.cell_row_start) - 1
+
+
+@dataclass(frozen=True)
+class Sampling:
+    strategy: str = "block"
+    unit_cells: int = 1024  # sequential / mixture: cells per scanner chunk
+    n_scanners: int = 8  # mixture
+    block_size: int = 16  # block
+    fetch_factor: int = 16  # block: batches' worth of blocks per unit
+    batch_size: int = 64  # block: the batch the fetch factor counts in
+
+    def validate(self) -> "Sampling":
+        if self.strategy not in STRATEGIES:
+            raise CellfeedError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        for name in ("unit_cells", "n_scanners", "block_size", "fetch_factor", "batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise CellfeedError(f"{name} must be >= 1, got {getattr(self, name)}")
+        return self
+
+    @property
+    def effective_block_size(self) -> int:
+        return 1 if self.strategy == "random" else self.block_size
+
+
+@dataclass
+class WorkUnit:
+    """Rows to read and the cells they yield. `pieces[i]` is a boundary cell of which this unit
+    holds piece `piece_index[i]` out of `piece_count[i]` (pieces numbered in row order)."""
+
+    epoch: int
+    id: int
+    ranges: np.ndarray  # int64[k, 2], sorted, disjoint
+    cells: np.ndarray  # int64 whole cells emitted by this unit
+    pieces: np.ndarray
+    piece_index: np.ndarray
+    piece_count: np.ndarray
+
+    @property
+    def n_rows(self) -> int:
+        return int((self.ranges[:, 1] - self.ranges[:, 0]).sum()) if len(self.ranges) else 0
+
+
+def _merge_ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """Sorted [start, stop) ranges with touching neighbours merged; empty ranges dropped."""
+    keep = stops > starts
+    starts, stops = starts[keep], stops[keep]
+    if len(starts) == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    order = np.argsort(starts, kind="stable")
+    starts, stops = starts[order], stops[order]
+    new = np.ones(len(starts), dtype=bool)
+    new[1:] = starts[1:] > stops[:-1]
+    merged_stops = np.maximum.reduceat(stops, np.flatnonzero(new))
+    return np.stack([starts[new], merged_stops], axis=1).astype(np.int64)
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+
+class EpochPlan:
+    """The work units of one epoch. Units are built on demand (`unit(i)`); counts are cheap."""
+
+    def __init__(self, geometry: DatasetGeometry, sampling: Sampling, seed: int, epoch: int,
+                 subset: np.ndarray | None = None):
+        self.geometry = geometry
+        self.sampling = sampling.validate()
+        self.seed, self.epoch = int(seed), int(epoch)
+        n = geometry.n_cells
+        if subset is None:
+            self.selected = np.arange(n, dtype=np.int64)
+        else:
+            sel = np.unique(np.asarray(subset, dtype=np.int64))
+            if len(sel) and (sel[0] < 0 or sel[-1] >= n):
+                raise CellfeedError(f"subset holds cell ids outside 0..{n - 1}")
+            self.selected = sel
+        if len(self.selected) == 0:
+            raise CellfeedError("the cell subset selects no cells; check the filter or id list")
+        if sampling.strategy in ("block", "random"):
+            self._plan_blocks()
+        else:
+            self._plan_scanners()
+
+    # ---- identity
+
+    @cached_property
+    def plan_id(self) -> str:
+        """Identifies (dataset, sampling, seed, epoch, subset): items carry it to reject foreign data."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(json.dumps([self.geometry.fingerprint, asdict(self.sampling), self.seed, self.epoch]).encode())
+        h.update(self.selected.tobytes())
+        return h.hexdigest()
+
+    # ---- block / random
+
+    def _plan_blocks(self) -> None:
+        s = self.sampling
+        bs = s.effective_block_size
+        n_sel = len(self.selected)
+        self.n_blocks = -(-n_sel // bs)
+        self.blocks_per_unit = max(1, -(-s.fetch_factor * s.batch_size // bs))
+        perm = FeistelPermutation(self.n_blocks, derive_key(self.seed, self.epoch, "blocks"))
+        self.block_order = perm(np.arange(self.n_blocks))
+        self.n_units = -(-self.n_blocks // self.blocks_per_unit)
+        sizes = np.full(self.n_blocks, bs, dtype=np.int64)
+        sizes[-1] = n_sel - bs * (self.n_blocks - 1)
+        unit_of_slot = np.arange(self.n_blocks) // self.blocks_per_unit
+        self.unit_cell_counts = np.bincount(unit_of_slot, weights=sizes[self.block_order],
+                                            minlength=self.n_units).astype(np.int64)
+        self.boundary_cells = np.zeros(0, dtype=np.int64)
+        self.boundary_piece_counts = np.zeros(0, dtype=np.int64)
+
+    def _block_unit(self, u: int) -> WorkUnit:
+        bs = self.sampling.effective_block_size
+        blocks = np.sort(self.block_order[u * self.blocks_per_unit:(u + 1) * self.blocks_per_unit])
+        idx = (blocks[:, None] * bs + np.arange(bs)[None, :]).ravel()
+        cells = self.selected[idx[idx < len(self.selected)]]
+        starts = self.geometry.cell_row_start
+        empty = np.zeros(0, dtype=np.int64)
+        return WorkUnit(self.epoch, u, _merge_ranges(starts[cells], starts[cells + 1]), cells, empty, empty, empty)
+
+    # ---- sequential / mixture
+
+    def _plan_scanners(self) -> None:
+        starts = self.geometry.cell_row_start
+        frag = self.geometry.fragment_row_start
+        sel = self.selected
+        n_frags = max(1, len(frag) - 1)
+        n_rows = int(starts[-1])
+        # fragment of each selected cell's first and last row (a cell with no rows lives where it starts)
+        first = np.clip(np.searchsorted(frag, starts[sel], side="right") - 1, 0, n_frags - 1)
+        last_row = np.maximum(starts[sel + 1] - 1, starts[sel])
+        last = np.clip(np.searchsorted(frag, np.minimum(last_row, max(n_rows - 1, 0)), side="right") - 1,
+                       0, n_frags - 1)
+        span = last - first + 1
+        # one membership row per (cell, fragment it touches): cells in storage order within each fragment
+        member_cell_idx = np.repeat(np.arange(len(sel)), span)
+        member_frag = np.repeat(first, span) + (np.arange(span.sum()) - np.repeat(np.cumsum(span) - span, span))
+        order = np.lexsort((member_cell_idx, member_frag))
+        self._member_cell_idx, self._member_frag = member_cell_idx[order], member_frag[order]
+        self._member_piece = (self._member_frag - first[self._member_cell_idx])
+        self._member_span = span[self._member_cell_idx]
+        # chunks: runs of unit_cells members within a fragment
+        k = self.sampling.unit_cells
+        frag_start = np.searchsorted(self._member_frag, np.arange(n_frags), side="left")
+        frag_stop = np.searchsorted(self._member_frag, np.arange(n_frags), side="right")
+        chunks = [(f, lo, min(lo + k, frag_stop[f])) for f in range(n_frags)
+                  for lo in range(frag_start[f], frag_stop[f], k)]
+        if self.sampling.strategy == "sequential":
+            self._unit_chunks = [[c] for c in chunks]
+        else:
+            self._unit_chunks = self._mixture_rounds(chunks, n_frags)
+        self.n_units = len(self._unit_chunks)
+        whole = self._member_span == 1
+        self.unit_cell_counts = np.array(
+            [sum(int(whole[lo:hi].sum()) for _, lo, hi in group) for group in self._unit_chunks], dtype=np.int64
+        )
+        boundary = span > 1
+        self.boundary_cells = sel[boundary]
+        self.boundary_piece_counts = span[boundary]
+
+    def _mixture_rounds(self, chunks, n_frags) -> list[list[tuple[int, int, int]]]:
+        per_frag: list[list] = [[] for _ in range(n_frags)]
+        for c in chunks:
+            per_frag[c[0]].append(c)
+        cursor = np.zeros(n_frags, dtype=np.int64)
+        remaining = np.array([len(p) for p in per_frag])
+        rng = np.random.default_rng(derive_key(self.seed, self.epoch, "scanners"))
+        rounds = []
+        while remaining.sum():
+            active = np.flatnonzero(remaining)
+            chosen = rng.choice(active, size=min(self.sampling.n_scanners, len(active)), replace=False)
+            rounds.append([per_frag[f][cursor[f]] for f in sorted(chosen)])
+            cursor[chosen] += 1
+            remaining[chosen] -= 1
+        return rounds
+
+    def _scanner_unit(self, u: int) -> WorkUnit:
+        starts, frag = self.geometry.cell_row_start, self.geometry.fragment_row_start
+        idx = np.concatenate([np.arange(lo, hi) for _, lo, hi in self._unit_chunks[u]])
+        cells = self.selected[self._member_cell_idx[idx]]
+        f = self._member_frag[idx]
+        lo = np.maximum(starts[cells], frag[f])
+        hi = np.minimum(starts[cells + 1], frag[f + 1]) if len(frag) > 1 else starts[cells + 1]
+        whole = self._member_span[idx] == 1
+        return WorkUnit(
+            self.epoch, u, _merge_ranges(lo, hi), cells[whole],
+            cells[~whole], self._member_piece[idx][~whole], self._member_span[idx][~whole],
+        )
+
+    # ---- queries
+
+    def unit(self, u: int) -> WorkUnit:
+        if not 0 <= u < self.n_units:
+            raise IndexError(f"unit {u} out of range 0..{self.n_units - 1}")
+        return self._block_unit(u) if self.sampling.strategy in ("block", "random") else self._scanner_unit(u)
+
+    def units(self):
+        return (self.unit(u) for u in range(self.n_units))
+
+    @property
+    def n_cells(self) -> int:
+        return len(self.selected)
+
+    def cells_per_rank(self, world_size: int) -> np.ndarray:
+        """Cells each rank receives: unit u's cells go to u mod W, a stitched cell c to c mod W."""
+        units = np.bincount(np.arange(self.n_units) % world_size, weights=self.unit_cell_counts,
+                            minlength=world_size)
+        stitched = np.bincount(self.boundary_cells % world_size, minlength=world_size)
+        return (units + stitched).astype(np.int64)
+

@@ -1,0 +1,132 @@
+"""Every tokenizer against a straightforward per-cell NumPy implementation, token for token."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordination.errors import CellfeedError
+from producers.ranking import CellRows, rank_order, truncate
+from producers.tokenizers import CLS, EOS, make_tokenizer
+
+
+def random_cells(seed: int, n_cells: int = 60, n_genes: int = 3000, floats: bool = False) -> CellRows:
+    """Cells with heavy ties (counts), some empty, some with one value, genes unsorted."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 400, size=n_cells)
+    counts[:3] = [0, 1, 2]
+    genes, values = [], []
+    for c in counts:
+        g = rng.choice(n_genes, size=c, replace=False)
+        genes.append(g)
+        if floats:
+            values.append(np.round(rng.gamma(1.0, 2.0, size=c), 1).astype(np.float32) + np.float32(0.1))
+        else:
+            values.append(np.minimum(rng.geometric(0.4, size=c), 65535).astype(np.uint16))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return CellRows(np.arange(100, 100 + n_cells, dtype=np.int64), offsets,
+                    np.concatenate(genes).astype(np.uint16), np.concatenate(values))
+
+
+def per_cell(rows: CellRows):
+    for i in range(rows.n_cells):
+        lo, hi = rows.offsets[i], rows.offsets[i + 1]
+        yield rows.genes[lo:hi].astype(np.int64), rows.values[lo:hi]
+
+
+def tokens_of(tok, i):
+    return tok.tokens[tok.offsets[i]:tok.offsets[i + 1]].astype(np.int64)
+
+
+def values_of(tok, i):
+    return tok.values[tok.offsets[i]:tok.offsets[i + 1]]
+
+
+def reference_bins(values: np.ndarray, n_bins: int) -> np.ndarray:
+    """scGPT's binning with the deterministic midpoint for ties (np.quantile + np.digitize)."""
+    edges = np.quantile(values, np.linspace(0, 1, n_bins - 1))
+    left = np.digitize(values, edges)
+    right = np.digitize(values, edges, right=True)
+    return np.ceil((left + right) / 2).astype(np.int64)
+
+
+@pytest.mark.parametrize("floats", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("max_genes", [1, 7, 64, 1024])
+def test_scgpt_matches_reference(seed, max_genes, floats):
+    rows = random_cells(seed, floats=floats)
+    tok = make_tokenizer("scgpt", 3000, max_genes=max_genes, n_bins=51)(rows)
+    np.testing.assert_array_equal(tok.cell_ids, rows.cell_ids)
+    for i, (genes, values) in enumerate(per_cell(rows)):
+        order = sorted(range(len(genes)), key=lambda j: (-float(values[j]), genes[j]))[:max_genes]
+        expected_tokens = [CLS] + [int(genes[j]) + 4 for j in order]
+        np.testing.assert_array_equal(tokens_of(tok, i), expected_tokens)
+        bins = reference_bins(values, 51) if len(values) else np.zeros(0, dtype=np.int64)
+        np.testing.assert_array_equal(values_of(tok, i), [0] + [int(bins[j]) for j in order])
+        if len(values):
+            assert 1 <= bins.min() and bins.max() <= 50
+
+
+def test_scgpt_random_selection_is_a_seeded_subset_with_the_same_bins():
+    rows = random_cells(5)
+    tok = make_tokenizer("scgpt", 3000, max_genes=32, gene_selection="random")
+    a, b = tok(rows, np.random.default_rng(1)), tok(rows, np.random.default_rng(1))
+    c = tok(rows, np.random.default_rng(2))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, c.tokens)
+    for i, (genes, values) in enumerate(per_cell(rows)):
+        got = tokens_of(a, i)
+        assert got[0] == CLS and len(got) == 1 + min(32, len(genes))
+        chosen = got[1:] - 4
+        assert len(set(chosen)) == len(chosen) and set(chosen) <= set(genes.tolist())
+        bins = reference_bins(values, 51) if len(values) else []
+        by_gene = dict(zip(genes.tolist(), list(bins)))
+        np.testing.assert_array_equal(values_of(a, i)[1:], [by_gene[g] for g in chosen])
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+@pytest.mark.parametrize("max_len", [3, 20, 2048])
+def test_geneformer_matches_reference(seed, max_len):
+    rows = random_cells(seed)
+    medians = np.random.default_rng(seed).uniform(0.5, 4.0, size=3000)
+    medians[::7] = np.round(medians[::7])  # ties in the normalised value
+    tok = make_tokenizer("geneformer", 3000, max_genes=max_len - 2, gene_medians=medians)(rows)
+    for i, (genes, values) in enumerate(per_cell(rows)):
+        total = float(values.astype(np.float64).sum())
+        norm = values.astype(np.float64) / total * 10_000.0 / medians[genes]
+        order = sorted(range(len(genes)), key=lambda j: (-norm[j], genes[j]))[: max_len - 2]
+        np.testing.assert_array_equal(tokens_of(tok, i), [CLS] + [int(genes[j]) + 4 for j in order] + [EOS])
+    assert tok.values is None
+
+
+@pytest.mark.parametrize("floats", [False, True])
+def test_raw_matches_reference(floats):
+    rows = random_cells(4, floats=floats)
+    tok = make_tokenizer("raw", 3000, max_genes=50)(rows)
+    for i, (genes, values) in enumerate(per_cell(rows)):
+        order = np.argsort(genes, kind="stable")[:50]
+        np.testing.assert_array_equal(tokens_of(tok, i), genes[order] + 4)
+        np.testing.assert_array_equal(values_of(tok, i), values[order].astype(np.float32))
+
+
+def test_rank_order_fast_path_equals_general_path():
+    rows = random_cells(9)
+    fast = rank_order(rows)
+    general = rank_order(rows, score=rows.values.astype(np.float64))
+    np.testing.assert_array_equal(fast.genes, general.genes)
+    np.testing.assert_array_equal(fast.values, general.values)
+    top = truncate(fast, 5)
+    assert top.counts.max() == 5 and np.array_equal(top.counts, np.minimum(rows.counts, 5))
+
+
+def test_bad_tokenizer_settings_fail_before_work():
+    with pytest.raises(CellfeedError, match="unknown tokenizer"):
+        make_tokenizer("bert", 10)
+    with pytest.raises(CellfeedError, match="max_genes must be >= 1"):
+        make_tokenizer("scgpt", 10, max_genes=0)
+    with pytest.raises(CellfeedError, match="needs integer counts"):
+        make_tokenizer("geneformer", 10, values_are_counts=False, gene_medians=np.ones(10))
+    with pytest.raises(CellfeedError, match="cellfeed stats"):
+        make_tokenizer("geneformer", 10)
+    with pytest.raises(CellfeedError, match="gene_selection"):
+        make_tokenizer("scgpt", 10, gene_selection="best")
