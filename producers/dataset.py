@@ -20,6 +20,7 @@ import lance
 import numpy as np
 import pyarrow as pa
 
+from coordination.arrays import ragged_arange
 from coordination.errors import CellfeedError
 from producers.storage import LocalLocation, Location, S3Settings, location
 
@@ -160,13 +161,9 @@ class Dataset:
     def read_row_ranges(self, ranges: np.ndarray) -> RowBlock:
         """Rows of many [start, stop) ranges at once, concatenated in the order given."""
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        lengths = ranges[:, 1] - ranges[:, 0]
         if len(ranges) == 1:
             return self.read_rows(*ranges[0])
-        total = int(lengths.sum())
-        # indices = concatenation of arange(start, stop) for each range, built without a Python loop
-        offsets = np.repeat(ranges[:, 0] - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
-        indices = np.arange(total, dtype=np.int64) + offsets
+        indices = ragged_arange(ranges[:, 0], ranges[:, 1])
         return self._block(self.expression.take(indices, columns=list(EXPRESSION_COLUMNS)))
 
     def read_cells(self, cell_ids: np.ndarray) -> RowBlock:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordination.arrays import offsets_of
+
 
 @dataclass
 class CellRows:
@@ -35,12 +37,6 @@ class CellRows:
 
     def take(self, rows: np.ndarray, offsets: np.ndarray) -> "CellRows":
         return CellRows(self.cell_ids, offsets, self.genes[rows], self.values[rows])
-
-
-def _offsets(counts: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(counts) + 1, dtype=np.int64)
-    np.cumsum(counts, out=out[1:])
-    return out
 
 
 def rank_order(rows: CellRows, score: np.ndarray | None = None) -> CellRows:
@@ -74,7 +70,7 @@ def truncate(rows: CellRows, max_genes: int) -> CellRows:
         return rows
     keep = np.minimum(counts, max_genes)
     within = np.arange(len(rows.genes)) - np.repeat(rows.offsets[:-1], counts)
-    return rows.take(np.flatnonzero(within < np.repeat(keep, counts)), _offsets(keep))
+    return rows.take(np.flatnonzero(within < np.repeat(keep, counts)), offsets_of(keep))
 
 
 def _sortable_codes(values: np.ndarray) -> np.ndarray:

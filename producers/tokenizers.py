@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordination.errors import CellfeedError
-from producers.ranking import CellRows, _offsets, quantile_bins, random_order, rank_order, truncate
+from coordination.arrays import offsets_of
+from producers.ranking import CellRows, quantile_bins, random_order, rank_order, truncate
 
 PAD, CLS, EOS, MASK = 0, 1, 2, 3
 GENE_OFFSET = 4
@@ -52,7 +53,7 @@ def _with_specials(rows: CellRows, n_genes: int, head: int | None, tail: int | N
     """Gene tokens of each cell framed by optional head/tail tokens (values get `value_fill` there)."""
     counts = rows.counts
     extra = (head is not None) + (tail is not None)
-    offsets = _offsets(counts + extra)
+    offsets = offsets_of(counts + extra)
     dtype = _token_dtype(n_genes)
     tokens = np.empty(offsets[-1], dtype=dtype)
     out_values = None if values is None else np.full(offsets[-1], value_fill, dtype=values.dtype)

@@ -1,0 +1,23 @@
+"""Small vectorised helpers on ragged arrays, shared by readers, producers and consumers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def ragged_arange(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(start, stop) for each pair, without a Python loop."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(stops, dtype=np.int64) - starts
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    return np.arange(total, dtype=np.int64) + shift
+
+
+def offsets_of(counts: np.ndarray) -> np.ndarray:
+    """[0, c0, c0+c1, ...]: CSR offsets from per-row counts."""
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out

@@ -1,0 +1,169 @@
+"""The wire format of a queue item: bytes only, no pickle.
+
+    header (44 bytes, little-endian)                  payload (zstd frame)
+    magic "CFDI" | version u16 | flags u16            cell_ids   u32[n]
+    run tag u64 | epoch u32 | key id u64 | seq u32    lengths    u32[n]   tokens per cell
+    n_cells u32 | n_tokens u32                        tokens     u16|u32[n_tokens]
+    token dtype u8 | value dtype u8 | 2 reserved      values     u8|u16|f32[n_tokens]  (optional)
+    payload bytes u32 | crc32 of payload u32          labels     i32[n]                (optional)
+
+`key id` is the unit id, or the cell id when flags has STITCHED. The item key —
+(epoch, unit, seq) or (epoch, "cell", cell id) — is what consumers deduplicate on. An item never
+exceeds 1 MiB: `pack_items` splits cells over as many items as needed.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from coordination.errors import CellfeedError
+from coordination.queues import MAX_ITEM_BYTES
+
+MAGIC = b"CFDI"
+VERSION = 1
+STITCHED, HAS_VALUES, HAS_LABELS = 1, 2, 4
+HEADER = struct.Struct("<4sHHQIQIIIBBxxII")
+DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 3: np.dtype(np.uint32), 4: np.dtype(np.float32)}
+DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+ZSTD_LEVEL = 3
+_local = threading.local()
+
+
+class ItemError(CellfeedError):
+    """A queue item that is truncated, corrupt, from another format version, run or epoch."""
+
+
+@dataclass
+class Item:
+    epoch: int
+    key_id: int  # unit id, or cell id when stitched
+    seq: int
+    stitched: bool
+    run_tag: int
+    cell_ids: np.ndarray
+    offsets: np.ndarray  # int64[n + 1]
+    tokens: np.ndarray
+    values: np.ndarray | None = None
+    labels: np.ndarray | None = None
+
+    @property
+    def key(self) -> tuple:
+        return (self.epoch, "cell", self.key_id, 0) if self.stitched else (self.epoch, "unit", self.key_id, self.seq)
+
+    @property
+    def n_cells(self) -> int:
+        return len(self.cell_ids)
+
+
+def _compressor():
+    if not hasattr(_local, "c"):
+        _local.c = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        _local.d = zstandard.ZstdDecompressor()
+    return _local.c, _local.d
+
+
+def pack_item(item: Item) -> bytes:
+    n = item.n_cells
+    lengths = np.diff(item.offsets).astype(np.uint32)
+    tokens = np.ascontiguousarray(item.tokens)
+    parts = [np.asarray(item.cell_ids, dtype=np.uint32).tobytes(), lengths.tobytes(), tokens.tobytes()]
+    flags = STITCHED if item.stitched else 0
+    value_code = 0
+    if item.values is not None:
+        flags |= HAS_VALUES
+        value_code = DTYPE_CODES[item.values.dtype]
+        parts.append(np.ascontiguousarray(item.values).tobytes())
+    if item.labels is not None:
+        flags |= HAS_LABELS
+        parts.append(np.asarray(item.labels, dtype=np.int32).tobytes())
+    payload = _compressor()[0].compress(b"".join(parts))
+    header = HEADER.pack(MAGIC, VERSION, flags, item.run_tag, item.epoch, item.key_id, item.seq, n,
+                         len(tokens), DTYPE_CODES[tokens.dtype], value_code, len(payload), zlib.crc32(payload))
+    return header + payload
+
+
+def unpack_item(data: bytes, run_tag: int | None = None, epoch: int | None = None) -> Item:
+    """Verify and decode an item; raises `ItemError` naming what is wrong."""
+    if len(data) < HEADER.size:
+        raise ItemError(f"truncated item: {len(data)} bytes, shorter than the {HEADER.size}-byte header")
+    (magic, version, flags, tag, item_epoch, key_id, seq, n, n_tokens, token_code, value_code,
+     payload_len, crc) = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise ItemError(f"not a cellfeed item (magic {magic!r})")
+    if version != VERSION:
+        raise ItemError(f"item format version {version}, this reader understands {VERSION}; upgrade the reader")
+    if run_tag is not None and tag != run_tag:
+        raise ItemError(f"item from another run (tag {tag:016x}, expected {run_tag:016x})")
+    if epoch is not None and item_epoch != epoch:
+        raise ItemError(f"item from epoch {item_epoch}, expected epoch {epoch}")
+    payload = memoryview(data)[HEADER.size:]
+    if len(payload) != payload_len:
+        raise ItemError(f"truncated item: payload has {len(payload)} of {payload_len} bytes")
+    if zlib.crc32(payload) != crc:
+        raise ItemError("corrupt item: checksum mismatch")
+    if token_code not in DTYPES or (flags & HAS_VALUES and value_code not in DTYPES):
+        raise ItemError("corrupt item: unknown dtype code")
+    try:
+        raw = _compressor()[1].decompress(payload)
+    except zstandard.ZstdError as exc:
+        raise ItemError(f"corrupt item: {exc}") from None
+    token_dtype = DTYPES[token_code]
+    value_dtype = DTYPES[value_code] if flags & HAS_VALUES else None
+    expected = 8 * n + n_tokens * token_dtype.itemsize + (n_tokens * value_dtype.itemsize if value_dtype else 0) \
+        + (4 * n if flags & HAS_LABELS else 0)
+    if len(raw) != expected:
+        raise ItemError(f"corrupt item: payload holds {len(raw)} bytes, header implies {expected}")
+    buf, pos = np.frombuffer(raw, dtype=np.uint8), 0
+
+    def take(dtype, count):
+        nonlocal pos
+        arr = buf[pos:pos + count * np.dtype(dtype).itemsize].view(dtype)
+        pos += count * np.dtype(dtype).itemsize
+        return arr
+
+    cell_ids = take(np.uint32, n).astype(np.int64)
+    lengths = take(np.uint32, n)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] != n_tokens:
+        raise ItemError("corrupt item: cell lengths do not add up to the token count")
+    tokens = take(token_dtype, n_tokens)
+    values = take(value_dtype, n_tokens) if value_dtype else None
+    labels = take(np.int32, n) if flags & HAS_LABELS else None
+    return Item(item_epoch, key_id, seq, bool(flags & STITCHED), tag, cell_ids, offsets, tokens, values, labels)
+
+
+def _slice_cells(tokens, lo: int, hi: int):
+    a, b = tokens.offsets[lo], tokens.offsets[hi]
+    values = None if tokens.values is None else tokens.values[a:b]
+    return tokens.cell_ids[lo:hi], tokens.offsets[lo:hi + 1] - a, tokens.tokens[a:b], values
+
+
+def pack_items(tokens, *, epoch: int, key_id: int, run_tag: int, stitched: bool = False,
+               labels: np.ndarray | None = None, cells_per_item: int = 128) -> list[bytes]:
+    """Pack tokenized cells (a `Tokens`) into items of at most `cells_per_item` cells and 1 MiB,
+    numbered 0, 1, ... in order; deterministic for the same input."""
+    out: list[bytes] = []
+
+    def emit(lo: int, hi: int) -> None:
+        cell_ids, offsets, toks, values = _slice_cells(tokens, lo, hi)
+        data = pack_item(Item(epoch, key_id, len(out), stitched, run_tag, cell_ids, offsets, toks, values,
+                              None if labels is None else labels[lo:hi]))
+        if len(data) <= MAX_ITEM_BYTES:
+            out.append(data)
+        elif hi - lo > 1:
+            mid = (lo + hi) // 2
+            emit(lo, mid)
+            emit(mid, hi)
+        else:
+            raise ItemError(f"one cell packs to {len(data):,} bytes, over the 1 MiB item limit")
+
+    for lo in range(0, tokens.n_cells, cells_per_item):
+        emit(lo, min(lo + cells_per_item, tokens.n_cells))
+    return out

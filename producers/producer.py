@@ -1,0 +1,224 @@
+"""The producer loop: take a unit, lease it, read, rank + tokenize, pack, put, mark it done.
+
+Stateless and safe to kill at any point: a unit is only marked done after all its items are
+put, so a unit interrupted mid-way is produced again from scratch (the driver re-issues it when
+its lease expires) and consumers drop the duplicate items by key. A unit's output is identical
+every time: cells are shuffled with a generator seeded by (seed, epoch, unit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordination.arrays import offsets_of, ragged_arange
+from coordination.errors import CellfeedError
+from coordination.plan import DatasetGeometry, EpochPlan, Sampling, derive_key
+from coordination.queues import Empty, Full, Map, Queue
+from coordination.routing import (TASKS_PARTITION, cell_rank, decode_task, done_key, lease_key, rank_partition,
+                                  run_tag, stop_key, unit_rank)
+from coordination.wire import pack_items
+from producers.dataset import Dataset, open_dataset
+from producers.gene_stats import load_gene_medians
+from producers.ranking import CellRows
+from producers.stitch import offer_piece
+from producers.tokenizers import make_tokenizer
+
+PUT_BATCH_ITEMS = 32  # items per put_many call (32 x <=1 MiB stays far inside a 64 MiB partition)
+
+
+@dataclass(frozen=True)
+class ProducerConfig:
+    dataset: str
+    run: str
+    seed: int = 0
+    sampling: Sampling = field(default_factory=Sampling)
+    tokenizer: str = "scgpt"
+    max_genes: int = 1024
+    tokenizer_params: dict = field(default_factory=dict)
+    world_size: int = 1
+    cells_per_item: int = 128
+    label_column: str | None = None  # an obs column carried as int labels (e.g. "plate")
+    subset_filter: str | None = None  # a Lance SQL filter on obs, e.g. "plate != 'plate14'"
+    subset_ids: tuple[int, ...] | None = None
+    lease_s: float = 120.0
+    put_timeout_s: float = 600.0
+    idle_timeout_s: float = 10.0
+
+    def validate(self) -> "ProducerConfig":
+        self.sampling.validate()
+        if self.world_size < 1:
+            raise CellfeedError(f"world_size must be >= 1, got {self.world_size}")
+        if self.cells_per_item < 1:
+            raise CellfeedError(f"cells_per_item must be >= 1, got {self.cells_per_item}")
+        if not self.run or "/" in self.run:
+            raise CellfeedError(f"run id must be non-empty and without '/', got {self.run!r}")
+        return self
+
+
+def select_cells(ds: Dataset, subset_filter: str | None = None, subset_ids=None) -> np.ndarray | None:
+    """The selected cell ids (None = all cells), from an obs filter and/or an id list."""
+    if subset_filter is None and subset_ids is None:
+        return None
+    selected = np.arange(ds.n_cells, dtype=np.int64)
+    if subset_filter is not None:
+        try:
+            table = ds.cells.to_table(columns=["cell_integer_id"], filter=subset_filter)
+        except Exception as exc:  # noqa: BLE001 - Lance reports filter syntax/column errors
+            raise CellfeedError(f"bad subset filter {subset_filter!r}: {str(exc).splitlines()[0][:200]}") from None
+        selected = np.sort(table.column(0).to_numpy().astype(np.int64))
+    if subset_ids is not None:
+        ids = np.unique(np.asarray(subset_ids, dtype=np.int64))
+        if len(ids) and (ids[0] < 0 or ids[-1] >= ds.n_cells):
+            raise CellfeedError(f"subset ids must lie in 0..{ds.n_cells - 1}")
+        selected = np.intersect1d(selected, ids)
+    if len(selected) == 0:
+        raise CellfeedError("the cell subset selects no cells; check the filter or id list")
+    return selected
+
+
+def label_codes(ds: Dataset, column: str) -> tuple[np.ndarray, list[str]]:
+    """Per-cell int32 codes of an obs column, and the label names they index."""
+    import pyarrow.compute as pc
+
+    encoded = pc.dictionary_encode(ds.obs([column]).column(0)).combine_chunks()
+    return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int32), encoded.dictionary.to_pylist()
+
+
+@dataclass
+class ProducerStats:
+    units: int = 0
+    cells: int = 0
+    items: int = 0
+    bytes: int = 0
+    seconds: dict = field(default_factory=lambda: defaultdict(float))
+
+    def add_time(self, stage: str, start: float) -> float:
+        now = time.perf_counter()
+        self.seconds[stage] += now - start
+        return now
+
+
+class Producer:
+    """Turns work units into items on the queue; all setup and validation happens here, up front."""
+
+    def __init__(self, config: ProducerConfig, queue: Queue, store: Map, dataset: Dataset | None = None):
+        self.config = config.validate()
+        self.queue, self.store = queue, store
+        self.ds = dataset or open_dataset(config.dataset)
+        medians = load_gene_medians(self.ds) if config.tokenizer == "geneformer" else None
+        self.tokenizer = make_tokenizer(config.tokenizer, self.ds.n_genes, max_genes=config.max_genes,
+                                        values_are_counts=self.ds.is_counts, gene_medians=medians,
+                                        **config.tokenizer_params)
+        self.geometry = DatasetGeometry.of(self.ds)
+        self.subset = select_cells(self.ds, config.subset_filter, config.subset_ids)
+        self.labels = label_codes(self.ds, config.label_column)[0] if config.label_column else None
+        self.tag = run_tag(config.run)
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.stats = ProducerStats()
+        self._plans: dict[int, EpochPlan] = {}
+
+    def plan(self, epoch: int) -> EpochPlan:
+        if epoch not in self._plans:
+            self._plans = {epoch: EpochPlan(self.geometry, self.config.sampling, self.config.seed, epoch,
+                                            self.subset)}
+        return self._plans[epoch]
+
+    # ---- one unit
+
+    def _put(self, items: list[bytes], partition: str) -> None:
+        for i in range(0, len(items), PUT_BATCH_ITEMS):
+            batch = items[i:i + PUT_BATCH_ITEMS]
+            try:
+                self.queue.put_many(batch, block=True, timeout=self.config.put_timeout_s, partition=partition)
+            except Full:
+                raise CellfeedError(
+                    f"queue partition {partition} stayed full for {self.config.put_timeout_s:.0f}s: "
+                    "is the trainer consuming?"
+                ) from None
+            self.stats.items += len(batch)
+            self.stats.bytes += sum(len(b) for b in batch)
+
+    def _emit(self, rows: CellRows, epoch: int, key_id: int, stitched: bool, partition: str,
+              rng: np.random.Generator) -> None:
+        t = time.perf_counter()
+        tokens = self.tokenizer(rows, rng)
+        t = self.stats.add_time("tokenize", t)
+        labels = None if self.labels is None else self.labels[rows.cell_ids]
+        items = pack_items(tokens, epoch=epoch, key_id=key_id, run_tag=self.tag, stitched=stitched,
+                           labels=labels, cells_per_item=self.config.cells_per_item)
+        t = self.stats.add_time("pack", t)
+        self._put(items, partition)
+        self.stats.add_time("put", t)
+        self.stats.cells += rows.n_cells
+
+    def process(self, epoch: int, unit_id: int) -> None:
+        """Produce every item of one unit (and any boundary cell it completes)."""
+        cfg = self.config
+        unit = self.plan(epoch).unit(unit_id)
+        t = time.perf_counter()
+        block = self.ds.read_row_ranges(unit.ranges) if len(unit.ranges) else None
+        t = self.stats.add_time("read", t)
+        cell_col = block.cell if block is not None else np.zeros(0, dtype=np.int64)
+        rng = np.random.default_rng(derive_key(cfg.seed, epoch, "unit", unit_id))
+        # whole cells, shuffled; each cell's rows are contiguous in the block
+        order = rng.permutation(len(unit.cells))
+        cells = unit.cells[order]
+        lo = np.searchsorted(cell_col, cells, side="left")
+        hi = np.searchsorted(cell_col, cells, side="right")
+        rows_idx = ragged_arange(lo, hi)
+        whole = CellRows(cells, offsets_of(hi - lo),
+                         block.gene[rows_idx] if block is not None else np.zeros(0, np.uint16),
+                         block.value[rows_idx] if block is not None else np.zeros(0, np.uint16))
+        self.stats.add_time("read", t)
+        if whole.n_cells:
+            self._emit(whole, epoch, unit_id, False, rank_partition(unit_rank(unit_id, cfg.world_size)), rng)
+        # boundary pieces: stitch through the map; the last arrival emits the cell
+        for cell, index, count in zip(unit.pieces.tolist(), unit.piece_index.tolist(), unit.piece_count.tolist()):
+            a, b = np.searchsorted(cell_col, cell, "left"), np.searchsorted(cell_col, cell, "right")
+            t = time.perf_counter()
+            whole_cell = offer_piece(self.store, cfg.run, epoch, unit_id, cell, index, count,
+                                     block.gene[a:b], block.value[a:b])
+            self.stats.add_time("stitch", t)
+            if whole_cell is not None:
+                rows = CellRows(np.array([cell], dtype=np.int64), np.array([0, len(whole_cell[0])]), *whole_cell)
+                cell_rng = np.random.default_rng(derive_key(cfg.seed, epoch, "cell", cell))
+                self._emit(rows, epoch, cell, True, rank_partition(cell_rank(cell, cfg.world_size)), cell_rng)
+        self.stats.units += 1
+
+    # ---- the loop
+
+    def _lease(self, epoch: int, unit: int) -> None:
+        value = json.dumps({"producer": self.name, "expires": time.time() + self.config.lease_s})
+        self.store.put(lease_key(self.config.run, epoch, unit), value)
+
+    def run(self, max_units: int | None = None) -> ProducerStats:
+        """Work until the task list stays empty for `idle_timeout_s`, a stop is signalled, or
+        `max_units` units are done."""
+        run = self.config.run
+        while max_units is None or self.stats.units < max_units:
+            if self.store.get(stop_key(run)) is not None:
+                break
+            try:
+                task = self.queue.get(block=True, timeout=self.config.idle_timeout_s, partition=TASKS_PARTITION)
+            except Empty:
+                break
+            epoch, unit = decode_task(task)
+            if self.store.get(done_key(run, epoch, unit)) is not None:
+                continue  # a re-issued unit that another producer finished meanwhile
+            self._lease(epoch, unit)
+            self.process(epoch, unit)
+            self.store.put(done_key(run, epoch, unit), self.name)
+            self.store.pop(lease_key(run, epoch, unit), None)
+        return self.stats
+
+
+def produce(config: ProducerConfig, queue: Queue, store: Map, max_units: int | None = None) -> ProducerStats:
+    """Entry point for a producer process or Modal function."""
+    return Producer(config, queue, store).run(max_units)

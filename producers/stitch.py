@@ -1,0 +1,84 @@
+"""Boundary stitching through the map with put-if-absent (DESIGN.md, "Boundary stitching").
+
+Each holder of a piece of cell c (P pieces) first writes its piece under
+`{run}/e{epoch}/c{c}/piece{i}`, then claims the first free arrival slot `.../arrival{j}` with
+`put(..., skip_if_exists=True)`, writing its unit id. A slot already holding its own unit id is
+its own (a re-run). Whoever holds slot P-1 reads all pieces and emits the cell: every piece is
+written before its holder claims a slot, so the last claimer finds them all. Keys are removed
+when the epoch is complete (`forget_epoch`), never by the emitter, so a late duplicate cannot
+start a new round.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from coordination.errors import CellfeedError
+from coordination.queues import Map
+
+_PIECE = struct.Struct("<4sBBxxI")  # magic, gene dtype code, value dtype code, n rows
+_CODES = {1: np.dtype(np.uint16), 2: np.dtype(np.int32), 3: np.dtype(np.float32), 4: np.dtype(np.uint32)}
+_CODE_OF = {v: k for k, v in _CODES.items()}
+
+
+def piece_key(run: str, epoch: int, cell: int, index: int) -> str:
+    return f"{run}/e{epoch}/c{cell}/piece{index}"
+
+
+def arrival_key(run: str, epoch: int, cell: int, slot: int) -> str:
+    return f"{run}/e{epoch}/c{cell}/arrival{slot}"
+
+
+def encode_piece(genes: np.ndarray, values: np.ndarray) -> bytes:
+    genes, values = np.ascontiguousarray(genes), np.ascontiguousarray(values)
+    return _PIECE.pack(b"CFDP", _CODE_OF[genes.dtype], _CODE_OF[values.dtype], len(genes)) \
+        + genes.tobytes() + values.tobytes()
+
+
+def decode_piece(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    magic, gcode, vcode, n = _PIECE.unpack_from(data)
+    if magic != b"CFDP" or gcode not in _CODES or vcode not in _CODES:
+        raise CellfeedError("corrupt boundary piece in the map")
+    g, v = _CODES[gcode], _CODES[vcode]
+    body = memoryview(data)[_PIECE.size:]
+    if len(body) != n * (g.itemsize + v.itemsize):
+        raise CellfeedError("truncated boundary piece in the map")
+    return (np.frombuffer(body[: n * g.itemsize], dtype=g).copy(),
+            np.frombuffer(body[n * g.itemsize:], dtype=v).copy())
+
+
+def offer_piece(store: Map, run: str, epoch: int, unit: int, cell: int, index: int, count: int,
+                genes: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Contribute piece `index` of `count`; returns the whole cell's (genes, values) if this holder
+    must emit it, else None."""
+    store.put(piece_key(run, epoch, cell, index), encode_piece(genes, values))
+    for slot in range(count):
+        key = arrival_key(run, epoch, cell, slot)
+        if store.put(key, unit, skip_if_exists=True) or store.get(key) == unit:
+            break
+    else:
+        raise CellfeedError(
+            f"cell {cell} of epoch {epoch}: all {count} arrival slots are held by other units; "
+            "the epoch plan and the map disagree (two runs sharing one run id?)"
+        )
+    if slot != count - 1:
+        return None
+    pieces = [store.get(piece_key(run, epoch, cell, i)) for i in range(count)]
+    missing = [i for i, p in enumerate(pieces) if p is None]
+    if missing:
+        raise CellfeedError(f"cell {cell} of epoch {epoch}: pieces {missing} missing at the last arrival")
+    decoded = [decode_piece(p) for p in pieces]
+    return np.concatenate([g for g, _ in decoded]), np.concatenate([v for _, v in decoded])
+
+
+def forget_epoch(store: Map, run: str, epoch: int, cells: np.ndarray, piece_counts: np.ndarray) -> int:
+    """Remove every stitching key of an epoch's boundary cells; returns how many were removed."""
+    removed = 0
+    for cell, count in zip(cells.tolist(), piece_counts.tolist()):
+        for i in range(count):
+            for key in (piece_key(run, epoch, cell, i), arrival_key(run, epoch, cell, i)):
+                if store.pop(key, None) is not None:
+                    removed += 1
+    return removed
