@@ -21,3 +21,10 @@ def offsets_of(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=out[1:])
     return out
+
+
+def positions_in_ranges(ranges: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Where global rows land when the sorted, disjoint `ranges` are read and concatenated."""
+    ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    i = np.searchsorted(ranges[:, 0], rows, side="right") - 1
+    return offsets_of(ranges[:, 1] - ranges[:, 0])[i] + np.asarray(rows, dtype=np.int64) - ranges[i, 0]

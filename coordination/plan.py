@@ -94,7 +94,8 @@ class DatasetGeometry:
     @classmethod
     def of(cls, dataset) -> "DatasetGeometry":
         frags = dataset.fragments
-        bounds = np.array([f.row_start for f in frags] + [frags[-1].row_end if frags else 0], dtype=np.int64)
+        bounds = [f.row_start for f in frags] + [frags[-1].row_end] if frags else [0, 0]
+        bounds = np.array(bounds, dtype=np.int64)
         return cls(dataset.fingerprint, dataset.cell_row_start, bounds)
 
     @property
@@ -136,6 +137,7 @@ class WorkUnit:
     pieces: np.ndarray
     piece_index: np.ndarray
     piece_count: np.ndarray
+    piece_rows: np.ndarray  # int64[len(pieces), 2]: the global rows of each piece
 
     @property
     def n_rows(self) -> int:
@@ -218,7 +220,8 @@ class EpochPlan:
         cells = self.selected[idx[idx < len(self.selected)]]
         starts = self.geometry.cell_row_start
         empty = np.zeros(0, dtype=np.int64)
-        return WorkUnit(self.epoch, u, _merge_ranges(starts[cells], starts[cells + 1]), cells, empty, empty, empty)
+        return WorkUnit(self.epoch, u, _merge_ranges(starts[cells], starts[cells + 1]), cells, empty, empty, empty,
+                        np.zeros((0, 2), dtype=np.int64))
 
     # ---- sequential / mixture
 
@@ -252,13 +255,22 @@ class EpochPlan:
         else:
             self._unit_chunks = self._mixture_rounds(chunks, n_frags)
         self.n_units = len(self._unit_chunks)
-        whole = self._member_span == 1
-        self.unit_cell_counts = np.array(
-            [sum(int(whole[lo:hi].sum()) for _, lo, hi in group) for group in self._unit_chunks], dtype=np.int64
-        )
-        boundary = span > 1
-        self.boundary_cells = sel[boundary]
-        self.boundary_piece_counts = span[boundary]
+        # a cell whose pieces all landed in one unit (neighbouring fragments in one mixture round)
+        # is whole for that unit: no stitching
+        member_unit = np.empty(len(self._member_cell_idx), dtype=np.int64)
+        for u, group in enumerate(self._unit_chunks):
+            for _, lo, hi in group:
+                member_unit[lo:hi] = u
+        by_cell = np.argsort(self._member_cell_idx, kind="stable")
+        firsts = np.flatnonzero(np.r_[True, np.diff(self._member_cell_idx[by_cell]) != 0])
+        lo_unit = np.minimum.reduceat(member_unit[by_cell], firsts)
+        hi_unit = np.maximum.reduceat(member_unit[by_cell], firsts)
+        one_unit = lo_unit == hi_unit  # per selected cell
+        self._member_whole = one_unit[self._member_cell_idx]
+        first_member = by_cell[firsts]  # one member per cell: counts each whole cell once
+        self.unit_cell_counts = np.bincount(member_unit[first_member][one_unit], minlength=self.n_units)
+        self.boundary_cells = sel[~one_unit]
+        self.boundary_piece_counts = span[~one_unit]
 
     def _mixture_rounds(self, chunks, n_frags) -> list[list[tuple[int, int, int]]]:
         per_frag: list[list] = [[] for _ in range(n_frags)]
@@ -282,11 +294,12 @@ class EpochPlan:
         cells = self.selected[self._member_cell_idx[idx]]
         f = self._member_frag[idx]
         lo = np.maximum(starts[cells], frag[f])
-        hi = np.minimum(starts[cells + 1], frag[f + 1]) if len(frag) > 1 else starts[cells + 1]
-        whole = self._member_span[idx] == 1
+        hi = np.minimum(starts[cells + 1], frag[f + 1])
+        whole = self._member_whole[idx]
         return WorkUnit(
-            self.epoch, u, _merge_ranges(lo, hi), cells[whole],
+            self.epoch, u, _merge_ranges(lo, hi), np.unique(cells[whole]),
             cells[~whole], self._member_piece[idx][~whole], self._member_span[idx][~whole],
+            np.stack([lo[~whole], hi[~whole]], axis=1),
         )
 
     # ---- queries

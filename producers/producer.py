@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordination.arrays import offsets_of, ragged_arange
+from coordination.arrays import offsets_of, positions_in_ranges, ragged_arange
 from coordination.errors import CellfeedError
 from coordination.plan import DatasetGeometry, EpochPlan, Sampling, derive_key
 from coordination.queues import Empty, Full, Map, Queue
@@ -180,10 +180,13 @@ class Producer:
         if whole.n_cells:
             self._emit(whole, epoch, unit_id, False, rank_partition(unit_rank(unit_id, cfg.world_size)), rng)
         # boundary pieces: stitch through the map; the last arrival emits the cell
-        for cell, index, count in zip(unit.pieces.tolist(), unit.piece_index.tolist(), unit.piece_count.tolist()):
-            a, b = np.searchsorted(cell_col, cell, "left"), np.searchsorted(cell_col, cell, "right")
+        piece_at = positions_in_ranges(unit.ranges, unit.piece_rows[:, 0]) if len(unit.pieces) else []
+        for p, (cell, index, count) in enumerate(zip(unit.pieces.tolist(), unit.piece_index.tolist(),
+                                                     unit.piece_count.tolist())):
+            a = int(piece_at[p])
+            b = a + int(unit.piece_rows[p, 1] - unit.piece_rows[p, 0])
             t = time.perf_counter()
-            whole_cell = offer_piece(self.store, cfg.run, epoch, unit_id, cell, index, count,
+            whole_cell = offer_piece(self.store, cfg.run, epoch, f"{unit_id}.{index}", cell, index, count,
                                      block.gene[a:b], block.value[a:b])
             self.stats.add_time("stitch", t)
             if whole_cell is not None:

@@ -2,8 +2,8 @@
 
 Each holder of a piece of cell c (P pieces) first writes its piece under
 `{run}/e{epoch}/c{c}/piece{i}`, then claims the first free arrival slot `.../arrival{j}` with
-`put(..., skip_if_exists=True)`, writing its unit id. A slot already holding its own unit id is
-its own (a re-run). Whoever holds slot P-1 reads all pieces and emits the cell: every piece is
+`put(..., skip_if_exists=True)`, writing its holder id ("<unit>.<piece>": a unit may hold two
+pieces of one cell). A slot already holding its own holder id is its own (a re-run). Whoever holds slot P-1 reads all pieces and emits the cell: every piece is
 written before its holder claims a slot, so the last claimer finds them all. Keys are removed
 when the epoch is complete (`forget_epoch`), never by the emitter, so a late duplicate cannot
 start a new round.
@@ -49,18 +49,18 @@ def decode_piece(data: bytes) -> tuple[np.ndarray, np.ndarray]:
             np.frombuffer(body[n * g.itemsize:], dtype=v).copy())
 
 
-def offer_piece(store: Map, run: str, epoch: int, unit: int, cell: int, index: int, count: int,
+def offer_piece(store: Map, run: str, epoch: int, holder: str, cell: int, index: int, count: int,
                 genes: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """Contribute piece `index` of `count`; returns the whole cell's (genes, values) if this holder
     must emit it, else None."""
     store.put(piece_key(run, epoch, cell, index), encode_piece(genes, values))
     for slot in range(count):
         key = arrival_key(run, epoch, cell, slot)
-        if store.put(key, unit, skip_if_exists=True) or store.get(key) == unit:
+        if store.put(key, holder, skip_if_exists=True) or store.get(key) == holder:
             break
     else:
         raise CellfeedError(
-            f"cell {cell} of epoch {epoch}: all {count} arrival slots are held by other units; "
+            f"cell {cell} of epoch {epoch}: all {count} arrival slots are held by other holders; "
             "the epoch plan and the map disagree (two runs sharing one run id?)"
         )
     if slot != count - 1:

@@ -78,6 +78,16 @@ def check_exact_coverage(plan: EpochPlan) -> None:
     for c, held in pieces.items():
         count = held[0][1]
         assert sorted(i for i, _ in held) == list(range(count)) and all(p == count for _, p in held)
+    # piece row ranges tile each boundary cell's rows and lie inside their unit's ranges
+    tiles = {}
+    for unit in plan.units():
+        for c, i, (a, b) in zip(unit.pieces.tolist(), unit.piece_index.tolist(), unit.piece_rows.tolist()):
+            tiles.setdefault(c, []).append((i, a, b))
+            assert np.any((unit.ranges[:, 0] <= a) & (unit.ranges[:, 1] >= b))
+    for c, parts in tiles.items():
+        parts.sort()
+        assert parts[0][1] == starts[c] and parts[-1][2] == starts[c + 1]
+        assert all(parts[k][2] == parts[k + 1][1] for k in range(len(parts) - 1))
     np.testing.assert_array_equal(np.sort(plan.boundary_cells), np.array(sorted(pieces), dtype=np.int64))
     # no row read twice
     ranges = np.concatenate(rows_read)

@@ -157,7 +157,7 @@ def test_concurrent_stitching_emits_each_cell_exactly_once():
             cells[c] = (genes, values)
             cuts = np.sort(rng.choice(np.arange(1, len(genes)), size=count - 1, replace=False))
             for i, (a, b) in enumerate(zip(np.r_[0, cuts], np.r_[cuts, len(genes)])):
-                holders.append((1000 * c + i, c, i, count, genes[a:b], values[a:b]))
+                holders.append((f"{c}.{i}", c, i, count, genes[a:b], values[a:b]))
         # some holders run twice (a unit produced twice by two producers)
         holders += [h for h in holders if rng.random() < 0.15]
         random.Random(trial).shuffle(holders)

@@ -1,0 +1,205 @@
+"""Producers end to end on a real Lance dataset with the in-memory queue/map: every selected
+cell arrives exactly once (after dropping duplicate keys), on the right rank, with the tokens an
+independent per-cell computation gives, through duplicate and crashed units."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from coordination.errors import CellfeedError
+from coordination.plan import Sampling
+from coordination.queues import MemoryMap, MemoryQueue
+from coordination.routing import TASKS_PARTITION, done_key, encode_task, lease_key, rank_partition, run_tag
+from coordination.wire import unpack_item
+from producers.producer import Producer, ProducerConfig, label_codes
+from producers.tokenizers import CLS
+from tests.test_tokenizers import reference_bins
+
+WORLD = 2
+
+
+def enqueue_epoch(queue, producer: Producer, epoch: int, extra_units=()):
+    plan = producer.plan(epoch)
+    tasks = [encode_task(epoch, u) for u in list(range(plan.n_units)) + list(extra_units)]
+    queue.put_many(tasks, partition=TASKS_PARTITION)
+    return plan
+
+
+def drain(queue, run: str, epoch: int):
+    """All items per rank, decoded, duplicates dropped by key: {rank: [Item]}."""
+    out = {}
+    for rank in range(WORLD):
+        seen, items = set(), []
+        for data in queue.get_many(10**6, block=False, partition=rank_partition(rank)):
+            item = unpack_item(data, run_tag=run_tag(run), epoch=epoch)
+            if item.key not in seen:
+                seen.add(item.key)
+                items.append(item)
+        out[rank] = items
+    return out
+
+
+def check_scgpt_tokens(ds, items, n_check=40, max_genes=64):
+    checked = 0
+    for item in items:
+        for i, cell in enumerate(item.cell_ids[:3].tolist()):
+            rows = ds.read_cells(np.array([cell]))
+            genes, values = rows.gene.astype(np.int64), rows.value
+            order = sorted(range(len(genes)), key=lambda j: (-int(values[j]), genes[j]))[:max_genes]
+            got = item.tokens[item.offsets[i]:item.offsets[i + 1]].astype(np.int64)
+            np.testing.assert_array_equal(got, [CLS] + [int(genes[j]) + 4 for j in order])
+            bins = reference_bins(values, 51)
+            np.testing.assert_array_equal(item.values[item.offsets[i]:item.offsets[i + 1]],
+                                          [0] + [int(bins[j]) for j in order])
+            checked += 1
+        if checked >= n_check:
+            return
+    assert checked > 0
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "mixture", "block", "random"])
+def test_every_cell_exactly_once_across_threads(small_synth, strategy):
+    queue, store = MemoryQueue(), MemoryMap()
+    config = ProducerConfig(dataset=small_synth.uri, run=f"t-{strategy}", seed=4, world_size=WORLD,
+                            sampling=Sampling(strategy, unit_cells=150, n_scanners=3, block_size=8,
+                                              fetch_factor=4, batch_size=32),
+                            max_genes=64, cells_per_item=50, label_column="plate", idle_timeout_s=0.5)
+    producers = [Producer(config, queue, store, dataset=small_synth) for _ in range(3)]
+    plan = enqueue_epoch(queue, producers[0], 0, extra_units=[0, 1])  # two units produced twice
+    threads = [threading.Thread(target=p.run) for p in producers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    by_rank = drain(queue, config.run, 0)
+    cells = np.concatenate([it.cell_ids for items in by_rank.values() for it in items])
+    np.testing.assert_array_equal(np.sort(cells), np.arange(small_synth.n_cells))
+    counts = [sum(it.n_cells for it in by_rank[r]) for r in range(WORLD)]
+    assert counts == plan.cells_per_rank(WORLD).tolist()
+    for rank, items in by_rank.items():
+        for it in items:
+            expected_rank = (it.key_id if it.stitched else it.key_id) % WORLD
+            assert expected_rank == rank
+    if strategy in ("sequential", "mixture"):
+        assert any(it.stitched for items in by_rank.values() for it in items)
+    codes, names = label_codes(small_synth, "plate")
+    for it in by_rank[0][:5]:
+        np.testing.assert_array_equal(it.labels, codes[it.cell_ids])
+    check_scgpt_tokens(small_synth, by_rank[0] + by_rank[1])
+
+
+def test_unit_output_is_identical_every_time(small_synth):
+    config = ProducerConfig(dataset=small_synth.uri, run="same", world_size=1, max_genes=32,
+                            sampling=Sampling("block", block_size=4, fetch_factor=2, batch_size=16))
+    outputs = []
+    for _ in range(2):
+        queue = MemoryQueue()
+        Producer(config, queue, MemoryMap(), dataset=small_synth).process(0, 3)
+        outputs.append(queue.get_many(1000, block=False, partition=rank_partition(0)))
+    assert outputs[0] == outputs[1] and len(outputs[0]) > 0
+
+
+class CrashingQueue(MemoryQueue):
+    """Raises once after `after` successful puts, like a producer killed mid-unit."""
+
+    def __init__(self, after):
+        super().__init__()
+        self.after = after
+
+    def put_many(self, values, block=True, timeout=None, *, partition=None):
+        if partition != TASKS_PARTITION:
+            if self.after == 0:
+                self.after = -1
+                raise RuntimeError("killed")
+            self.after -= 1
+        super().put_many(values, block, timeout, partition=partition)
+
+
+def test_crash_mid_unit_then_rerun_delivers_exactly_once(small_synth):
+    queue, store = CrashingQueue(after=1), MemoryMap()
+    config = ProducerConfig(dataset=small_synth.uri, run="crash", world_size=WORLD, max_genes=16,
+                            sampling=Sampling("sequential", unit_cells=400), cells_per_item=40, idle_timeout_s=0.2)
+    producer = Producer(config, queue, store, dataset=small_synth)
+    plan = enqueue_epoch(queue, producer, 0)
+    with pytest.raises(RuntimeError, match="killed"):
+        producer.run()
+    # the crashed unit holds a lease but was never marked done: the driver re-issues it (here: by hand)
+    crashed = [u for u in range(plan.n_units) if store.get(lease_key("crash", 0, u)) is not None]
+    assert len(crashed) == 1 and store.get(done_key("crash", 0, crashed[0])) is None
+    queue.put_many([encode_task(0, crashed[0])], partition=TASKS_PARTITION)
+    Producer(config, queue, store, dataset=small_synth).run()
+    by_rank = drain(queue, config.run, 0)
+    cells = np.concatenate([it.cell_ids for items in by_rank.values() for it in items])
+    np.testing.assert_array_equal(np.sort(cells), plan.selected)
+
+
+def test_subset_filter_selects_cells(small_synth):
+    queue, store = MemoryQueue(), MemoryMap()
+    config = ProducerConfig(dataset=small_synth.uri, run="subset", world_size=WORLD, max_genes=8,
+                            subset_filter="plate != 'plate01'", sampling=Sampling("mixture", unit_cells=200),
+                            idle_timeout_s=0.2)
+    producer = Producer(config, queue, store, dataset=small_synth)
+    enqueue_epoch(queue, producer, 0)
+    producer.run()
+    plates = np.array(small_synth.obs(["plate"]).column(0).to_pylist())
+    cells = np.concatenate([it.cell_ids for items in drain(queue, "subset", 0).values() for it in items])
+    np.testing.assert_array_equal(np.sort(cells), np.flatnonzero(plates != "plate01"))
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(tokenizer="bert"), "unknown tokenizer"),
+    (dict(max_genes=0), "max_genes must be >= 1"),
+    (dict(sampling=Sampling("block", block_size=0)), "block_size must be >= 1"),
+    (dict(sampling=Sampling("block", fetch_factor=0)), "fetch_factor must be >= 1"),
+    (dict(sampling=Sampling("zigzag")), "unknown strategy"),
+    (dict(subset_filter="plate = 'nope'"), "selects no cells"),
+    (dict(subset_filter="no_such_column > 1"), "bad subset filter"),
+    (dict(tokenizer="geneformer"), "cellfeed stats"),
+])
+def test_bad_settings_fail_before_any_work(small_synth, change, needle):
+    queue = MemoryQueue()
+    queue.put_many([encode_task(0, 0)], partition=TASKS_PARTITION)
+    config = ProducerConfig(dataset=small_synth.uri, run="bad", **change)
+    with pytest.raises(CellfeedError, match=needle):
+        Producer(config, queue, MemoryMap(), dataset=small_synth)
+    assert queue.len(partition=TASKS_PARTITION) == 1  # nothing was taken
+
+
+def test_float_dataset_refused_by_count_tokenizer(tmp_path):
+    from producers.convert import convert
+    from tests.conftest import random_counts, write_h5ad
+
+    ds = convert([str(write_h5ad(tmp_path / "f.h5ad", random_counts(20, 30, seed=1, floats=True)))],
+                 str(tmp_path / "ds"), progress=False)
+    with pytest.raises(CellfeedError, match="needs integer counts"):
+        Producer(ProducerConfig(dataset=ds.uri, run="f", tokenizer="geneformer"), MemoryQueue(), MemoryMap())
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "mixture"])
+def test_cells_cut_into_many_pieces(tmp_path, strategy):
+    """Fragments smaller than a cell: cells in 2..4 pieces, several pieces of one cell in one unit."""
+    from producers.synth import SynthSpec, synthesize
+
+    ds = synthesize(str(tmp_path / "tiny"), SynthSpec(n_cells=120, n_genes=5000, n_plates=2, seed=3),
+                    rows_per_fragment=700, progress=False)
+    queue, store = MemoryQueue(), MemoryMap()
+    config = ProducerConfig(dataset=ds.uri, run="tiny", world_size=WORLD, max_genes=2048, idle_timeout_s=0.3,
+                            sampling=Sampling(strategy, unit_cells=3, n_scanners=16))
+    producers = [Producer(config, queue, store, dataset=ds) for _ in range(2)]
+    plan = enqueue_epoch(queue, producers[0], 0)
+    assert plan.boundary_piece_counts.max() >= 3
+    threads = [threading.Thread(target=p.run) for p in producers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    items = [it for its in drain(queue, "tiny", 0).values() for it in its]
+    cells = np.concatenate([it.cell_ids for it in items])
+    np.testing.assert_array_equal(np.sort(cells), np.arange(ds.n_cells))
+    for it in items:  # every cell carries all its genes (max_genes exceeds any cell)
+        for i, cell in enumerate(it.cell_ids.tolist()):
+            n = ds.cell_row_start[cell + 1] - ds.cell_row_start[cell]
+            assert it.offsets[i + 1] - it.offsets[i] == n + 1
