@@ -186,7 +186,7 @@ def test_cells_cut_into_many_pieces(tmp_path, strategy):
     ds = synthesize(str(tmp_path / "tiny"), SynthSpec(n_cells=120, n_genes=5000, n_plates=2, seed=3),
                     rows_per_fragment=700, progress=False)
     queue, store = MemoryQueue(), MemoryMap()
-    config = ProducerConfig(dataset=ds.uri, run="tiny", world_size=WORLD, max_genes=2048, idle_timeout_s=0.3,
+    config = ProducerConfig(dataset=ds.uri, run="tiny", world_size=WORLD, max_genes=4096, idle_timeout_s=0.3,
                             sampling=Sampling(strategy, unit_cells=3, n_scanners=16))
     producers = [Producer(config, queue, store, dataset=ds) for _ in range(2)]
     plan = enqueue_epoch(queue, producers[0], 0)
