@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -29,6 +30,8 @@ TABLES = {"expression": "expression.lance", "cells": "cells.lance", "genes": "ge
 EXPRESSION_COLUMNS = ("cell_integer_id", "gene_integer_id", "value")
 LANCE_FILE_VERSION = "2.2"  # what SLAF 0.5 pins
 MAX_UINT16_GENES = 65_535
+TAKE_BELOW_MEAN_ROWS = 5_000  # mean rows per range under which one `take` beats per-range slices
+READ_THREADS = 8  # concurrent fragment slices per read (S3 latency hides behind parallel requests)
 
 
 def gene_id_type(n_genes: int) -> pa.DataType:
@@ -147,24 +150,49 @@ class Dataset:
     def var(self, columns: list[str] | None = None) -> pa.Table:
         return self.genes.to_table(columns=columns)
 
-    @staticmethod
-    def _block(table: pa.Table) -> RowBlock:
-        cols = [table.column(name).to_numpy() for name in EXPRESSION_COLUMNS]
-        return RowBlock(*cols)
+    @cached_property
+    def _lance_fragments(self) -> list:
+        return self.expression.get_fragments()
+
+    @cached_property
+    def _pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="cellfeed-read")
+
+    def _read_piece(self, piece: tuple[int, int, int]) -> pa.Table:
+        frag, offset, limit = piece
+        return self._lance_fragments[frag].to_table(columns=list(EXPRESSION_COLUMNS), offset=offset, limit=limit)
 
     def read_rows(self, start: int, stop: int) -> RowBlock:
         """Expression rows [start, stop) in storage order."""
-        return self._block(
-            self.expression.to_table(columns=list(EXPRESSION_COLUMNS), offset=int(start), limit=int(stop - start))
-        )
+        return self.read_row_ranges(np.array([[start, stop]]))
 
     def read_row_ranges(self, ranges: np.ndarray) -> RowBlock:
-        """Rows of many [start, stop) ranges at once, concatenated in the order given."""
+        """Rows of many [start, stop) ranges at once, concatenated in the order given.
+
+        Each range is cut at fragment edges and read as contiguous slices of fragments, in
+        parallel threads (Lance releases the GIL): several times faster than a row `take` for
+        ranges of a few cells or more. Many tiny ranges (single cells) go through one `take`,
+        which beats paying a slice's fixed cost per range."""
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        if len(ranges) == 1:
-            return self.read_rows(*ranges[0])
-        indices = ragged_arange(ranges[:, 0], ranges[:, 1])
-        return self._block(self.expression.take(indices, columns=list(EXPRESSION_COLUMNS)))
+        bounds = np.array([f.row_start for f in self.fragments] + [self.n_rows], dtype=np.int64)
+        pieces = []
+        for start, stop in ranges.tolist():
+            if not 0 <= start <= stop <= self.n_rows:
+                raise IndexError(f"row range [{start}, {stop}) outside 0..{self.n_rows}")
+            f = int(np.searchsorted(bounds, start, side="right")) - 1
+            while start < stop:
+                end = min(stop, int(bounds[f + 1]))
+                pieces.append((f, start - int(bounds[f]), end - start))
+                start, f = end, f + 1
+        if len(pieces) > 1 and sum(p[2] for p in pieces) < TAKE_BELOW_MEAN_ROWS * len(pieces):
+            table = self.expression.take(ragged_arange(ranges[:, 0], ranges[:, 1]), columns=list(EXPRESSION_COLUMNS))
+            return RowBlock(*[table.column(name).to_numpy() for name in EXPRESSION_COLUMNS])
+        if not pieces:
+            empty = expression_schema(self.n_genes, self.value_type).empty_table()
+            return RowBlock(*[empty.column(c).to_numpy() for c in EXPRESSION_COLUMNS])
+        tables = list(self._pool.map(self._read_piece, pieces)) if len(pieces) > 1 else [self._read_piece(pieces[0])]
+        table = pa.concat_tables(tables)
+        return RowBlock(*[table.column(name).to_numpy() for name in EXPRESSION_COLUMNS])
 
     def read_cells(self, cell_ids: np.ndarray) -> RowBlock:
         """All rows of the given cells (in the order given)."""

@@ -1,0 +1,159 @@
+"""One producer process on local disk: cells/s, MB/s, per-stage times and compressed bytes per
+cell for each tokenizer x max_genes and each sampling strategy, against a cost floor measured in
+the same run (one Polars sort of the same rows by (cell, -value, gene)).
+
+    python benchmarks/producer.py            # 200k-cell atlas, ~40k cells per configuration
+    python benchmarks/producer.py --quick    # 20k-cell atlas, under a minute
+
+Ends with one JSON line of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from coordination.plan import Sampling  # noqa: E402
+from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
+from producers.dataset import open_dataset  # noqa: E402
+from producers.gene_stats import compute_nonzero_medians, load_gene_medians, store_gene_stats  # noqa: E402
+from producers.producer import Producer, ProducerConfig  # noqa: E402
+from producers.ranking import rank_order  # noqa: E402
+from producers.synth import SynthSpec, synthesize  # noqa: E402
+
+STRATEGIES = {
+    "sequential": Sampling("sequential", unit_cells=1024),
+    "mixture": Sampling("mixture", unit_cells=256, n_scanners=4),
+    "block": Sampling("block", block_size=16, fetch_factor=16, batch_size=64),
+    "random": Sampling("random", fetch_factor=16, batch_size=64),
+}
+
+
+def run_config(ds, tokenizer: str, max_genes: int, sampling: Sampling, cell_budget: int) -> dict:
+    queue = MemoryQueue(max_items=10**9, max_bytes=1 << 62)
+    config = ProducerConfig(dataset=ds.uri, run="bench", tokenizer=tokenizer, max_genes=max_genes,
+                            sampling=sampling, world_size=1, cells_per_item=128)
+    producer = Producer(config, queue, MemoryMap(), dataset=ds)
+    plan = producer.plan(0)
+    units, cells = [], 0
+    rng = np.random.default_rng(0)
+    for u in rng.permutation(plan.n_units):  # a random sample of units (scanner units vary along storage)
+        units.append(int(u))
+        cells += int(plan.unit_cell_counts[u])
+        if cells >= cell_budget:
+            break
+    start = time.perf_counter()
+    for u in units:
+        producer.process(0, u)
+    seconds = time.perf_counter() - start
+    stats = producer.stats
+    # rank alone on the same cells (outside the timed pipeline): the share of "tokenize" it takes
+    rank_s = 0.0
+    if tokenizer != "raw":
+        for u in units[:8]:
+            unit = plan.unit(u)
+            block = ds.read_row_ranges(unit.ranges)
+            from producers.ranking import CellRows
+            from coordination.arrays import offsets_of
+
+            cell_ids, counts = np.unique(block.cell, return_counts=True)
+            rows = CellRows(cell_ids.astype(np.int64), offsets_of(counts), block.gene, block.value)
+            t = time.perf_counter()
+            rank_order(rows)
+            rank_s += time.perf_counter() - t
+        rank_s *= len(units) / min(8, len(units))
+    return {
+        "cells": stats.cells, "seconds": seconds, "cells_per_s": stats.cells / seconds,
+        "mb_per_s": stats.bytes / seconds / 1e6, "bytes_per_cell": stats.bytes / max(1, stats.cells),
+        "read": stats.seconds["read"], "rank": min(rank_s, stats.seconds["tokenize"]),
+        "tokenize": stats.seconds["tokenize"] - min(rank_s, stats.seconds["tokenize"]),
+        "pack": stats.seconds["pack"], "put": stats.seconds["put"], "stitch": stats.seconds["stitch"],
+        "units": units,
+    }
+
+
+def floor_cells_per_s(ds, units, plan_sampling) -> tuple[float, int]:
+    """One Polars sort of the rows of the same units by (cell, -value, gene)."""
+    import polars as pl
+
+    producer = Producer(ProducerConfig(dataset=ds.uri, run="floor", sampling=plan_sampling), MemoryQueue(),
+                        MemoryMap(), dataset=ds)
+    plan = producer.plan(0)
+    blocks = [ds.read_row_ranges(plan.unit(u).ranges) for u in units]
+    frame = pl.DataFrame({"cell": np.concatenate([b.cell for b in blocks]),
+                          "gene": np.concatenate([b.gene for b in blocks]),
+                          "value": np.concatenate([b.value for b in blocks])})
+    n_cells = frame["cell"].n_unique()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        frame.sort(["cell", "value", "gene"], descending=[False, True, False])
+        best = min(best, time.perf_counter() - t)
+    return n_cells / best, len(frame)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dataset", help="an existing dataset (default: synthesize one in a temp dir)")
+    parser.add_argument("--cells", type=int, default=None, help="atlas size (default 200,000; 20,000 quick)")
+    parser.add_argument("--budget", type=int, default=None, help="cells per configuration (default 40k; 4k quick)")
+    args = parser.parse_args()
+    n_cells = args.cells or (20_000 if args.quick else 200_000)
+    budget = args.budget or (4_000 if args.quick else 40_000)
+    path = args.dataset or os.path.join(tempfile.gettempdir(), f"cellfeed-bench-atlas-{n_cells}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        synthesize(path, SynthSpec(n_cells=n_cells, seed=0), rows_per_fragment=1 << 22, overwrite=True)
+    ds = open_dataset(path)
+    if load_gene_medians(ds) is None:
+        store_gene_stats(ds, compute_nonzero_medians(ds, progress=False))
+        ds = open_dataset(path)
+
+    configs = [("scgpt", 1024, s) for s in STRATEGIES]
+    configs += [(tok, mg, "block") for tok in ("scgpt", "geneformer", "raw") for mg in (1024, 2048)
+                if (tok, mg) != ("scgpt", 1024)]
+    results = {}
+    for tok, mg, strategy in configs:
+        results[(tok, mg, strategy)] = run_config(ds, tok, mg, STRATEGIES[strategy], budget)
+    seq_units = results[("scgpt", 1024, "sequential")]["units"]
+    floor, floor_rows = floor_cells_per_s(ds, seq_units, STRATEGIES["sequential"])
+
+    print(f"\natlas: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows / ds.n_cells:,.0f} non-zeros/cell; "
+          f"machine: {platform.machine()}, {os.cpu_count()} cores; one producer, local disk")
+    head = f"{'tokenizer':<11}{'genes':>6} {'strategy':<11}{'cells/s':>9}{'MB/s':>7}{'B/cell':>8}" \
+           f"{'read':>7}{'rank':>7}{'token':>7}{'pack':>7}{'stitch':>7}   (stage seconds per 1k cells)"
+    print(head)
+    for (tok, mg, strategy), r in results.items():
+        per_k = 1000 / max(1, r["cells"])
+        print(f"{tok:<11}{mg:>6} {strategy:<11}{r['cells_per_s']:>9,.0f}{r['mb_per_s']:>7.1f}"
+              f"{r['bytes_per_cell']:>8,.0f}{r['read'] * per_k:>7.3f}{r['rank'] * per_k:>7.3f}"
+              f"{r['tokenize'] * per_k:>7.3f}{r['pack'] * per_k:>7.3f}{r['stitch'] * per_k:>7.3f}")
+    seq = results[("scgpt", 1024, "sequential")]["cells_per_s"]
+    print(f"\nfloor: one Polars sort of the same {floor_rows:,} rows by (cell, -value, gene): {floor:,.0f} cells/s")
+    print(f"scgpt/1024/sequential pipeline = {seq / floor:.2f} x floor throughput (target >= 0.5)")
+    for s in ("mixture", "block", "random"):
+        r = results[("scgpt", 1024, s)]["cells_per_s"]
+        print(f"scgpt/1024/{s:<10} = {r / seq:.2f} x sequential throughput")
+    figures = {f"{tok}_{mg}_{s}_cells_per_s": round(r["cells_per_s"]) for (tok, mg, s), r in results.items()}
+    figures.update({
+        "floor_cells_per_s": round(floor),
+        "scgpt_1024_block_bytes_per_cell": round(results[("scgpt", 1024, "block")]["bytes_per_cell"]),
+        "pipeline_over_floor": round(seq / floor, 3),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    })
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
