@@ -80,11 +80,11 @@ def write_h5ad(path: Path, x, *, genes: list[str] | None = None, obs_extra: dict
     )
     var = pd.DataFrame({"chrom": pd.Categorical(rng.choice(["1", "X"], size=n_genes))},
                        index=genes or [f"g{j}" for j in range(n_genes)])
-    adata = ad.AnnData(X=x, obs=obs, var=var)
-    if layer is not None:
-        adata.layers[layer[0]] = layer[1]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # duplicate gene names are written on purpose by some tests
         warnings.simplefilter("ignore")
+        adata = ad.AnnData(X=x, obs=obs, var=var)
+        if layer is not None:
+            adata.layers[layer[0]] = layer[1]
         adata.write_h5ad(path)
     return path
 
