@@ -203,3 +203,14 @@ def test_row_range_reads_agree_with_one_contiguous_read(small_synth):
             np.testing.assert_array_equal(getattr(got, name), getattr(everything, name)[idx])
     with pytest.raises(IndexError):
         ds.read_row_ranges(np.array([[0, ds.n_rows + 1]]))
+
+
+def test_dataset_written_by_slaf_convert_opens_unchanged():
+    """tests/data/slaf_counts was written by `slaf` 0.5.2's SLAFConverter (max_rows_per_file=1000)
+    from random_counts(150, 400, seed=42); it opens and reads back exactly."""
+    from pathlib import Path
+
+    ds = open_dataset(Path(__file__).parent / "data" / "slaf_counts")
+    assert ds.config["format_version"] == "0.5" and len(ds.fragments) > 1 and len(ds.straddling_cells()) > 0
+    assert_same_cells(ds, random_counts(150, 400, seed=42))
+    assert ds.obs(["plate"]).num_rows == 150
