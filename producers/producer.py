@@ -11,20 +11,22 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from coordination.arrays import offsets_of, positions_in_ranges, ragged_arange
 from coordination.errors import CellfeedError
-from coordination.plan import DatasetGeometry, EpochPlan, Sampling, derive_key
+from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit, derive_key
 from coordination.queues import Empty, Full, Map, Queue
 from coordination.routing import (TASKS_PARTITION, cell_rank, decode_task, done_key, lease_key, rank_partition,
                                   run_tag, stop_key, unit_rank)
 from coordination.wire import pack_items
-from producers.dataset import Dataset, open_dataset
+from producers.dataset import Dataset, RowBlock, open_dataset
 from producers.gene_stats import load_gene_medians
 from producers.ranking import CellRows
 from producers.stitch import offer_piece
@@ -123,12 +125,17 @@ class Producer:
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.stats = ProducerStats()
         self._plans: dict[int, EpochPlan] = {}
+        self._plan_lock = threading.Lock()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cellfeed-prefetch")
 
     def plan(self, epoch: int) -> EpochPlan:
-        if epoch not in self._plans:
-            self._plans = {epoch: EpochPlan(self.geometry, self.config.sampling, self.config.seed, epoch,
-                                            self.subset)}
-        return self._plans[epoch]
+        """The epoch's plan, cached for this and the previous epoch (the read-ahead may cross)."""
+        with self._plan_lock:
+            if epoch not in self._plans:
+                self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
+                self._plans[epoch] = EpochPlan(self.geometry, self.config.sampling, self.config.seed, epoch,
+                                               self.subset)
+            return self._plans[epoch]
 
     # ---- one unit
 
@@ -158,14 +165,18 @@ class Producer:
         self.stats.add_time("put", t)
         self.stats.cells += rows.n_cells
 
-    def process(self, epoch: int, unit_id: int) -> None:
-        """Produce every item of one unit (and any boundary cell it completes)."""
-        cfg = self.config
+    def read(self, epoch: int, unit_id: int) -> tuple[WorkUnit, RowBlock]:
         unit = self.plan(epoch).unit(unit_id)
+        return unit, self.ds.read_row_ranges(unit.ranges)
+
+    def process(self, epoch: int, unit_id: int, prefetched: Future | None = None) -> None:
+        """Produce every item of one unit (and any boundary cell it completes). With a read
+        already under way (`prefetched`), only the time spent waiting for it counts as read."""
+        cfg = self.config
         t = time.perf_counter()
-        block = self.ds.read_row_ranges(unit.ranges) if len(unit.ranges) else None
+        unit, block = prefetched.result() if prefetched is not None else self.read(epoch, unit_id)
         t = self.stats.add_time("read", t)
-        cell_col = block.cell if block is not None else np.zeros(0, dtype=np.int64)
+        cell_col = block.cell
         rng = np.random.default_rng(derive_key(cfg.seed, epoch, "unit", unit_id))
         # whole cells, shuffled; each cell's rows are contiguous in the block
         order = rng.permutation(len(unit.cells))
@@ -173,9 +184,7 @@ class Producer:
         lo = np.searchsorted(cell_col, cells, side="left")
         hi = np.searchsorted(cell_col, cells, side="right")
         rows_idx = ragged_arange(lo, hi)
-        whole = CellRows(cells, offsets_of(hi - lo),
-                         block.gene[rows_idx] if block is not None else np.zeros(0, np.uint16),
-                         block.value[rows_idx] if block is not None else np.zeros(0, np.uint16))
+        whole = CellRows(cells, offsets_of(hi - lo), block.gene[rows_idx], block.value[rows_idx])
         self.stats.add_time("read", t)
         if whole.n_cells:
             self._emit(whole, epoch, unit_id, False, rank_partition(unit_rank(unit_id, cfg.world_size)), rng)
@@ -201,22 +210,37 @@ class Producer:
         value = json.dumps({"producer": self.name, "expires": time.time() + self.config.lease_s})
         self.store.put(lease_key(self.config.run, epoch, unit), value)
 
-    def run(self, max_units: int | None = None) -> ProducerStats:
-        """Work until the task list stays empty for `idle_timeout_s`, a stop is signalled, or
-        `max_units` units are done."""
+    def _take_task(self, block: bool) -> tuple[int, int, Future] | None:
+        """The next unit not yet done, leased and with its read started; None when there is none."""
         run = self.config.run
-        while max_units is None or self.stats.units < max_units:
-            if self.store.get(stop_key(run)) is not None:
-                break
+        while self.store.get(stop_key(run)) is None:
             try:
-                task = self.queue.get(block=True, timeout=self.config.idle_timeout_s, partition=TASKS_PARTITION)
+                task = self.queue.get(block=block, timeout=self.config.idle_timeout_s if block else None,
+                                      partition=TASKS_PARTITION)
             except Empty:
-                break
+                return None
+            if task is None:
+                return None
             epoch, unit = decode_task(task)
             if self.store.get(done_key(run, epoch, unit)) is not None:
                 continue  # a re-issued unit that another producer finished meanwhile
             self._lease(epoch, unit)
-            self.process(epoch, unit)
+            return epoch, unit, self._reader.submit(self.read, epoch, unit)
+        return None
+
+    def run(self, max_units: int | None = None) -> ProducerStats:
+        """Work until the task list stays empty for `idle_timeout_s`, a stop is signalled, or
+        `max_units` units are done. The next unit is read while this one is tokenized."""
+        run = self.config.run
+        pending = None
+        while max_units is None or self.stats.units < max_units:
+            current = pending or self._take_task(block=True)
+            if current is None:
+                break
+            more = max_units is None or self.stats.units + 1 < max_units
+            pending = self._take_task(block=False) if more else None
+            epoch, unit, reading = current
+            self.process(epoch, unit, reading)
             self.store.put(done_key(run, epoch, unit), self.name)
             self.store.pop(lease_key(run, epoch, unit), None)
         return self.stats
