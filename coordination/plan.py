@@ -108,8 +108,8 @@ class Sampling:
     strategy: str = "block"
     unit_cells: int = 1024  # sequential / mixture: cells per scanner chunk
     n_scanners: int = 8  # mixture
-    block_size: int = 16  # block
-    fetch_factor: int = 16  # block: batches' worth of blocks per unit
+    block_size: int = 64  # block: 64 consecutive cells cost ~1.5x a sequential read, 16 cost ~3x
+    fetch_factor: int = 64  # block: batches' worth of blocks per unit (64 blocks from all over)
     batch_size: int = 64  # block: the batch the fetch factor counts in
 
     def validate(self) -> "Sampling":

@@ -41,16 +41,18 @@ class CellRows:
 
 def rank_order(rows: CellRows, score: np.ndarray | None = None) -> CellRows:
     """Each cell's rows sorted by (score or value descending, gene ascending)."""
-    cell = rows.cell_of_row()
     if (score is None and rows.values.dtype == np.uint16 and len(rows.genes)
             and int(rows.genes.max(initial=0)) < (1 << 16) and rows.n_cells < (1 << 31)):
-        key = (cell.astype(np.uint64) << np.uint64(32)) \
-            | ((np.uint64(0xFFFF) - rows.values.astype(np.uint64)) << np.uint64(16)) \
-            | rows.genes.astype(np.uint64)
+        # key = cell << 32 | ~value << 16 | gene: one sort orders (cell, -value, gene), and the
+        # sorted keys decode back to genes and values (the low 16-bit fields, by truncation)
+        key = np.repeat(np.arange(rows.n_cells, dtype=np.uint64) << np.uint64(32), rows.counts)
+        key |= np.invert(rows.values).astype(np.uint64) << np.uint64(16)
+        key |= rows.genes.astype(np.uint64)
         key.sort()
-        genes = (key & np.uint64(0xFFFF)).astype(rows.genes.dtype)
-        values = (np.uint64(0xFFFF) - ((key >> np.uint64(16)) & np.uint64(0xFFFF))).astype(np.uint16)
+        genes = key.astype(np.uint16).astype(rows.genes.dtype, copy=False)
+        values = np.invert((key >> np.uint64(16)).astype(np.uint16))
         return CellRows(rows.cell_ids, rows.offsets, genes, values)
+    cell = rows.cell_of_row()
     primary = rows.values if score is None else score
     order = np.lexsort((rows.genes, -primary.astype(np.float64), cell))
     return rows.take(order, rows.offsets)
@@ -123,8 +125,15 @@ def quantile_bins(ranked: CellRows, n_bins: int, rows: np.ndarray) -> np.ndarray
     cell_key = np.arange(n, dtype=np.int64)[:, None] << 32
     left_edges = (cell_key + _round_edges(edges, ranked.values.dtype, up=True)).ravel()
     right_edges = (cell_key + _round_edges(edges, ranked.values.dtype, up=False)).ravel()
-    cell = ranked.cell_of_row()[rows]
-    value_key = (cell << 32) + _sortable_codes(ranked.values[rows])
-    left = np.searchsorted(left_edges, value_key, side="right") - cell * levels
-    right = np.searchsorted(right_edges, value_key, side="left") - cell * levels
-    return ((left + right + 1) // 2).astype(np.uint8 if n_bins <= 256 else np.uint16)
+    # a bin depends only on (cell, value): look up each run of equal values once (counts have
+    # few distinct values per cell), then spread the answers over the rows
+    cell_all = ranked.cell_of_row()
+    new_run = np.ones(len(cell_all), dtype=bool)
+    new_run[1:] = (cell_all[1:] != cell_all[:-1]) | (ranked.values[1:] != ranked.values[:-1])
+    run_start = np.flatnonzero(new_run)
+    run_key = (cell_all[run_start] << 32) + _sortable_codes(ranked.values[run_start])
+    run_cell = cell_all[run_start]
+    left = np.searchsorted(left_edges, run_key, side="right") - run_cell * levels
+    right = np.searchsorted(right_edges, run_key, side="left") - run_cell * levels
+    run_bins = ((left + right + 1) // 2).astype(np.uint8 if n_bins <= 256 else np.uint16)
+    return run_bins[(np.cumsum(new_run) - 1)[rows]]
