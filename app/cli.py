@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import numpy as np
+
 from coordination.errors import CellfeedError
 
 ROWS_PER_FRAGMENT = 1 << 22
@@ -50,6 +52,19 @@ def cmd_inspect(args) -> int:
 
     ds = open_dataset(args.dataset)
     print(describe(ds, n_values=args.values))
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from producers.dataset import open_dataset
+    from producers.gene_stats import compute_nonzero_medians, store_gene_stats
+
+    ds = open_dataset(args.dataset)
+    medians = compute_nonzero_medians(ds, progress=not args.quiet)
+    store_gene_stats(ds, medians)
+    expressed = medians > 0
+    print(f"stored non-zero medians of {int(expressed.sum()):,} expressed genes (of {ds.n_genes:,}) in "
+          f"{ds.uri}/gene_stats.lance; median of medians {float(np.median(medians[expressed])) if expressed.any() else 0:.2f}")
     return 0
 
 
@@ -106,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "cells straddle fragment boundaries as in compacted datasets")
         p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at the output")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("stats", help="compute and store per-gene non-zero medians (the geneformer tokenizer needs them)")
+    p.add_argument("dataset", help="a local path or s3://bucket/prefix")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("inspect", help="summarise a dataset: shape, fragments, straddling cells, obs columns")
     p.add_argument("dataset", help="a local path or s3://bucket/prefix")

@@ -204,3 +204,42 @@ def test_cells_cut_into_many_pieces(tmp_path, strategy):
         for i, cell in enumerate(it.cell_ids.tolist()):
             n = ds.cell_row_start[cell + 1] - ds.cell_row_start[cell]
             assert it.offsets[i + 1] - it.offsets[i] == n + 1
+
+
+def test_gene_medians_and_geneformer_producer(tmp_path, capsys):
+    from app.cli import main as cli
+    from producers.dataset import DatasetWriter, open_dataset
+    from producers.gene_stats import load_gene_medians
+
+    import pyarrow as pa
+
+    rng = np.random.default_rng(2)
+    n_cells, n_genes = 80, 30
+    dense = rng.integers(0, 4, size=(n_cells, n_genes)) * rng.integers(1, 600, size=(n_cells, n_genes))
+    dense[:, 5] = np.where(dense[:, 5] > 0, 300 + dense[:, 5], 0)  # a gene whose median exceeds the histogram
+    with DatasetWriter(tmp_path / "ds", n_genes=n_genes, value_type=pa.uint16(), rows_per_fragment=300) as w:
+        indptr = np.concatenate([[0], np.cumsum((dense > 0).sum(axis=1))])
+        w.append(pa.table({"cell_id": [f"c{i}" for i in range(n_cells)]}), indptr,
+                 np.nonzero(dense)[1], dense[dense > 0])
+        w.commit(pa.table({"gene_id": [f"g{j}" for j in range(n_genes)]}))
+    assert cli(["stats", str(tmp_path / "ds"), "--quiet"]) == 0
+    ds = open_dataset(tmp_path / "ds")
+    medians = load_gene_medians(ds)
+    expected = [np.median(dense[:, j][dense[:, j] > 0]) if (dense[:, j] > 0).any() else 0 for j in range(n_genes)]
+    np.testing.assert_array_equal(medians, expected)
+    assert medians[5] > 300
+    queue, store = MemoryQueue(), MemoryMap()
+    config = ProducerConfig(dataset=ds.uri, run="gf", tokenizer="geneformer", max_genes=10, world_size=1,
+                            sampling=Sampling("block", block_size=4, fetch_factor=1, batch_size=8), idle_timeout_s=0.2)
+    producer = Producer(config, queue, store, dataset=ds)
+    enqueue_epoch(queue, producer, 0)
+    producer.run()
+    items = drain(queue, "gf", 0)[0]  # world size 1: everything on rank 0
+    assert sorted(np.concatenate([it.cell_ids for it in items]).tolist()) == list(range(n_cells))
+    for it in items[:3]:
+        cell = int(it.cell_ids[0])
+        row = dense[cell].astype(np.float64)
+        genes = np.flatnonzero(row)
+        norm = row[genes] / row.sum() * 10_000.0 / np.asarray(expected)[genes]
+        order = sorted(range(len(genes)), key=lambda j: (-norm[j], genes[j]))[:10]
+        np.testing.assert_array_equal(it.tokens[it.offsets[0]:it.offsets[1]], [1] + [genes[j] + 4 for j in order] + [2])
