@@ -31,7 +31,7 @@ EXPRESSION_COLUMNS = ("cell_integer_id", "gene_integer_id", "value")
 LANCE_FILE_VERSION = "2.2"  # what SLAF 0.5 pins
 MAX_UINT16_GENES = 65_535
 TAKE_BELOW_MEAN_ROWS = 5_000  # mean rows per range under which one `take` beats per-range slices
-READ_THREADS = 8  # concurrent fragment slices per read (S3 latency hides behind parallel requests)
+READ_THREADS = 4  # concurrent fragment slices per read (S3 latency hides behind parallel requests)
 
 
 def gene_id_type(n_genes: int) -> pa.DataType:
