@@ -1,13 +1,15 @@
 """The wire format of a queue item: bytes only, no pickle.
 
-    header (44 bytes, little-endian)                  payload (zstd frame)
+    header (48 bytes, little-endian)                  payload (zstd frame)
     magic "CFDI" | version u16 | flags u16            cell_ids   u32[n]
     run tag u64 | epoch u32 | key id u64 | seq u32    lengths    u32[n]   tokens per cell
-    n_cells u32 | n_tokens u32                        tokens     u16|u32[n_tokens]
+    items in this unit u32                            tokens     u16|u32[n_tokens]
+    n_cells u32 | n_tokens u32
     token dtype u8 | value dtype u8 | 2 reserved      values     u8|u16|f32[n_tokens]  (optional)
     payload bytes u32 | crc32 of payload u32          labels     i32[n]                (optional)
 
-`key id` is the unit id, or the cell id when flags has STITCHED. The item key —
+`key id` is the unit id, or the cell id when flags has STITCHED; "items in this unit" lets a
+consumer tell when it holds all of a unit (resume skips such units). The item key —
 (epoch, unit, seq) or (epoch, "cell", cell id) — is what consumers deduplicate on. An item never
 exceeds 1 MiB: `pack_items` splits cells over as many items as needed.
 """
@@ -28,9 +30,10 @@ from coordination.queues import MAX_ITEM_BYTES
 MAGIC = b"CFDI"
 VERSION = 1
 STITCHED, HAS_VALUES, HAS_LABELS = 1, 2, 4
-HEADER = struct.Struct("<4sHHQIQIIIBBxxII")
+HEADER = struct.Struct("<4sHHQIQIIIIBBxxII")
 DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 3: np.dtype(np.uint32), 4: np.dtype(np.float32)}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
+_SEQ_OFFSET = 28  # seq and item count: the only header fields filled in after packing
 ZSTD_LEVEL = 3
 _local = threading.local()
 
@@ -46,6 +49,7 @@ class Item:
     seq: int
     stitched: bool
     run_tag: int
+    n_items: int  # items of this unit in all (1 for a stitched cell)
     cell_ids: np.ndarray
     offsets: np.ndarray  # int64[n + 1]
     tokens: np.ndarray
@@ -83,7 +87,7 @@ def pack_item(item: Item) -> bytes:
         flags |= HAS_LABELS
         parts.append(np.asarray(item.labels, dtype=np.int32).tobytes())
     payload = _compressor()[0].compress(b"".join(parts))
-    header = HEADER.pack(MAGIC, VERSION, flags, item.run_tag, item.epoch, item.key_id, item.seq, n,
+    header = HEADER.pack(MAGIC, VERSION, flags, item.run_tag, item.epoch, item.key_id, item.seq, item.n_items, n,
                          len(tokens), DTYPE_CODES[tokens.dtype], value_code, len(payload), zlib.crc32(payload))
     return header + payload
 
@@ -92,7 +96,7 @@ def unpack_item(data: bytes, run_tag: int | None = None, epoch: int | None = Non
     """Verify and decode an item; raises `ItemError` naming what is wrong."""
     if len(data) < HEADER.size:
         raise ItemError(f"truncated item: {len(data)} bytes, shorter than the {HEADER.size}-byte header")
-    (magic, version, flags, tag, item_epoch, key_id, seq, n, n_tokens, token_code, value_code,
+    (magic, version, flags, tag, item_epoch, key_id, seq, n_items, n, n_tokens, token_code, value_code,
      payload_len, crc) = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise ItemError(f"not a cellfeed item (magic {magic!r})")
@@ -136,7 +140,8 @@ def unpack_item(data: bytes, run_tag: int | None = None, epoch: int | None = Non
     tokens = take(token_dtype, n_tokens)
     values = take(value_dtype, n_tokens) if value_dtype else None
     labels = take(np.int32, n) if flags & HAS_LABELS else None
-    return Item(item_epoch, key_id, seq, bool(flags & STITCHED), tag, cell_ids, offsets, tokens, values, labels)
+    return Item(item_epoch, key_id, seq, bool(flags & STITCHED), tag, n_items, cell_ids, offsets, tokens, values,
+                labels)
 
 
 def _slice_cells(tokens, lo: int, hi: int):
@@ -149,21 +154,22 @@ def pack_items(tokens, *, epoch: int, key_id: int, run_tag: int, stitched: bool 
                labels: np.ndarray | None = None, cells_per_item: int = 128) -> list[bytes]:
     """Pack tokenized cells (a `Tokens`) into items of at most `cells_per_item` cells and 1 MiB,
     numbered 0, 1, ... in order; deterministic for the same input."""
-    out: list[bytes] = []
+    packed: list[bytearray] = []
 
     def emit(lo: int, hi: int) -> None:
         cell_ids, offsets, toks, values = _slice_cells(tokens, lo, hi)
-        data = pack_item(Item(epoch, key_id, len(out), stitched, run_tag, cell_ids, offsets, toks, values,
+        data = pack_item(Item(epoch, key_id, 0, stitched, run_tag, 0, cell_ids, offsets, toks, values,
                               None if labels is None else labels[lo:hi]))
         if len(data) <= MAX_ITEM_BYTES:
-            out.append(data)
+            packed.append(bytearray(data))
         elif hi - lo > 1:
-            mid = (lo + hi) // 2
-            emit(lo, mid)
-            emit(mid, hi)
+            emit(lo, (lo + hi) // 2)
+            emit((lo + hi) // 2, hi)
         else:
             raise ItemError(f"one cell packs to {len(data):,} bytes, over the 1 MiB item limit")
 
     for lo in range(0, tokens.n_cells, cells_per_item):
         emit(lo, min(lo + cells_per_item, tokens.n_cells))
-    return out
+    for seq, data in enumerate(packed):  # number the items once their count is known (header only)
+        struct.pack_into("<II", data, _SEQ_OFFSET, seq, len(packed))
+    return [bytes(d) for d in packed]

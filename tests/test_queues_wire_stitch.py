@@ -84,7 +84,7 @@ def make_item(stitched=False, values=True, labels=True, n=5):
     lengths = rng.integers(0, 30, size=n)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     tokens = rng.integers(0, 60_000, size=offsets[-1]).astype(np.uint16)
-    return Item(3, 17, 2, stitched, 0xABCDEF, np.arange(100, 100 + n), offsets, tokens,
+    return Item(3, 17, 2, stitched, 0xABCDEF, 4, np.arange(100, 100 + n), offsets, tokens,
                 rng.integers(0, 51, size=offsets[-1]).astype(np.uint8) if values else None,
                 np.arange(n, dtype=np.int32) if labels else None)
 
@@ -95,7 +95,7 @@ def make_item(stitched=False, values=True, labels=True, n=5):
 def test_item_round_trip(stitched, values, labels):
     item = make_item(stitched, values, labels)
     back = unpack_item(pack_item(item), run_tag=0xABCDEF, epoch=3)
-    for name in ("epoch", "key_id", "seq", "stitched", "run_tag"):
+    for name in ("epoch", "key_id", "seq", "stitched", "run_tag", "n_items"):
         assert getattr(back, name) == getattr(item, name)
     for name in ("cell_ids", "offsets", "tokens", "values", "labels"):
         a, b = getattr(item, name), getattr(back, name)
@@ -134,7 +134,7 @@ def test_pack_items_splits_to_stay_under_one_mebibyte():
     items = pack_items(tokens, epoch=0, key_id=5, run_tag=1, cells_per_item=300)
     assert len(items) > 1 and all(len(b) <= MAX_ITEM_BYTES for b in items)
     decoded = [unpack_item(b) for b in items]
-    assert [d.seq for d in decoded] == list(range(len(items)))
+    assert [d.seq for d in decoded] == list(range(len(items))) and {d.n_items for d in decoded} == {len(items)}
     np.testing.assert_array_equal(np.concatenate([d.cell_ids for d in decoded]), np.arange(n))
     np.testing.assert_array_equal(np.concatenate([d.tokens for d in decoded]), tokens.tokens)
     assert pack_items(tokens, epoch=0, key_id=5, run_tag=1, cells_per_item=300) == items  # deterministic
