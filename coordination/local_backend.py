@@ -1,0 +1,299 @@
+"""The `local` backend: the queue and map of one machine, shared by processes through a small
+TCP server built on the standard library.
+
+Why this and not a broker: the server holds the very `MemoryQueue`/`MemoryMap` the tests use,
+so local runs get exactly the semantics (blocking, timeouts, Modal's limits, put-if-absent)
+that tests check, with nothing to install. Frames are bytes — no pickle anywhere:
+
+    request   u32 length | u8 op | u32 header length | JSON header | values
+    response  u32 length | u8 status | u32 header length | JSON header | values
+    values    u32 count, then per value: u32 length | bytes
+
+Map values are bytes, str or int (what cellfeed stores), tagged b"b", b"s" or b"i".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import socketserver
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+from coordination.errors import CellfeedError
+from coordination.queues import Empty, Full, ItemTooLarge, MemoryMap, MemoryQueue
+
+OK, FULL, EMPTY, TOO_LARGE, MISSING, ERROR = range(6)
+_U32 = struct.Struct("<I")
+CONNECT_TIMEOUT_S = 10.0
+REPLY_MARGIN_S = 30.0  # how much longer than the server-side wait a client waits for the reply
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _send_frame(sock: socket.socket, code: int, header: dict, values: list[bytes] = ()) -> None:
+    head = json.dumps(header).encode()
+    parts = [bytes([code]), _U32.pack(len(head)), head, _U32.pack(len(values))]
+    for v in values:
+        parts += [_U32.pack(len(v)), bytes(v)]
+    body = b"".join(parts)
+    sock.sendall(_U32.pack(len(body)) + body)
+
+
+def _recv_frame(sock: socket.socket) -> tuple[int, dict, list[bytes]]:
+    body = memoryview(_recv_exact(sock, _U32.unpack(_recv_exact(sock, 4))[0]))
+    code, (head_len,) = body[0], _U32.unpack_from(body, 1)
+    header = json.loads(bytes(body[5:5 + head_len]))
+    pos = 5 + head_len
+    (count,) = _U32.unpack_from(body, pos)
+    pos += 4
+    values = []
+    for _ in range(count):
+        (n,) = _U32.unpack_from(body, pos)
+        values.append(bytes(body[pos + 4:pos + 4 + n]))
+        pos += 4 + n
+    return code, header, values
+
+
+def _encode_value(value) -> bytes:
+    if isinstance(value, (bytes, bytearray)):
+        return b"b" + bytes(value)
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TypeError(f"map values are bytes, str or int, got {type(value).__name__}")
+    return (b"s" + value.encode()) if isinstance(value, str) else (b"i" + str(value).encode())
+
+
+def _decode_value(data: bytes):
+    tag, rest = data[:1], data[1:]
+    return rest if tag == b"b" else rest.decode() if tag == b"s" else int(rest)
+
+
+# ----------------------------------------------------------------------------------------- server
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        queue: MemoryQueue = self.server.queue
+        store: MemoryMap = self.server.store
+        while True:
+            try:
+                op, h, values = _recv_frame(self.request)
+            except (ConnectionError, OSError):
+                return
+            try:
+                code, header, out = self._dispatch(op, h, values, queue, store)
+            except Full as exc:
+                code, header, out = FULL, {"message": str(exc)}, []
+            except Empty:
+                code, header, out = EMPTY, {}, []
+            except ItemTooLarge as exc:
+                code, header, out = TOO_LARGE, {"message": str(exc)}, []
+            except KeyError:
+                code, header, out = MISSING, {}, []
+            except Exception as exc:  # noqa: BLE001 - sent back to the caller
+                code, header, out = ERROR, {"message": f"{type(exc).__name__}: {exc}"}, []
+            try:
+                _send_frame(self.request, code, header, out)
+            except OSError:
+                return
+
+    @staticmethod
+    def _dispatch(op, h, values, queue, store):
+        if op == 1:
+            queue.put_many(values, h["block"], h["timeout"], partition=h["partition"])
+            return OK, {}, []
+        if op == 2:
+            return OK, {}, queue.get_many(h["n"], h["block"], h["timeout"], partition=h["partition"])
+        if op == 3:
+            return OK, {"len": queue.len(partition=h["partition"], total=h["total"])}, []
+        if op == 4:
+            return OK, {"stored": store.put(h["key"], _decode_value(values[0]),
+                                            skip_if_exists=h["skip_if_exists"])}, []
+        if op == 5:
+            value = store.get(h["key"])
+            return OK, {"found": value is not None}, [] if value is None else [_encode_value(value)]
+        if op == 6:
+            return OK, {}, [_encode_value(store.pop(h["key"]))]
+        if op == 7:
+            return OK, {"keys": store.keys()}, []
+        if op == 8:
+            return OK, {"pong": True}, []
+        raise ValueError(f"unknown op {op}")
+
+
+class LocalServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        super().__init__((host, port), _Handler)
+        self.queue, self.store = MemoryQueue(), MemoryMap()
+
+    @property
+    def address(self) -> str:
+        host, port = self.server_address[:2]
+        return f"{host}:{port}"
+
+    def start_in_thread(self) -> "LocalServer":
+        threading.Thread(target=self.serve_forever, daemon=True, name="cellfeed-local-server").start()
+        return self
+
+
+class ServerProcess:
+    """The server in its own process (what the local campaign uses); stopped on `close`."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-m", "coordination.local_backend"], stdout=subprocess.PIPE,
+                                     text=True)
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("listening "):
+            self.proc.kill()
+            raise CellfeedError("the local queue server did not start")
+        self.address = line.split()[1]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# ----------------------------------------------------------------------------------------- client
+
+
+class _Client:
+    """One connection per thread to the server; every wait is bounded."""
+
+    def __init__(self, address: str):
+        self.address = address
+        host, port = address.rsplit(":", 1)
+        self._target = (host, int(port))
+        self._local = threading.local()
+
+    def _sock(self) -> socket.socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            try:
+                sock = socket.create_connection(self._target, timeout=CONNECT_TIMEOUT_S)
+            except OSError:
+                raise CellfeedError(
+                    f"the local queue server at {self.address} is unreachable (has the campaign stopped?)"
+                ) from None
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._local.sock = sock
+        return sock
+
+    def call(self, op: int, header: dict, values: list[bytes] = (), wait_s: float | None = 0.0):
+        sock = self._sock()
+        sock.settimeout(None if wait_s is None else wait_s + REPLY_MARGIN_S)
+        try:
+            _send_frame(sock, op, header, values)
+            code, reply, out = _recv_frame(sock)
+        except (OSError, ConnectionError):
+            self._local.sock = None
+            sock.close()
+            raise CellfeedError(
+                f"lost the local queue server at {self.address} (has the campaign stopped?)"
+            ) from None
+        if code == OK:
+            return reply, out
+        if code == FULL:
+            raise Full(reply.get("message", "partition full"))
+        if code == EMPTY:
+            raise Empty()
+        if code == TOO_LARGE:
+            raise ItemTooLarge(reply["message"])
+        if code == MISSING:
+            raise KeyError(header.get("key"))
+        raise CellfeedError(f"local queue server error: {reply.get('message')}")
+
+
+class LocalQueue:
+    """`Queue` over the local server."""
+
+    def __init__(self, address: str):
+        self.client = _Client(address)
+
+    def put_many(self, values, block=True, timeout=None, *, partition=None) -> None:
+        values = list(values)
+        for v in values:
+            if not isinstance(v, (bytes, bytearray, memoryview)):
+                raise TypeError(f"queue items are bytes (no pickle on the data path), got {type(v).__name__}")
+        self.client.call(1, {"block": block, "timeout": timeout, "partition": partition}, values,
+                         wait_s=timeout if block else 0.0)
+
+    def put(self, value, block=True, timeout=None, *, partition=None) -> None:
+        self.put_many([value], block, timeout, partition=partition)
+
+    def get_many(self, n_values, block=True, timeout=None, *, partition=None) -> list[bytes]:
+        return self.client.call(2, {"n": n_values, "block": block, "timeout": timeout, "partition": partition},
+                                wait_s=timeout if block else 0.0)[1]
+
+    def get(self, block=True, timeout=None, *, partition=None):
+        values = self.get_many(1, block, timeout, partition=partition)
+        return values[0] if values else None
+
+    def len(self, *, partition=None, total=False) -> int:
+        return self.client.call(3, {"partition": partition, "total": total})[0]["len"]
+
+
+class LocalMap:
+    """`Map` over the local server."""
+
+    def __init__(self, address: str):
+        self.client = _Client(address)
+
+    def put(self, key, value, *, skip_if_exists=False) -> bool:
+        return self.client.call(4, {"key": key, "skip_if_exists": skip_if_exists}, [_encode_value(value)])[0]["stored"]
+
+    def get(self, key, default=None):
+        reply, values = self.client.call(5, {"key": key})
+        return _decode_value(values[0]) if reply["found"] else default
+
+    def pop(self, key, *default):
+        try:
+            return _decode_value(self.client.call(6, {"key": key})[1][0])
+        except KeyError:
+            if default:
+                return default[0]
+            raise
+
+    def __contains__(self, key) -> bool:
+        return self.get(key) is not None
+
+    def keys(self) -> list[str]:
+        return self.client.call(7, {})[0]["keys"]
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run the local cellfeed queue/map server.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    server = LocalServer(args.host, args.port)
+    print(f"listening {server.address}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

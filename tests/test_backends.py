@@ -1,0 +1,185 @@
+"""One conformance suite for every Queue/Map backend that runs here (memory, local server), and
+adapter tests for the Modal backend against a recording stand-in (these are not Modal runs)."""
+
+from __future__ import annotations
+
+import queue as stdlib_queue
+import threading
+import time
+
+import pytest
+
+from coordination.errors import CellfeedError
+from coordination.local_backend import LocalMap, LocalQueue, LocalServer, ServerProcess
+from coordination.modal_backend import ModalMap, ModalQueue, run_object_name
+from coordination.queues import MAX_ITEM_BYTES, Empty, Full, ItemTooLarge, MemoryMap, MemoryQueue
+
+
+@pytest.fixture(scope="module")
+def local_server():
+    server = LocalServer().start_in_thread()
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(params=["memory", "local"])
+def backend(request, local_server):
+    if request.param == "memory":
+        return MemoryQueue(), MemoryMap()
+    local_server.queue.__init__()  # fresh state per test
+    local_server.store.__init__()
+    return LocalQueue(local_server.address), LocalMap(local_server.address)
+
+
+def test_fifo_partitions_and_len(backend):
+    q, _ = backend
+    q.put_many([b"a", b"b", b"c"], partition="p")
+    q.put_many([b"x"], partition="other")
+    assert q.len(partition="p") == 3 and q.len(partition="other") == 1 and q.len(total=True) == 4
+    assert q.get_many(2, partition="p") == [b"a", b"b"]
+    assert q.get(partition="p") == b"c"
+    assert q.get(block=False, partition="p") is None and q.get_many(3, block=False, partition="p") == []
+
+
+def test_blocking_get_many_waits_for_one_item_and_times_out(backend):
+    q, _ = backend
+    with pytest.raises(Empty):
+        q.get_many(5, block=True, timeout=0.2, partition="p")
+    threading.Timer(0.2, lambda: q.put_many([b"late"], partition="p")).start()
+    assert q.get_many(5, block=True, timeout=5, partition="p") == [b"late"]
+
+
+def test_item_limits_and_types(backend):
+    q, _ = backend
+    q.put_many([b"x" * MAX_ITEM_BYTES], partition="p")
+    with pytest.raises(ItemTooLarge):
+        q.put_many([b"x" * (MAX_ITEM_BYTES + 1)], partition="p")
+    with pytest.raises(TypeError):
+        q.put_many(["text is not bytes"], partition="p")
+
+
+def test_full_partition_blocks_then_raises(backend):
+    q, _ = backend
+    q.put_many([b"i"] * 5000, partition="p")
+    with pytest.raises(Full):
+        q.put_many([b"one more"], block=False, partition="p")
+    with pytest.raises(Full):
+        q.put_many([b"one more"], block=True, timeout=0.2, partition="p")
+    threading.Timer(0.2, lambda: q.get_many(10, partition="p")).start()
+    q.put_many([b"one more"], block=True, timeout=5, partition="p")
+    assert q.len(partition="p") == 4991
+
+
+def test_map_semantics(backend):
+    _, m = backend
+    assert m.put("k", b"bytes", skip_if_exists=True) is True
+    assert m.put("k", b"other", skip_if_exists=True) is False and m.get("k") == b"bytes"
+    assert m.put("s", "text") and m.get("s") == "text" and m.put("i", 42) and m.get("i") == 42
+    assert "k" in m and "nope" not in m and sorted(m.keys()) == ["i", "k", "s"]
+    assert m.pop("k") == b"bytes" and m.get("k") is None and m.get("k", "dflt") == "dflt"
+    with pytest.raises(KeyError):
+        m.pop("k")
+    assert m.pop("k", None) is None
+
+
+def test_put_if_absent_has_one_winner_under_contention(backend):
+    _, m = backend
+    winners = []
+
+    def claim(i):
+        if m.put("slot", i, skip_if_exists=True):
+            winners.append(i)
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(winners) == 1 and m.get("slot") == winners[0]
+
+
+def test_server_process_and_its_disappearance():
+    server = ServerProcess()
+    q = LocalQueue(server.address)
+    q.put_many([b"a"], partition="p")
+    assert q.get_many(1, partition="p") == [b"a"]
+    server.close()
+    start = time.monotonic()
+    with pytest.raises(CellfeedError, match="local queue server"):
+        q.get_many(1, timeout=1, partition="p")
+    assert time.monotonic() - start < 15
+
+
+# ------------------------------------------------------------------------- modal adapter tests
+
+
+class RecordingModalQueue:
+    """Stands in for modal.Queue: records calls and behaves as Modal documents."""
+
+    def __init__(self):
+        self.calls, self.items = [], {}
+
+    def put_many(self, vs, block=True, timeout=None, *, partition=None, partition_ttl=86400):
+        self.calls.append(("put_many", len(vs), block, timeout, partition))
+        if len(self.items.get(partition, [])) + len(vs) > 5000:
+            raise stdlib_queue.Full()
+        self.items.setdefault(partition, []).extend(vs)
+
+    def get_many(self, n_values, block=True, timeout=None, *, partition=None):
+        self.calls.append(("get_many", n_values, block, timeout, partition))
+        items = self.items.get(partition, [])
+        if not items and block:
+            raise stdlib_queue.Empty()
+        out, self.items[partition] = items[:n_values], items[n_values:]
+        return out
+
+    def get(self, block=True, timeout=None, *, partition=None):
+        self.calls.append(("get", block, timeout, partition))
+        out = self.get_many(1, block, timeout, partition=partition) if block or self.items.get(partition) else []
+        return out[0] if out else None
+
+    def len(self, *, partition=None, total=False):
+        return sum(map(len, self.items.values())) if total else len(self.items.get(partition, []))
+
+
+class RecordingModalDict(dict):
+    def put(self, key, value, *, skip_if_exists=False):
+        if skip_if_exists and key in self:
+            return False
+        self[key] = value
+        return True
+
+    def contains(self, key):
+        return key in self
+
+
+def test_modal_adapter_imports_and_constructs_offline():
+    q, m = ModalQueue("cellfeed-test"), ModalMap("cellfeed-test")
+    assert q._queue is None and m._dict is None  # nothing contacted Modal
+    assert run_object_name("r1") == "cellfeed-r1"
+    with pytest.raises(ItemTooLarge):  # checked before anything would leave the machine
+        q.put_many([b"x" * (MAX_ITEM_BYTES + 1)], partition="p")
+    with pytest.raises(TypeError):
+        q.put_many([{"no": "pickle"}], partition="p")
+
+
+def test_modal_adapter_translates_calls_and_behaviours():
+    stand_in = RecordingModalQueue()
+    q = ModalQueue(queue=stand_in)
+    q.put_many([b"a", b"b"], block=True, timeout=3, partition="rank-0")
+    assert stand_in.calls[-1] == ("put_many", 2, True, 3, "rank-0")
+    assert q.get_many(5, block=True, timeout=2, partition="rank-0") == [b"a", b"b"]
+    assert stand_in.calls[-1] == ("get_many", 5, True, 2, "rank-0")
+    assert q.get(block=False, partition="rank-0") is None  # non-blocking get: None when empty
+    with pytest.raises(Empty):
+        q.get_many(5, block=True, timeout=0.1, partition="rank-0")
+    assert q.get_many(5, block=False, partition="rank-0") == []
+    assert stand_in.calls[-1] == ("get_many", 5, False, None, "rank-0")  # no timeout with block=False
+    q.put_many([b"x"] * 5000, partition="full")
+    with pytest.raises(Full):
+        q.put_many([b"y"], block=False, partition="full")
+    assert q.len(partition="full") == 5000 and q.len(total=True) == 5000
+    d = RecordingModalDict()
+    m = ModalMap(mapping=d)
+    assert m.put("k", 1, skip_if_exists=True) is True and m.put("k", 2, skip_if_exists=True) is False
+    assert m.get("k") == 1 and "k" in m and m.keys() == ["k"] and m.pop("k") == 1 and m.pop("k", None) is None

@@ -1,0 +1,231 @@
+"""The consumer stream of one rank: pop items from its partition, verify and decompress them in
+a background thread, drop duplicate keys, mix cells from many items in a buffer, and yield
+fixed-size batches as tensors. It ends an epoch by count: every rank knows every rank's cell
+count from the epoch's `PlanSummary`, so all ranks take the same number of steps with no
+communication and no end-of-stream marker (a rank with fewer cells yields smaller, then empty,
+final batches).
+
+No Lance or Polars here: the GPU image needs only torch, numpy and zstandard.
+"""
+
+from __future__ import annotations
+
+import queue as stdlib_queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from coordination.errors import CellfeedError
+from coordination.queues import Empty, Queue
+from coordination.routing import rank_partition, run_tag
+from coordination.wire import Item, ItemError, unpack_item
+
+PAD = 0
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # int64 [B, L], PAD-padded
+    attention_mask: torch.Tensor  # bool [B, L], True on real tokens
+    values: torch.Tensor | None  # [B, L]: int64 bins or float32 raw values
+    labels: torch.Tensor | None  # int64 [B]
+    cell_ids: torch.Tensor  # int64 [B]
+    completed: list = field(default_factory=list)  # item keys whose last cell is in this batch
+    cells_of_partial: dict = field(default_factory=dict)  # item key -> cell ids in this batch (resume)
+    wait_s: float = 0.0  # time the caller waited for this batch
+
+    @property
+    def size(self) -> int:
+        return int(self.cell_ids.shape[0])
+
+
+@dataclass
+class StreamStats:
+    items: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    cells: int = 0
+    wait_s: float = 0.0
+
+
+class ConsumerStream:
+    def __init__(self, queue: Queue, *, rank: int, world_size: int, run: str, batch_size: int,
+                 pad_to: int | None = None, buffer_cells: int = 4096, seed: int = 0,
+                 no_data_timeout_s: float = 600.0, poll_s: float = 1.0, fetch_items: int = 32,
+                 consumed: set | None = None, trained_cells: dict | None = None, pin_memory: bool | None = None):
+        if batch_size < 1 or buffer_cells < 1:
+            raise CellfeedError("batch_size and buffer_cells must be >= 1")
+        self.queue, self.rank, self.world_size = queue, rank, world_size
+        self.partition = rank_partition(rank)
+        self.tag = run_tag(run)
+        self.batch_size, self.pad_to, self.buffer_cells = batch_size, pad_to, buffer_cells
+        self.seed, self.no_data_timeout_s, self.poll_s, self.fetch_items = seed, no_data_timeout_s, poll_s, fetch_items
+        self.consumed = set(consumed or ())  # keys fully trained on (from a checkpoint)
+        self.trained_cells = {k: set(v) for k, v in (trained_cells or {}).items()}  # partially trained items
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.stats = StreamStats()
+        self._items: stdlib_queue.Queue = stdlib_queue.Queue(maxsize=max(4, buffer_cells // 16))
+        self._future: list[Item] = []  # decoded items of later epochs
+        self._error: BaseException | None = None
+        self._closed = threading.Event()
+        self._fetcher = threading.Thread(target=self._fetch, daemon=True, name=f"cellfeed-fetch-{rank}")
+        self._fetcher.start()
+
+    # ---- background: pop, verify, decompress
+
+    def _fetch(self) -> None:
+        try:
+            while not self._closed.is_set():
+                try:
+                    raw = self.queue.get_many(self.fetch_items, block=True, timeout=self.poll_s,
+                                              partition=self.partition)
+                except Empty:
+                    continue
+                for data in raw:
+                    item = unpack_item(data, run_tag=self.tag)
+                    while not self._closed.is_set():
+                        try:
+                            self._items.put(item, timeout=self.poll_s)
+                            break
+                        except stdlib_queue.Full:
+                            continue
+        except BaseException as exc:  # noqa: BLE001 - raised in the consumer's thread
+            self._error = exc
+
+    def _next_item(self, epoch: int, deadline: float) -> Item | None:
+        for i, item in enumerate(self._future):
+            if item.epoch == epoch:
+                return self._future.pop(i)
+        while True:
+            if self._error is not None:
+                if isinstance(self._error, ItemError):
+                    raise CellfeedError(f"rank {self.rank}: refusing to train on a bad item: {self._error}")
+                raise CellfeedError(f"rank {self.rank}: reading the queue failed: {self._error}") from self._error
+            try:
+                item = self._items.get(timeout=min(self.poll_s, max(0.0, deadline - time.monotonic())) or 0.01)
+            except stdlib_queue.Empty:
+                if time.monotonic() > deadline:
+                    return None
+                continue
+            if item.epoch == epoch:
+                return item
+            if item.epoch > epoch:
+                self._future.append(item)
+            else:
+                self.stats.stale += 1  # a late duplicate of a finished epoch
+
+    # ---- foreground: mix and batch
+
+    def epoch(self, epoch: int, cells_per_rank: list[int]) -> "EpochIterator":
+        return EpochIterator(self, epoch, cells_per_rank)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._fetcher.join(timeout=5 * self.poll_s + 1)
+
+
+class EpochIterator:
+    """Batches of one epoch; exactly `steps` of them on every rank."""
+
+    def __init__(self, stream: ConsumerStream, epoch: int, cells_per_rank: list[int]):
+        if len(cells_per_rank) != stream.world_size:
+            raise CellfeedError(f"plan lists {len(cells_per_rank)} ranks, the stream has world size {stream.world_size}")
+        self.s, self.epoch = stream, epoch
+        self.expected = int(cells_per_rank[stream.rank])
+        self.steps = -(-max(cells_per_rank) // stream.batch_size)
+        self.step = 0
+        self.received = 0  # cells taken into the buffer
+        self.seen: set = set()
+        self.rng = np.random.default_rng([stream.seed, epoch, stream.rank])
+        self.buffer: list[tuple[Item, int]] = []  # (item, cell index)
+        self.remaining: dict = {}  # item key -> cells of it not yet batched
+
+    def __iter__(self):
+        return self
+
+    def _admit(self, item: Item) -> None:
+        s = self.s
+        s.stats.items += 1
+        if item.key in self.seen or item.key in s.consumed:
+            s.stats.duplicates += 1
+            return
+        self.seen.add(item.key)
+        skip = s.trained_cells.get(item.key, ())
+        cells = [i for i in range(item.n_cells) if int(item.cell_ids[i]) not in skip]
+        self.received += item.n_cells  # trained-before cells count as received: they were delivered
+        if cells:
+            self.remaining[item.key] = len(cells)
+            self.buffer.extend((item, i) for i in cells)
+
+    def _fill(self) -> float:
+        """Top the buffer up; returns seconds spent waiting for data."""
+        s, waited = self.s, 0.0
+        while self.received < self.expected and len(self.buffer) < s.buffer_cells:
+            start = time.monotonic()
+            item = s._next_item(self.epoch, start + s.no_data_timeout_s)
+            waited += time.monotonic() - start
+            if item is None:
+                raise CellfeedError(
+                    f"rank {s.rank}: no data for {s.no_data_timeout_s:.0f}s in epoch {self.epoch} with "
+                    f"{self.expected - self.received} of {self.expected} cells still expected: are producers running?"
+                )
+            self._admit(item)
+        if self.received > self.expected:
+            raise CellfeedError(f"rank {s.rank}: received {self.received} cells in epoch {self.epoch}, the plan "
+                                f"says {self.expected}: the items do not belong to this plan")
+        return waited
+
+    def __next__(self) -> Batch:
+        if self.step >= self.steps:
+            raise StopIteration
+        s = self.s
+        waited = self._fill()
+        take = min(s.batch_size, len(self.buffer))
+        picks = self.rng.choice(len(self.buffer), size=take, replace=False) if take else np.zeros(0, dtype=np.int64)
+        chosen = [self.buffer[i] for i in picks]
+        for i in sorted(picks.tolist(), reverse=True):  # swap-remove
+            self.buffer[i] = self.buffer[-1]
+            self.buffer.pop()
+        batch = _collate(chosen, s.pad_to, s.pin_memory)
+        for item, i in chosen:
+            self.remaining[item.key] -= 1
+            if self.remaining[item.key] == 0:
+                del self.remaining[item.key]
+                batch.completed.append(item.key)
+            else:
+                batch.cells_of_partial.setdefault(item.key, []).append(int(item.cell_ids[i]))
+        batch.wait_s = waited
+        s.stats.wait_s += waited
+        s.stats.cells += take
+        self.step += 1
+        return batch
+
+
+def _collate(chosen: list[tuple[Item, int]], pad_to: int | None, pin: bool) -> Batch:
+    lengths = [int(item.offsets[i + 1] - item.offsets[i]) for item, i in chosen]
+    width = pad_to or max(lengths, default=1)
+    n = len(chosen)
+    tokens = np.full((n, width), PAD, dtype=np.int64)
+    has_values = bool(chosen) and chosen[0][0].values is not None
+    values = np.zeros((n, width), dtype=np.float32 if has_values and chosen[0][0].values.dtype == np.float32
+                      else np.int64) if has_values else None
+    has_labels = bool(chosen) and chosen[0][0].labels is not None
+    labels = np.zeros(n, dtype=np.int64) if has_labels else None
+    cell_ids = np.zeros(n, dtype=np.int64)
+    for row, ((item, i), length) in enumerate(zip(chosen, lengths)):
+        a = int(item.offsets[i])
+        length = min(length, width)
+        tokens[row, :length] = item.tokens[a:a + length]
+        if values is not None:
+            values[row, :length] = item.values[a:a + length]
+        if labels is not None:
+            labels[row] = item.labels[i]
+        cell_ids[row] = item.cell_ids[i]
+    mask = np.arange(width)[None, :] < np.minimum(np.asarray(lengths, dtype=np.int64), width)[:, None]
+    tensors = [torch.from_numpy(x) if x is not None else None for x in (tokens, mask, values, labels, cell_ids)]
+    if pin:
+        tensors = [t.pin_memory() if t is not None else None for t in tensors]
+    return Batch(*tensors)
