@@ -148,21 +148,28 @@ class Driver:
             self.store.pop(done_key(self.run, summary.epoch, unit), None)
             self.store.pop(lease_key(self.run, summary.epoch, unit), None)
 
-    def run_epochs(self, epochs: list[int], summary_timeout_s: float = 60.0) -> DriverStats:
+    def run_epochs(self, epochs: list[int], summary_timeout_s: float = 60.0,
+                   resume_epoch: int | None = None) -> DriverStats:
+        """Drive epochs in order. `resume_epoch`: an epoch a restarted trainer resumes mid-way —
+        its old done marks and stitching state are cleared and every unit is issued again (the
+        consumers drop what they already trained on by key)."""
         for epoch in epochs:
             if self._stop.is_set():
                 break
-            self.run_epoch(load_summary(self.store, self.run, epoch, summary_timeout_s))
+            summary = load_summary(self.store, self.run, epoch, summary_timeout_s)
+            if epoch == resume_epoch:
+                self.forget(summary)
+            self.run_epoch(summary)
         return self.stats
 
-    def start(self, epochs: list[int]) -> threading.Thread:
+    def start(self, epochs: list[int], resume_epoch: int | None = None) -> threading.Thread:
         """Run the epochs in a background thread (e.g. inside trainer rank 0); errors are kept in
         `self.error`."""
         self.error: BaseException | None = None
 
         def target():
             try:
-                self.run_epochs(epochs)
+                self.run_epochs(epochs, resume_epoch=resume_epoch)
             except BaseException as exc:  # noqa: BLE001 - reported by the owner
                 self.error = exc
 

@@ -32,6 +32,7 @@ from producers.ranking import CellRows
 from producers.stitch import offer_piece
 from producers.tokenizers import make_tokenizer
 
+STOP_POLL_S = 1.0  # how often an idle producer checks for a stop
 PUT_BATCH_ITEMS = 32  # items per put_many call (32 x <=1 MiB stays far inside a 64 MiB partition)
 
 
@@ -211,16 +212,21 @@ class Producer:
         self.store.put(lease_key(self.config.run, epoch, unit), value)
 
     def _take_task(self, block: bool) -> tuple[int, int, Future] | None:
-        """The next unit not yet done, leased and with its read started; None when there is none."""
+        """The next unit not yet done, leased and with its read started; None when the task list
+        stayed empty for `idle_timeout_s` (or at once if not `block`), or a stop was signalled."""
         run = self.config.run
+        idle_until = time.monotonic() + self.config.idle_timeout_s
         while self.store.get(stop_key(run)) is None:
+            wait = min(STOP_POLL_S, idle_until - time.monotonic()) if block else 0.0
             try:
-                task = self.queue.get(block=block, timeout=self.config.idle_timeout_s if block else None,
+                task = self.queue.get(block=block, timeout=max(wait, 0.01) if block else None,
                                       partition=TASKS_PARTITION)
             except Empty:
-                return None
+                task = None
             if task is None:
-                return None
+                if not block or time.monotonic() >= idle_until:
+                    return None
+                continue
             epoch, unit = decode_task(task)
             if self.store.get(done_key(run, epoch, unit)) is not None:
                 continue  # a re-issued unit that another producer finished meanwhile

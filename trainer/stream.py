@@ -41,6 +41,13 @@ class Batch:
     def size(self) -> int:
         return int(self.cell_ids.shape[0])
 
+    def to(self, device: torch.device) -> "Batch":
+        if device.type == "cpu":
+            return self
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.tokens), move(self.attention_mask), move(self.values), move(self.labels),
+                     self.cell_ids, self.completed, self.cells_of_partial, self.wait_s)
+
 
 @dataclass
 class StreamStats:
@@ -120,6 +127,8 @@ class ConsumerStream:
     # ---- foreground: mix and batch
 
     def epoch(self, epoch: int, cells_per_rank: list[int]) -> "EpochIterator":
+        """Batches of `epoch`; `cells_per_rank` are the cells each rank still has to train on
+        (the plan's counts, less what a checkpoint says was trained)."""
         return EpochIterator(self, epoch, cells_per_rank)
 
     def close(self) -> None:
@@ -153,9 +162,9 @@ class EpochIterator:
             s.stats.duplicates += 1
             return
         self.seen.add(item.key)
-        skip = s.trained_cells.get(item.key, ())
+        skip = s.trained_cells.get(item.key, ())  # cells of this item trained before a restart
         cells = [i for i in range(item.n_cells) if int(item.cell_ids[i]) not in skip]
-        self.received += item.n_cells  # trained-before cells count as received: they were delivered
+        self.received += len(cells)
         if cells:
             self.remaining[item.key] = len(cells)
             self.buffer.extend((item, i) for i in cells)

@@ -1,0 +1,19 @@
+"""Connect to a run's queue and map from a small, JSON-able spec (what processes are given)."""
+
+from __future__ import annotations
+
+from coordination.errors import CellfeedError
+
+
+def connect(spec: dict):
+    """(queue, map) for {"kind": "local", "address": "host:port"} or {"kind": "modal", "run": id}."""
+    kind = spec.get("kind")
+    if kind == "local":
+        from coordination.local_backend import LocalMap, LocalQueue
+
+        return LocalQueue(spec["address"]), LocalMap(spec["address"])
+    if kind == "modal":
+        from coordination.modal_backend import run_backends
+
+        return run_backends(spec["run"], spec.get("environment"))
+    raise CellfeedError(f"unknown backend {kind!r}: use 'local' or 'modal' (the memory backend lives in one process)")

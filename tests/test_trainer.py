@@ -1,0 +1,137 @@
+"""The trainer as it runs: 2 real rank processes (gloo DDP on CPU, tiny preset) fed by producers
+through the local queue server. Loss goes down, ranks stay in sync, the step count matches the
+plan, and a run SIGKILLed mid-epoch resumes so that every cell is trained on exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordination.driver import PlanSummary, publish_summary
+from coordination.local_backend import LocalMap, LocalQueue, ServerProcess
+from coordination.plan import Sampling
+from coordination.routing import stop_key
+from producers.producer import Producer, ProducerConfig
+from trainer.launch import launch, wait_all
+from trainer.model import CellTransformer, ModelConfig, mask_positions, masked_loss, train_flops
+from trainer.stream import Batch
+from trainer.train import TrainConfig
+
+WORLD = 2
+BATCH = 32
+
+
+class Campaign:
+    """Server + published plans + producer threads, as the local campaign sets them up."""
+
+    def __init__(self, ds, run: str, epochs: int, producers: int = 2):
+        self.server = ServerProcess()
+        self.run = run
+        config = ProducerConfig(dataset=ds.uri, run=run, world_size=WORLD, max_genes=24, cells_per_item=40,
+                                sampling=Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
+                                idle_timeout_s=300)
+        first = Producer(config, LocalQueue(self.server.address), LocalMap(self.server.address), dataset=ds)
+        self.summaries = [PlanSummary.of(first.plan(e), WORLD) for e in range(epochs)]
+        for s in self.summaries:
+            publish_summary(first.store, run, s)
+        self.threads = [threading.Thread(target=Producer(config, LocalQueue(self.server.address),
+                                                         LocalMap(self.server.address), dataset=ds).run, daemon=True)
+                        for _ in range(producers)]
+        for t in self.threads:
+            t.start()
+
+    def train_config(self, tmp: Path, **changes) -> TrainConfig:
+        base = dict(run=self.run, backend={"kind": "local", "address": self.server.address}, vocab_size=62_714,
+                    preset="tiny", batch_size=BATCH, lr=3e-3, warmup_steps=5, epochs=1, seed=3,
+                    checkpoint_dir=str(tmp / "ckpt"), checkpoint_every=10, log_path=str(tmp / "steps.jsonl"),
+                    cells_log=str(tmp / "cells"), progress_bar=False, no_data_timeout_s=120)
+        return TrainConfig(**{**base, **changes})
+
+    def close(self) -> None:
+        LocalMap(self.server.address).put(stop_key(self.run), "stop")
+        for t in self.threads:
+            t.join(timeout=30)
+        self.server.close()
+
+
+def read_cells(prefix: Path, max_step: int | None = None) -> Counter:
+    out = Counter()
+    for rank in range(WORLD):
+        path = Path(f"{prefix}.rank{rank}.jsonl")
+        for line in path.read_text().splitlines() if path.exists() else []:
+            row = json.loads(line)
+            if max_step is None or row["step"] < max_step:
+                out.update(row["cells"])
+    return out
+
+
+def test_two_rank_ddp_trains_in_sync_on_every_cell_once(small_synth, tmp_path):
+    campaign = Campaign(small_synth, "ddp", epochs=1)
+    try:
+        cfg = campaign.train_config(tmp_path)
+        codes = wait_all(launch(cfg, WORLD, tmp_path, summary_path=str(tmp_path / "summary")), timeout=600)
+    finally:
+        campaign.close()
+    assert codes == [0, 0]
+    summaries = [json.loads(Path(f"{tmp_path}/summary.rank{r}").read_text()) for r in range(WORLD)]
+    steps = campaign.summaries[0].steps(BATCH)
+    assert summaries[0]["steps"] == summaries[1]["steps"] == steps  # the step count the plan implies
+    assert summaries[0]["final_params_checksum"] == summaries[1]["final_params_checksum"]  # ranks in sync
+    rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert len(rows) == steps and all(r["cells_per_s"] > 0 and r["mfu"] is None for r in rows)
+    first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
+    assert last < first - 0.3, (first, last)
+    assert read_cells(tmp_path / "cells") == Counter(range(small_synth.n_cells))
+    assert (tmp_path / "ckpt" / "latest").exists()
+
+
+def test_sigkill_mid_epoch_then_resume_trains_every_cell_once(small_synth, tmp_path):
+    campaign = Campaign(small_synth, "resume", epochs=1)
+    try:
+        first = campaign.train_config(tmp_path / "a", cells_log=str(tmp_path / "a" / "cells"))
+        procs = launch(first, WORLD, tmp_path / "a")
+        latest = tmp_path / "a" / "ckpt" / "latest"
+        deadline = time.monotonic() + 300
+        while not (latest.exists() and latest.read_text().strip() >= "step-00000020"):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        for p in procs:
+            os.kill(p.pid, signal.SIGKILL)  # a real crash: no clean-up, no final checkpoint
+        for p in procs:
+            p.wait()
+        committed = int(latest.read_text().strip().split("-")[1])
+        assert committed < campaign.summaries[0].steps(BATCH)  # really mid-epoch
+        second = campaign.train_config(tmp_path / "b", checkpoint_dir=first.checkpoint_dir, resume=True,
+                                       cells_log=str(tmp_path / "b" / "cells"))
+        codes = wait_all(launch(second, WORLD, tmp_path / "b"), timeout=600)
+    finally:
+        campaign.close()
+    assert codes == [0, 0]
+    before = read_cells(tmp_path / "a" / "cells", max_step=committed)  # what the checkpoint holds
+    after = read_cells(tmp_path / "b" / "cells")
+    assert sum(before.values()) > 0 and sum(after.values()) > 0
+    assert before + after == Counter(range(small_synth.n_cells))  # no loss, no duplicate
+
+
+def test_model_presets_masking_and_flops():
+    assert abs(CellTransformer(ModelConfig.preset("scgpt", 62_714)).n_params() / 1e6 - 51.1) < 0.5
+    mask = torch.tensor([[True] * 10 + [False] * 6, [True] * 16])
+    chosen = mask_positions(mask, 0.4, torch.Generator().manual_seed(0))
+    assert not chosen[:, 0].any() and not (chosen & ~mask).any()
+    assert chosen.sum(dim=1).tolist() == [round(9 * 0.4), round(15 * 0.4)]
+    model = CellTransformer(ModelConfig.preset("tiny", 100, n_bins=11))
+    batch = Batch(torch.randint(4, 100, (2, 16)), mask, torch.randint(1, 11, (2, 16)), None, torch.arange(2))
+    loss_sum, n, correct = masked_loss(model, batch, 0.4, torch.Generator().manual_seed(0), 11)
+    assert n == 10 and loss_sum.item() > 0 and 0 <= correct <= n
+    c = ModelConfig.preset("scgpt", 62_714)
+    lengths = torch.tensor([1025.0, 1025.0])
+    expected = 6 * 12 * (4 * 512**2 + 2 * 512 * 512) * 2050 + 6 * 512 * 51 * 800 + 12 * 12 * 512 * 2 * 1025**2
+    assert train_flops(c, lengths, 800) == pytest.approx(expected)

@@ -1,0 +1,100 @@
+"""Checkpoints: model, optimizer, scheduler, step, epoch, and per rank what it has trained on.
+
+Layout: `DIR/step-00000120/` holds `state.pt` (tensors only; loaded with weights_only=True) and
+`progress-rank{r}.json` per rank (the current epoch's fully consumed item keys, the cells
+already trained of partly consumed items, and how many cells the rank has trained this epoch).
+Every rank writes its file into a hidden `.step-…tmp` folder; after a barrier rank 0 writes the
+state, renames the folder into place and then points `DIR/latest` at it, so a crash at any
+moment leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+def _key(k) -> tuple:
+    return tuple(k)
+
+
+@dataclass
+class RankProgress:
+    """What one rank has trained on in the current epoch."""
+
+    epoch: int = 0
+    trained: int = 0
+    consumed: set = field(default_factory=set)  # item keys whose every cell was trained on
+    partial: dict = field(default_factory=dict)  # item key -> cell ids trained so far
+
+    def record(self, batch) -> None:
+        self.trained += batch.size
+        for key in batch.completed:
+            self.consumed.add(key)
+            self.partial.pop(key, None)
+        for key, cells in batch.cells_of_partial.items():
+            self.partial.setdefault(key, set()).update(cells)
+
+    def next_epoch(self, epoch: int) -> None:
+        self.epoch, self.trained, self.consumed, self.partial = epoch, 0, set(), {}
+
+    def to_json(self) -> str:
+        return json.dumps({"epoch": self.epoch, "trained": self.trained,
+                           "consumed": sorted(list(k) for k in self.consumed),
+                           "partial": [[list(k), sorted(v)] for k, v in self.partial.items()]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "RankProgress":
+        d = json.loads(text)
+        return cls(d["epoch"], d["trained"], {_key(k) for k in d["consumed"]},
+                   {_key(k): set(v) for k, v in d["partial"]})
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    epoch: int
+    state: dict
+    ranks: list[RankProgress]
+
+
+def save(directory: str | os.PathLike, step: int, epoch: int, rank: int, world: int, progress: RankProgress,
+         state_fn, barrier) -> None:
+    """Collective: every rank calls it. `state_fn()` (rank 0 only) returns the tensors to store."""
+    root = Path(directory)
+    tmp = root / f".step-{step:08d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    (tmp / f"progress-rank{rank}.json").write_text(progress.to_json())
+    barrier()
+    if rank == 0:
+        torch.save({"step": step, "epoch": epoch, "world": world, **state_fn()}, tmp / "state.pt")
+        final = root / f"step-{step:08d}"
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        latest_tmp = root / ".latest.tmp"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, root / "latest")
+    barrier()
+
+
+def load(directory: str | os.PathLike, world: int, device: torch.device) -> Checkpoint | None:
+    """The latest checkpoint, or None if there is none."""
+    root = Path(directory)
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    folder = root / pointer.read_text().strip()
+    state = torch.load(folder / "state.pt", map_location=device, weights_only=True)
+    if state["world"] != world:
+        raise ValueError(f"checkpoint {folder} was written by {state['world']} ranks; resume with the same number "
+                         f"(got {world})")
+    ranks = [RankProgress.from_json((folder / f"progress-rank{r}.json").read_text()) for r in range(world)]
+    return Checkpoint(int(state["step"]), int(state["epoch"]), state, ranks)

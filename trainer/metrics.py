@@ -1,0 +1,111 @@
+"""Per-step metrics, global over ranks: loss, step time (the slowest rank's), dataloader wait,
+cells/s and tokens/s, MFU, peak memory. A progress bar and JSON lines on rank 0; a summary at
+the end (medians exclude warm-up steps).
+
+MFU = training FLOPs of the step (see `model.train_flops`: 6·N·tokens + attention, real tokens
+only) / (step time x devices x the device's peak dense bf16 FLOP/s). Peaks used: H100 and H200
+SXM 989.4 TFLOP/s, A100 312 TFLOP/s (NVIDIA's dense, no-sparsity figures). None on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+WARMUP_STEPS = 5
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    epoch: int
+    loss: float
+    accuracy: float
+    lr: float
+    grad_norm: float
+    seconds: float  # this rank's step, waiting included
+    wait_s: float  # time this rank waited for its batch
+    cells: int
+    tokens: int
+    flops: float
+    device: torch.device
+
+
+class Tracker:
+    def __init__(self, rank: int, log_path: str | None, total_steps: int, peak: float | None, bar: bool = True):
+        self.rank, self.peak = rank, peak
+        self.rows: list[dict] = []
+        self.log = open(log_path, "a") if (log_path and rank == 0) else None
+        self.bar = tqdm(total=total_steps, desc="train", unit="step", disable=rank != 0 or not bar)
+
+    def record(self, m: StepMetrics) -> dict:
+        world = dist.get_world_size()
+        summed = torch.tensor([m.cells, m.tokens, m.flops], dtype=torch.float64)
+        maxed = torch.tensor([m.seconds, m.wait_s], dtype=torch.float64)
+        dist.all_reduce(summed)
+        dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+        seconds = float(maxed[0])
+        row = {
+            "step": m.step, "epoch": m.epoch, "loss": round(m.loss, 5), "accuracy": round(m.accuracy, 4),
+            "lr": m.lr, "grad_norm": round(m.grad_norm, 4), "step_s": round(seconds, 5),
+            "wait_ms": round(float(maxed[1]) * 1000, 3), "cells": int(summed[0]),
+            "cells_per_s": round(float(summed[0]) / seconds, 1), "tokens_per_s": round(float(summed[1]) / seconds, 1),
+            "mfu": round(float(summed[2]) / (seconds * world * self.peak), 4) if self.peak else None,
+            "peak_mem_mb": round(peak_memory_mb(m.device), 1),
+        }
+        self.rows.append(row)
+        if self.log:
+            self.log.write(json.dumps(row) + "\n")
+            self.log.flush()
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{m.loss:.3f}", cells_s=f"{row['cells_per_s']:,.0f}", wait_ms=row["wait_ms"])
+        return row
+
+    def finish(self) -> dict:
+        self.bar.close()
+        if self.log:
+            self.log.close()
+        rows = self.rows[WARMUP_STEPS:] if len(self.rows) > 2 * WARMUP_STEPS else self.rows
+        if not rows:
+            return {"steps": 0}
+
+        def med(k):
+            values = [r[k] for r in rows if r[k] is not None]
+            return statistics.median(values) if values else None
+
+        total_s = sum(r["step_s"] for r in rows)
+        out = {
+            "steps": len(self.rows), "first_loss": self.rows[0]["loss"], "final_loss": self.rows[-1]["loss"],
+            "median_step_s": med("step_s"), "median_wait_ms": med("wait_ms"),
+            "cells_per_s": sum(r["cells"] for r in rows) / total_s, "median_mfu": med("mfu"),
+            "tokens_per_s": med("tokens_per_s"), "peak_mem_mb": max(r["peak_mem_mb"] for r in self.rows),
+        }
+        if self.rank == 0:
+            print(f"\n{'steps':>6} {'median step':>12} {'cells/s':>9} {'tokens/s':>10} {'wait ms':>8} "
+                  f"{'MFU':>6} {'loss':>14} {'peak MB':>8}")
+            mfu = f"{out['median_mfu']:.1%}" if out["median_mfu"] is not None else "n/a"
+            print(f"{out['steps']:>6} {out['median_step_s'] * 1000:>10.1f}ms {out['cells_per_s']:>9,.0f} "
+                  f"{out['tokens_per_s']:>10,.0f} {out['median_wait_ms']:>8.1f} {mfu:>6} "
+                  f"{out['first_loss']:>6.3f}->{out['final_loss']:<6.3f} {out['peak_mem_mb']:>8,.0f}")
+        return out
+

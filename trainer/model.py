@@ -1,0 +1,140 @@
+"""An scGPT-style transformer encoder for masked expression modelling.
+
+Input per position: gene-token embedding + expression-bin embedding (no positions: a cell is a
+set of genes). Pre-LayerNorm blocks with `scaled_dot_product_attention` (flash / memory-efficient
+kernels on GPU), bidirectional, with a padding mask. Objective: a fraction of gene positions
+have their bin hidden (bin id `n_bins`, "masked") and the model predicts the bins there; with
+token streams that carry no values (geneformer) it predicts the masked gene ids instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MASK_TOKEN = 3
+
+PRESETS = {
+    # name: d_model, n_layers, n_heads, d_ff     (scgpt: the published 51M-parameter shape)
+    "tiny": dict(d_model=64, n_layers=2, n_heads=4, d_ff=128),
+    "scgpt": dict(d_model=512, n_layers=12, n_heads=8, d_ff=512),
+    "base": dict(d_model=768, n_layers=12, n_heads=12, d_ff=3072),
+    "large": dict(d_model=1024, n_layers=24, n_heads=16, d_ff=4096),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int  # n_genes + 4 special tokens
+    n_bins: int = 51
+    d_model: int = 512
+    n_layers: int = 12
+    n_heads: int = 8
+    d_ff: int = 512
+    dropout: float = 0.0
+    objective: str = "bins"  # "bins": predict masked expression bins; "genes": predict masked gene ids
+
+    @classmethod
+    def preset(cls, name: str, vocab_size: int, n_bins: int = 51, objective: str = "bins") -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return cls(vocab_size=vocab_size, n_bins=n_bins, objective=objective, **PRESETS[name])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.n_heads = c.n_heads
+        self.ln1, self.ln2 = nn.LayerNorm(c.d_model), nn.LayerNorm(c.d_model)
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
+        self.proj = nn.Linear(c.d_model, c.d_model)
+        self.ff = nn.Sequential(nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model))
+        self.dropout = c.dropout
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, n, d))
+        return x + self.ff(self.ln2(x))
+
+
+class CellTransformer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.config = c
+        self.gene = nn.Embedding(c.vocab_size, c.d_model, padding_idx=0)
+        self.bin = nn.Embedding(c.n_bins + 1, c.d_model)  # + the "masked" bin
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.ln = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, c.n_bins if c.objective == "bins" else c.vocab_size)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, tokens: torch.Tensor, bins: torch.Tensor | None, attention_mask: torch.Tensor,
+                masked: torch.Tensor) -> torch.Tensor:
+        """Logits at the `masked` positions; inputs there are already hidden by the caller."""
+        x = self.gene(tokens)
+        if bins is not None:
+            x = x + self.bin(bins)
+        mask = attention_mask[:, None, None, :]  # every query may attend to every real token
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln(x)[masked])
+
+    def n_params(self, embeddings: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n if embeddings else n - self.gene.weight.numel() - self.bin.weight.numel()
+
+
+def mask_positions(attention_mask: torch.Tensor, ratio: float, generator: torch.Generator) -> torch.Tensor:
+    """A `ratio` of each cell's gene positions (never CLS at 0, never padding), chosen at random."""
+    scores = torch.rand(attention_mask.shape, generator=generator, device="cpu").to(attention_mask.device)
+    candidates = attention_mask.clone()
+    candidates[:, 0] = False
+    n = candidates.sum(dim=1, keepdim=True)
+    k = (n.float() * ratio).round().clamp(min=1).minimum(n)
+    scores = scores.masked_fill(~candidates, 2.0)
+    rank = scores.argsort(dim=1).argsort(dim=1)
+    return candidates & (rank < k)
+
+
+def masked_loss(model: nn.Module, batch, ratio: float, generator: torch.Generator, n_bins: int):
+    """(sum of cross-entropy over masked positions, their count, correct predictions)."""
+    masked = mask_positions(batch.attention_mask, ratio, generator)
+    if batch.values is not None:  # hide the bin, predict it
+        logits = model(batch.tokens, batch.values.masked_fill(masked, n_bins), batch.attention_mask, masked)
+        target = batch.values[masked]
+    else:  # hide the gene, predict it
+        logits = model(batch.tokens.masked_fill(masked, MASK_TOKEN), None, batch.attention_mask, masked)
+        target = batch.tokens[masked]
+    loss_sum = F.cross_entropy(logits.float(), target, reduction="sum")
+    correct = (logits.argmax(dim=-1) == target).sum()
+    return loss_sum, masked.sum(), correct
+
+
+def train_flops(config: ModelConfig, lengths: torch.Tensor, n_masked: int) -> float:
+    """Honest training FLOPs of one step (forward + backward = 3x forward): 6 x the block matmul
+    parameters x real tokens, + 6 x head parameters x masked positions (the head runs only
+    there), + attention: QK^T and AV cost 4·L·d per token per layer forward, over real lengths L.
+    Embedding lookups are not matmuls and are not counted."""
+    d, layers = config.d_model, config.n_layers
+    head = config.n_bins if config.objective == "bins" else config.vocab_size
+    lengths = lengths.double()
+    tokens = float(lengths.sum())
+    block_params = layers * (4 * d * d + 2 * d * config.d_ff)
+    attention = 3 * 4 * layers * d * float((lengths * lengths).sum())
+    return 6.0 * block_params * tokens + 6.0 * d * head * n_masked + attention

@@ -1,0 +1,206 @@
+"""The DDP training loop: batches come only from the consumer stream.
+
+Run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (torchrun, or
+`trainer.launch`): `python -m trainer.train --config config.json`. gloo on CPU, NCCL + bf16
+autocast on GPU, unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from coordination.backends import connect
+from coordination.driver import Driver, load_summary
+from coordination.plan import derive_key
+from trainer import checkpoint
+from trainer.metrics import StepMetrics, Tracker, peak_flops
+from trainer.model import CellTransformer, ModelConfig, masked_loss, train_flops
+from trainer.stream import ConsumerStream
+
+
+@dataclass
+class TrainConfig:
+    run: str
+    backend: dict  # {"kind": "local", "address": ...} or {"kind": "modal", "run": ...}
+    vocab_size: int  # n_genes + 4
+    preset: str = "tiny"
+    objective: str = "bins"
+    n_bins: int = 51
+    batch_size: int = 64
+    grad_accum: int = 1
+    lr: float = 3e-4
+    warmup_steps: int = 10
+    max_steps: int | None = None  # None: train the epochs through
+    epochs: int = 1
+    mask_ratio: float = 0.4
+    seed: int = 0
+    compile: bool = False
+    pad_to: int | None = None
+    buffer_cells: int = 4096
+    run_driver: bool = True  # rank 0 drives the producers (so a detached campaign needs no laptop)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 100
+    resume: bool = False
+    log_path: str | None = None  # JSON lines, one per step (rank 0)
+    cells_log: str | None = None  # per rank, JSON lines of the cell ids each step trained on (tests, audits)
+    no_data_timeout_s: float = 600.0
+    progress_bar: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to 10% over `total` steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if total <= warmup:
+        return 1.0
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+    return rank, world, device
+
+
+def train(cfg: TrainConfig, queue=None, store=None) -> dict:
+    rank, world, device = init_distributed()
+    if queue is None:
+        queue, store = connect(cfg.backend)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model_cfg = ModelConfig.preset(cfg.preset, cfg.vocab_size, cfg.n_bins, cfg.objective)
+    model = CellTransformer(model_cfg).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    step_model = torch.compile(ddp) if cfg.compile else ddp
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    summaries = {0: load_summary(store, cfg.run, 0)}
+    total_steps = cfg.max_steps or cfg.epochs * summaries[0].steps(cfg.batch_size) // cfg.grad_accum
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps))
+
+    step, epoch, progress, done_before = 0, 0, checkpoint.RankProgress(), [0] * world
+    saved = checkpoint.load(cfg.checkpoint_dir, world, device) if cfg.resume and cfg.checkpoint_dir else None
+    if saved is not None:
+        model.load_state_dict(saved.state["model"])
+        optimizer.load_state_dict(saved.state["optimizer"])
+        scheduler.load_state_dict(saved.state["scheduler"])
+        step, epoch, progress = saved.step, saved.epoch, saved.ranks[rank]
+        done_before = [r.trained for r in saved.ranks]
+    stream = ConsumerStream(queue, rank=rank, world_size=world, run=cfg.run, batch_size=cfg.batch_size,
+                            pad_to=cfg.pad_to, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
+                            no_data_timeout_s=cfg.no_data_timeout_s, consumed=progress.consumed,
+                            trained_cells=progress.partial)
+    driver = None
+    if rank == 0 and cfg.run_driver:
+        driver = Driver(queue, store, cfg.run)
+        driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if saved is not None else None)
+    cells_log = open(f"{cfg.cells_log}.rank{rank}.jsonl", "a") if cfg.cells_log else None
+    tracker = Tracker(rank, cfg.log_path, total_steps, peak_flops(device), cfg.progress_bar)
+    if rank == 0:
+        print(f"model {cfg.preset}: {model.n_params() / 1e6:.1f}M parameters "
+              f"({model.n_params(embeddings=False) / 1e6:.1f}M outside embeddings); world size {world}, {device}")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def save():
+        checkpoint.save(cfg.checkpoint_dir, step, epoch, rank, world, progress, lambda: {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "config": json.dumps(asdict(cfg))}, dist.barrier)
+
+    try:
+        while epoch < cfg.epochs and step < total_steps:
+            summary = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
+            left = [c - d for c, d in zip(summary.cells_per_rank, done_before)]
+            micro = 0
+            for batch in stream.epoch(epoch, left):
+                # ---- one training step (gradients accumulate over `grad_accum` batches) ----------
+                t0 = time.perf_counter()
+                batch = batch.to(device)
+                generator = torch.Generator().manual_seed(derive_key(cfg.seed, rank, step, micro) % 2**63)
+                sync = micro == cfg.grad_accum - 1
+                with autocast, (ddp.no_sync() if not sync else nullcontext()):
+                    loss_sum, n_masked, correct = masked_loss(step_model, batch, cfg.mask_ratio, generator,
+                                                              cfg.n_bins)
+                    counts = torch.stack([n_masked.float(), loss_sum.detach().float(), correct.float()])
+                    dist.all_reduce(counts)  # global masked count: every position weighs the same
+                    loss = loss_sum * world / counts[0].clamp(min=1)
+                    if int(n_masked) == 0:  # an empty batch (this rank ran out first): zero gradients,
+                        loss = loss + 0.0 * sum(p.sum() for p in model.parameters())  # but DDP stays in step
+                    loss.backward()
+                progress.record(batch)
+                if cells_log is not None:
+                    cells_log.write(json.dumps({"step": step, "epoch": epoch, "cells": batch.cell_ids.tolist()}) + "\n")
+                    cells_log.flush()
+                micro += 1
+                if not sync:
+                    continue
+                micro = 0
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                # ---------------------------------------------------------------------------
+                lengths = batch.attention_mask.sum(dim=1)
+                tracker.record(StepMetrics(
+                    step=step, epoch=epoch, loss=float(counts[1] / counts[0].clamp(min=1)),
+                    accuracy=float(counts[2] / counts[0].clamp(min=1)), lr=scheduler.get_last_lr()[0],
+                    grad_norm=float(grad_norm), seconds=time.perf_counter() - t0 + batch.wait_s,
+                    wait_s=batch.wait_s, cells=batch.size, tokens=int(lengths.sum()),
+                    flops=train_flops(model_cfg, lengths.cpu(), int(n_masked)), device=device))
+                if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == total_steps):
+                    save()
+                if step >= total_steps:
+                    break
+            else:  # the epoch ran to its end
+                epoch += 1
+                progress.next_epoch(epoch)
+                done_before = [0] * world
+        if cfg.checkpoint_dir:
+            save()
+    finally:
+        stream.close()
+        if driver is not None:
+            driver.stop()
+        if cells_log is not None:
+            cells_log.close()
+    summary = tracker.finish()
+    summary["params"] = model.n_params()
+    summary["final_params_checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="One rank of a cellfeed training run (see trainer.launch).")
+    parser.add_argument("--config", required=True, help="a JSON TrainConfig")
+    parser.add_argument("--summary", help="write each rank's end-of-run summary (JSON) to SUMMARY.rank<r>")
+    args = parser.parse_args()
+    with open(args.config) as f:
+        cfg = TrainConfig(**json.load(f))
+    try:
+        summary = train(cfg)
+        if args.summary:
+            with open(f"{args.summary}.rank{dist.get_rank()}", "w") as f:
+                json.dump(summary, f)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
