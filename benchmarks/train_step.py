@@ -1,0 +1,105 @@
+"""Training step time, cells/s, MFU and dataloader wait for a model preset and batch size, on
+the training loop itself (`trainer.train.train`), fed by a consumer stream from an in-memory
+queue that a feeder thread keeps full of scGPT items (random genes, 1024 per cell).
+
+    python benchmarks/train_step.py --quick                      # CPU: tiny preset, batch 16
+    python benchmarks/train_step.py --preset scgpt --batch 240   # on an H100/H200: the goal is MFU >= 40%
+
+Ends with one JSON line: device, preset, cells_per_s, mfu, dataloader_wait_ms_median, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from coordination.driver import PlanSummary, publish_summary  # noqa: E402
+from coordination.queues import Full, MemoryMap, MemoryQueue  # noqa: E402
+from coordination.routing import rank_partition, run_tag  # noqa: E402
+from coordination.wire import pack_items  # noqa: E402
+from producers.tokenizers import Tokens  # noqa: E402
+from trainer.train import TrainConfig, train  # noqa: E402
+
+N_GENES = 62_710
+
+
+def random_items(n_cells: int, max_genes: int, epoch: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    length = max_genes + 1
+    tokens = rng.integers(4, N_GENES + 4, size=(n_cells, length)).astype(np.uint16)
+    tokens[:, 0] = 1
+    bins = rng.integers(1, 51, size=(n_cells, length)).astype(np.uint8)
+    bins[:, 0] = 0
+    offsets = np.arange(0, (n_cells + 1) * length, length, dtype=np.int64)
+    cells = Tokens(np.arange(n_cells, dtype=np.int64), offsets, tokens.ravel(), bins.ravel())
+    return pack_items(cells, epoch=epoch, key_id=seed, run_tag=run_tag("bench"), cells_per_item=64)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--preset", default=None, help="tiny (CPU default) or scgpt (GPU default), base, large")
+    parser.add_argument("--batch", type=int, default=None, help="cells per step (CPU 16, GPU 240)")
+    parser.add_argument("--max-genes", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    preset = args.preset or ("scgpt" if cuda else "tiny")
+    batch = args.batch or (240 if cuda else 16)
+    steps = args.steps or (12 if args.quick else 40)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    queue, store = MemoryQueue(), MemoryMap()
+    n_cells = steps * batch
+    publish_summary(store, "bench", PlanSummary(0, "bench", 1, n_cells, 1, [n_cells]))
+    stop = threading.Event()
+
+    def feed():  # keeps the partition topped up, like a producer fleet that keeps up
+        seed = 0
+        while not stop.is_set() and seed * 64 < n_cells:
+            for item in random_items(min(256, n_cells - seed * 64), args.max_genes, 0, seed):
+                while not stop.is_set():
+                    try:
+                        queue.put_many([item], timeout=0.5, partition=rank_partition(0))
+                        break
+                    except Full:
+                        continue
+                seed += 1
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    cfg = TrainConfig(run="bench", backend={"kind": "memory"}, vocab_size=N_GENES + 4, preset=preset,
+                      batch_size=batch, warmup_steps=3, max_steps=steps, run_driver=False, compile=args.compile,
+                      pad_to=args.max_genes + 1, buffer_cells=4 * batch, progress_bar=not args.quick)
+    summary = train(cfg, queue=queue, store=store)
+    stop.set()
+    device = torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)"
+    mfu = summary.get("median_mfu")
+    figures = {
+        "device": device, "preset": preset, "params_m": round(summary["params"] / 1e6, 1), "batch": batch,
+        "max_genes": args.max_genes, "steps": summary["steps"], "median_step_ms": round(summary["median_step_s"] * 1e3, 2),
+        "cells_per_s": round(summary["cells_per_s"], 1), "tokens_per_s": round(summary["tokens_per_s"]),
+        "mfu": None if mfu is None else round(mfu, 4), "dataloader_wait_ms_median": summary["median_wait_ms"],
+        "peak_mem_mb": summary["peak_mem_mb"], "compile": args.compile,
+    }
+    print(f"\n{device}: {preset} ({figures['params_m']}M params), batch {batch} x {args.max_genes + 1} tokens")
+    print(f"median step {figures['median_step_ms']} ms, {figures['cells_per_s']:,} cells/s, "
+          f"MFU {'n/a (no bf16 peak for this device)' if mfu is None else f'{mfu:.1%}'}, "
+          f"dataloader wait median {figures['dataloader_wait_ms_median']} ms")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
