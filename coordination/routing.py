@@ -11,6 +11,7 @@ import json
 from coordination.plan import derive_key
 
 TASKS_PARTITION = "tasks"
+EVAL_PARTITION = "eval"  # a fixed held-out set, produced once and read by trainer rank 0
 
 
 def rank_partition(rank: int) -> str:

@@ -23,7 +23,7 @@ from coordination.arrays import offsets_of, positions_in_ranges, ragged_arange
 from coordination.errors import CellfeedError
 from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit, derive_key
 from coordination.queues import Empty, Full, Map, Queue
-from coordination.routing import (TASKS_PARTITION, cell_rank, decode_task, done_key, lease_key, rank_partition,
+from coordination.routing import (EVAL_PARTITION, TASKS_PARTITION, cell_rank, decode_task, done_key, lease_key, rank_partition,
                                   run_tag, stop_key, unit_rank)
 from coordination.wire import pack_items
 from producers.dataset import Dataset, RowBlock, open_dataset
@@ -165,6 +165,15 @@ class Producer:
         self._put(items, partition)
         self.stats.add_time("put", t)
         self.stats.cells += rows.n_cells
+
+    def produce_held_out(self, cell_ids: np.ndarray, partition: str = EVAL_PARTITION) -> int:
+        """Tokenize a fixed set of cells (e.g. an evaluation split) into `partition`, once."""
+        cell_ids = np.sort(np.asarray(cell_ids, dtype=np.int64))
+        block = self.ds.read_cells(cell_ids)
+        counts = np.diff(self.ds.cell_row_start)[cell_ids]
+        rows = CellRows(cell_ids, offsets_of(counts), block.gene, block.value)
+        self._emit(rows, 0, 0, False, partition, np.random.default_rng(derive_key(self.config.seed, "held-out")))
+        return len(cell_ids)
 
     def read(self, epoch: int, unit_id: int) -> tuple[WorkUnit, RowBlock]:
         unit = self.plan(epoch).unit(unit_id)

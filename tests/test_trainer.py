@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,13 +33,15 @@ BATCH = 32
 class Campaign:
     """Server + published plans + producer threads, as the local campaign sets them up."""
 
-    def __init__(self, ds, run: str, epochs: int, producers: int = 2):
+    def __init__(self, ds, run: str, epochs: int, producers: int = 2, subset_filter=None, held_out=None):
         self.server = ServerProcess()
         self.run = run
         config = ProducerConfig(dataset=ds.uri, run=run, world_size=WORLD, max_genes=24, cells_per_item=40,
                                 sampling=Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
-                                idle_timeout_s=300)
+                                idle_timeout_s=300, subset_filter=subset_filter)
         first = Producer(config, LocalQueue(self.server.address), LocalMap(self.server.address), dataset=ds)
+        if held_out is not None:
+            first.produce_held_out(held_out)
         self.summaries = [PlanSummary.of(first.plan(e), WORLD) for e in range(epochs)]
         for s in self.summaries:
             publish_summary(first.store, run, s)
@@ -74,9 +77,12 @@ def read_cells(prefix: Path, max_step: int | None = None) -> Counter:
 
 
 def test_two_rank_ddp_trains_in_sync_on_every_cell_once(small_synth, tmp_path):
-    campaign = Campaign(small_synth, "ddp", epochs=1)
+    plates = np.array(small_synth.obs(["plate"]).column(0).to_pylist())
+    train_cells = np.flatnonzero(plates != "plate14")
+    held_out = np.flatnonzero(plates == "plate14")[:96]
+    campaign = Campaign(small_synth, "ddp", epochs=1, subset_filter="plate != 'plate14'", held_out=held_out)
     try:
-        cfg = campaign.train_config(tmp_path)
+        cfg = campaign.train_config(tmp_path, eval_every=15, eval_cells=96)
         codes = wait_all(launch(cfg, WORLD, tmp_path, summary_path=str(tmp_path / "summary")), timeout=600)
     finally:
         campaign.close()
@@ -86,11 +92,15 @@ def test_two_rank_ddp_trains_in_sync_on_every_cell_once(small_synth, tmp_path):
     assert summaries[0]["steps"] == summaries[1]["steps"] == steps  # the step count the plan implies
     assert summaries[0]["final_params_checksum"] == summaries[1]["final_params_checksum"]  # ranks in sync
     rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]  # step rows (evaluation rows carry eval_* only)
     assert len(rows) == steps and all(r["cells_per_s"] > 0 and r["mfu"] is None for r in rows)
     first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
     assert last < first - 0.3, (first, last)
-    assert read_cells(tmp_path / "cells") == Counter(range(small_synth.n_cells))
+    assert read_cells(tmp_path / "cells") == Counter(train_cells.tolist())  # the train split, exactly once
     assert (tmp_path / "ckpt" / "latest").exists()
+    evals = summaries[0]["eval"]  # held-out masked-bin loss/accuracy every 15 steps: loss improving
+    assert [e["step"] for e in evals] == list(range(15, steps + 1, 15))
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] and evals[-1]["eval_accuracy"] >= evals[0]["eval_accuracy"]
 
 
 def test_sigkill_mid_epoch_then_resume_trains_every_cell_once(small_synth, tmp_path):

@@ -81,6 +81,17 @@ class Tracker:
         self.bar.set_postfix(loss=f"{m.loss:.3f}", cells_s=f"{row['cells_per_s']:,.0f}", wait_ms=row["wait_ms"])
         return row
 
+    def note(self, step: int, values: dict) -> None:
+        """Attach extra figures (e.g. evaluation) to a step's row and log them."""
+        row = next((r for r in reversed(self.rows) if r["step"] == step), None)
+        if row is not None:
+            row.update(values)
+        if self.log:
+            self.log.write(json.dumps({"step": step, **values}) + "\n")
+            self.log.flush()
+        if self.rank == 0:
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in values.items()))
+
     def finish(self) -> dict:
         self.bar.close()
         if self.log:
@@ -99,6 +110,8 @@ class Tracker:
             "median_step_s": med("step_s"), "median_wait_ms": med("wait_ms"),
             "cells_per_s": sum(r["cells"] for r in rows) / total_s, "median_mfu": med("mfu"),
             "tokens_per_s": med("tokens_per_s"), "peak_mem_mb": max(r["peak_mem_mb"] for r in self.rows),
+            "eval": [{"step": r["step"], "eval_accuracy": r["eval_accuracy"], "eval_loss": r["eval_loss"]}
+                     for r in self.rows if "eval_accuracy" in r],
         }
         if self.rank == 0:
             print(f"\n{'steps':>6} {'median step':>12} {'cells/s':>9} {'tokens/s':>10} {'wait ms':>8} "

@@ -238,3 +238,9 @@ def _collate(chosen: list[tuple[Item, int]], pad_to: int | None, pin: bool) -> B
     if pin:
         tensors = [t.pin_memory() if t is not None else None for t in tensors]
     return Batch(*tensors)
+
+
+def collate_items(items: list[Item], batch_size: int, pad_to: int | None = None) -> list[Batch]:
+    """Every cell of `items`, in order, as batches (a fixed evaluation set)."""
+    cells = [(item, i) for item in items for i in range(item.n_cells)]
+    return [_collate(cells[a:a + batch_size], pad_to, False) for a in range(0, len(cells), batch_size)]

@@ -22,6 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from coordination.backends import connect
 from coordination.driver import Driver, load_summary
 from coordination.plan import derive_key
+from coordination.routing import run_tag
+from coordination.wire import unpack_item
 from trainer import checkpoint
 from trainer.metrics import StepMetrics, Tracker, peak_flops
 from trainer.model import CellTransformer, ModelConfig, masked_loss, train_flops
@@ -54,6 +56,8 @@ class TrainConfig:
     log_path: str | None = None  # JSON lines, one per step (rank 0)
     cells_log: str | None = None  # per rank, JSON lines of the cell ids each step trained on (tests, audits)
     no_data_timeout_s: float = 600.0
+    eval_every: int | None = None  # masked-bin accuracy on the held-out set every N steps (rank 0)
+    eval_cells: int = 0  # how many held-out cells the setup put in the "eval" partition
     progress_bar: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -115,6 +119,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     if rank == 0:
         print(f"model {cfg.preset}: {model.n_params() / 1e6:.1f}M parameters "
               f"({model.n_params(embeddings=False) / 1e6:.1f}M outside embeddings); world size {world}, {device}")
+    held_out = load_held_out(queue, cfg, device) if rank == 0 and cfg.eval_every and cfg.eval_cells else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
     def save():
@@ -163,6 +168,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                     grad_norm=float(grad_norm), seconds=time.perf_counter() - t0 + batch.wait_s,
                     wait_s=batch.wait_s, cells=batch.size, tokens=int(lengths.sum()),
                     flops=train_flops(model_cfg, lengths.cpu(), int(n_masked)), device=device))
+                if held_out is not None and step % cfg.eval_every == 0:
+                    tracker.note(step, evaluate(model, held_out, cfg, autocast))
                 if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == total_steps):
                     save()
                 if step >= total_steps:
@@ -183,6 +190,36 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     summary["params"] = model.n_params()
     summary["final_params_checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
     return summary
+
+
+def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
+    """The fixed evaluation batches: every held-out item, popped once (bounded wait)."""
+    from coordination.routing import EVAL_PARTITION
+    from trainer.stream import collate_items
+
+    items = []
+    deadline = time.monotonic() + cfg.no_data_timeout_s
+    while sum(i.n_cells for i in items) < cfg.eval_cells:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"held-out set incomplete after {cfg.no_data_timeout_s:.0f}s")
+        items += [unpack_item(b, run_tag=run_tag(cfg.run)) for b in
+                  queue.get_many(64, timeout=cfg.no_data_timeout_s, partition=EVAL_PARTITION)]
+    return [b.to(device) for b in collate_items(items, cfg.batch_size, cfg.pad_to)]
+
+
+@torch.no_grad()
+def evaluate(model, batches: list, cfg: TrainConfig, autocast) -> dict:
+    """Masked-bin (or masked-gene) accuracy on the fixed held-out batches, same masks every time."""
+    model.eval()
+    generator = torch.Generator().manual_seed(cfg.seed)
+    totals = torch.zeros(3)
+    for batch in batches:
+        with autocast:
+            loss_sum, n, correct = masked_loss(model, batch, cfg.mask_ratio, generator, cfg.n_bins)
+        totals += torch.tensor([float(loss_sum), float(n), float(correct)])
+    model.train()
+    return {"eval_loss": round(float(totals[0] / totals[1].clamp(min=1)), 5),
+            "eval_accuracy": round(float(totals[2] / totals[1].clamp(min=1)), 4)}
 
 
 def main() -> None:
