@@ -68,6 +68,21 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def cmd_local(args) -> int:
+    from pathlib import Path
+
+    from app.config import CampaignConfig
+    from app.local import default_dataset, print_summary, run_local
+
+    workdir = Path(args.workdir)
+    dataset = args.dataset or default_dataset(workdir, args.cells, args.seed)
+    fields = {k: v for k, v in vars(args).items() if k in CampaignConfig.__dataclass_fields__ and v is not None}
+    cfg = CampaignConfig(**{**fields, "dataset": dataset})
+    summary = run_local(cfg, workdir, quiet=args.quiet)
+    print_summary(summary, workdir / cfg.run)
+    return 0
+
+
 def describe(ds, n_values: int = 3) -> str:
     """A human-readable summary of a dataset."""
     straddling = ds.straddling_cells()
@@ -126,6 +141,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dataset", help="a local path or s3://bucket/prefix")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("local", help="run a whole pretraining campaign on this machine (processes, DDP on CPU)",
+                       description="Producers as processes, the local queue server, DDP over gloo on CPU. "
+                       "With no --dataset, a small synthetic atlas is written first.")
+    p.add_argument("--dataset", help="a dataset (local path or s3://); default: synthesize --cells cells")
+    p.add_argument("--cells", type=_positive_int, default=4000, help="cells to synthesize without --dataset (4000)")
+    p.add_argument("--producers", type=_positive_int, default=2, help="producer processes (2)")
+    p.add_argument("--gpus", type=_positive_int, default=2, help="trainer ranks; CPU processes here (2)")
+    p.add_argument("--steps", type=_positive_int, help="optimizer steps (default: the epochs through)")
+    p.add_argument("--epochs", type=_positive_int, default=1, help="epochs (1)")
+    p.add_argument("--batch-size", type=_positive_int, default=32, help="cells per rank per step (32)")
+    p.add_argument("--max-genes", type=_positive_int, default=256, help="genes per cell (256)")
+    p.add_argument("--preset", default="tiny", help="model preset: tiny (default), scgpt, base, large")
+    p.add_argument("--tokenizer", default="scgpt", help="scgpt (default) or geneformer")
+    p.add_argument("--strategy", default="block", help="sequential, mixture, block (default) or random")
+    p.add_argument("--subset-filter", help="training split as an obs filter, e.g. \"plate != 'plate14'\"")
+    p.add_argument("--eval-filter", help="held-out split to evaluate on, e.g. \"plate = 'plate14'\"")
+    p.add_argument("--eval-every", type=_positive_int, default=20, help="evaluate every N steps (20)")
+    p.add_argument("--checkpoint-every", type=_positive_int, default=50, help="checkpoint every N steps (50)")
+    p.add_argument("--run", help="run name (default: a timestamp); --resume continues it")
+    p.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default="runs", help="where runs, logs and checkpoints go (runs/)")
+    p.add_argument("--quiet", action="store_true", help="no live status line")
+    p.set_defaults(func=cmd_local, lr=3e-3, warmup_steps=10)
 
     p = sub.add_parser("inspect", help="summarise a dataset: shape, fragments, straddling cells, obs columns")
     p.add_argument("dataset", help="a local path or s3://bucket/prefix")

@@ -50,3 +50,8 @@ def done_key(run: str, epoch: int, unit: int) -> str:
 
 def stop_key(run: str) -> str:
     return f"{run}/stop"
+
+
+def producer_report_key(run: str, producer: str) -> str:
+    """Where a producer publishes its running totals (read by the local campaign's monitor)."""
+    return f"{run}/producer/{producer}"

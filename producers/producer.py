@@ -23,8 +23,8 @@ from coordination.arrays import offsets_of, positions_in_ranges, ragged_arange
 from coordination.errors import CellfeedError
 from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit, derive_key
 from coordination.queues import Empty, Full, Map, Queue
-from coordination.routing import (EVAL_PARTITION, TASKS_PARTITION, cell_rank, decode_task, done_key, lease_key, rank_partition,
-                                  run_tag, stop_key, unit_rank)
+from coordination.routing import (EVAL_PARTITION, TASKS_PARTITION, cell_rank, decode_task, done_key, lease_key,
+                                  producer_report_key, rank_partition, run_tag, stop_key, unit_rank)
 from coordination.wire import pack_items
 from producers.dataset import Dataset, RowBlock, open_dataset
 from producers.gene_stats import load_gene_medians
@@ -258,7 +258,15 @@ class Producer:
             self.process(epoch, unit, reading)
             self.store.put(done_key(run, epoch, unit), self.name)
             self.store.pop(lease_key(run, epoch, unit), None)
+            self.report()
         return self.stats
+
+    def report(self) -> None:
+        """Publish running totals (cells, units, bytes, busy seconds) for monitors (once per unit)."""
+        s = self.stats
+        self.store.put(producer_report_key(self.config.run, self.name), json.dumps(
+            {"cells": s.cells, "units": s.units, "items": s.items, "bytes": s.bytes,
+             "busy_s": round(sum(s.seconds.values()), 3), "time": time.time()}))
 
 
 def produce(config: ProducerConfig, queue: Queue, store: Map, max_units: int | None = None) -> ProducerStats:

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from coordination.backends import connect
 from coordination.driver import Driver, load_summary
+from coordination.errors import CellfeedError
 from coordination.plan import derive_key
 from coordination.routing import run_tag
 from coordination.wire import unpack_item
@@ -201,7 +202,7 @@ def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
     deadline = time.monotonic() + cfg.no_data_timeout_s
     while sum(i.n_cells for i in items) < cfg.eval_cells:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"held-out set incomplete after {cfg.no_data_timeout_s:.0f}s")
+            raise CellfeedError(f"held-out set incomplete after {cfg.no_data_timeout_s:.0f}s: did the setup produce it?")
         items += [unpack_item(b, run_tag=run_tag(cfg.run)) for b in
                   queue.get_many(64, timeout=cfg.no_data_timeout_s, partition=EVAL_PARTITION)]
     return [b.to(device) for b in collate_items(items, cfg.batch_size, cfg.pad_to)]

@@ -1,0 +1,176 @@
+"""The Modal campaign: CPU producers and an H100:8 DDP trainer meeting at a modal.Queue.
+
+    modal run app/modal_app.py --dataset s3://bucket/atlas --producers 16 --gpus 8 --steps 2000
+    modal run --detach app/modal_app.py ...      # nothing depends on the laptop once it starts
+    modal run app/modal_app.py --help            # every flag (works offline)
+
+Flow: the local entrypoint validates the config and calls `setup` (producer image: opens the
+dataset, publishes every epoch's plan into the run's modal.Dict, produces the held-out set),
+then `train` (GPU image). Rank 0 of `train` spawns the producers, drives the epochs (tasks,
+leases, re-issues) and, at the end, signals the producers to stop and deletes the run's queue
+and dict. Checkpoints go to the `cellfeed-checkpoints` Volume. S3 credentials come from a
+Modal Secret (name: $CELLFEED_SECRET, default "cellfeed-s3") holding AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL and AWS_REGION.
+"""
+
+from __future__ import annotations
+
+import os
+
+import modal
+
+APP_NAME = "cellfeed"
+SECRET_NAME = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")
+VOLUME_NAME = "cellfeed-checkpoints"
+CHECKPOINTS = "/checkpoints"
+PACKAGES = ("producers", "coordination", "trainer", "app")
+PRODUCER_CPU, PRODUCER_MEMORY_MB = 4.0, 16_384
+DAY = 24 * 3600
+
+PRODUCER_PIP = ("pylance>=0.30", "pyarrow>=16", "polars>=1.0", "numpy>=1.26", "zstandard>=0.22", "boto3>=1.34",
+                "anndata>=0.10", "h5py>=3.9", "scipy>=1.11", "tqdm>=4.66", "pandas>=2")
+TRAINER_PIP = ("torch==2.13.0", "numpy>=1.26", "zstandard>=0.22", "tqdm>=4.66")  # no Lance, no Polars
+
+producer_image = modal.Image.debian_slim(python_version="3.11").pip_install(*PRODUCER_PIP) \
+    .add_local_python_source(*PACKAGES)
+trainer_image = modal.Image.debian_slim(python_version="3.11").pip_install(*TRAINER_PIP) \
+    .add_local_python_source(*PACKAGES)
+
+app = modal.App(APP_NAME)
+secret = modal.Secret.from_name(SECRET_NAME)
+checkpoints = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True)
+
+
+def _campaign(config: dict):
+    from app.config import CampaignConfig
+
+    return CampaignConfig(**config).validate()
+
+
+def setup_body(config: dict, queue=None, store=None) -> dict:
+    """Publish plans and the held-out set (runs in the producer image)."""
+    from app.campaign import prepare
+    from coordination.modal_backend import run_backends
+
+    cfg = _campaign(config)
+    if queue is None:
+        queue, store = run_backends(cfg.run)
+    return prepare(cfg, queue, store)
+
+
+def produce_body(config: dict, name: str, queue=None, store=None) -> dict:
+    """One producer: works until rank 0 signals the stop (or an hour without tasks)."""
+    from coordination.modal_backend import run_backends
+    from producers.producer import Producer
+
+    cfg = _campaign(config)
+    if queue is None:
+        queue, store = run_backends(cfg.run)
+    producer = Producer(cfg.producer_config(), queue, store)
+    producer.name = name
+    stats = producer.run()
+    return {"cells": stats.cells, "units": stats.units, "items": stats.items, "bytes": stats.bytes,
+            "seconds": dict(stats.seconds)}
+
+
+def train_body(config: dict, facts: dict, *, backend: dict | None = None, spawn_producers=None,
+               checkpoint_dir: str = CHECKPOINTS) -> dict:
+    """Rank launcher inside the GPU container: spawn the producers, start one process per GPU
+    (rank 0 also drives the epochs), wait, then stop the producers and delete the run's queue and
+    dict. `backend`/`spawn_producers` are injectable so the body runs here against the local backend."""
+    import json
+    from pathlib import Path
+
+    from coordination.backends import connect
+    from coordination.routing import stop_key
+    from trainer.launch import launch, wait_all
+
+    cfg = _campaign(config)
+    cfg.checkpoint_dir = checkpoint_dir
+    backend = backend or {"kind": "modal", "run": cfg.run}
+    workdir = Path("/tmp/cellfeed") / cfg.run
+    train_cfg = cfg.train_config(backend, facts, log_path=str(workdir / "steps.jsonl"))
+    if spawn_producers is None:
+        spawned = [produce.spawn(config, f"producer-{i}") for i in range(cfg.producers)]
+        wait_producers = lambda: [_quietly(lambda c=c: c.get(timeout=120)) for c in spawned]  # noqa: E731
+    else:
+        wait_producers = spawn_producers()
+    try:
+        codes = wait_all(launch(train_cfg, cfg.gpus, workdir, summary_path=str(workdir / "summary")), timeout=DAY)
+        if codes != [0] * cfg.gpus:
+            raise RuntimeError(f"trainer ranks exited {codes}; their output is in the function's logs")
+        if backend["kind"] == "modal":
+            checkpoints.commit()
+        return json.loads((workdir / "summary.rank0").read_text())
+    finally:
+        _, store = connect(backend)
+        store.put(stop_key(cfg.run), "stop")
+        wait_producers()
+        if backend["kind"] == "modal":
+            from coordination.modal_backend import delete_run_backends
+
+            delete_run_backends(cfg.run)
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - a failed producer was retried by Modal; its work was re-issued
+        pass
+
+
+@app.function(image=producer_image, secrets=[secret], cpu=2.0, memory=8192, timeout=3600)
+def setup(config: dict) -> dict:
+    return setup_body(config)
+
+
+@app.function(image=producer_image, secrets=[secret], cpu=PRODUCER_CPU, memory=PRODUCER_MEMORY_MB, retries=3,
+              timeout=DAY)
+def produce(config: dict, name: str) -> dict:
+    return produce_body(config, name)
+
+
+@app.function(image=trainer_image, gpu="H100:8", volumes={CHECKPOINTS: checkpoints}, timeout=DAY)
+def train(config: dict, facts: dict) -> dict:
+    return train_body(config, facts)
+
+
+@app.local_entrypoint()
+def main(
+    dataset: str,
+    producers: int = 16,
+    gpus: int = 8,
+    steps: int = 0,
+    epochs: int = 1,
+    batch_size: int = 240,
+    max_genes: int = 1024,
+    preset: str = "scgpt",
+    tokenizer: str = "scgpt",
+    strategy: str = "block",
+    subset_filter: str = "",
+    eval_filter: str = "",
+    run: str = "",
+    resume: bool = False,
+    compile: bool = False,
+    seed: int = 0,
+):
+    """Start a pretraining campaign on Modal.
+
+    --dataset s3://bucket/prefix (required); --producers N CPU producer containers; --gpus N H100s
+    in the trainer; --steps N optimizer steps (0: the epochs through); --run NAME names the
+    queue/dict/checkpoints, and --resume continues that run from its latest checkpoint.
+    """
+    from dataclasses import asdict
+
+    from app.config import CampaignConfig
+
+    cfg = CampaignConfig(dataset=dataset, producers=producers, gpus=gpus, steps=steps or None, epochs=epochs,
+                         batch_size=batch_size, max_genes=max_genes, preset=preset, tokenizer=tokenizer,
+                         strategy=strategy, subset_filter=subset_filter or None, eval_filter=eval_filter or None,
+                         run=run, resume=resume, compile=compile, seed=seed).validate()
+    config = asdict(cfg)
+    print(f"campaign {cfg.run}: {cfg.producers} producers -> {cfg.gpus} x H100, dataset {cfg.dataset}")
+    facts = setup.remote(config)
+    print(f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units")
+    summary = train.with_options(gpu=f"H100:{cfg.gpus}").remote(config, facts)
+    print(summary)
