@@ -118,7 +118,7 @@ class S3Location(Location):
     def lance_options(self) -> dict[str, str]:
         return self.settings.lance_options()
 
-    def _key(self, name: str) -> str:
+    def key_of(self, name: str) -> str:
         return "/".join(p for p in (self.prefix, name) if p)
 
     @property
@@ -178,7 +178,7 @@ class S3Location(Location):
 
     def read_bytes(self, name: str) -> bytes:
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
+            return self.client.get_object(Bucket=self.bucket, Key=self.key_of(name))["Body"].read()
         except Exception as exc:  # noqa: BLE001
             err = self._explain(exc, "read")
             if "not found" in str(err):
@@ -187,12 +187,12 @@ class S3Location(Location):
 
     def write_bytes(self, name: str, data: bytes) -> None:
         try:
-            self.client.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+            self.client.put_object(Bucket=self.bucket, Key=self.key_of(name), Body=data)
         except Exception as exc:  # noqa: BLE001
             raise self._explain(exc, "write") from None
 
     def exists(self, name: str = "") -> bool:
-        prefix = self._key(name)
+        prefix = self.key_of(name)
         try:
             resp = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix + "/" if prefix else "", MaxKeys=1)
             if resp.get("KeyCount", 0):
@@ -210,7 +210,7 @@ class S3Location(Location):
 
     def delete(self) -> None:
         paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key("") + "/" if self.prefix else ""):
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key_of("") + "/" if self.prefix else ""):
             keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if keys:
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})

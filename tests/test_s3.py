@@ -113,3 +113,20 @@ def test_bad_credentials_are_reported_without_the_secret(strict_s3):
     message = str(info.value)
     assert "access denied" in message and "AWS_ACCESS_KEY_ID" in message
     assert "super-secret-value" not in message and "\n" not in message
+
+
+def test_upload_script_stages_a_local_dataset(s3, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    spec = SynthSpec(n_cells=200, n_genes=1000, n_plates=2, seed=8)
+    local = synthesize(str(tmp_path / "atlas"), spec, rows_per_fragment=40_000, progress=False)
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "deploy/upload.py", local.uri, f"s3://{s3}/staged"], cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert_same_dataset(local, open_dataset(f"s3://{s3}/staged"))
+    again = subprocess.run([sys.executable, "deploy/upload.py", local.uri, f"s3://{s3}/staged"], cwd=root,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "--overwrite" in again.stderr

@@ -1,0 +1,130 @@
+"""Local campaign throughput: cells/s reaching a no-op trainer (one consumer stream that only
+iterates batches) with 1 and 2 producer processes, through the local queue server, plus the
+queue depth over time as a PNG.
+
+    python benchmarks/local_scaling.py            # a 200k-cell atlas, one epoch each
+    python benchmarks/local_scaling.py --quick    # a 20k-cell atlas
+
+Ends with one JSON line of the figures. Needs matplotlib for the PNG (`pip install -e .[bench]`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from app.campaign import prepare  # noqa: E402
+from app.config import CampaignConfig  # noqa: E402
+from coordination.backends import connect  # noqa: E402
+from coordination.driver import Driver  # noqa: E402
+from coordination.local_backend import ServerProcess  # noqa: E402
+from coordination.routing import rank_partition, stop_key  # noqa: E402
+from producers.synth import SynthSpec, synthesize  # noqa: E402
+from trainer.stream import ConsumerStream  # noqa: E402
+
+
+def run(dataset: str, n_producers: int, batch: int) -> dict:
+    cfg = CampaignConfig(dataset=dataset, run=f"scaling-{n_producers}", producers=n_producers, gpus=1,
+                         batch_size=batch, max_genes=1024, preset="tiny").validate()
+    server = ServerProcess()
+    queue, store = connect({"kind": "local", "address": server.address})
+    procs = []
+    depth: list[tuple[float, int]] = []
+    try:
+        facts = prepare(cfg, queue, store)
+        config_path = Path(tempfile.mkdtemp()) / "campaign.json"
+        config_path.write_text(json.dumps(cfg.to_dict()))
+        procs = [subprocess.Popen([sys.executable, "-m", "app.local", "--produce", str(config_path), "--address",
+                                   server.address, "--name", f"p{i}"], cwd=ROOT) for i in range(n_producers)]
+        driver = Driver(queue, store, cfg.run, poll_s=0.1)
+        driver.start([0])
+        start = time.monotonic()
+        done = threading.Event()
+
+        def sample():
+            q, _ = connect({"kind": "local", "address": server.address})
+            while not done.is_set():
+                depth.append((time.monotonic() - start, q.len(partition=rank_partition(0))))
+                time.sleep(0.25)
+
+        threading.Thread(target=sample, daemon=True).start()
+        stream = ConsumerStream(queue, rank=0, world_size=1, run=cfg.run, batch_size=batch, pad_to=1025,
+                                no_data_timeout_s=300)
+        cells, arrivals = 0, []
+        for b in stream.epoch(0, [facts["cells_per_epoch"]]):  # the no-op trainer
+            cells += b.size
+            arrivals.append((time.monotonic(), cells))
+        end = time.monotonic()
+        done.set()
+        stream.close()
+        # steady state: the rate between 10% and 90% of the epoch delivered (start-up excluded)
+        t10 = next(t for t, c in arrivals if c >= 0.1 * cells)
+        t90 = next(t for t, c in arrivals if c >= 0.9 * cells)
+        return {"cells": cells, "cells_per_s": cells / (end - start),
+                "steady_cells_per_s": 0.8 * cells / max(t90 - t10, 1e-9),
+                "wait_s": stream.stats.wait_s, "seconds": end - start, "depth": depth}
+    finally:
+        store.put(stop_key(cfg.run), "stop")
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        server.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--png", default=str(ROOT / "benchmarks" / "local_scaling.png"))
+    args = parser.parse_args()
+    n_cells = 20_000 if args.quick else 200_000
+    path = os.path.join(tempfile.gettempdir(), f"cellfeed-bench-atlas-{n_cells}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        synthesize(path, SynthSpec(n_cells=n_cells, seed=0), overwrite=True)
+    results = {n: run(path, n, batch=240) for n in (1, 2)}
+    print(f"\nlocal campaign, {n_cells:,}-cell atlas, scGPT tokens (1024 genes), one no-op consumer rank, batch 240; "
+          f"machine: {platform.machine()}, {os.cpu_count()} cores")
+    print("cells/s: whole epoch incl. start-up; steady: between 10% and 90% of the epoch delivered")
+    print(f"{'producers':>9}{'cells/s':>10}{'steady':>10}{'seconds':>9}{'waited s':>10}{'max depth':>10}")
+    for n, r in results.items():
+        print(f"{n:>9}{r['cells_per_s']:>10,.0f}{r['steady_cells_per_s']:>10,.0f}{r['seconds']:>9.1f}"
+              f"{r['wait_s']:>10.1f}{max((d for _, d in r['depth']), default=0):>10}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for n, r in results.items():
+            ax.plot([t for t, _ in r["depth"]], [d for _, d in r["depth"]], label=f"{n} producer{'s' * (n > 1)}")
+        ax.set_xlabel("seconds since start")
+        ax.set_ylabel("items waiting in rank-0 partition")
+        ax.set_title("local campaign: queue depth (no-op trainer)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=120)
+        print(f"queue depth plot: {args.png}")
+    except ImportError:
+        print("matplotlib not installed: no PNG (pip install -e .[bench])")
+    print(json.dumps({"local_cells_per_s_1_producer": round(results[1]["cells_per_s"]),
+                      "local_cells_per_s_2_producers": round(results[2]["cells_per_s"]),
+                      "local_steady_cells_per_s_1_producer": round(results[1]["steady_cells_per_s"]),
+                      "local_steady_cells_per_s_2_producers": round(results[2]["steady_cells_per_s"]),
+                      "machine": f"{platform.machine()}, {os.cpu_count()} cores"}))
+
+
+if __name__ == "__main__":
+    main()
