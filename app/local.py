@@ -85,10 +85,7 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
               + (f", {facts['held_out_cells']} held-out cells" if facts["held_out_cells"] else ""))
         config_path = workdir / "campaign.json"
         config_path.write_text(json.dumps(cfg.to_dict()))
-        for i in range(cfg.producers):
-            producers.append(subprocess.Popen(
-                [sys.executable, "-m", "app.local", "--produce", str(config_path), "--address", server.address,
-                 "--name", f"producer-{i}"]))
+        producers = start_producers(config_path, server.address, cfg.producers)
         log = workdir / "steps.jsonl"
         log.unlink(missing_ok=True)
         train_cfg = cfg.train_config(backend, facts, log_path=str(log), progress_bar=False)
@@ -110,16 +107,27 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
         summary["producers"] = [json.loads(store.get(producer_report_key(cfg.run, n)) or "{}") for n in names]
         return summary
     finally:
+        stop_campaign(store, cfg.run, producers, server)
+
+
+def start_producers(config_path: Path, address: str, n: int) -> list[subprocess.Popen]:
+    """n producer processes (`producer-0`, ...) for the campaign config at `config_path`."""
+    return [subprocess.Popen([sys.executable, "-m", "app.local", "--produce", str(config_path), "--address", address,
+                              "--name", f"producer-{i}"]) for i in range(n)]
+
+
+def stop_campaign(store, run: str, producers: list[subprocess.Popen], server: ServerProcess) -> None:
+    """Signal the producers to stop, give them a moment to finish, then stop the queue server."""
+    try:
+        store.put(stop_key(run), "stop")
+    except CellfeedError:
+        pass  # the server is already gone
+    for p in producers:
         try:
-            store.put(stop_key(cfg.run), "stop")
-        except CellfeedError:
-            pass
-        for p in producers:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        server.close()
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    server.close()
 
 
 def print_summary(summary: dict, workdir: Path) -> None:

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,10 +25,11 @@ sys.path.insert(0, str(ROOT))
 
 from app.campaign import prepare  # noqa: E402
 from app.config import CampaignConfig  # noqa: E402
+from app.local import start_producers, stop_campaign  # noqa: E402
 from coordination.backends import connect  # noqa: E402
 from coordination.driver import Driver  # noqa: E402
 from coordination.local_backend import ServerProcess  # noqa: E402
-from coordination.routing import rank_partition, stop_key  # noqa: E402
+from coordination.routing import rank_partition  # noqa: E402
 from producers.synth import SynthSpec, synthesize  # noqa: E402
 from trainer.stream import ConsumerStream  # noqa: E402
 
@@ -45,8 +45,7 @@ def run(dataset: str, n_producers: int, batch: int) -> dict:
         facts = prepare(cfg, queue, store)
         config_path = Path(tempfile.mkdtemp()) / "campaign.json"
         config_path.write_text(json.dumps(cfg.to_dict()))
-        procs = [subprocess.Popen([sys.executable, "-m", "app.local", "--produce", str(config_path), "--address",
-                                   server.address, "--name", f"p{i}"], cwd=ROOT) for i in range(n_producers)]
+        procs = start_producers(config_path, server.address, n_producers)
         driver = Driver(queue, store, cfg.run, poll_s=0.1)
         driver.start([0])
         start = time.monotonic()
@@ -75,13 +74,7 @@ def run(dataset: str, n_producers: int, batch: int) -> dict:
                 "steady_cells_per_s": 0.8 * cells / max(t90 - t10, 1e-9),
                 "wait_s": stream.stats.wait_s, "seconds": end - start, "depth": depth}
     finally:
-        store.put(stop_key(cfg.run), "stop")
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        server.close()
+        stop_campaign(store, cfg.run, procs, server)
 
 
 def main() -> None:
