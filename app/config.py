@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 from coordination.errors import CellfeedError
 from coordination.plan import STRATEGIES, Sampling
@@ -46,7 +46,6 @@ class CampaignConfig:
     seed: int = 0
     cells_per_item: int = 128
     label_column: str | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.run:
@@ -104,6 +103,3 @@ class CampaignConfig:
                     resume=self.resume, eval_every=self.eval_every if facts["held_out_cells"] else None,
                     eval_cells=facts["held_out_cells"])
         return TrainConfig(**{**base, **changes})
-
-    def to_dict(self) -> dict:
-        return asdict(self)

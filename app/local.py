@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from app.campaign import prepare
@@ -84,7 +85,7 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
               f"{cfg.producers} producers, {cfg.gpus} ranks (gloo, CPU), {total_steps} steps of {cfg.batch_size}"
               + (f", {facts['held_out_cells']} held-out cells" if facts["held_out_cells"] else ""))
         config_path = workdir / "campaign.json"
-        config_path.write_text(json.dumps(cfg.to_dict()))
+        config_path.write_text(json.dumps(asdict(cfg)))
         producers = start_producers(config_path, server.address, cfg.producers)
         log = workdir / "steps.jsonl"
         log.unlink(missing_ok=True)

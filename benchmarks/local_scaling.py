@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def run(dataset: str, n_producers: int, batch: int) -> dict:
     try:
         facts = prepare(cfg, queue, store)
         config_path = Path(tempfile.mkdtemp()) / "campaign.json"
-        config_path.write_text(json.dumps(cfg.to_dict()))
+        config_path.write_text(json.dumps(asdict(cfg)))
         procs = start_producers(config_path, server.address, n_producers)
         driver = Driver(queue, store, cfg.run, poll_s=0.1)
         driver.start([0])

@@ -22,7 +22,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 
 from coordination.errors import CellfeedError
 from coordination.queues import Empty, Full, ItemTooLarge, MemoryMap, MemoryQueue

@@ -40,9 +40,6 @@ class Tokens:
     def n_cells(self) -> int:
         return len(self.cell_ids)
 
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
 
 def _token_dtype(n_genes: int):
     return np.uint16 if n_genes + GENE_OFFSET <= np.iinfo(np.uint16).max else np.uint32

@@ -9,7 +9,7 @@ token streams that carry no values (geneformer) it predicts the masked gene ids 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -42,9 +42,6 @@ class ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
         return cls(vocab_size=vocab_size, n_bins=n_bins, objective=objective, **PRESETS[name])
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class Block(nn.Module):

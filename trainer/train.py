@@ -13,7 +13,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,6 @@ class TrainConfig:
     eval_every: int | None = None  # masked-bin accuracy on the held-out set every N steps (rank 0)
     eval_cells: int = 0  # how many held-out cells the setup put in the "eval" partition
     progress_bar: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
