@@ -60,8 +60,9 @@ class Tracker:
 
     def record(self, m: StepMetrics) -> dict:
         world = dist.get_world_size()
-        summed = torch.tensor([m.cells, m.tokens, m.flops], dtype=torch.float64)
-        maxed = torch.tensor([m.seconds, m.wait_s], dtype=torch.float64)
+        # on the step's device: NCCL reduces CUDA tensors only
+        summed = torch.tensor([m.cells, m.tokens, m.flops], dtype=torch.float64, device=m.device)
+        maxed = torch.tensor([m.seconds, m.wait_s], dtype=torch.float64, device=m.device)
         dist.all_reduce(summed)
         dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
         seconds = float(maxed[0])

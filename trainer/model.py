@@ -87,7 +87,8 @@ class CellTransformer(nn.Module):
         x = self.gene(tokens)
         if bins is not None:
             x = x + self.bin(bins)
-        mask = attention_mask[:, None, None, :]  # every query may attend to every real token
+        # every query may attend to every real token; with no padding at all, no mask (flash kernels)
+        mask = None if bool(attention_mask.all()) else attention_mask[:, None, None, :]
         for block in self.blocks:
             x = block(x, mask)
         return self.head(self.ln(x)[masked])
