@@ -98,10 +98,10 @@ def test_two_rank_ddp_trains_in_sync_on_every_cell_once(small_synth, tmp_path):
     assert last < first - 0.3, (first, last)
     assert read_cells(tmp_path / "cells") == Counter(train_cells.tolist())  # the train split, exactly once
     assert (tmp_path / "ckpt" / "latest").exists()
-    evals = summaries[0]["eval"]  # held-out masked-bin loss/accuracy every 15 steps: loss improving
-    assert [e["step"] for e in evals] == list(range(15, steps + 1, 15))
-    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
-    assert all(e["eval_accuracy"] > 0.5 for e in evals)  # far above chance (1 in 50 bins)
+    evals = summaries[0]["eval"]  # held-out masked-bin loss/accuracy at the start and every 15 steps
+    assert [e["step"] for e in evals] == [0] + list(range(15, steps + 1, 15))
+    assert all(e["eval_loss"] < evals[0]["eval_loss"] - 1.0 for e in evals[1:])  # far better than untrained
+    assert all(e["eval_accuracy"] > 0.5 for e in evals[1:])  # far above chance (1 in 50 bins)
 
 
 def test_sigkill_mid_epoch_then_resume_trains_every_cell_once(small_synth, tmp_path):

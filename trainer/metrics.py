@@ -55,6 +55,7 @@ class Tracker:
     def __init__(self, rank: int, log_path: str | None, total_steps: int, peak: float | None, bar: bool = True):
         self.rank, self.peak = rank, peak
         self.rows: list[dict] = []
+        self.evals: list[dict] = []
         self.log = open(log_path, "a") if (log_path and rank == 0) else None
         self.bar = tqdm(total=total_steps, desc="train", unit="step", disable=rank != 0 or not bar)
 
@@ -83,10 +84,8 @@ class Tracker:
         return row
 
     def note(self, step: int, values: dict) -> None:
-        """Attach extra figures (e.g. evaluation) to a step's row and log them."""
-        row = next((r for r in reversed(self.rows) if r["step"] == step), None)
-        if row is not None:
-            row.update(values)
+        """Record evaluation figures taken after `step` steps, and log them."""
+        self.evals.append({"step": step, **values})
         if self.log:
             self.log.write(json.dumps({"step": step, **values}) + "\n")
             self.log.flush()
@@ -111,8 +110,7 @@ class Tracker:
             "median_step_s": med("step_s"), "median_wait_ms": med("wait_ms"),
             "cells_per_s": sum(r["cells"] for r in rows) / total_s, "median_mfu": med("mfu"),
             "tokens_per_s": med("tokens_per_s"), "peak_mem_mb": max(r["peak_mem_mb"] for r in self.rows),
-            "eval": [{"step": r["step"], "eval_accuracy": r["eval_accuracy"], "eval_loss": r["eval_loss"]}
-                     for r in self.rows if "eval_accuracy" in r],
+            "eval": self.evals,
         }
         if self.rank == 0:
             print(f"\n{'steps':>6} {'median step':>12} {'cells/s':>9} {'tokens/s':>10} {'wait ms':>8} "

@@ -121,6 +121,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
               f"({model.n_params(embeddings=False) / 1e6:.1f}M outside embeddings); world size {world}, {device}")
     held_out = load_held_out(queue, cfg, device) if rank == 0 and cfg.eval_every and cfg.eval_cells else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    if held_out is not None:
+        tracker.note(step, evaluate(model, held_out, cfg, autocast))  # the starting point
 
     def save():
         checkpoint.save(cfg.checkpoint_dir, step, epoch, rank, world, progress, lambda: {
