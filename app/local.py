@@ -149,9 +149,7 @@ def _produce_main(config_path: str, address: str, name: str) -> None:
 
     cfg = CampaignConfig(**json.loads(Path(config_path).read_text()))
     queue, store = connect({"kind": "local", "address": address})
-    producer = Producer(cfg.producer_config(), queue, store)
-    producer.name = name
-    producer.run()
+    Producer(cfg.producer_config(), queue, store, name=name).run()
 
 
 if __name__ == "__main__":

@@ -66,9 +66,7 @@ def produce_body(config: dict, name: str, queue=None, store=None) -> dict:
     cfg = _campaign(config)
     if queue is None:
         queue, store = run_backends(cfg.run)
-    producer = Producer(cfg.producer_config(), queue, store)
-    producer.name = name
-    stats = producer.run()
+    stats = Producer(cfg.producer_config(), queue, store, name=name).run()
     return {"cells": stats.cells, "units": stats.units, "items": stats.items, "bytes": stats.bytes,
             "seconds": dict(stats.seconds)}
 

@@ -111,7 +111,8 @@ class ProducerStats:
 class Producer:
     """Turns work units into items on the queue; all setup and validation happens here, up front."""
 
-    def __init__(self, config: ProducerConfig, queue: Queue, store: Map, dataset: Dataset | None = None):
+    def __init__(self, config: ProducerConfig, queue: Queue, store: Map, dataset: Dataset | None = None,
+                 name: str | None = None):
         self.config = config.validate()
         self.queue, self.store = queue, store
         self.ds = dataset or open_dataset(config.dataset)
@@ -123,7 +124,7 @@ class Producer:
         self.subset = select_cells(self.ds, config.subset_filter, config.subset_ids)
         self.labels = label_codes(self.ds, config.label_column)[0] if config.label_column else None
         self.tag = run_tag(config.run)
-        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.stats = ProducerStats()
         self._plans: dict[int, EpochPlan] = {}
         self._plan_lock = threading.Lock()
