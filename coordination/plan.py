@@ -93,10 +93,7 @@ class DatasetGeometry:
 
     @classmethod
     def of(cls, dataset) -> "DatasetGeometry":
-        frags = dataset.fragments
-        bounds = [f.row_start for f in frags] + [frags[-1].row_end] if frags else [0, 0]
-        bounds = np.array(bounds, dtype=np.int64)
-        return cls(dataset.fingerprint, dataset.cell_row_start, bounds)
+        return cls(dataset.fingerprint, dataset.cell_row_start, dataset.fragment_row_start)
 
     @property
     def n_cells(self) -> int:

@@ -112,13 +112,24 @@ class Dataset:
         return pa.types.is_integer(self.value_type)
 
     @cached_property
+    def _lance_fragments(self) -> list:
+        return self.expression.get_fragments()
+
+    @cached_property
     def fragments(self) -> list[Fragment]:
         out, start = [], 0
-        for frag in self.expression.get_fragments():
+        for frag in self._lance_fragments:
             n = frag.count_rows()
             out.append(Fragment(frag.fragment_id, start, start + n))
             start += n
         return out
+
+    @cached_property
+    def fragment_row_start(self) -> np.ndarray:
+        """int64[n_fragments + 1]: fragment f holds expression rows [start[f], start[f + 1])."""
+        if not self.fragments:
+            return np.array([0, self.n_rows], dtype=np.int64)
+        return np.array([f.row_start for f in self.fragments] + [self.n_rows], dtype=np.int64)
 
     @cached_property
     def cell_row_start(self) -> np.ndarray:
@@ -151,12 +162,12 @@ class Dataset:
         return self.genes.to_table(columns=columns)
 
     @cached_property
-    def _lance_fragments(self) -> list:
-        return self.expression.get_fragments()
-
-    @cached_property
     def _pool(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="cellfeed-read")
+
+    @staticmethod
+    def _block(table: pa.Table) -> RowBlock:
+        return RowBlock(*[table.column(name).to_numpy() for name in EXPRESSION_COLUMNS])
 
     def _read_piece(self, piece: tuple[int, int, int]) -> pa.Table:
         frag, offset, limit = piece
@@ -174,7 +185,7 @@ class Dataset:
         ranges of a few cells or more. Many tiny ranges (single cells) go through one `take`,
         which beats paying a slice's fixed cost per range."""
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        bounds = np.array([f.row_start for f in self.fragments] + [self.n_rows], dtype=np.int64)
+        bounds = self.fragment_row_start
         pieces = []
         for start, stop in ranges.tolist():
             if not 0 <= start <= stop <= self.n_rows:
@@ -185,14 +196,12 @@ class Dataset:
                 pieces.append((f, start - int(bounds[f]), end - start))
                 start, f = end, f + 1
         if len(pieces) > 1 and sum(p[2] for p in pieces) < TAKE_BELOW_MEAN_ROWS * len(pieces):
-            table = self.expression.take(ragged_arange(ranges[:, 0], ranges[:, 1]), columns=list(EXPRESSION_COLUMNS))
-            return RowBlock(*[table.column(name).to_numpy() for name in EXPRESSION_COLUMNS])
+            return self._block(self.expression.take(ragged_arange(ranges[:, 0], ranges[:, 1]),
+                                                    columns=list(EXPRESSION_COLUMNS)))
         if not pieces:
-            empty = expression_schema(self.n_genes, self.value_type).empty_table()
-            return RowBlock(*[empty.column(c).to_numpy() for c in EXPRESSION_COLUMNS])
+            return self._block(expression_schema(self.n_genes, self.value_type).empty_table())
         tables = list(self._pool.map(self._read_piece, pieces)) if len(pieces) > 1 else [self._read_piece(pieces[0])]
-        table = pa.concat_tables(tables)
-        return RowBlock(*[table.column(name).to_numpy() for name in EXPRESSION_COLUMNS])
+        return self._block(pa.concat_tables(tables))
 
     def read_cells(self, cell_ids: np.ndarray) -> RowBlock:
         """All rows of the given cells (in the order given)."""
@@ -202,7 +211,7 @@ class Dataset:
 
     def straddling_cells(self) -> np.ndarray:
         """Ids of cells whose rows are cut by a fragment boundary."""
-        bounds = np.array([f.row_start for f in self.fragments[1:]], dtype=np.int64)
+        bounds = self.fragment_row_start[1:-1]
         starts = self.cell_row_start
         cell = np.searchsorted(starts, bounds, side="right") - 1
         cut = (starts[cell] < bounds) & (starts[np.minimum(cell + 1, self.n_cells)] > bounds)
