@@ -20,6 +20,12 @@ from coordination.queues import Full, Map, Queue
 from coordination.routing import TASKS_PARTITION, done_key, encode_task, lease_key
 
 
+def steps_per_epoch(cells_per_rank: list[int], batch_size: int) -> int:
+    """Batches every rank takes: the same number on all ranks (the largest rank's), so DDP
+    agrees on the step count with no communication."""
+    return -(-max(cells_per_rank) // batch_size)
+
+
 @dataclass
 class PlanSummary:
     """What consumers and the driver need of an epoch plan (JSON, well under 1 MiB for Tahoe)."""
@@ -47,8 +53,7 @@ class PlanSummary:
         return cls(**json.loads(data))
 
     def steps(self, batch_size: int) -> int:
-        """Batches per rank this epoch: the same number on every rank (the largest rank's)."""
-        return -(-max(self.cells_per_rank) // batch_size)
+        return steps_per_epoch(self.cells_per_rank, batch_size)
 
 
 def summary_key(run: str, epoch: int) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from coordination.driver import steps_per_epoch
 from coordination.errors import CellfeedError
 from coordination.queues import Empty, Queue
 from coordination.routing import rank_partition, run_tag
@@ -144,7 +145,7 @@ class EpochIterator:
             raise CellfeedError(f"plan lists {len(cells_per_rank)} ranks, the stream has world size {stream.world_size}")
         self.s, self.epoch = stream, epoch
         self.expected = int(cells_per_rank[stream.rank])
-        self.steps = -(-max(cells_per_rank) // stream.batch_size)
+        self.steps = steps_per_epoch(cells_per_rank, stream.batch_size)
         self.step = 0
         self.received = 0  # cells taken into the buffer
         self.seen: set = set()
