@@ -146,3 +146,33 @@ def test_model_presets_masking_and_flops():
     lengths = torch.tensor([1025.0, 1025.0])
     expected = 6 * 12 * (4 * 512**2 + 2 * 512 * 512) * 2050 + 6 * 512 * 51 * 800 + 12 * 12 * 512 * 2 * 1025**2
     assert train_flops(c, lengths, 800) == pytest.approx(expected)
+
+
+def test_gradient_accumulation_counts_every_batch_of_a_step(small_synth, tmp_path, monkeypatch):
+    """One rank in this process: with grad_accum 2, each logged step holds two batches' cells."""
+    import torch.distributed as dist
+
+    from coordination.queues import MemoryMap, MemoryQueue
+    from coordination.routing import TASKS_PARTITION, encode_task
+    from trainer.launch import free_port
+    from trainer.train import train
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    queue, store = MemoryQueue(), MemoryMap()
+    config = ProducerConfig(dataset=small_synth.uri, run="accum", world_size=1, max_genes=16, idle_timeout_s=0.2,
+                            sampling=Sampling("block", block_size=8, fetch_factor=4, batch_size=16))
+    producer = Producer(config, queue, store, dataset=small_synth)
+    publish_summary(store, "accum", PlanSummary.of(producer.plan(0), 1))
+    queue.put_many([encode_task(0, u) for u in range(producer.plan(0).n_units)], partition=TASKS_PARTITION)
+    producer.run()
+    cfg = TrainConfig(run="accum", backend={"kind": "memory"}, vocab_size=62_714, batch_size=16, grad_accum=2,
+                      max_steps=5, run_driver=False, progress_bar=False, log_path=str(tmp_path / "steps.jsonl"))
+    try:
+        summary = train(cfg, queue=queue, store=store)
+    finally:
+        dist.destroy_process_group()
+    rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 5 and [r["cells"] for r in rows] == [32] * 5

@@ -136,7 +136,9 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             micro = 0
             for batch in stream.epoch(epoch, left):
                 # ---- one training step (gradients accumulate over `grad_accum` batches) ----------
-                t0 = time.perf_counter()
+                if micro == 0:  # the step's totals, over all its batches (waits included)
+                    started, waited, cells, lengths, masked = time.perf_counter() - batch.wait_s, 0.0, 0, [], 0
+                    totals = torch.zeros(3, device=device)
                 batch = batch.to(device)
                 generator = torch.Generator().manual_seed(derive_key(cfg.seed, rank, step, micro) % 2**63)
                 sync = micro == cfg.grad_accum - 1
@@ -149,6 +151,9 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                     if int(n_masked) == 0:  # an empty batch (this rank ran out first): zero gradients,
                         loss = loss + 0.0 * sum(p.sum() for p in model.parameters())  # but DDP stays in step
                     loss.backward()
+                totals += counts
+                waited, cells, masked = waited + batch.wait_s, cells + batch.size, masked + int(n_masked)
+                lengths.append(batch.attention_mask.sum(dim=1).cpu())
                 progress.record(batch)
                 if cells_log is not None:
                     cells_log.write(json.dumps({"step": step, "epoch": epoch, "cells": batch.cell_ids.tolist()}) + "\n")
@@ -163,13 +168,12 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 # ---------------------------------------------------------------------------
-                lengths = batch.attention_mask.sum(dim=1)
+                lengths = torch.cat(lengths)
                 tracker.record(StepMetrics(
-                    step=step, epoch=epoch, loss=float(counts[1] / counts[0].clamp(min=1)),
-                    accuracy=float(counts[2] / counts[0].clamp(min=1)), lr=scheduler.get_last_lr()[0],
-                    grad_norm=float(grad_norm), seconds=time.perf_counter() - t0 + batch.wait_s,
-                    wait_s=batch.wait_s, cells=batch.size, tokens=int(lengths.sum()),
-                    flops=train_flops(model_cfg, lengths.cpu(), int(n_masked)), device=device))
+                    step=step, epoch=epoch, loss=float(totals[1] / totals[0].clamp(min=1)),
+                    accuracy=float(totals[2] / totals[0].clamp(min=1)), lr=scheduler.get_last_lr()[0],
+                    grad_norm=float(grad_norm), seconds=time.perf_counter() - started, wait_s=waited, cells=cells,
+                    tokens=int(lengths.sum()), flops=train_flops(model_cfg, lengths, masked), device=device))
                 if held_out is not None and step % cfg.eval_every == 0:
                     tracker.note(step, evaluate(model, held_out, cfg, autocast))
                 if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == total_steps):
