@@ -5,24 +5,50 @@ map (the trainer's driver and consumers need only those) and produces the held-o
 from __future__ import annotations
 
 from coordination.driver import PlanSummary, publish_summary
-from producers.producer import Producer, select_cells
+from coordination.errors import CellfeedError
+from coordination.tokens import vocab_size
+from producers.producer import Producer, filter_cells
+
+MAX_EPOCHS = 10_000  # a step budget needing more epochs than this is surely a mistake
+
+
+def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
+    """Each epoch's plan summary: `--epochs` of them, or with only `--steps`, as many as the steps
+    need (an epoch's step count depends on its plan); both given and too few epochs is an error."""
+    summaries, steps = [], 0
+    while len(summaries) < (cfg.epochs or 1) or (cfg.epochs is None and cfg.steps and steps < cfg.steps):
+        if len(summaries) == MAX_EPOCHS:
+            raise CellfeedError(f"--steps {cfg.steps} needs more than {MAX_EPOCHS:,} epochs of this dataset")
+        summaries.append(PlanSummary.of(producer.plan(len(summaries)), cfg.gpus))
+        steps += summaries[-1].steps(cfg.batch_size) // cfg.grad_accum
+    if cfg.steps and steps < cfg.steps:
+        raise CellfeedError(f"--steps {cfg.steps} is more than --epochs {cfg.epochs} hold ({steps} steps of "
+                            f"{cfg.batch_size} cells per rank): raise --epochs, or leave it out to train as many "
+                            "epochs as the steps need")
+    return summaries
 
 
 def prepare(cfg, queue, store) -> dict:
     """Publish plans and the held-out set; returns what the trainer needs to know."""
     producer = Producer(cfg.producer_config(), queue, store)
-    summaries = [PlanSummary.of(producer.plan(epoch), cfg.gpus) for epoch in range(cfg.epochs)]
+    summaries = plan_epochs(cfg, producer)
     for summary in summaries:
         publish_summary(store, cfg.run, summary)
     held_out = 0
     if cfg.eval_filter:
-        cells = select_cells(producer.ds, cfg.eval_filter)[: cfg.eval_cells]
+        cells = filter_cells(producer.ds, cfg.eval_filter, "--eval-filter")[: cfg.eval_cells]
+        if len(cells) == 0:
+            raise CellfeedError(f"--eval-filter {cfg.eval_filter!r} matches no cells; check the filter "
+                                "(`cellfeed inspect DATASET` lists the obs columns and their values)")
         held_out = producer.produce_held_out(cells)
     return {
         "n_genes": producer.ds.n_genes,
-        "vocab_size": producer.ds.n_genes + 4,
+        "vocab_size": vocab_size(producer.ds.n_genes),
+        "epochs": len(summaries),
         "cells_per_epoch": summaries[0].n_cells,
         "units_per_epoch": summaries[0].n_units,
+        "units_total": sum(s.n_units for s in summaries),
         "steps_per_epoch": summaries[0].steps(cfg.batch_size) // cfg.grad_accum,
+        "total_steps": cfg.steps or sum(s.steps(cfg.batch_size) // cfg.grad_accum for s in summaries),
         "held_out_cells": held_out,
     }

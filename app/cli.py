@@ -12,6 +12,10 @@ from coordination.errors import CellfeedError
 ROWS_PER_FRAGMENT = 1 << 22
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text.replace("_", ""))
@@ -29,7 +33,7 @@ def cmd_synth(args) -> int:
     ds = synthesize(args.out, spec, rows_per_fragment=args.rows_per_fragment, overwrite=args.overwrite,
                     progress=not args.quiet)
     print(f"wrote {ds.uri}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros, "
-          f"{len(ds.fragments)} fragments")
+          f"{plural(len(ds.fragments), 'fragment')}")
     return 0
 
 
@@ -43,7 +47,7 @@ def cmd_convert(args) -> int:
                  chunk_cells=args.chunk_cells, allow_negative=args.allow_negative, overwrite=args.overwrite,
                  progress=not args.quiet)
     print(f"wrote {ds.uri}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros "
-          f"({ds.value_type}), {len(ds.fragments)} fragments")
+          f"({ds.value_type}), {plural(len(ds.fragments), 'fragment')}")
     return 0
 
 
@@ -57,14 +61,15 @@ def cmd_inspect(args) -> int:
 
 def cmd_stats(args) -> int:
     from producers.dataset import open_dataset
-    from producers.gene_stats import compute_nonzero_medians, store_gene_stats
+    from producers.gene_stats import compute_gene_medians, store_gene_stats
 
     ds = open_dataset(args.dataset)
-    medians = compute_nonzero_medians(ds, progress=not args.quiet)
+    medians = compute_gene_medians(ds, progress=not args.quiet)
     store_gene_stats(ds, medians)
     expressed = medians > 0
-    print(f"stored non-zero medians of {int(expressed.sum()):,} expressed genes (of {ds.n_genes:,}) in "
-          f"{ds.uri}/gene_stats.lance; median of medians {float(np.median(medians[expressed])) if expressed.any() else 0:.2f}")
+    typical = float(np.median(medians[expressed])) if expressed.any() else 0.0
+    print(f"stored the non-zero medians of normalised counts (x / cell total * 10,000) of {int(expressed.sum()):,} "
+          f"expressed genes (of {ds.n_genes:,}) in {ds.uri}/gene_stats.lance; median of medians {typical:.3g}")
     return 0
 
 
@@ -72,14 +77,17 @@ def cmd_local(args) -> int:
     from pathlib import Path
 
     from app.config import CampaignConfig
-    from app.local import default_dataset, print_summary, run_local
+    from app.local import default_dataset, describe_resume, print_summary, run_local
+    from coordination.tokens import layout
 
     workdir = Path(args.workdir)
-    dataset = args.dataset or default_dataset(workdir, args.cells, args.seed)
     fields = {k: v for k, v in vars(args).items() if k in CampaignConfig.__dataclass_fields__ and v is not None}
-    cfg = CampaignConfig(**{**fields, "dataset": dataset})
-    summary = run_local(cfg, workdir, quiet=args.quiet)
-    print_summary(summary, workdir / cfg.run)
+    cfg = CampaignConfig(**{**fields, "dataset": args.dataset or "(synthesized)"})
+    if cfg.resume and not Path(cfg.checkpoint_dir).is_absolute():  # nothing to resume: say so before any work
+        describe_resume(CampaignConfig(**{**fields, "dataset": "-", "checkpoint_dir": str(workdir / cfg.checkpoint_dir)}))
+    cfg.dataset = args.dataset or default_dataset(workdir, args.cells, args.seed)
+    summary = run_local(cfg, workdir, quiet=args.quiet, audit_cells=args.audit_cells)
+    print_summary(summary, workdir / cfg.run, layout(cfg.tokenizer).objective)
     return 0
 
 
@@ -105,77 +113,137 @@ def describe(ds, n_values: int = 3) -> str:
     return "\n".join(lines)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default (unless it has none or says it itself)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is None or action.default is False \
+                or action.default == argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+# `cellfeed local` runs the tiny model on CPU: these defaults replace CampaignConfig's (made for 8 GPUs)
+LOCAL_DEFAULTS = dict(producers=2, gpus=2, batch_size=32, max_genes=256, preset="tiny", eval_every=20,
+                      checkpoint_every=50, lr=3e-3, warmup_steps=10, eval_cells=512)
+LOCAL_HELP = {"max_genes": "genes per cell (default: 256, short for CPU; the tokenizers' own are scgpt 1024, "
+                           "geneformer-v1 2048, geneformer-v2 4094)",
+              "tokenizer": "scgpt (genes in rank order + expression bins), geneformer-v1 (no special tokens) or "
+                           "geneformer-v2 (CLS, genes, EOS; alias geneformer); geneformer needs `cellfeed stats` "
+                           "(default: scgpt)"}
+LOCAL_FLAGS = ("dataset", "run", "tokenizer", "max_genes", "n_bins", "strategy", "block_size", "fetch_factor",
+               "n_scanners", "unit_cells", "subset_filter", "eval_filter", "eval_cells", "eval_every", "producers",
+               "gpus", "batch_size", "grad_accum", "steps", "epochs", "preset", "lr", "warmup_steps",
+               "checkpoint_every", "resume", "seed")
+
+
+def add_campaign_flags(p: argparse.ArgumentParser) -> None:
+    """The campaign's flags, help from `app.config.FLAG_HELP`, defaults of the local run."""
+    from dataclasses import MISSING, fields
+
+    from app.config import FLAG_HELP, PRESETS, CampaignConfig
+    from coordination.plan import STRATEGIES
+    from coordination.tokens import TOKENIZER_NAMES, layout
+
+    defaults = {f.name: f.default for f in fields(CampaignConfig) if f.default is not MISSING} | LOCAL_DEFAULTS
+    trainable = tuple(n for n in TOKENIZER_NAMES if layout(n).objective)
+    choices = {"tokenizer": trainable, "strategy": STRATEGIES, "preset": PRESETS}
+    for name in LOCAL_FLAGS:
+        flag, default, text = "--" + name.replace("_", "-"), defaults.get(name), LOCAL_HELP.get(name, FLAG_HELP[name])
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", help=text)
+            continue
+        if name in choices:
+            kind, metavar = str, None
+        elif isinstance(default, float):
+            kind, metavar = float, "X"
+        elif name == "seed":
+            kind, metavar = int, "N"
+        elif isinstance(default, int) or name in ("max_genes", "steps", "epochs"):
+            kind, metavar = _positive_int, "N"
+        else:
+            kind, metavar = str, name.upper().replace("_", "-")
+        p.add_argument(flag, type=kind, default=default, choices=choices.get(name), help=text, metavar=metavar)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cellfeed",
+        prog="cellfeed", formatter_class=HelpFormatter,
         description="Feed single-cell data (SLAF-layout Lance datasets, local or S3) to GPU training.",
         epilog="S3 addresses (s3://bucket/prefix) use AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
-        "AWS_SECRET_ACCESS_KEY and AWS_REGION from the environment.",
+        "AWS_SECRET_ACCESS_KEY and AWS_REGION from the environment. Options may come before, between or after "
+        "paths. `cellfeed COMMAND --help` explains each command.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("synth", help="write a synthetic Tahoe-like atlas (plates stored in order)")
+    def command(name, help, **kwargs):
+        return sub.add_parser(name, help=help, description=kwargs.pop("description", help[0].upper() + help[1:] + "."),
+                              formatter_class=HelpFormatter, **kwargs)
+
+    p = command("synth", "write a synthetic Tahoe-like atlas (plates stored in order)")
     p.add_argument("out", help="output dataset: a local path or s3://bucket/prefix")
-    p.add_argument("--cells", type=_positive_int, required=True, help="number of cells")
-    p.add_argument("--genes", type=_positive_int, default=62_710, help="number of genes (default: 62710, as Tahoe)")
-    p.add_argument("--plates", type=_positive_int, default=14, help="number of plates (default: 14)")
-    p.add_argument("--seed", type=int, default=0, help="random seed; same seed, same dataset (default: 0)")
+    p.add_argument("--cells", type=_positive_int, required=True, help="number of cells (required)")
+    p.add_argument("--genes", type=_positive_int, default=62_710, help="number of genes (Tahoe has 62,710)")
+    p.add_argument("--plates", type=_positive_int, default=14, help="number of plates, stored one after another")
+    p.add_argument("--seed", type=int, default=0, help="random seed; the same seed writes the same dataset")
     p.set_defaults(func=cmd_synth)
 
-    p = sub.add_parser("convert", help="convert h5ad file(s) with the same genes into one dataset")
-    p.add_argument("paths", nargs="+", metavar="PATH", help="IN.h5ad [IN2.h5ad ...] OUT")
-    p.add_argument("--layer", default="X", help="matrix to store: X (default), raw.X, or a layer name")
-    p.add_argument("--chunk-cells", type=_positive_int, default=8192, help="cells read per chunk (default: 8192)")
+    p = command("convert", "convert h5ad file(s) with the same genes into one dataset",
+                description="Convert h5ad file(s) with the same genes into one dataset (concatenated in order). "
+                "Counts are stored as uint16 when they fit, else float32.")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="IN.h5ad [IN2.h5ad ...] OUT (local path or s3://)")
+    p.add_argument("--layer", default="X", help="matrix to store: X, raw.X, or a layer name")
+    p.add_argument("--chunk-cells", type=_positive_int, default=8192, help="cells read per chunk")
     p.add_argument("--allow-negative", action="store_true",
                    help="store a matrix with negative values (e.g. scaled data) as float32 instead of refusing")
     p.set_defaults(func=cmd_convert)
 
     for p in (sub.choices["synth"], sub.choices["convert"]):
         p.add_argument("--rows-per-fragment", type=_positive_int, default=ROWS_PER_FRAGMENT,
-                       help=f"expression rows per Lance fragment (default: {ROWS_PER_FRAGMENT:,}); "
-                       "cells straddle fragment boundaries as in compacted datasets")
+                       help="expression rows per Lance fragment; cells straddle fragment boundaries as in "
+                       "compacted datasets")
         p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at the output")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("stats", help="compute and store per-gene non-zero medians (the geneformer tokenizer needs them)")
+    p = command("stats", "compute and store Geneformer's gene medians (the geneformer tokenizers need them)",
+                description="Compute each gene's non-zero median of normalised counts (x / cell total * 10,000), "
+                "exactly, in a few streaming passes, and store them with the dataset.")
     p.add_argument("dataset", help="a local path or s3://bucket/prefix")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_stats)
 
-    p = sub.add_parser("local", help="run a whole pretraining campaign on this machine (processes, DDP on CPU)",
-                       description="Producers as processes, the local queue server, DDP over gloo on CPU. "
-                       "With no --dataset, a small synthetic atlas is written first.")
-    p.add_argument("--dataset", help="a dataset (local path or s3://); default: synthesize --cells cells")
-    p.add_argument("--cells", type=_positive_int, default=4000, help="cells to synthesize without --dataset (4000)")
-    p.add_argument("--producers", type=_positive_int, default=2, help="producer processes (2)")
-    p.add_argument("--gpus", type=_positive_int, default=2, help="trainer ranks; CPU processes here (2)")
-    p.add_argument("--steps", type=_positive_int, help="optimizer steps (default: the epochs through)")
-    p.add_argument("--epochs", type=_positive_int, default=1, help="epochs (1)")
-    p.add_argument("--batch-size", type=_positive_int, default=32, help="cells per rank per step (32)")
-    p.add_argument("--max-genes", type=_positive_int, default=256, help="genes per cell (256)")
-    p.add_argument("--preset", default="tiny", help="model preset: tiny (default), scgpt, base, large")
-    p.add_argument("--tokenizer", default="scgpt", help="scgpt (default) or geneformer")
-    p.add_argument("--strategy", default="block", help="sequential, mixture, block (default) or random")
-    p.add_argument("--subset-filter", help="training split as an obs filter, e.g. \"plate != 'plate14'\"")
-    p.add_argument("--eval-filter", help="held-out split to evaluate on, e.g. \"plate = 'plate14'\"")
-    p.add_argument("--eval-every", type=_positive_int, default=20, help="evaluate every N steps (20)")
-    p.add_argument("--checkpoint-every", type=_positive_int, default=50, help="checkpoint every N steps (50)")
-    p.add_argument("--run", help="run name (default: a timestamp); --resume continues it")
-    p.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", default="runs", help="where runs, logs and checkpoints go (runs/)")
+    p = command("local", "run a whole pretraining campaign on this machine (processes, DDP on CPU)",
+                description="A pretraining campaign on this machine: the local queue server, producer processes, "
+                "DDP trainer ranks over gloo on CPU. With no --dataset, a small synthetic atlas is written first. "
+                "Defaults suit the tiny CPU model; the same flags drive `modal run app/modal_app.py`.")
+    add_campaign_flags(p)
+    p.add_argument("--cells", type=_positive_int, default=4000, help="cells to synthesize when no --dataset is given")
+    p.add_argument("--workdir", default="runs", help="where runs, logs and checkpoints go")
+    p.add_argument("--audit-cells", action="store_true",
+                   help="write each rank's trained cell ids per step to WORKDIR/RUN/cells.rank<r>.jsonl")
     p.add_argument("--quiet", action="store_true", help="no live status line")
-    p.set_defaults(func=cmd_local, lr=3e-3, warmup_steps=10)
+    p.set_defaults(func=cmd_local)
 
-    p = sub.add_parser("inspect", help="summarise a dataset: shape, fragments, straddling cells, obs columns")
+    p = command("inspect", "summarise a dataset: shape, fragments, straddling cells, obs columns")
     p.add_argument("dataset", help="a local path or s3://bucket/prefix")
-    p.add_argument("--values", type=int, default=3, help="example values per obs column (default: 3)")
+    p.add_argument("--values", type=int, default=3, help="example values per obs column")
     p.set_defaults(func=cmd_inspect)
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Options may stand anywhere among a command's paths (`convert IN.h5ad --layer raw.X OUT`)."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if argv and argv[0] in commands:
+        return commands[argv[0]].parse_intermixed_args(argv[1:])
+    return parser.parse_args(argv)  # --help, or an error naming the commands
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.func(args)
     except CellfeedError as exc:

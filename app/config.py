@@ -9,9 +9,43 @@ from dataclasses import dataclass
 
 from coordination.errors import CellfeedError
 from coordination.plan import STRATEGIES, Sampling
-from producers.tokenizers import TOKENIZERS
+from coordination.tokens import LAYOUTS, layout
 
 PRESETS = ("tiny", "scgpt", "base", "large")
+
+# Every campaign flag, described once: `cellfeed local --help` and `modal run app/modal_app.py --help`
+# both show these (field name -> help; the defaults come from CampaignConfig or the local run).
+FLAG_HELP = {
+    "dataset": "the dataset: a local path or s3://bucket/prefix (S3 settings from AWS_* variables)",
+    "run": "run name: names the queue, the map and the checkpoints; --resume continues it (default: a timestamp)",
+    "subset_filter": "training cells as an obs filter in Lance SQL, e.g. \"plate != 'plate14'\" (default: all cells)",
+    "eval_filter": "held-out cells as an obs filter, e.g. \"plate = 'plate14'\": never trained on, evaluated "
+                   "every --eval-every steps (default: no evaluation)",
+    "eval_cells": "how many held-out cells to evaluate on (the first that match --eval-filter)",
+    "eval_every": "evaluate on the held-out cells every N steps",
+    "tokenizer": "scgpt (genes in rank order + expression bins), geneformer-v1 (2,048 genes, no special tokens), "
+                 "geneformer-v2 (CLS + 4,094 genes + EOS; alias geneformer); geneformer needs `cellfeed stats`",
+    "max_genes": "genes per cell (default: the tokenizer's own: scgpt 1024, geneformer-v1 2048, geneformer-v2 4094)",
+    "n_bins": "scgpt expression bins per cell",
+    "strategy": "sampling: sequential, mixture (of scanners), block (shuffled blocks of cells) or random",
+    "block_size": "block sampling: consecutive cells per block",
+    "fetch_factor": "block sampling: batches' worth of blocks per work unit",
+    "n_scanners": "mixture sampling: fragments read together in one work unit",
+    "unit_cells": "sequential/mixture sampling: consecutive cells per scanner chunk",
+    "producers": "producer processes (CPU); scale them until the trainer never waits",
+    "gpus": "trainer ranks (DDP world size)",
+    "batch_size": "cells per rank per step",
+    "grad_accum": "batches accumulated per optimizer step",
+    "steps": "optimizer steps; alone, as many epochs as they need (default: --epochs through)",
+    "epochs": "epochs (default: 1, or as many as --steps needs)",
+    "preset": "model preset: tiny (4M parameters), scgpt (51M, as published), base (133M), large (367M)",
+    "lr": "peak learning rate (AdamW, linear warm-up, cosine decay)",
+    "warmup_steps": "learning-rate warm-up steps",
+    "compile": "torch.compile the model",
+    "checkpoint_every": "checkpoint every N steps (and at the end)",
+    "resume": "continue --run from its latest checkpoint, saying from which step (locally, a run with none is an error)",
+    "seed": "seed of plans, shuffles, masks and weights: the same seed gives the same run",
+}
 
 
 @dataclass
@@ -19,11 +53,11 @@ class CampaignConfig:
     dataset: str  # local path or s3://bucket/prefix (S3 settings from the environment / a Modal Secret)
     run: str = ""  # names the queue/map (cellfeed-<run>) and checkpoints; default: a timestamp
     subset_filter: str | None = None  # the training split as an obs filter, e.g. "plate != 'plate14'"
-    eval_filter: str | None = None  # a held-out split to evaluate on, e.g. "plate = 'plate14'"
+    eval_filter: str | None = None  # a held-out split to evaluate on (never trained on), e.g. "plate = 'plate14'"
     eval_cells: int = 512  # how many held-out cells (the first that match)
     eval_every: int = 100
     tokenizer: str = "scgpt"
-    max_genes: int = 1024
+    max_genes: int | None = None  # None: the tokenizer's own length (scgpt 1024, geneformer-v1 2048, -v2 4094)
     n_bins: int = 51
     strategy: str = "block"
     block_size: int = 64
@@ -35,7 +69,7 @@ class CampaignConfig:
     batch_size: int = 240
     grad_accum: int = 1
     steps: int | None = None  # None: train the epochs through
-    epochs: int = 1
+    epochs: int | None = None  # None: 1, or as many as `steps` needs
     preset: str = "scgpt"
     lr: float = 3e-4
     warmup_steps: int = 100
@@ -56,24 +90,29 @@ class CampaignConfig:
             raise CellfeedError("give a dataset: a local path or s3://bucket/prefix")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,40}", self.run):
             raise CellfeedError(f"run name {self.run!r}: use 1-41 letters, digits, '.', '_' or '-'")
-        if self.tokenizer not in TOKENIZERS:
-            raise CellfeedError(f"unknown tokenizer {self.tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
-        if self.tokenizer == "raw":
-            raise CellfeedError("the trainer learns from scgpt (bins) or geneformer (gene ids) tokens, not raw values")
+        if layout(self.tokenizer).objective is None:
+            trainable = ", ".join(n for n, spec in LAYOUTS.items() if spec.objective)
+            raise CellfeedError(f"--tokenizer {self.tokenizer}: the trainer learns from {trainable} tokens; raw values "
+                                "are for feeding other models (producers.producer.produce)")
         if self.strategy not in STRATEGIES:
             raise CellfeedError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if self.preset not in PRESETS:
             raise CellfeedError(f"unknown model preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
-        for name in ("max_genes", "producers", "gpus", "batch_size", "grad_accum", "epochs", "checkpoint_every",
-                     "block_size", "fetch_factor", "n_scanners", "unit_cells", "cells_per_item", "eval_every"):
+        for name in ("producers", "gpus", "batch_size", "grad_accum", "checkpoint_every", "block_size", "fetch_factor",
+                     "n_scanners", "unit_cells", "cells_per_item", "eval_every", "eval_cells"):
             if int(getattr(self, name)) < 1:
                 raise CellfeedError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.steps is not None and self.steps < 1:
-            raise CellfeedError(f"--steps must be >= 1, got {self.steps}")
+        for name in ("max_genes", "steps", "epochs"):  # optional
+            if getattr(self, name) is not None and int(getattr(self, name)) < 1:
+                raise CellfeedError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 3 <= self.n_bins <= 255:
             raise CellfeedError(f"--n-bins must be within 3..255, got {self.n_bins}")
         self.sampling.validate()
         return self
+
+    @property
+    def genes_per_cell(self) -> int:
+        return self.max_genes or layout(self.tokenizer).default_genes
 
     @property
     def sampling(self) -> Sampling:
@@ -85,20 +124,21 @@ class CampaignConfig:
 
         params = {"n_bins": self.n_bins} if self.tokenizer == "scgpt" else {}
         return ProducerConfig(dataset=self.dataset, run=self.run, seed=self.seed, sampling=self.sampling,
-                              tokenizer=self.tokenizer, max_genes=self.max_genes, tokenizer_params=params,
+                              tokenizer=self.tokenizer, max_genes=self.genes_per_cell, tokenizer_params=params,
                               world_size=self.gpus, cells_per_item=self.cells_per_item,
                               label_column=self.label_column, subset_filter=self.subset_filter,
-                              idle_timeout_s=idle_timeout_s)
+                              exclude_filter=self.eval_filter, idle_timeout_s=idle_timeout_s)
 
     def train_config(self, backend: dict, facts: dict, **changes):
         """The trainer's config; `facts` come from the setup step (`app.campaign.prepare`)."""
         from trainer.train import TrainConfig
 
+        spec = layout(self.tokenizer)
         base = dict(run=self.run, backend=backend, vocab_size=facts["vocab_size"], preset=self.preset,
-                    objective="bins" if self.tokenizer == "scgpt" else "genes", n_bins=self.n_bins,
+                    objective=spec.objective, n_bins=self.n_bins,
                     batch_size=self.batch_size, grad_accum=self.grad_accum, lr=self.lr, warmup_steps=self.warmup_steps,
-                    max_steps=self.steps, epochs=self.epochs, seed=self.seed, compile=self.compile,
-                    pad_to=self.max_genes + (2 if self.tokenizer == "geneformer" else 1),
+                    max_steps=facts["total_steps"], epochs=facts["epochs"], seed=self.seed, compile=self.compile,
+                    pad_to=spec.sequence_length(self.genes_per_cell),
                     checkpoint_dir=f"{self.checkpoint_dir.rstrip('/')}/{self.run}", checkpoint_every=self.checkpoint_every,
                     resume=self.resume, eval_every=self.eval_every if facts["held_out_cells"] else None,
                     eval_cells=facts["held_out_cells"])

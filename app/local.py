@@ -16,11 +16,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.campaign import prepare
+from app.cli import plural
 from app.config import CampaignConfig
 from coordination.backends import connect
 from coordination.errors import CellfeedError
 from coordination.local_backend import ServerProcess
 from coordination.routing import TASKS_PARTITION, producer_report_key, rank_partition, stop_key
+from trainer import checkpoint
 from trainer.launch import launch, wait_all
 
 STATUS_EVERY_S = 2.0
@@ -46,58 +48,90 @@ def _last_step(log: Path) -> dict | None:
     return rows[-1] if rows else None
 
 
+IDLE_AFTER_S = 5.0  # a running producer with no unit finished for this long and no task queued is idle
+
+
+def producer_states(store, run: str, names: list[str], procs: list[subprocess.Popen], tasks: int,
+                    all_done: bool = False) -> list[str]:
+    """Each producer's state: starting, working (with its rate), idle (nothing left to take), done
+    (exited) or failed."""
+    states = []
+    for name, proc in zip(names, procs):
+        code = proc.poll()
+        report = store.get(producer_report_key(run, name))
+        r = json.loads(report) if report else None
+        if code is not None:
+            states.append("done" if code == 0 else f"failed ({code})")
+        elif r is None:
+            states.append("starting")
+        elif tasks == 0 and (all_done or time.time() - r["time"] > IDLE_AFTER_S):
+            states.append("idle")
+        else:
+            states.append(f"working {r['cells'] / max(1e-9, r['busy_s']):,.0f} cells/s" if r["busy_s"] else "working")
+    return states
+
+
 def status_line(cfg: CampaignConfig, queue, store, log: Path, started: float, total_steps: int,
-                producers: list[str]) -> str:
+                names: list[str], procs: list[subprocess.Popen], units_total: int) -> str:
     row = _last_step(log)
+    tasks = queue.len(partition=TASKS_PARTITION)
     depth = [queue.len(partition=rank_partition(r)) for r in range(cfg.gpus)]
-    rates = []
-    for name in producers:
-        report = store.get(producer_report_key(cfg.run, name))
-        if report:
-            r = json.loads(report)
-            rates.append(r["cells"] / max(1e-9, r["busy_s"]) if r["busy_s"] else 0.0)
-    parts = [f"{time.monotonic() - started:6.0f}s"]
+    units = sum(json.loads(r)["units"] for n in names if (r := store.get(producer_report_key(cfg.run, n))))
+    parts = [f"{time.monotonic() - started:5.0f}s"]
     if row:
         parts += [f"step {row['step']}/{total_steps}", f"loss {row['loss']:.3f}", f"{row['cells_per_s']:,.0f} cells/s",
                   f"wait {row['wait_ms']:.0f}ms"]
     else:
-        parts += ["starting"]
-    parts += [f"queue {'+'.join(map(str, depth))} items (tasks {queue.len(partition=TASKS_PARTITION)})",
-              f"producers {' '.join(f'{r:,.0f}' for r in rates) or '-'} cells/s busy"]
+        parts += ["ranks starting (torch, DDP, first batch)"]
+    parts += [f"units {units:,}/{units_total:,} done, {tasks:,} queued",
+              f"queue {' '.join(f'r{r}:{d}' for r, d in enumerate(depth))} items",
+              "producers " + ", ".join(producer_states(store, cfg.run, names, procs, tasks, units >= units_total))]
     return " | ".join(parts)
 
 
-def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = False) -> dict:
-    """Run a whole campaign locally; returns the trainer's summary (rank 0)."""
+def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = False,
+              audit_cells: bool = False) -> dict:
+    """Run a whole campaign locally; returns the trainer's summary (rank 0). With `audit_cells`,
+    each rank writes the cell ids of every step to WORKDIR/RUN/cells.rank<r>.jsonl."""
     cfg.validate()
+    if not Path(cfg.checkpoint_dir).is_absolute():
+        cfg.checkpoint_dir = str(Path(workdir) / cfg.checkpoint_dir)
+    if cfg.resume:
+        print(describe_resume(cfg))
     workdir = Path(workdir) / cfg.run
     workdir.mkdir(parents=True, exist_ok=True)
-    if not Path(cfg.checkpoint_dir).is_absolute():
-        cfg.checkpoint_dir = str(workdir.parent / cfg.checkpoint_dir)
     server = ServerProcess()
     backend = {"kind": "local", "address": server.address}
     queue, store = connect(backend)
     producers: list[subprocess.Popen] = []
     try:
         facts = prepare(cfg, queue, store)
-        total_steps = cfg.steps or facts["steps_per_epoch"] * cfg.epochs
-        print(f"campaign {cfg.run}: {facts['cells_per_epoch']:,} cells/epoch in {facts['units_per_epoch']} units, "
-              f"{cfg.producers} producers, {cfg.gpus} ranks (gloo, CPU), {total_steps} steps of {cfg.batch_size}"
-              + (f", {facts['held_out_cells']} held-out cells" if facts["held_out_cells"] else ""))
+        total_steps = facts["total_steps"]
+        print(f"campaign {cfg.run}: {facts['cells_per_epoch']:,} cells/epoch in {plural(facts['units_per_epoch'], 'unit')}, "
+              f"{plural(cfg.producers, 'producer')}, {plural(cfg.gpus, 'rank')} (gloo, CPU), "
+              f"{plural(total_steps, 'step')} of {cfg.batch_size} cells per rank over {plural(facts['epochs'], 'epoch')}"
+              + (f", {facts['held_out_cells']:,} held-out cells" if facts["held_out_cells"] else ""), flush=True)
         config_path = workdir / "campaign.json"
         config_path.write_text(json.dumps(asdict(cfg)))
         producers = start_producers(config_path, server.address, cfg.producers)
         log = workdir / "steps.jsonl"
         log.unlink(missing_ok=True)
-        train_cfg = cfg.train_config(backend, facts, log_path=str(log), progress_bar=False)
+        changes = dict(log_path=str(log), progress_bar=False)
+        if audit_cells:
+            for old in workdir.glob("cells.rank*.jsonl"):
+                old.unlink()
+            changes["cells_log"] = str(workdir / "cells")
+        train_cfg = cfg.train_config(backend, facts, **changes)
         ranks = launch(train_cfg, cfg.gpus, workdir, summary_path=str(workdir / "summary"), log_ranks=True)
         started = time.monotonic()
         names = [f"producer-{i}" for i in range(cfg.producers)]
         while any(p.poll() is None for p in ranks):
             if any(p.poll() not in (None, 0) for p in ranks + producers):
                 break
-            if not quiet:
-                print(status_line(cfg, queue, store, log, started, total_steps, names), flush=True)
+            row = _last_step(log)
+            if not quiet and not (row and row["step"] >= total_steps):  # rank 0 prints the final table itself
+                print(status_line(cfg, queue, store, log, started, total_steps, names, producers, facts["units_total"]),
+                      flush=True)
             time.sleep(STATUS_EVERY_S)
         codes = wait_all(ranks, timeout=60)
         failed = [p for p in producers if p.poll() not in (None, 0)]
@@ -109,6 +143,17 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
         return summary
     finally:
         stop_campaign(store, cfg.run, producers, server)
+
+
+def describe_resume(cfg: CampaignConfig) -> str:
+    """What `--resume` continues from, in one line; an error when the run has no checkpoint."""
+    directory = f"{cfg.checkpoint_dir.rstrip('/')}/{cfg.run}"
+    latest = checkpoint.latest(directory)
+    if latest is None:
+        raise CellfeedError(f"--resume: run {cfg.run!r} has no checkpoint in {directory}; leave out --resume to start "
+                            "it, or name an existing run with --run")
+    return (f"resuming run {cfg.run} from its checkpoint at step {latest.step:,} (epoch {latest.epoch}, "
+            f"{sum(latest.trained):,} cells of that epoch already trained): {latest.folder}")
 
 
 def start_producers(config_path: Path, address: str, n: int) -> list[subprocess.Popen]:
@@ -131,7 +176,7 @@ def stop_campaign(store, run: str, producers: list[subprocess.Popen], server: Se
     server.close()
 
 
-def print_summary(summary: dict, workdir: Path) -> None:
+def print_summary(summary: dict, workdir: Path, objective: str = "bins") -> None:
     produced = sum(p.get("cells", 0) for p in summary["producers"])
     busy = sum(p.get("busy_s", 0) for p in summary["producers"])
     print(f"\nproducers: {produced:,} cells in {busy:.1f} busy seconds "
@@ -140,7 +185,7 @@ def print_summary(summary: dict, workdir: Path) -> None:
           f"{summary['cells_per_s']:,.0f} cells/s, median step {summary['median_step_s'] * 1000:.1f} ms, "
           f"median dataloader wait {summary['median_wait_ms']:.1f} ms")
     for e in summary.get("eval", []):
-        print(f"  held-out at step {e['step']}: masked-bin accuracy {e['eval_accuracy']:.3f}, loss {e['eval_loss']:.3f}")
+        print(f"  held-out at step {e['step']}: masked-{objective[:-1]} accuracy {e['eval_accuracy']:.3f}, loss {e['eval_loss']:.3f}")
     print(f"step log: {workdir}/steps.jsonl")
 
 

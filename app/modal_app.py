@@ -16,6 +16,7 @@ AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL and AWS_REGION.
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import modal
 
@@ -133,42 +134,77 @@ def train(config: dict, facts: dict) -> dict:
     return train_body(config, facts)
 
 
+def _describe_flags() -> None:
+    """modal 1.6's `modal run` turns a local entrypoint's signature into flags with no help text
+    and no defaults shown. Attach ours (`app.config.FLAG_HELP`, the same words as `cellfeed local
+    --help`) so `modal run app/modal_app.py --help` explains every flag. Only under the Modal CLI
+    (already imported then); elsewhere, and if Modal's builder changes, nothing happens."""
+    import sys
+
+    from app.config import FLAG_HELP
+
+    modal_cli = sys.modules.get("modal.cli.run")
+    build = getattr(modal_cli, "_add_click_options", None)
+    if build is None or getattr(build, "describes_cellfeed", False):
+        return
+
+    def with_help(func, parameters):
+        func = build(func, parameters)
+        for option in getattr(func, "__click_params__", []):
+            if option.name in FLAG_HELP:
+                option.help = FLAG_HELP[option.name]
+                option.show_default = "default" not in option.help
+        return func
+
+    with_help.describes_cellfeed = True
+    modal_cli._add_click_options = with_help
+
+
+_describe_flags()
+
+
 @app.local_entrypoint()
 def main(
     dataset: str,
     producers: int = 16,
     gpus: int = 8,
     steps: int = 0,
-    epochs: int = 1,
+    epochs: int = 0,
     batch_size: int = 240,
-    max_genes: int = 1024,
-    preset: str = "scgpt",
-    tokenizer: str = "scgpt",
-    strategy: str = "block",
+    grad_accum: int = 1,
+    max_genes: int = 0,
+    preset: Literal["tiny", "scgpt", "base", "large"] = "scgpt",
+    tokenizer: Literal["scgpt", "geneformer-v1", "geneformer-v2", "geneformer"] = "scgpt",
+    n_bins: int = 51,
+    strategy: Literal["sequential", "mixture", "block", "random"] = "block",
+    block_size: int = 64,
+    fetch_factor: int = 64,
+    n_scanners: int = 8,
+    unit_cells: int = 1024,
     subset_filter: str = "",
     eval_filter: str = "",
+    eval_cells: int = 512,
+    eval_every: int = 100,
+    lr: float = 3e-4,
+    warmup_steps: int = 100,
+    checkpoint_every: int = 500,
     run: str = "",
     resume: bool = False,
     compile: bool = False,
     seed: int = 0,
 ):
-    """Start a pretraining campaign on Modal.
-
-    --dataset s3://bucket/prefix (required); --producers N CPU producer containers; --gpus N H100s
-    in the trainer; --steps N optimizer steps (0: the epochs through); --run NAME names the
-    queue/dict/checkpoints, and --resume continues that run from its latest checkpoint.
-    """
+    """Start a pretraining campaign on Modal (every flag: `modal run app/modal_app.py --help`)."""
     from dataclasses import asdict
 
     from app.config import CampaignConfig
 
-    cfg = CampaignConfig(dataset=dataset, producers=producers, gpus=gpus, steps=steps or None, epochs=epochs,
-                         batch_size=batch_size, max_genes=max_genes, preset=preset, tokenizer=tokenizer,
-                         strategy=strategy, subset_filter=subset_filter or None, eval_filter=eval_filter or None,
-                         run=run, resume=resume, compile=compile, seed=seed).validate()
+    flags = dict(locals())
+    optional = {"steps", "epochs", "max_genes", "subset_filter", "eval_filter"}  # 0 / "": not given
+    cfg = CampaignConfig(**{k: (v or None) if k in optional else v for k, v in flags.items()}).validate()
     config = asdict(cfg)
     print(f"campaign {cfg.run}: {cfg.producers} producers -> {cfg.gpus} x H100, dataset {cfg.dataset}")
     facts = setup.remote(config)
-    print(f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units")
+    print(f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units, "
+          f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s)")
     summary = train.with_options(gpu=f"H100:{cfg.gpus}").remote(config, facts)
     print(summary)

@@ -108,11 +108,14 @@ class Sampling:
     block_size: int = 64  # block: 64 consecutive cells cost ~1.5x a sequential read, 16 cost ~3x
     fetch_factor: int = 64  # block: batches' worth of blocks per unit (64 blocks from all over)
     batch_size: int = 64  # block: the batch the fetch factor counts in
+    # units are made smaller (never larger) so an epoch has at least this many when it has the
+    # cells: every producer and every rank gets work on a small dataset too
+    min_units: int = 64
 
     def validate(self) -> "Sampling":
         if self.strategy not in STRATEGIES:
             raise CellfeedError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
-        for name in ("unit_cells", "n_scanners", "block_size", "fetch_factor", "batch_size"):
+        for name in ("unit_cells", "n_scanners", "block_size", "fetch_factor", "batch_size", "min_units"):
             if int(getattr(self, name)) < 1:
                 raise CellfeedError(f"{name} must be >= 1, got {getattr(self, name)}")
         return self
@@ -191,14 +194,19 @@ class EpochPlan:
         h.update(self.selected.tobytes())
         return h.hexdigest()
 
+    def _units_of(self, n: int, per_unit: int) -> int:
+        """`per_unit`, made smaller where needed so that n things fill at least `min_units` units."""
+        return max(1, min(per_unit, n // self.sampling.min_units))
+
     # ---- block / random
 
     def _plan_blocks(self) -> None:
         s = self.sampling
-        bs = s.effective_block_size
         n_sel = len(self.selected)
+        # blocks too shrink on a dataset with fewer than min_units blocks' worth of cells
+        self.block_size = bs = self._units_of(n_sel, s.effective_block_size)
         self.n_blocks = -(-n_sel // bs)
-        self.blocks_per_unit = max(1, -(-s.fetch_factor * s.batch_size // bs))
+        self.blocks_per_unit = self._units_of(self.n_blocks, max(1, -(-s.fetch_factor * s.batch_size // bs)))
         perm = FeistelPermutation(self.n_blocks, derive_key(self.seed, self.epoch, "blocks"))
         self.block_order = perm(np.arange(self.n_blocks))
         self.n_units = -(-self.n_blocks // self.blocks_per_unit)
@@ -211,7 +219,7 @@ class EpochPlan:
         self.boundary_piece_counts = np.zeros(0, dtype=np.int64)
 
     def _block_unit(self, u: int) -> WorkUnit:
-        bs = self.sampling.effective_block_size
+        bs = self.block_size
         blocks = np.sort(self.block_order[u * self.blocks_per_unit:(u + 1) * self.blocks_per_unit])
         idx = (blocks[:, None] * bs + np.arange(bs)[None, :]).ravel()
         cells = self.selected[idx[idx < len(self.selected)]]
@@ -241,8 +249,9 @@ class EpochPlan:
         self._member_cell_idx, self._member_frag = member_cell_idx[order], member_frag[order]
         self._member_piece = (self._member_frag - first[self._member_cell_idx])
         self._member_span = span[self._member_cell_idx]
-        # chunks: runs of unit_cells members within a fragment
-        k = self.sampling.unit_cells
+        # chunks: runs of unit_cells members within a fragment (a mixture unit holds several chunks)
+        group = min(self.sampling.n_scanners, n_frags) if self.sampling.strategy == "mixture" else 1
+        k = max(1, self._units_of(len(sel), self.sampling.unit_cells * group) // group)
         frag_start = np.searchsorted(self._member_frag, np.arange(n_frags), side="left")
         frag_stop = np.searchsorted(self._member_frag, np.arange(n_frags), side="right")
         chunks = [(f, lo, min(lo + k, frag_stop[f])) for f in range(n_frags)

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -65,8 +66,12 @@ class RowBlock:
         return len(self.cell)
 
 
-def _first_line(exc: Exception) -> str:
+def error_text(exc: Exception) -> str:
+    """One line of a (Lance) error for the user: its first line, without the Rust source location
+    Lance appends (`, /…/src/sql.rs:109:22`) or its internal columns."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r",?\s*\S+\.rs:\d+:\d+$", "", text)
+    text = re.sub(r", _row\w+", "", text)
     return text[:300]
 
 
@@ -74,7 +79,7 @@ def _open_lance(uri: str, options: dict | None, what: str) -> lance.LanceDataset
     try:
         return lance.dataset(uri, storage_options=options)
     except Exception as exc:  # noqa: BLE001 - one clear line for the user
-        raise CellfeedError(f"cannot open the {what} table at {uri}: {_first_line(exc)}") from None
+        raise CellfeedError(f"cannot open the {what} table at {uri}: {error_text(exc)}") from None
 
 
 class Dataset:
@@ -286,7 +291,7 @@ class _LanceStream:
     def put(self, batch: pa.RecordBatch | None) -> None:
         while True:
             if self._error is not None:
-                raise CellfeedError(f"writing a Lance table failed: {_first_line(self._error)}")
+                raise CellfeedError(f"writing a Lance table failed: {error_text(self._error)}")
             try:
                 self._queue.put(batch, timeout=1.0)
                 return
@@ -298,7 +303,7 @@ class _LanceStream:
         self.put(None)
         self._thread.join()
         if self._error is not None:
-            raise CellfeedError(f"writing a Lance table failed: {_first_line(self._error)}")
+            raise CellfeedError(f"writing a Lance table failed: {error_text(self._error)}")
 
 
 class DatasetWriter:

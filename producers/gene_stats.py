@@ -1,9 +1,18 @@
-"""Per-gene statistics stored with a dataset: the non-zero median each gene reaches (what
-Geneformer's rank value encoding divides by), computed once in one streaming pass.
+"""Per-gene statistics stored with a dataset: Geneformer's gene medians, computed exactly, out of core.
 
-Counts are histogrammed per gene (values up to HIST_MAX exactly, larger ones in an overflow
-bin); the rare gene whose median falls in the overflow bin gets an exact second pass.
-Results go to `gene_stats.lance` beside the other tables, listed in config.json.
+Geneformer's rank value encoding divides each gene's depth-normalised count by that gene's
+non-zero median over the corpus. A value here is `x / n_counts * 10,000` (float64), `x` a count
+and `n_counts` the cell's total count over all its genes; a gene's median is NumPy's median of
+its values in the cells where it is non-zero (the mean of the two middle values for an even
+count). Genes never expressed get 0.
+
+Exact without holding the values: positive float64s order like their bit patterns read as
+uint64, so each median is a radix selection over those bits. A first pass histograms the
+exponent per gene (64 buckets), each further pass 8 more bits inside the bucket that holds the
+middle rank, until few enough candidates remain (`collect_limit`) to gather them in one last
+pass and select exactly. Memory: a (genes x 256) histogram per middle rank; Tahoe-100M
+(2e11 non-zeros) needs about three passes. Results go to `gene_stats.lance`, listed in
+config.json.
 """
 
 from __future__ import annotations
@@ -15,59 +24,120 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
+from coordination.arrays import offsets_of
 from coordination.errors import CellfeedError
 from producers.dataset import LANCE_FILE_VERSION, Dataset
 
-HIST_MAX = 255
 TABLE = "gene_stats.lance"
+COLUMN = "normalized_nonzero_median"  # older stats (raw-count medians) lack it and are not used
+TARGET_SUM = 10_000.0
+CHUNK_ROWS = 1 << 22
+COLLECT_LIMIT = 1 << 24  # candidate values gathered in the final pass (8 bytes each)
+# first pass: the sign+exponent bits (>> 52); values lie in [10,000 / 2^55, 10,000] (counts < 2^24
+# in at most 2^31 genes), i.e. exponents -42..13, inside this 64-bucket window
+EXPONENT_BASE = int(np.float64(2.0 ** -48).view(np.uint64)) >> 52
+EXPONENT_BUCKETS = 64
 
 
-def _median_from_hist(hist: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Median per gene from value histograms (NumPy's: the mean of the two middle values)."""
-    cum = np.cumsum(hist, axis=1)
-    lower_rank = (counts - 1) // 2  # 0-based ranks of the two middle values
-    upper_rank = counts // 2
-    lower = (cum <= lower_rank[:, None]).sum(axis=1)
-    upper = (cum <= upper_rank[:, None]).sum(axis=1)
-    overflow = (upper >= HIST_MAX + 1) | (lower >= HIST_MAX + 1)
-    return (lower + upper) / 2.0, overflow
+def normalized_values(ds: Dataset, chunk_rows: int = CHUNK_ROWS, progress: bool = False, desc: str = ""):
+    """(gene ids, x / n_counts * 10,000) of whole cells, chunk by chunk in storage order."""
+    starts = ds.cell_row_start
+    bounds = np.searchsorted(starts, np.arange(0, ds.n_rows, chunk_rows), side="right") - 1
+    bounds = np.unique(np.r_[bounds, ds.n_cells])  # cell boundaries near every chunk_rows rows
+    with tqdm(total=ds.n_rows, desc=desc, unit="row", unit_scale=True, disable=not progress) as bar:
+        for c0, c1 in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            block = ds.read_rows(int(starts[c0]), int(starts[c1]))
+            counts = np.diff(starts[c0:c1 + 1])
+            values = block.value.astype(np.float64)
+            has_rows = counts > 0
+            totals = np.zeros(len(counts))
+            totals[has_rows] = np.add.reduceat(values, offsets_of(counts)[:-1][has_rows])
+            yield block.gene.astype(np.int64), values / np.repeat(totals, counts) * TARGET_SUM
+            bar.update(len(values))
 
 
-def compute_nonzero_medians(ds: Dataset, batch_rows: int = 1 << 22, progress: bool = True) -> np.ndarray:
+def compute_gene_medians(ds: Dataset, progress: bool = True, collect_limit: int = COLLECT_LIMIT,
+                         chunk_rows: int = CHUNK_ROWS) -> np.ndarray:
+    """Each gene's non-zero median of depth-normalised counts (Geneformer's), exactly."""
     if not ds.is_counts:
-        raise CellfeedError("gene medians are for integer counts; this dataset stores float values")
+        raise CellfeedError("gene medians are for integer counts; this dataset stores float values "
+                            "(convert a counts matrix, e.g. `cellfeed convert IN.h5ad OUT --layer raw.X`)")
     g = ds.n_genes
-    hist = np.zeros(g * (HIST_MAX + 2), dtype=np.int64)
-    with tqdm(total=ds.n_rows, desc="gene stats", unit="row", unit_scale=True, disable=not progress) as bar:
-        for batch in ds.expression.to_batches(columns=["gene_integer_id", "value"], batch_size=batch_rows):
-            genes = batch.column(0).to_numpy().astype(np.int64)
-            values = np.minimum(batch.column(1).to_numpy(), HIST_MAX + 1).astype(np.int64)
-            hist += np.bincount(genes * (HIST_MAX + 2) + values, minlength=len(hist))
-            bar.update(batch.num_rows)
-    hist = hist.reshape(g, HIST_MAX + 2)
-    counts = hist.sum(axis=1)
-    medians, overflow = _median_from_hist(hist, counts)
-    overflow &= counts > 0
-    if overflow.any():  # exact pass for the few genes whose median is above HIST_MAX
-        wanted = np.flatnonzero(overflow)
-        collected = {int(x): [] for x in wanted}
-        for batch in ds.expression.to_batches(columns=["gene_integer_id", "value"], batch_size=batch_rows):
-            genes = batch.column(0).to_numpy()
-            values = batch.column(1).to_numpy()
-            hit = np.isin(genes, wanted)
-            for gene, value in zip(genes[hit].tolist(), values[hit].tolist()):
-                collected[gene].append(value)
-        for gene, values in collected.items():
-            medians[gene] = float(np.median(values))
-    medians[counts == 0] = 0.0
-    return medians
+
+    def chunks(desc):
+        return normalized_values(ds, chunk_rows, progress, desc)
+
+    # pass 1: exponents (no prefix yet), one histogram serves both middle ranks
+    hist = np.zeros(g * EXPONENT_BUCKETS, dtype=np.int64)
+    for genes, values in chunks("gene medians: exponents"):
+        digit = (values.view(np.uint64) >> np.uint64(52)).astype(np.int64) - EXPONENT_BASE
+        if len(digit) and (digit.min() < 0 or digit.max() >= EXPONENT_BUCKETS):
+            raise CellfeedError("a normalised value lies outside the expected range; is the dataset corrupt?")
+        hist += np.bincount(genes * EXPONENT_BUCKETS + digit, minlength=len(hist))
+    hist = hist.reshape(g, EXPONENT_BUCKETS)
+    n = hist.sum(axis=1)
+    expressed = n > 0
+    ranks = [np.maximum(n - 1, 0) // 2, n // 2]  # 0-based ranks of the two middle values
+    prefixes, in_bucket = [], []
+    for t in range(2):  # choose each target's exponent bucket
+        bucket, ranks[t], count = _select(hist, ranks[t])
+        prefixes.append((bucket + EXPONENT_BASE).astype(np.uint64))
+        in_bucket.append(count)
+    shift = 52  # bits below the known prefix
+
+    # refine 8 bits at a time while too many candidates remain (and bits remain)
+    while shift > 0 and sum(int(c[expressed].sum()) for c in in_bucket) > collect_limit:
+        width = min(8, shift)
+        shift -= width
+        hists = [np.zeros(g << width, dtype=np.int64) for _ in range(2)]
+        for genes, values in chunks(f"gene medians: bits {shift + width}..{shift}"):
+            keys = values.view(np.uint64)
+            digit = ((keys >> np.uint64(shift)) & np.uint64((1 << width) - 1)).astype(np.int64)
+            for t in range(2):
+                hit = (keys >> np.uint64(shift + width)) == prefixes[t][genes]
+                hists[t] += np.bincount((genes[hit] << width) + digit[hit], minlength=len(hists[t]))
+        for t in range(2):
+            bucket, ranks[t], in_bucket[t] = _select(hists[t].reshape(g, 1 << width), ranks[t])
+            prefixes[t] = (prefixes[t] << np.uint64(width)) | bucket.astype(np.uint64)
+
+    middle = []
+    if shift == 0:  # every bit is known: the prefixes are the values
+        middle = [p.view(np.float64) for p in prefixes]
+    else:  # gather the candidates and select exactly
+        found = [([], []) for _ in range(2)]
+        for genes, values in chunks("gene medians: select"):
+            keys = values.view(np.uint64)
+            for t in range(2):
+                hit = (keys >> np.uint64(shift)) == prefixes[t][genes]
+                found[t][0].append(genes[hit])
+                found[t][1].append(values[hit])
+        for t in range(2):
+            genes, values = np.concatenate(found[t][0]), np.concatenate(found[t][1])
+            order = np.lexsort((values, genes))
+            first = np.searchsorted(genes[order], np.arange(g))
+            picked = np.zeros(g)
+            picked[expressed] = values[order][first[expressed] + ranks[t][expressed]]
+            middle.append(picked)
+    return np.where(expressed, (middle[0] + middle[1]) / 2, 0.0)
+
+
+def _select(hist: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per gene (row): the bucket holding the value of 0-based `rank`, the rank inside that
+    bucket, and the bucket's count."""
+    cum = np.cumsum(hist, axis=1)
+    bucket = np.minimum((cum <= rank[:, None]).sum(axis=1), hist.shape[1] - 1)
+    below = np.where(bucket > 0, cum[np.arange(len(rank)), bucket - 1], 0)
+    return bucket, rank - below, hist[np.arange(len(rank)), bucket]
 
 
 def store_gene_stats(ds: Dataset, medians: np.ndarray) -> None:
     table = pa.table({"gene_integer_id": pa.array(np.arange(ds.n_genes), type=pa.int32()),
-                      "nonzero_median": pa.array(medians, type=pa.float64())})
-    lance.write_dataset(table, ds.location.join(TABLE), mode="overwrite",
-                        storage_options=ds.location.lance_options(), data_storage_version=LANCE_FILE_VERSION)
+                      COLUMN: pa.array(medians, type=pa.float64())})
+    options = dict(storage_options=ds.location.lance_options(), data_storage_version=LANCE_FILE_VERSION)
+    try:  # "create" first: "overwrite" of a table that does not exist yet logs a warning from Lance
+        lance.write_dataset(table, ds.location.join(TABLE), mode="create", **options)
+    except (OSError, ValueError):  # it exists: replace it
+        lance.write_dataset(table, ds.location.join(TABLE), mode="overwrite", **options)
     config = dict(ds.config)
     config["tables"] = dict(config["tables"], gene_stats=TABLE)
     ds.location.write_bytes("config.json", json.dumps(config, indent=2).encode())
@@ -75,11 +145,14 @@ def store_gene_stats(ds: Dataset, medians: np.ndarray) -> None:
 
 
 def load_gene_medians(ds: Dataset) -> np.ndarray | None:
-    """The stored medians, or None when `cellfeed stats` has not been run on this dataset."""
+    """The stored medians, or None when `cellfeed stats` has not been run on this dataset (or ran
+    before the medians were of normalised counts)."""
     name = ds.config.get("tables", {}).get("gene_stats")
     if not name:
         return None
     table = lance.dataset(ds.location.join(name), storage_options=ds.location.lance_options()).to_table()
+    if COLUMN not in table.column_names:
+        return None
     medians = np.zeros(ds.n_genes)
-    medians[table.column("gene_integer_id").to_numpy()] = table.column("nonzero_median").to_numpy()
+    medians[table.column("gene_integer_id").to_numpy()] = table.column(COLUMN).to_numpy()
     return medians

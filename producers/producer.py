@@ -26,11 +26,11 @@ from coordination.queues import Empty, Full, Map, Queue
 from coordination.routing import (EVAL_PARTITION, TASKS_PARTITION, cell_rank, decode_task, done_key, lease_key,
                                   producer_report_key, rank_partition, run_tag, stop_key, unit_rank)
 from coordination.wire import pack_items
-from producers.dataset import Dataset, RowBlock, open_dataset
+from producers.dataset import Dataset, RowBlock, error_text, open_dataset
 from producers.gene_stats import load_gene_medians
 from producers.ranking import CellRows
 from producers.stitch import offer_piece
-from producers.tokenizers import make_tokenizer
+from producers.tokenizers import make_tokenizer, needs_gene_medians
 
 STOP_POLL_S = 1.0  # how often an idle producer checks for a stop
 PUT_BATCH_ITEMS = 32  # items per put_many call (32 x <=1 MiB stays far inside a 64 MiB partition)
@@ -43,13 +43,14 @@ class ProducerConfig:
     seed: int = 0
     sampling: Sampling = field(default_factory=Sampling)
     tokenizer: str = "scgpt"
-    max_genes: int = 1024
+    max_genes: int | None = None  # None: the tokenizer's own length (coordination.tokens)
     tokenizer_params: dict = field(default_factory=dict)
     world_size: int = 1
     cells_per_item: int = 128
     label_column: str | None = None  # an obs column carried as int labels (e.g. "plate")
     subset_filter: str | None = None  # a Lance SQL filter on obs, e.g. "plate != 'plate14'"
     subset_ids: tuple[int, ...] | None = None
+    exclude_filter: str | None = None  # cells never to produce for training, e.g. the held-out split
     lease_s: float = 120.0
     put_timeout_s: float = 600.0
     idle_timeout_s: float = 10.0
@@ -65,25 +66,40 @@ class ProducerConfig:
         return self
 
 
-def select_cells(ds: Dataset, subset_filter: str | None = None, subset_ids=None) -> np.ndarray | None:
-    """The selected cell ids (None = all cells), from an obs filter and/or an id list."""
-    if subset_filter is None and subset_ids is None:
+def select_cells(ds: Dataset, subset_filter: str | None = None, subset_ids=None, exclude_filter: str | None = None,
+                 *, option: str = "--subset-filter") -> np.ndarray | None:
+    """The selected cell ids (None = all cells): an obs filter and/or an id list, less the cells
+    that `exclude_filter` matches (a held-out split is never trained on). `option` names the
+    filter in errors."""
+    if subset_filter is None and subset_ids is None and exclude_filter is None:
         return None
     selected = np.arange(ds.n_cells, dtype=np.int64)
     if subset_filter is not None:
-        try:
-            table = ds.cells.to_table(columns=["cell_integer_id"], filter=subset_filter)
-        except Exception as exc:  # noqa: BLE001 - Lance reports filter syntax/column errors
-            raise CellfeedError(f"bad subset filter {subset_filter!r}: {str(exc).splitlines()[0][:200]}") from None
-        selected = np.sort(table.column(0).to_numpy().astype(np.int64))
+        selected = filter_cells(ds, subset_filter, option)
     if subset_ids is not None:
         ids = np.unique(np.asarray(subset_ids, dtype=np.int64))
         if len(ids) and (ids[0] < 0 or ids[-1] >= ds.n_cells):
             raise CellfeedError(f"subset ids must lie in 0..{ds.n_cells - 1}")
         selected = np.intersect1d(selected, ids)
+    if exclude_filter is not None:
+        selected = np.setdiff1d(selected, filter_cells(ds, exclude_filter, "--eval-filter"), assume_unique=True)
     if len(selected) == 0:
-        raise CellfeedError("the cell subset selects no cells; check the filter or id list")
+        what = f"{option} {subset_filter!r}" if subset_filter is not None else "the cell subset"
+        extra = f" once the --eval-filter {exclude_filter!r} cells are held out" if exclude_filter is not None else ""
+        raise CellfeedError(f"{what} selects no cells{extra}; check the filter (`cellfeed inspect DATASET` lists "
+                            "the obs columns and their values)")
     return selected
+
+
+def filter_cells(ds: Dataset, expression: str, option: str) -> np.ndarray:
+    """Sorted ids of the cells whose obs match a Lance SQL filter; `option` names it in errors."""
+    try:
+        table = ds.cells.to_table(columns=["cell_integer_id"], filter=expression)
+    except Exception as exc:  # noqa: BLE001 - Lance reports filter syntax/column errors
+        text = error_text(exc)
+        hint = "" if "Valid fields" in text else f" (obs columns: {', '.join(ds.obs_columns)})"
+        raise CellfeedError(f"bad {option} {expression!r}: {text}{hint}") from None
+    return np.sort(table.column(0).to_numpy().astype(np.int64))
 
 
 def label_codes(ds: Dataset, column: str) -> tuple[np.ndarray, list[str]]:
@@ -116,12 +132,17 @@ class Producer:
         self.config = config.validate()
         self.queue, self.store = queue, store
         self.ds = dataset or open_dataset(config.dataset)
-        medians = load_gene_medians(self.ds) if config.tokenizer == "geneformer" else None
+        medians = None
+        if needs_gene_medians(config.tokenizer) and self.ds.is_counts:
+            medians = load_gene_medians(self.ds)
+            if medians is None:
+                raise CellfeedError(f"--tokenizer {config.tokenizer} needs Geneformer's gene medians, which "
+                                    f"{self.ds.uri} does not have yet: run `cellfeed stats {self.ds.uri}` once")
         self.tokenizer = make_tokenizer(config.tokenizer, self.ds.n_genes, max_genes=config.max_genes,
                                         values_are_counts=self.ds.is_counts, gene_medians=medians,
                                         **config.tokenizer_params)
         self.geometry = DatasetGeometry.of(self.ds)
-        self.subset = select_cells(self.ds, config.subset_filter, config.subset_ids)
+        self.subset = select_cells(self.ds, config.subset_filter, config.subset_ids, config.exclude_filter)
         self.labels = label_codes(self.ds, config.label_column)[0] if config.label_column else None
         self.tag = run_tag(config.run)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"

@@ -1,14 +1,16 @@
 """Tokenizers: whole cells (`CellRows`) → ragged token sequences (`Tokens`), by name.
 
-Token ids are shared by all tokenizers: PAD 0, CLS 1, SEP/EOS 2, MASK 3, gene g → g + 4.
+Token ids and each tokenizer's layout (special tokens, default length) are defined once, in
+`coordination.tokens`.
 
 - `scgpt`: [CLS] g1..gn, genes in rank order (value descending, gene ascending) or, with
   gene_selection="random", a seeded random subset; a parallel `values` stream holds each gene's
   expression bin (1..n_bins-1, by the cell's own quantiles, see `ranking.quantile_bins`), 0 under
   CLS.
-- `geneformer`: rank value encoding: counts / cell total * 10,000 / the gene's non-zero median
-  over the dataset, ranked descending (ties: lower gene id first); [CLS] g1..gn [EOS], at most
-  `max_len` tokens in all. Needs integer counts and the medians.
+- `geneformer-v1` / `geneformer-v2` (alias `geneformer`): rank value encoding: counts / cell
+  total * 10,000 / the gene's non-zero median of those normalised values over the dataset
+  (`gene_stats`), ranked descending (ties: lower gene id first); V1 is g1..gn (2,048 genes), V2
+  is [CLS] g1..gn [EOS] (4,094 genes). Needs integer counts and the medians.
 - `raw`: the cell's non-zero genes in gene order with their raw values (float32), no ranking,
   at most `max_genes`.
 """
@@ -19,12 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordination.errors import CellfeedError
 from coordination.arrays import offsets_of
+from coordination.errors import CellfeedError
+from coordination.tokens import CLS, GENE_OFFSET, Layout, layout
 from producers.ranking import CellRows, quantile_bins, random_order, rank_order, truncate
-
-PAD, CLS, EOS, MASK = 0, 1, 2, 3
-GENE_OFFSET = 4
 
 
 @dataclass
@@ -98,18 +98,17 @@ class GeneformerTokenizer:
     name = "geneformer"
     needs_counts = True
 
-    def __init__(self, n_genes: int, gene_medians: np.ndarray | None, max_len: int = 2048):
+    def __init__(self, n_genes: int, gene_medians: np.ndarray | None, max_genes: int = 4094,
+                 layout: Layout = layout("geneformer-v2")):
         if gene_medians is None:
             raise CellfeedError(
-                "the geneformer tokenizer needs each gene's non-zero median: run `cellfeed stats DATASET` once "
-                "or supply gene_medians"
+                "the geneformer tokenizer needs each gene's non-zero median of normalised counts: "
+                "run `cellfeed stats DATASET` once"
             )
-        if max_len < 3:
-            raise CellfeedError(f"geneformer max_len must be >= 3, got {max_len}")
         medians = np.asarray(gene_medians, dtype=np.float64)
         if medians.shape != (n_genes,):
             raise CellfeedError(f"gene_medians has shape {medians.shape}, expected ({n_genes},)")
-        self.n_genes, self.max_len = n_genes, max_len
+        self.n_genes, self.max_genes, self.layout = n_genes, max_genes, layout
         self.medians = np.where(medians > 0, medians, 1.0)
 
     def __call__(self, rows: CellRows, rng=None) -> Tokens:
@@ -117,8 +116,8 @@ class GeneformerTokenizer:
             np.zeros(rows.n_cells)
         totals = np.where(rows.counts > 0, totals, 1.0)
         score = rows.values.astype(np.float64) / np.repeat(totals, rows.counts) * 10_000.0 / self.medians[rows.genes]
-        chosen = truncate(rank_order(rows, score), self.max_len - 2)
-        return _with_specials(chosen, self.n_genes, CLS, EOS)
+        chosen = truncate(rank_order(rows, score), self.max_genes)
+        return _with_specials(chosen, self.n_genes, self.layout.head, self.layout.tail)
 
 
 class RawTokenizer:
@@ -135,22 +134,28 @@ class RawTokenizer:
         return _with_specials(chosen, self.n_genes, None, None, chosen.values.astype(np.float32))
 
 
-TOKENIZERS = {"scgpt": ScGPTTokenizer, "geneformer": GeneformerTokenizer, "raw": RawTokenizer}
+TOKENIZERS = {"scgpt": ScGPTTokenizer, "geneformer-v1": GeneformerTokenizer, "geneformer-v2": GeneformerTokenizer,
+              "raw": RawTokenizer}
 
 
-def make_tokenizer(name: str, n_genes: int, *, max_genes: int = 1024, values_are_counts: bool = True,
+def needs_gene_medians(name: str) -> bool:
+    return TOKENIZERS[layout(name).name] is GeneformerTokenizer
+
+
+def make_tokenizer(name: str, n_genes: int, *, max_genes: int | None = None, values_are_counts: bool = True,
                    gene_medians: np.ndarray | None = None, **params):
-    """A tokenizer by name, validated before any work starts."""
-    if name not in TOKENIZERS:
-        raise CellfeedError(f"unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}")
+    """A tokenizer by name (see `coordination.tokens` for names and layouts), validated before any
+    work starts. `max_genes` None: the layout's default length."""
+    spec = layout(name)
+    max_genes = spec.default_genes if max_genes is None else max_genes
     if max_genes < 1:
         raise CellfeedError(f"max_genes must be >= 1, got {max_genes}")
-    cls = TOKENIZERS[name]
+    cls = TOKENIZERS[spec.name]
     if cls.needs_counts and not values_are_counts:
         raise CellfeedError(
-            f"the {name} tokenizer needs integer counts, but this dataset stores float values; "
-            "convert the counts matrix (e.g. --layer raw.X or a counts layer) or use the scgpt/raw tokenizer"
+            f"the {name} tokenizer needs integer counts, but this dataset stores float values: convert a counts "
+            "matrix (`cellfeed convert IN.h5ad OUT --layer raw.X`, or a counts layer), or use --tokenizer scgpt"
         )
-    if name == "geneformer":
-        return cls(n_genes, gene_medians, max_len=params.pop("max_len", max_genes + 2))
+    if cls is GeneformerTokenizer:
+        return cls(n_genes, gene_medians, max_genes=max_genes, layout=spec)
     return cls(n_genes, max_genes=max_genes, **params)

@@ -40,8 +40,20 @@ def test_modal_app_imports_offline_and_help_lists_every_flag(tmp_path):
     out = subprocess.run([str(modal_cli), "run", "app/modal_app.py", "--help"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    for flag in ("--dataset", "--producers", "--gpus", "--steps", "--resume", "--run", "--subset-filter"):
-        assert flag in out.stdout
+    import inspect
+    import re
+
+    import app.modal_app as m
+    from app.config import FLAG_HELP
+
+    text = re.sub(r"-\s+", "-", " ".join(out.stdout.split()))  # unwrap click's columns (it wraps at hyphens too)
+    for name, param in inspect.signature(m.main.info.raw_f).parameters.items():
+        flag = "--" + name.replace("_", "-")
+        words = " ".join(FLAG_HELP[name].split())[:40]  # every flag has its description ...
+        assert re.search(re.escape(flag) + r"\b.{0,80}" + re.escape(words), text), (flag, words)
+        if "default" not in FLAG_HELP[name] and name != "dataset":  # ... and its default
+            shown = "no-" + flag[2:] if param.default is False else param.default
+            assert re.search(re.escape(words) + r".*?\[default: " + re.escape(str(shown)), text), flag
 
 
 def test_modal_functions_declare_their_resources():
@@ -143,7 +155,9 @@ def test_cellfeed_local_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("change, needle", [
-    (dict(tokenizer="raw"), r"scgpt \(bins\) or geneformer"),
+    (dict(tokenizer="raw"), r"--tokenizer raw: the trainer learns from scgpt, geneformer-v1, geneformer-v2"),
+    (dict(tokenizer="bert"), r"unknown tokenizer 'bert'; choose one of scgpt, geneformer-v1"),
+    (dict(epochs=0), "--epochs must be >= 1"),
     (dict(strategy="zigzag"), "unknown strategy"),
     (dict(preset="huge"), "unknown model preset"),
     (dict(producers=0), "--producers must be >= 1"),

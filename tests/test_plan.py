@@ -141,7 +141,8 @@ def test_same_seed_same_plan_other_epoch_other_order(sampling):
 
 def test_block_units_hold_fetch_factor_batches_of_sorted_blocks():
     geometry = synthetic_geometry(4, 1000, 300)
-    plan = EpochPlan(geometry, Sampling("block", block_size=10, fetch_factor=4, batch_size=20), seed=1, epoch=0)
+    plan = EpochPlan(geometry, Sampling("block", block_size=10, fetch_factor=4, batch_size=20, min_units=1), seed=1,
+                     epoch=0)
     unit = plan.unit(0)
     assert len(unit.cells) == 80 and np.all(np.diff(unit.cells) > 0)  # 8 blocks of 10, sorted
     blocks = np.unique(unit.cells // 10)
@@ -157,3 +158,17 @@ def test_bad_sampling_fails_before_work():
             EpochPlan(geometry, Sampling("block", **{field: 0}), 0, 0)
     with pytest.raises(CellfeedError, match="selects no cells"):
         EpochPlan(geometry, Sampling(), 0, 0, subset=np.array([], dtype=np.int64))
+
+
+@pytest.mark.parametrize("strategy", ["block", "random", "sequential", "mixture"])
+@pytest.mark.parametrize("n_cells, min_units", [(700, 64), (700, 2), (5, 64), (100_000, 64)])
+def test_small_datasets_get_enough_units_for_every_producer_and_rank(strategy, n_cells, min_units):
+    geometry = synthetic_geometry(3, n_cells, 2000)
+    sampling = Sampling(strategy, batch_size=32, min_units=min_units)
+    plan = EpochPlan(geometry, sampling, seed=0, epoch=0)
+    big = EpochPlan(geometry, Sampling(strategy, batch_size=32, min_units=1), seed=0, epoch=0)
+    assert plan.n_units >= min(min_units, n_cells)
+    assert plan.n_units >= big.n_units  # units only get smaller
+    assert (plan.cells_per_rank(2) > 0).all() or n_cells < 2
+    cells = np.concatenate([u.cells for u in plan.units()] + [plan.boundary_cells])
+    np.testing.assert_array_equal(np.sort(cells), np.arange(n_cells))  # still every cell exactly once

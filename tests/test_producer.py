@@ -157,7 +157,10 @@ def test_subset_filter_selects_cells(small_synth):
     (dict(sampling=Sampling("block", fetch_factor=0)), "fetch_factor must be >= 1"),
     (dict(sampling=Sampling("zigzag")), "unknown strategy"),
     (dict(subset_filter="plate = 'nope'"), "selects no cells"),
-    (dict(subset_filter="no_such_column > 1"), "bad subset filter"),
+    (dict(subset_filter="no_such_column > 1"), r"^bad --subset-filter 'no_such_column > 1': .*No field named "
+                                               r"no_such_column\. Valid fields are cell_id, plate[^/]*$"),
+    (dict(subset_filter="plate = "), r"^bad --subset-filter 'plate = ': .*Expected: an expression.*\(obs columns: "
+                                     r"cell_id, plate, [^/]*\)$"),
     (dict(tokenizer="geneformer"), "cellfeed stats"),
 ])
 def test_bad_settings_fail_before_any_work(small_synth, change, needle):
@@ -206,40 +209,85 @@ def test_cells_cut_into_many_pieces(tmp_path, strategy):
             assert it.offsets[i + 1] - it.offsets[i] == n + 1
 
 
-def test_gene_medians_and_geneformer_producer(tmp_path, capsys):
-    from app.cli import main as cli
-    from producers.dataset import DatasetWriter, open_dataset
-    from producers.gene_stats import load_gene_medians
+def _counts_dataset(path, dense: np.ndarray, rows_per_fragment: int):
+    from producers.dataset import DatasetWriter
 
     import pyarrow as pa
 
-    rng = np.random.default_rng(2)
-    n_cells, n_genes = 80, 30
-    dense = rng.integers(0, 4, size=(n_cells, n_genes)) * rng.integers(1, 600, size=(n_cells, n_genes))
-    dense[:, 5] = np.where(dense[:, 5] > 0, 300 + dense[:, 5], 0)  # a gene whose median exceeds the histogram
-    with DatasetWriter(tmp_path / "ds", n_genes=n_genes, value_type=pa.uint16(), rows_per_fragment=300) as w:
+    n_cells, n_genes = dense.shape
+    with DatasetWriter(path, n_genes=n_genes, value_type=pa.uint16(), rows_per_fragment=rows_per_fragment) as w:
         indptr = np.concatenate([[0], np.cumsum((dense > 0).sum(axis=1))])
         w.append(pa.table({"cell_id": [f"c{i}" for i in range(n_cells)]}), indptr,
                  np.nonzero(dense)[1], dense[dense > 0])
-        w.commit(pa.table({"gene_id": [f"g{j}" for j in range(n_genes)]}))
+        return w.commit(pa.table({"gene_id": [f"g{j}" for j in range(n_genes)]}))
+
+
+def geneformer_medians(dense: np.ndarray) -> np.ndarray:
+    """Independently: per gene, the median over cells where it is non-zero of x / n_counts * 10,000."""
+    norm = dense / dense.sum(axis=1, keepdims=True) * 10_000.0
+    return np.array([np.median(norm[dense[:, j] > 0, j]) if (dense[:, j] > 0).any() else 0.0
+                     for j in range(dense.shape[1])])
+
+
+def test_gene_medians_known_answers(tmp_path):
+    from producers.gene_stats import compute_gene_medians
+
+    # cell totals 10, 20, 40, 50. gene 0: 1/10, 2/20, 10/40 -> 1000, 1000, 2500 -> median 1000; gene 1:
+    # 9/10, 30/40 -> 9000, 7500 -> an even count takes the mean, 8250; gene 2: never expressed -> 0;
+    # gene 3: 18/20, 50/50 -> 9000, 10000 -> 9500
+    dense = np.array([[1, 9, 0, 0], [2, 0, 0, 18], [10, 30, 0, 0], [0, 0, 0, 50]])
+    ds = _counts_dataset(tmp_path / "ds", dense, rows_per_fragment=3)
+    expected = [1000.0, 8250.0, 0.0, 9500.0]
+    np.testing.assert_array_equal(compute_gene_medians(ds, progress=False), expected)
+    np.testing.assert_array_equal(geneformer_medians(dense), expected)
+
+
+@pytest.mark.parametrize("collect_limit", [1, 40, 1 << 24])  # every radix pass down to the last bit .. one pass
+def test_gene_medians_equal_an_independent_computation(tmp_path, collect_limit):
+    from producers.gene_stats import compute_gene_medians
+
+    rng = np.random.default_rng(7)
+    dense = rng.integers(0, 4, size=(300, 40)) * rng.integers(1, 600, size=(300, 40))
+    dense[:, 3] = 0  # never expressed
+    dense[:, 5] = np.where(rng.random(300) < 0.5, 7, 0)  # ties
+    dense[0] = 0  # an empty cell
+    ds = _counts_dataset(tmp_path / "ds", dense, rows_per_fragment=97)  # cells straddle fragments
+    got = compute_gene_medians(ds, progress=False, collect_limit=collect_limit, chunk_rows=1000)
+    np.testing.assert_array_equal(got, geneformer_medians(np.asarray(dense[1:], dtype=np.float64)))
+
+
+def test_gene_medians_and_geneformer_producer(tmp_path, capsys):
+    from app.cli import main as cli
+    from producers.dataset import open_dataset
+    from producers.gene_stats import load_gene_medians
+
+    rng = np.random.default_rng(2)
+    n_cells, n_genes = 80, 30
+    dense = rng.integers(1, 4, size=(n_cells, n_genes)) * rng.integers(0, 600, size=(n_cells, n_genes))
+    dense[:, 0] += 1  # no empty cell
+    _counts_dataset(tmp_path / "ds", dense, rows_per_fragment=300)
     assert cli(["stats", str(tmp_path / "ds"), "--quiet"]) == 0
+    assert "WARN" not in capsys.readouterr().err  # Lance's "no existing dataset" warning stays out
     ds = open_dataset(tmp_path / "ds")
-    medians = load_gene_medians(ds)
-    expected = [np.median(dense[:, j][dense[:, j] > 0]) if (dense[:, j] > 0).any() else 0 for j in range(n_genes)]
-    np.testing.assert_array_equal(medians, expected)
-    assert medians[5] > 300
-    queue, store = MemoryQueue(), MemoryMap()
-    config = ProducerConfig(dataset=ds.uri, run="gf", tokenizer="geneformer", max_genes=10, world_size=1,
-                            sampling=Sampling("block", block_size=4, fetch_factor=1, batch_size=8), idle_timeout_s=0.2)
-    producer = Producer(config, queue, store, dataset=ds)
-    enqueue_epoch(queue, producer, 0)
-    producer.run()
-    items = drain(queue, "gf", 0)[0]  # world size 1: everything on rank 0
-    assert sorted(np.concatenate([it.cell_ids for it in items]).tolist()) == list(range(n_cells))
-    for it in items[:3]:
-        cell = int(it.cell_ids[0])
-        row = dense[cell].astype(np.float64)
-        genes = np.flatnonzero(row)
-        norm = row[genes] / row.sum() * 10_000.0 / np.asarray(expected)[genes]
-        order = sorted(range(len(genes)), key=lambda j: (-norm[j], genes[j]))[:10]
-        np.testing.assert_array_equal(it.tokens[it.offsets[0]:it.offsets[1]], [1] + [genes[j] + 4 for j in order] + [2])
+    expected = geneformer_medians(dense.astype(np.float64))
+    np.testing.assert_array_equal(load_gene_medians(ds), expected)
+    assert cli(["stats", str(tmp_path / "ds"), "--quiet"]) == 0  # again: replaces the table
+    np.testing.assert_array_equal(load_gene_medians(open_dataset(tmp_path / "ds")), expected)
+    for version in ("geneformer-v1", "geneformer-v2"):
+        queue, store = MemoryQueue(), MemoryMap()
+        config = ProducerConfig(dataset=ds.uri, run="gf", tokenizer=version, max_genes=10, world_size=1,
+                                sampling=Sampling("block", block_size=4, fetch_factor=1, batch_size=8),
+                                idle_timeout_s=0.2)
+        producer = Producer(config, queue, store, dataset=ds)
+        enqueue_epoch(queue, producer, 0)
+        producer.run()
+        items = drain(queue, "gf", 0)[0]  # world size 1: everything on rank 0
+        assert sorted(np.concatenate([it.cell_ids for it in items]).tolist()) == list(range(n_cells))
+        for it in items[:3]:
+            cell = int(it.cell_ids[0])
+            row = dense[cell].astype(np.float64)
+            genes = np.flatnonzero(row)
+            norm = row[genes] / row.sum() * 10_000.0 / expected[genes]
+            ranked = [genes[j] + 4 for j in sorted(range(len(genes)), key=lambda j: (-norm[j], genes[j]))[:10]]
+            want = ranked if version == "geneformer-v1" else [1] + ranked + [2]
+            np.testing.assert_array_equal(it.tokens[it.offsets[0]:it.offsets[1]], want)

@@ -7,7 +7,8 @@ import pytest
 
 from coordination.errors import CellfeedError
 from producers.ranking import CellRows, rank_order, truncate
-from producers.tokenizers import CLS, EOS, make_tokenizer
+from coordination.tokens import CLS, EOS, layout
+from producers.tokenizers import make_tokenizer
 
 
 def random_cells(seed: int, n_cells: int = 60, n_genes: int = 3000, floats: bool = False) -> CellRows:
@@ -85,18 +86,31 @@ def test_scgpt_random_selection_is_a_seeded_subset_with_the_same_bins():
 
 
 @pytest.mark.parametrize("seed", [0, 3])
-@pytest.mark.parametrize("max_len", [3, 20, 2048])
-def test_geneformer_matches_reference(seed, max_len):
+@pytest.mark.parametrize("max_genes", [1, 18, None])
+@pytest.mark.parametrize("version", ["geneformer-v1", "geneformer-v2"])
+def test_geneformer_matches_reference(seed, max_genes, version):
     rows = random_cells(seed)
     medians = np.random.default_rng(seed).uniform(0.5, 4.0, size=3000)
     medians[::7] = np.round(medians[::7])  # ties in the normalised value
-    tok = make_tokenizer("geneformer", 3000, max_genes=max_len - 2, gene_medians=medians)(rows)
+    tok = make_tokenizer(version, 3000, max_genes=max_genes, gene_medians=medians)(rows)
+    n = max_genes or {"geneformer-v1": 2048, "geneformer-v2": 4094}[version]
     for i, (genes, values) in enumerate(per_cell(rows)):
         total = float(values.astype(np.float64).sum())
         norm = values.astype(np.float64) / total * 10_000.0 / medians[genes]
-        order = sorted(range(len(genes)), key=lambda j: (-norm[j], genes[j]))[: max_len - 2]
-        np.testing.assert_array_equal(tokens_of(tok, i), [CLS] + [int(genes[j]) + 4 for j in order] + [EOS])
+        order = sorted(range(len(genes)), key=lambda j: (-norm[j], genes[j]))[:n]
+        ranked = [int(genes[j]) + 4 for j in order]
+        expected = ranked if version == "geneformer-v1" else [CLS] + ranked + [EOS]
+        np.testing.assert_array_equal(tokens_of(tok, i), expected)  # an empty cell: [] (v1) or [CLS, EOS] (v2)
+        assert len(expected) <= layout(version).sequence_length(n)
     assert tok.values is None
+
+
+def test_geneformer_alias_is_v2():
+    rows = random_cells(1)
+    medians = np.ones(3000)
+    a = make_tokenizer("geneformer", 3000, gene_medians=medians)(rows)
+    b = make_tokenizer("geneformer-v2", 3000, gene_medians=medians)(rows)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
 
 
 @pytest.mark.parametrize("floats", [False, True])
@@ -124,7 +138,7 @@ def test_bad_tokenizer_settings_fail_before_work():
         make_tokenizer("bert", 10)
     with pytest.raises(CellfeedError, match="max_genes must be >= 1"):
         make_tokenizer("scgpt", 10, max_genes=0)
-    with pytest.raises(CellfeedError, match="needs integer counts"):
+    with pytest.raises(CellfeedError, match="needs integer counts.*--tokenizer scgpt"):
         make_tokenizer("geneformer", 10, values_are_counts=False, gene_medians=np.ones(10))
     with pytest.raises(CellfeedError, match="cellfeed stats"):
         make_tokenizer("geneformer", 10)

@@ -22,6 +22,7 @@ from coordination.plan import Sampling
 from coordination.routing import stop_key
 from producers.producer import Producer, ProducerConfig
 from trainer.launch import launch, wait_all
+from coordination.tokens import CLS, EOS
 from trainer.model import CellTransformer, ModelConfig, mask_positions, masked_loss, train_flops
 from trainer.stream import Batch
 from trainer.train import TrainConfig
@@ -135,11 +136,19 @@ def test_sigkill_mid_epoch_then_resume_trains_every_cell_once(small_synth, tmp_p
 def test_model_presets_masking_and_flops():
     assert abs(CellTransformer(ModelConfig.preset("scgpt", 62_714)).n_params() / 1e6 - 51.1) < 0.5
     mask = torch.tensor([[True] * 10 + [False] * 6, [True] * 16])
-    chosen = mask_positions(mask, 0.4, torch.Generator().manual_seed(0))
+    tokens = torch.randint(4, 100, (2, 16))
+    tokens[:, 0] = CLS
+    chosen = mask_positions(tokens, mask, 0.4, torch.Generator().manual_seed(0))
     assert not chosen[:, 0].any() and not (chosen & ~mask).any()
     assert chosen.sum(dim=1).tolist() == [round(9 * 0.4), round(15 * 0.4)]
+    # a layout without specials (geneformer-v1): every real position may be masked; EOS never is
+    bare = torch.randint(4, 100, (2, 16))
+    bare[1, 15] = EOS
+    chosen = mask_positions(bare, mask, 0.4, torch.Generator().manual_seed(0))
+    assert not (chosen & ~mask).any() and not chosen[1, 15]
+    assert chosen.sum(dim=1).tolist() == [round(10 * 0.4), round(15 * 0.4)]
     model = CellTransformer(ModelConfig.preset("tiny", 100, n_bins=11))
-    batch = Batch(torch.randint(4, 100, (2, 16)), mask, torch.randint(1, 11, (2, 16)), None, torch.arange(2))
+    batch = Batch(tokens, mask, torch.randint(1, 11, (2, 16)), None, torch.arange(2))
     loss_sum, n, correct = masked_loss(model, batch, 0.4, torch.Generator().manual_seed(0), 11)
     assert n == 10 and loss_sum.item() > 0 and 0 <= correct <= n
     c = ModelConfig.preset("scgpt", 62_714)

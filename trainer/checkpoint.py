@@ -85,6 +85,27 @@ def save(directory: str | os.PathLike, step: int, epoch: int, rank: int, world: 
     barrier()
 
 
+@dataclass
+class Latest:
+    """Where the latest checkpoint is and what it holds, read without loading its tensors."""
+
+    folder: Path
+    step: int
+    epoch: int
+    trained: list[int]  # cells trained this epoch, per rank
+
+
+def latest(directory: str | os.PathLike) -> Latest | None:
+    root = Path(directory)
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    folder = root / pointer.read_text().strip()
+    ranks = [RankProgress.from_json(f.read_text()) for f in sorted(folder.glob("progress-rank*.json"))]
+    step = int(folder.name.removeprefix("step-"))
+    return Latest(folder, step, ranks[0].epoch if ranks else 0, [r.trained for r in ranks])
+
+
 def load(directory: str | os.PathLike, world: int, device: torch.device) -> Checkpoint | None:
     """The latest checkpoint, or None if there is none."""
     root = Path(directory)

@@ -4,7 +4,8 @@ Input per position: gene-token embedding + expression-bin embedding (no position
 set of genes). Pre-LayerNorm blocks with `scaled_dot_product_attention` (flash / memory-efficient
 kernels on GPU), bidirectional, with a padding mask. Objective: a fraction of gene positions
 have their bin hidden (bin id `n_bins`, "masked") and the model predicts the bins there; with
-token streams that carry no values (geneformer) it predicts the masked gene ids instead.
+token streams that carry no values (geneformer) it predicts the masked gene ids instead, and has
+no bin embedding at all (DDP requires every parameter to receive a gradient).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-MASK_TOKEN = 3
+from coordination.tokens import GENE_OFFSET, MASK
 
 PRESETS = {
     # name: d_model, n_layers, n_heads, d_ff     (scgpt: the published 51M-parameter shape)
@@ -68,7 +69,8 @@ class CellTransformer(nn.Module):
         super().__init__()
         self.config = c
         self.gene = nn.Embedding(c.vocab_size, c.d_model, padding_idx=0)
-        self.bin = nn.Embedding(c.n_bins + 1, c.d_model)  # + the "masked" bin
+        # + the "masked" bin; only when bins are an input (a parameter without gradient breaks DDP)
+        self.bin = nn.Embedding(c.n_bins + 1, c.d_model) if c.objective == "bins" else None
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.ln = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, c.n_bins if c.objective == "bins" else c.vocab_size)
@@ -85,24 +87,31 @@ class CellTransformer(nn.Module):
                 masked: torch.Tensor) -> torch.Tensor:
         """Logits at the `masked` positions; inputs there are already hidden by the caller."""
         x = self.gene(tokens)
-        if bins is not None:
+        if bins is not None:  # None: a model of gene ids, or an empty batch (a rank that ran out of cells)
             x = x + self.bin(bins)
-        # every query may attend to every real token; with no padding at all, no mask (flash kernels)
-        mask = None if bool(attention_mask.all()) else attention_mask[:, None, None, :]
+        # every query may attend to every real token; with no padding at all, no mask (flash kernels).
+        # A cell with no token at all (an empty cell in a layout without specials) attends to its
+        # first (padding) slot, so softmax sees one key instead of none (which would be NaN).
+        if bool(attention_mask.all()):
+            mask = None
+        else:
+            keys = attention_mask.clone()
+            keys[:, 0] |= ~attention_mask.any(dim=1)
+            mask = keys[:, None, None, :]
         for block in self.blocks:
             x = block(x, mask)
         return self.head(self.ln(x)[masked])
 
     def n_params(self, embeddings: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
-        return n if embeddings else n - self.gene.weight.numel() - self.bin.weight.numel()
+        return n if embeddings else n - sum(e.weight.numel() for e in (self.gene, self.bin) if e is not None)
 
 
-def mask_positions(attention_mask: torch.Tensor, ratio: float, generator: torch.Generator) -> torch.Tensor:
-    """A `ratio` of each cell's gene positions (never CLS at 0, never padding), chosen at random."""
+def mask_positions(tokens: torch.Tensor, attention_mask: torch.Tensor, ratio: float,
+                   generator: torch.Generator) -> torch.Tensor:
+    """A `ratio` of each cell's gene positions (never a special token, never padding), at random."""
     scores = torch.rand(attention_mask.shape, generator=generator, device="cpu").to(attention_mask.device)
-    candidates = attention_mask.clone()
-    candidates[:, 0] = False
+    candidates = attention_mask & (tokens >= GENE_OFFSET)
     n = candidates.sum(dim=1, keepdim=True)
     k = (n.float() * ratio).round().clamp(min=1).minimum(n)
     scores = scores.masked_fill(~candidates, 2.0)
@@ -112,12 +121,12 @@ def mask_positions(attention_mask: torch.Tensor, ratio: float, generator: torch.
 
 def masked_loss(model: nn.Module, batch, ratio: float, generator: torch.Generator, n_bins: int):
     """(sum of cross-entropy over masked positions, their count, correct predictions)."""
-    masked = mask_positions(batch.attention_mask, ratio, generator)
+    masked = mask_positions(batch.tokens, batch.attention_mask, ratio, generator)
     if batch.values is not None:  # hide the bin, predict it
         logits = model(batch.tokens, batch.values.masked_fill(masked, n_bins), batch.attention_mask, masked)
         target = batch.values[masked]
     else:  # hide the gene, predict it
-        logits = model(batch.tokens.masked_fill(masked, MASK_TOKEN), None, batch.attention_mask, masked)
+        logits = model(batch.tokens.masked_fill(masked, MASK), None, batch.attention_mask, masked)
         target = batch.tokens[masked]
     loss_sum = F.cross_entropy(logits.float(), target, reduction="sum")
     correct = (logits.argmax(dim=-1) == target).sum()

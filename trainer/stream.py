@@ -22,9 +22,10 @@ from coordination.driver import steps_per_epoch
 from coordination.errors import CellfeedError
 from coordination.queues import Empty, Queue
 from coordination.routing import rank_partition, run_tag
+from coordination.tokens import PAD
 from coordination.wire import Item, ItemError, unpack_item
 
-PAD = 0
+
 
 
 @dataclass

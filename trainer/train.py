@@ -106,6 +106,10 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         scheduler.load_state_dict(saved.state["scheduler"])
         step, epoch, progress = saved.step, saved.epoch, saved.ranks[rank]
         done_before = [r.trained for r in saved.ranks]
+        if rank == 0:
+            print(f"resumed from step {step} (epoch {epoch}, {sum(done_before):,} cells of it already trained)")
+    elif cfg.resume and rank == 0:
+        print(f"no checkpoint in {cfg.checkpoint_dir}: starting at step 0")
     stream = ConsumerStream(queue, rank=rank, world_size=world, run=cfg.run, batch_size=cfg.batch_size,
                             pad_to=cfg.pad_to, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
                             no_data_timeout_s=cfg.no_data_timeout_s, consumed=progress.consumed,

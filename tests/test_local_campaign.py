@@ -1,0 +1,189 @@
+"""`cellfeed local` as a user runs it: every trainable tokenizer trains end to end with 1 and 2
+ranks (real processes, gloo), a held-out split is never trained on, a step budget longer than an
+epoch runs the epochs it needs, --resume says what it resumes, options may stand among paths, and
+a small real dataset gives every producer and rank work."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import PBMC
+
+ROOT = Path(__file__).resolve().parents[1]
+EVAL = "plate = 'plate14'"
+
+
+@pytest.fixture(scope="module")
+def counts_atlas(tmp_path_factory):
+    """600 synthetic cells with Geneformer's gene medians stored (`cellfeed stats`)."""
+    from app.cli import main as cli
+    from producers.dataset import open_dataset
+
+    out = tmp_path_factory.mktemp("atlas") / "ds"
+    assert cli(["synth", str(out), "--cells", "600", "--genes", "3000", "--rows-per-fragment", "40000",
+                "--quiet"]) == 0
+    assert cli(["stats", str(out), "--quiet"]) == 0
+    return open_dataset(out)
+
+
+def local(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app.cli", "local", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def trained_cells(run_dir: Path) -> dict[int, Counter]:
+    """Per epoch, the multiset of cell ids all ranks trained on (from --audit-cells)."""
+    epochs: dict[int, Counter] = {}
+    for log in sorted(run_dir.glob("cells.rank*.jsonl")):
+        for line in log.read_text().splitlines():
+            row = json.loads(line)
+            epochs.setdefault(row["epoch"], Counter()).update(row["cells"])
+    return epochs
+
+
+@pytest.mark.parametrize("tokenizer, gpus", [
+    ("geneformer-v1", 1), ("geneformer-v1", 2), ("geneformer-v2", 1), ("geneformer", 2), ("scgpt", 1),
+])
+def test_every_tokenizer_trains_with_a_held_out_split_and_steps_beyond_an_epoch(counts_atlas, tmp_path, tokenizer,
+                                                                                  gpus):
+    plates = np.asarray(counts_atlas.obs(["plate"]).column(0).to_pylist())
+    held_out = set(np.flatnonzero(plates == "plate14").tolist())
+    train = set(range(counts_atlas.n_cells)) - held_out
+    assert held_out and train
+    per_rank = -(-len(train) // gpus)  # about; the plan's largest rank decides
+    steps = int(1.5 * per_rank / 16)  # more than one epoch of batches of 16
+    out = local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--run", "t", "--tokenizer", tokenizer,
+                 "--gpus", str(gpus), "--producers", "2", "--max-genes", "24", "--batch-size", "16", "--steps",
+                 str(steps), "--eval-filter", EVAL, "--eval-every", "10", "--audit-cells", "--quiet"])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"{steps} steps of 16 cells per rank over 2 epochs" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "t" / "steps.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == steps and all(math.isfinite(x) for x in losses)
+    epochs = trained_cells(tmp_path / "t")
+    assert set(epochs) == {0, 1}
+    assert epochs[0] == Counter(train)  # the whole training split once, no held-out cell
+    assert max(epochs[1].values()) == 1 and set(epochs[1]) <= train  # part of epoch 1, no duplicate
+    assert sum(epochs[1].values()) > 0
+    assert "held-out at step" in out.stdout
+
+
+def test_steps_beyond_the_given_epochs_is_refused(counts_atlas, tmp_path):
+    out = local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--steps", "1000", "--epochs", "1",
+                 "--quiet"])
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "cellfeed: error: --steps 1000 is more than --epochs 1 hold (10 steps of 32 cells per rank): raise "
+        "--epochs, or leave it out to train as many epochs as the steps need"]
+
+
+def test_bad_eval_filter_names_the_option(counts_atlas, tmp_path):
+    out = local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--eval-filter", "plat = 'x'",
+                 "--quiet"])
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("cellfeed: error: bad --eval-filter \"plat = 'x'\": ") and "No field named plat" in line
+    assert ".rs:" not in line and "/" not in line.split(": ", 2)[2]
+
+
+def test_geneformer_on_floats_suggests_what_works(tmp_path):
+    from app.cli import main as cli
+
+    assert cli(["convert", str(PBMC), str(tmp_path / "pbmc"), "--layer", "raw.X", "--quiet"]) == 0
+    out = local(["--dataset", str(tmp_path / "pbmc"), "--workdir", str(tmp_path), "--tokenizer", "geneformer",
+                 "--quiet"])
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert "needs integer counts" in line and "--tokenizer scgpt" in line and "gene_medians" not in line
+
+
+def test_resume_says_what_it_resumes_or_that_there_is_nothing(tmp_path):
+    from app.config import CampaignConfig
+    from app.local import describe_resume
+    from coordination.errors import CellfeedError
+    from trainer import checkpoint
+
+    out = local(["--workdir", str(tmp_path), "--run", "nothing-yet", "--resume", "--quiet"])
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"cellfeed: error: --resume: run 'nothing-yet' has no checkpoint in {tmp_path}/checkpoints/nothing-yet; "
+        "leave out --resume to start it, or name an existing run with --run"]
+    folder = tmp_path / "ck" / "r" / "step-00000007"  # a 2-rank checkpoint at step 7, in the trainer's layout
+    folder.mkdir(parents=True)
+    for rank, trained in enumerate((40, 24)):
+        (folder / f"progress-rank{rank}.json").write_text(checkpoint.RankProgress(epoch=1, trained=trained).to_json())
+    (tmp_path / "ck" / "r" / "latest").write_text(folder.name)
+    cfg = CampaignConfig(dataset="-", run="r", checkpoint_dir=str(tmp_path / "ck"))
+    assert describe_resume(cfg) == (
+        f"resuming run r from its checkpoint at step 7 (epoch 1, 64 cells of that epoch already trained): "
+        f"{folder}")
+    with pytest.raises(CellfeedError, match="has no checkpoint"):
+        describe_resume(CampaignConfig(dataset="-", run="other", checkpoint_dir=str(tmp_path / "ck")))
+
+
+def test_convert_takes_options_between_paths(tmp_path):
+    import anndata as ad
+
+    from app.cli import main as cli
+    from producers.dataset import open_dataset
+    from tests.test_convert import assert_same_cells
+
+    assert cli(["convert", str(PBMC), "--layer", "raw.X", str(tmp_path / "a"), "--quiet"]) == 0
+    assert cli(["convert", "--quiet", str(PBMC), str(tmp_path / "b"), "--layer", "raw.X"]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        raw = ad.read_h5ad(PBMC).raw.X
+    for name in ("a", "b"):
+        assert_same_cells(open_dataset(tmp_path / name), raw)
+
+
+def test_small_real_dataset_gives_every_producer_and_rank_work(tmp_path):
+    from app.cli import main as cli
+    from app.config import CampaignConfig
+    from app.local import run_local
+
+    assert cli(["convert", str(PBMC), str(tmp_path / "pbmc"), "--layer", "raw.X", "--quiet"]) == 0
+    cfg = CampaignConfig(dataset=str(tmp_path / "pbmc"), run="pbmc", producers=2, gpus=2, batch_size=16,
+                         max_genes=32, preset="tiny", lr=3e-3, warmup_steps=2, checkpoint_every=1000)
+    summary = run_local(cfg, tmp_path, quiet=True, audit_cells=True)
+    assert [p["units"] > 0 for p in summary["producers"]] == [True, True]  # both producers worked
+    per_rank = [sum(len(json.loads(line)["cells"]) for line in (tmp_path / "pbmc" / f"cells.rank{r}.jsonl")
+                    .read_text().splitlines()) for r in range(2)]
+    assert min(per_rank) > 0 and sum(per_rank) == 700  # both ranks trained, every cell once
+
+
+def test_status_line_shows_queue_tasks_and_producer_states():
+    import time
+
+    from app.config import CampaignConfig
+    from app.local import status_line
+    from coordination.queues import MemoryMap, MemoryQueue
+    from coordination.routing import TASKS_PARTITION, producer_report_key, rank_partition
+
+    class Proc:  # what the monitor reads of a producer process
+        def __init__(self, code):
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+    cfg = CampaignConfig(dataset="x", run="s", gpus=2)
+    queue, store = MemoryQueue(), MemoryMap()
+    queue.put_many([b"a", b"b", b"c"], partition=rank_partition(1))
+    queue.put(b"t", partition=TASKS_PARTITION)
+    report = {"cells": 500, "units": 2, "busy_s": 0.25, "time": time.time()}
+    store.put(producer_report_key("s", "p0"), json.dumps(report))
+    store.put(producer_report_key("s", "p1"), json.dumps({**report, "units": 1}))
+    line = status_line(cfg, queue, store, Path("/nonexistent"), time.monotonic(), 10, ["p0", "p1", "p2", "p3"],
+                       [Proc(None), Proc(0), Proc(None), Proc(-9)], 7)
+    assert "units 3/7 done, 1 queued" in line and "queue r0:0 r1:3 items" in line
+    assert "producers working 2,000 cells/s, done, starting, failed (-9)" in line
