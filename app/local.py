@@ -84,7 +84,8 @@ def status_line(cfg: CampaignConfig, queue, store, log: Path, started: float, to
     else:
         parts += ["ranks starting (torch, DDP, first batch)"]
     parts += [f"units {units:,}/{units_total:,} done, {tasks:,} queued",
-              f"queue {' '.join(f'r{r}:{d}' for r, d in enumerate(depth))} items",
+              f"queue {' '.join(f'r{r}:{d}' for r, d in enumerate(depth))} items"
+              + (f", {row['ready_cells']:,} cells ready in the ranks" if row and "ready_cells" in row else ""),
               "producers " + ", ".join(producer_states(store, cfg.run, names, procs, tasks, units >= units_total))]
     return " | ".join(parts)
 

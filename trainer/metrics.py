@@ -49,6 +49,7 @@ class StepMetrics:
     tokens: int
     flops: float
     device: torch.device
+    ready_cells: int = 0  # decoded cells waiting in this rank's consumer after the step (its prefetch)
 
 
 class Tracker:
@@ -62,7 +63,7 @@ class Tracker:
     def record(self, m: StepMetrics) -> dict:
         world = dist.get_world_size()
         # on the step's device: NCCL reduces CUDA tensors only
-        summed = torch.tensor([m.cells, m.tokens, m.flops], dtype=torch.float64, device=m.device)
+        summed = torch.tensor([m.cells, m.tokens, m.flops, m.ready_cells], dtype=torch.float64, device=m.device)
         maxed = torch.tensor([m.seconds, m.wait_s], dtype=torch.float64, device=m.device)
         dist.all_reduce(summed)
         dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
@@ -73,7 +74,7 @@ class Tracker:
             "wait_ms": round(float(maxed[1]) * 1000, 3), "cells": int(summed[0]),
             "cells_per_s": round(float(summed[0]) / seconds, 1), "tokens_per_s": round(float(summed[1]) / seconds, 1),
             "mfu": round(float(summed[2]) / (seconds * world * self.peak), 4) if self.peak else None,
-            "peak_mem_mb": round(peak_memory_mb(m.device), 1),
+            "peak_mem_mb": round(peak_memory_mb(m.device), 1), "ready_cells": int(summed[3]),
         }
         self.rows.append(row)
         if self.log:

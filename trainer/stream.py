@@ -78,6 +78,8 @@ class ConsumerStream:
         self.stats = StreamStats()
         self._items: stdlib_queue.Queue = stdlib_queue.Queue(maxsize=max(4, buffer_cells // 16))
         self._future: list[Item] = []  # decoded items of later epochs
+        self._fetched_cells = 0  # written by the fetcher thread only
+        self._taken_cells = 0  # written by the consumer only
         self._error: BaseException | None = None
         self._closed = threading.Event()
         self._fetcher = threading.Thread(target=self._fetch, daemon=True, name=f"cellfeed-fetch-{rank}")
@@ -98,6 +100,7 @@ class ConsumerStream:
                     while not self._closed.is_set():
                         try:
                             self._items.put(item, timeout=self.poll_s)
+                            self._fetched_cells += item.n_cells
                             break
                         except stdlib_queue.Full:
                             continue
@@ -119,6 +122,7 @@ class ConsumerStream:
                 if time.monotonic() > deadline:
                     return None
                 continue
+            self._taken_cells += item.n_cells
             if item.epoch == epoch:
                 return item
             if item.epoch > epoch:
@@ -156,6 +160,12 @@ class EpochIterator:
 
     def __iter__(self):
         return self
+
+    @property
+    def ready_cells(self) -> int:
+        """Decoded cells this rank holds and has not batched yet (prefetched, buffered, later epochs')."""
+        s = self.s
+        return s._fetched_cells - s._taken_cells + len(self.buffer) + sum(i.n_cells for i in s._future)
 
     def _admit(self, item: Item) -> None:
         s = self.s

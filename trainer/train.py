@@ -138,7 +138,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             summary = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
             left = [c - d for c, d in zip(summary.cells_per_rank, done_before)]
             micro = 0
-            for batch in stream.epoch(epoch, left):
+            batches = stream.epoch(epoch, left)
+            for batch in batches:
                 # ---- one training step (gradients accumulate over `grad_accum` batches) ----------
                 if micro == 0:  # the step's totals, over all its batches (waits included)
                     started, waited, cells, lengths, masked = time.perf_counter() - batch.wait_s, 0.0, 0, [], 0
@@ -177,7 +178,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                     step=step, epoch=epoch, loss=float(totals[1] / totals[0].clamp(min=1)),
                     accuracy=float(totals[2] / totals[0].clamp(min=1)), lr=scheduler.get_last_lr()[0],
                     grad_norm=float(grad_norm), seconds=time.perf_counter() - started, wait_s=waited, cells=cells,
-                    tokens=int(lengths.sum()), flops=train_flops(model_cfg, lengths, masked), device=device))
+                    tokens=int(lengths.sum()), flops=train_flops(model_cfg, lengths, masked), device=device,
+                    ready_cells=batches.ready_cells))
                 if held_out is not None and step % cfg.eval_every == 0:
                     tracker.note(step, evaluate(model, held_out, cfg, autocast))
                 if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == total_steps):
