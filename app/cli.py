@@ -135,7 +135,7 @@ LOCAL_HELP = {"max_genes": "genes per cell (default: 256, short for CPU; the tok
 LOCAL_FLAGS = ("dataset", "run", "tokenizer", "max_genes", "n_bins", "strategy", "block_size", "fetch_factor",
                "n_scanners", "unit_cells", "subset_filter", "eval_filter", "eval_cells", "eval_every", "producers",
                "gpus", "batch_size", "grad_accum", "steps", "epochs", "preset", "lr", "warmup_steps",
-               "checkpoint_every", "resume", "seed")
+               "checkpoint_every", "resume", "seed", "rpc_latency_ms")
 
 
 def add_campaign_flags(p: argparse.ArgumentParser) -> None:
@@ -150,7 +150,8 @@ def add_campaign_flags(p: argparse.ArgumentParser) -> None:
     trainable = tuple(n for n in TOKENIZER_NAMES if layout(n).objective)
     choices = {"tokenizer": trainable, "strategy": STRATEGIES, "preset": PRESETS}
     for name in LOCAL_FLAGS:
-        flag, default, text = "--" + name.replace("_", "-"), defaults.get(name), LOCAL_HELP.get(name, FLAG_HELP[name])
+        flag, default = "--" + name.replace("_", "-"), defaults.get(name)
+        text = LOCAL_HELP.get(name, FLAG_HELP[name]).replace("%", "%%")  # argparse formats help with %
         if isinstance(default, bool):
             p.add_argument(flag, action="store_true", help=text)
             continue

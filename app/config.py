@@ -45,6 +45,8 @@ FLAG_HELP = {
     "checkpoint_every": "checkpoint every N steps (and at the end)",
     "resume": "continue --run from its latest checkpoint, saying from which step (locally, a run with none is an error)",
     "seed": "seed of plans, shuffles, masks and weights: the same seed gives the same run",
+    "rpc_latency_ms": "make every queue/map call cost this many ms (± 40%), as a round trip to Modal does: "
+                      "run locally under the remote world's costs",
 }
 
 
@@ -80,6 +82,7 @@ class CampaignConfig:
     seed: int = 0
     cells_per_item: int = 128
     label_column: str | None = None
+    rpc_latency_ms: float = 0.0  # local runs: every queue/map call costs this long (± 40%), as on Modal
 
     def __post_init__(self):
         if not self.run:
@@ -105,6 +108,8 @@ class CampaignConfig:
         for name in ("max_genes", "steps", "epochs"):  # optional
             if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise CellfeedError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.rpc_latency_ms <= 10_000:
+            raise CellfeedError(f"--rpc-latency-ms must be within 0..10000, got {self.rpc_latency_ms}")
         if not 3 <= self.n_bins <= 255:
             raise CellfeedError(f"--n-bins must be within 3..255, got {self.n_bins}")
         self.sampling.validate()

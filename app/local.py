@@ -21,7 +21,7 @@ from app.config import CampaignConfig
 from coordination.backends import connect
 from coordination.errors import CellfeedError
 from coordination.local_backend import ServerProcess
-from coordination.routing import TASKS_PARTITION, producer_report_key, rank_partition, stop_key
+from coordination.routing import TASKS_PARTITION, producers_key, rank_partition, stop_key
 from trainer import checkpoint
 from trainer.launch import launch, wait_all
 
@@ -51,23 +51,22 @@ def _last_step(log: Path) -> dict | None:
 IDLE_AFTER_S = 5.0  # a running producer with no unit finished for this long and no task queued is idle
 
 
-def producer_states(store, run: str, names: list[str], procs: list[subprocess.Popen], tasks: int,
+def producer_states(reports: dict, names: list[str], procs: list[subprocess.Popen], tasks: int,
                     all_done: bool = False) -> list[str]:
     """Each producer's state: starting, working (with its rate), idle (nothing left to take), done
-    (exited) or failed."""
+    (exited) or failed. `reports`: the producers' totals as the driver publishes them."""
     states = []
     for name, proc in zip(names, procs):
         code = proc.poll()
-        report = store.get(producer_report_key(run, name))
-        r = json.loads(report) if report else None
+        r = reports.get(name)
         if code is not None:
             states.append("done" if code == 0 else f"failed ({code})")
         elif r is None:
             states.append("starting")
-        elif tasks == 0 and (all_done or time.time() - r["time"] > IDLE_AFTER_S):
+        elif tasks == 0 and (all_done or time.time() - r["heard"] > IDLE_AFTER_S):
             states.append("idle")
         else:
-            states.append(f"working {r['cells'] / max(1e-9, r['busy_s']):,.0f} cells/s" if r["busy_s"] else "working")
+            states.append(f"working {r['cells'] / max(1e-9, r['busy_s']):,.0f} cells/s" if r.get("busy_s") else "working")
     return states
 
 
@@ -76,7 +75,8 @@ def status_line(cfg: CampaignConfig, queue, store, log: Path, started: float, to
     row = _last_step(log)
     tasks = queue.len(partition=TASKS_PARTITION)
     depth = [queue.len(partition=rank_partition(r)) for r in range(cfg.gpus)]
-    units = sum(json.loads(r)["units"] for n in names if (r := store.get(producer_report_key(cfg.run, n))))
+    reports = json.loads(store.get(producers_key(cfg.run)) or "{}")
+    units = sum(r.get("units", 0) for r in reports.values())
     parts = [f"{time.monotonic() - started:5.0f}s"]
     if row:
         parts += [f"step {row['step']}/{total_steps}", f"loss {row['loss']:.3f}", f"{row['cells_per_s']:,.0f} cells/s",
@@ -86,7 +86,7 @@ def status_line(cfg: CampaignConfig, queue, store, log: Path, started: float, to
     parts += [f"units {units:,}/{units_total:,} done, {tasks:,} queued",
               f"queue {' '.join(f'r{r}:{d}' for r, d in enumerate(depth))} items"
               + (f", {row['ready_cells']:,} cells ready in the ranks" if row and "ready_cells" in row else ""),
-              "producers " + ", ".join(producer_states(store, cfg.run, names, procs, tasks, units >= units_total))]
+              "producers " + ", ".join(producer_states(reports, names, procs, tasks, units >= units_total))]
     return " | ".join(parts)
 
 
@@ -102,7 +102,7 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
     workdir = Path(workdir) / cfg.run
     workdir.mkdir(parents=True, exist_ok=True)
     server = ServerProcess()
-    backend = {"kind": "local", "address": server.address}
+    backend = {"kind": "local", "address": server.address, "latency_ms": cfg.rpc_latency_ms}
     queue, store = connect(backend)
     producers: list[subprocess.Popen] = []
     try:
@@ -140,7 +140,8 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
             raise CellfeedError(f"the campaign failed: trainer ranks exited {codes}, "
                                 f"{len(failed)} producer(s) failed; rank logs are in {workdir}")
         summary = json.loads((workdir / "summary.rank0").read_text())
-        summary["producers"] = [json.loads(store.get(producer_report_key(cfg.run, n)) or "{}") for n in names]
+        reports = json.loads(store.get(producers_key(cfg.run)) or "{}")
+        summary["producers"] = [reports.get(n, {}) for n in names]
         return summary
     finally:
         stop_campaign(store, cfg.run, producers, server)
@@ -194,7 +195,7 @@ def _produce_main(config_path: str, address: str, name: str) -> None:
     from producers.producer import Producer
 
     cfg = CampaignConfig(**json.loads(Path(config_path).read_text()))
-    queue, store = connect({"kind": "local", "address": address})
+    queue, store = connect({"kind": "local", "address": address, "latency_ms": cfg.rpc_latency_ms})
     Producer(cfg.producer_config(), queue, store, name=name).run()
 
 

@@ -6,12 +6,18 @@ from coordination.errors import CellfeedError
 
 
 def connect(spec: dict):
-    """(queue, map) for {"kind": "local", "address": "host:port"} or {"kind": "modal", "run": id}."""
+    """(queue, map) for {"kind": "local", "address": "host:port"} or {"kind": "modal", "run": id}.
+    A local spec with "latency_ms" > 0 costs every call that long (± 40%), as Modal's round trips."""
     kind = spec.get("kind")
     if kind == "local":
         from coordination.local_backend import LocalMap, LocalQueue
 
-        return LocalQueue(spec["address"]), LocalMap(spec["address"])
+        pair = LocalQueue(spec["address"]), LocalMap(spec["address"])
+        if spec.get("latency_ms"):
+            from coordination.latency import with_latency
+
+            return with_latency(*pair, spec["latency_ms"], 0.4 * spec["latency_ms"])[:2]
+        return pair
     if kind == "modal":
         from coordination.modal_backend import run_backends
 

@@ -1,9 +1,15 @@
-"""The driver: feeds an epoch's units to producers as tasks, re-issues units whose lease expired
-(or that nobody took), knows when the epoch is complete, then clears its stitching keys.
+"""The driver: feeds an epoch's units to producers as tasks, re-issues units whose producer fell
+silent (or that were taken and never claimed), knows when the epoch is complete, then drops the
+epoch's stitching map whole.
 
 It needs only each epoch's `PlanSummary` (unit count, cells per rank, boundary cells), which the
 campaign's setup publishes into the map, so it runs anywhere — in the trainer's rank 0 (a
 detached Modal campaign needs no laptop) or beside a local campaign — without Lance.
+
+Its coordination calls do not grow with the units in flight: each pass drains the producers'
+events with one `get_many`, reads the task list's length once, and tops the task list up with one
+`put_many`; who holds what, and since when, is kept in memory (DESIGN.md, "Routing and
+exactly-once").
 """
 
 from __future__ import annotations
@@ -13,11 +19,16 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
+from collections import deque
 
 from coordination.errors import CellfeedError
 from coordination.queues import Full, Map, Queue
-from coordination.routing import TASKS_PARTITION, done_key, encode_task, lease_key
+from coordination.routing import (EVENTS_PARTITION, TASKS_PARTITION, decode_event, encode_task, epoch_map_name,
+                                  producers_key)
+
+LEASE_S = 12.0  # a unit whose producer is silent this long (4 missed heartbeats) is re-issued
+EVENTS_PER_CALL = 1000
+PUBLISH_EVERY_S = 2.0  # how often the producers' totals are published for monitors
 
 
 def steps_per_epoch(cells_per_rank: list[int], batch_size: int) -> int:
@@ -80,19 +91,49 @@ class DriverStats:
     issued: int = 0
     reissued: int = 0
     epochs: int = 0
+    events: int = 0
+    passes: int = 0
+    pass_s: list = field(default_factory=list)  # seconds of each pass's calls (bounded sample)
+    first_reissue_at: float | None = None  # time.monotonic() of the first re-issue
+
+    def pass_seconds(self) -> float | None:
+        """Median seconds a pass spends in its calls."""
+        return round(sorted(self.pass_s)[len(self.pass_s) // 2], 3) if self.pass_s else None
+
+
+@dataclass
+class Flight:
+    """A unit issued and not yet done: where it is, as far as the driver knows."""
+
+    seq: int  # its place in the FIFO task list's issue order
+    taken_at: float | None = None  # when the task list had moved past it (someone took it)
+    seen_at: float | None = None  # when it was last taken or named held in an event (a claim lasts lease_s)
+
+
+@dataclass
+class EpochState:
+    summary: PlanSummary
+    todo: deque  # units not yet issued
+    flights: dict = field(default_factory=dict)  # unit -> Flight: issued, not yet done
 
 
 class Driver:
-    def __init__(self, queue: Queue, store: Map, run: str, *, lease_s: float = 120.0, poll_s: float = 0.2,
-                 max_queued_tasks: int = 1000, stall_timeout_s: float = 600.0):
+    def __init__(self, queue: Queue, store: Map, run: str, *, lease_s: float = LEASE_S, poll_s: float = 0.25,
+                 max_queued_tasks: int = 128, stall_timeout_s: float = 600.0):
         self.queue, self.store, self.run = queue, store, run
         self.lease_s, self.poll_s = lease_s, poll_s
         self.max_queued_tasks = max_queued_tasks
         self.stall_timeout_s = stall_timeout_s
         self.stats = DriverStats()
+        self.producers: dict[str, dict] = {}  # name -> last totals, "heard" (time.time())
+        self._issued_seq = 0
+        self._published = 0.0
         self._stop = threading.Event()
+        self.error: BaseException | None = None
 
-    def _issue(self, epoch: int, units: list[int]) -> list[int]:
+    # ---- calls: a constant number per pass
+
+    def _issue(self, epoch: int, units: list[int], flights: dict, order: deque) -> list[int]:
         """Put tasks (as many as fit now); returns the units issued."""
         if not units:
             return []
@@ -101,76 +142,109 @@ class Driver:
                                 partition=TASKS_PARTITION)
         except Full:
             return []
+        for u in units:
+            flights[u] = Flight(self._issued_seq)
+            order.append((self._issued_seq, epoch, u))
+            self._issued_seq += 1
         self.stats.issued += len(units)
         return units
 
-    def _expired(self, epoch: int, unit: int, issued_at: float, now: float) -> bool:
-        lease = self.store.get(lease_key(self.run, epoch, unit))
-        if lease is None:  # nobody holds it: lost (a producer died between taking and leasing) or not taken
-            return now - issued_at > self.lease_s and self.queue.len(partition=TASKS_PARTITION) == 0
-        return json.loads(lease)["expires"] < time.time()
+    def _drain(self) -> list[dict]:
+        events = []
+        while True:
+            batch = self.queue.get_many(EVENTS_PER_CALL, block=False, partition=EVENTS_PARTITION)
+            events += [decode_event(e) for e in batch]
+            if len(batch) < EVENTS_PER_CALL:
+                return events
 
-    def run_epoch(self, summary: PlanSummary, skip_units: set[int] = frozenset()) -> None:
-        """Drive one epoch to completion (every unit done), then clear its coordination keys."""
-        epoch = summary.epoch
-        todo = [u for u in range(summary.n_units) if u not in skip_units]
-        in_flight: dict[int, float] = {}  # unit -> when it was (re-)issued
-        last_progress = time.monotonic()
-        while (todo or in_flight) and not self._stop.is_set():
-            room = self.max_queued_tasks - self.queue.len(partition=TASKS_PARTITION)
-            if room > 0 and todo:
-                issued = self._issue(epoch, todo[:room])
-                now = time.monotonic()
-                in_flight.update({u: now for u in issued})
-                todo = todo[len(issued):]
-            now = time.monotonic()
-            for unit, issued_at in list(in_flight.items()):
-                if self.store.get(done_key(self.run, epoch, unit)) is not None:
-                    del in_flight[unit]
-                    last_progress = now
-                elif self._expired(epoch, unit, issued_at, now):
-                    if self._issue(epoch, [unit]):
-                        in_flight[unit] = now
-                        self.stats.reissued += 1
-            if now - last_progress > self.stall_timeout_s:
-                raise CellfeedError(
-                    f"epoch {epoch}: no unit finished in {self.stall_timeout_s:.0f}s with {len(in_flight) + len(todo)} "
-                    "left: are the producers running?"
-                )
-            if todo or in_flight:
-                self._stop.wait(self.poll_s)
-        if not self._stop.is_set():
-            self.forget(summary)
-            self.stats.epochs += 1
+    def _publish(self, force: bool = False) -> None:
+        if force or time.monotonic() - self._published >= PUBLISH_EVERY_S:
+            self.store.put(producers_key(self.run), json.dumps(self.producers))
+            self._published = time.monotonic()
 
-    def forget(self, summary: PlanSummary) -> None:
-        """Remove an epoch's stitching, lease and done keys (its boundary cells are all emitted)."""
-        from producers.stitch import forget_epoch  # the stitching protocol owns its key names
-
-        forget_epoch(self.store, self.run, summary.epoch, np.asarray(summary.boundary_cells, dtype=np.int64),
-                     np.asarray(summary.boundary_piece_counts, dtype=np.int64))
-        for unit in range(summary.n_units):
-            self.store.pop(done_key(self.run, summary.epoch, unit), None)
-            self.store.pop(lease_key(self.run, summary.epoch, unit), None)
+    # ---- the epochs
 
     def run_epochs(self, epochs: list[int], summary_timeout_s: float = 60.0,
                    resume_epoch: int | None = None) -> DriverStats:
-        """Drive epochs in order. `resume_epoch`: an epoch a restarted trainer resumes mid-way —
-        its old done marks and stitching state are cleared and every unit is issued again (the
-        consumers drop what they already trained on by key)."""
-        for epoch in epochs:
-            if self._stop.is_set():
-                break
+        """Drive epochs in order, each to completion (every unit done), then drop its stitching
+        map. The next epoch's units are issued as soon as this epoch has none left to issue, so
+        producers never idle on an epoch's last stragglers (consumers hold later-epoch items
+        aside). Each epoch's map is created fresh when it starts; a resumed epoch's half-finished
+        stitching is dropped first (every unit is issued again; consumers drop what they already
+        trained on by key)."""
+        waiting = deque(epochs)
+        active: dict[int, EpochState] = {}  # started and not complete, in epoch order
+        order: deque = deque()  # (seq, epoch, unit) in issue order: the FIFO task list's contents and past
+
+        def start_next() -> None:
+            epoch = waiting.popleft()
             summary = load_summary(self.store, self.run, epoch, summary_timeout_s)
             if epoch == resume_epoch:
-                self.forget(summary)
-            self.run_epoch(summary)
+                self.store.drop(epoch_map_name(epoch))
+            self.store.named(epoch_map_name(epoch), create=True)
+            active[epoch] = EpochState(summary, deque(range(summary.n_units)))
+
+        if waiting:
+            start_next()
+        last_progress = time.monotonic()
+        while active and not self._stop.is_set():
+            started = now = time.monotonic()
+            for event in self._drain():  # who finished what, who holds what
+                self.stats.events += 1
+                self.producers[event["p"]] = {**(event["totals"] or self.producers.get(event["p"], {})),
+                                              "heard": time.time()}
+                for e, u in event["done"]:
+                    if e in active and active[e].flights.pop(u, None) is not None:
+                        last_progress = now
+                for e, u in event["held"]:
+                    if e in active and u in active[e].flights:
+                        active[e].flights[u].seen_at = now
+            queued = self.queue.len(partition=TASKS_PARTITION)
+            taken_before = self._issued_seq - queued  # FIFO: every task issued before this one was taken
+            while order and order[0][0] < taken_before:
+                seq, e, u = order.popleft()
+                flight = active[e].flights.get(u) if e in active else None
+                if flight is not None and flight.seq == seq and flight.taken_at is None:
+                    flight.taken_at = flight.seen_at = now
+            for e, state in active.items():
+                # taken, and neither done nor named held for lease_s: its producer died (or stalled,
+                # or its events were lost): produce it again; consumers drop the duplicates by key
+                lost = [u for u, f in state.flights.items() if f.taken_at is not None and now - f.seen_at > self.lease_s]
+                for _ in self._issue(e, lost, state.flights, order):
+                    self.stats.reissued += 1
+                    if self.stats.first_reissue_at is None:
+                        self.stats.first_reissue_at = time.monotonic()
+                    queued += 1
+            for e, state in list(active.items()):
+                room = self.max_queued_tasks - queued
+                if room > 0 and state.todo:
+                    batch = [state.todo.popleft() for _ in range(min(room, len(state.todo)))]
+                    issued = self._issue(e, batch, state.flights, order)
+                    state.todo.extendleft(reversed(batch[len(issued):]))
+                    queued += len(issued)
+            if waiting and not active[max(active)].todo:  # the newest epoch is all issued: start the next
+                start_next()
+            for e in [e for e, state in active.items() if not state.todo and not state.flights]:
+                del active[e]
+                self.store.drop(epoch_map_name(e))
+                self._publish(force=True)  # the final totals of the epoch
+                self.stats.epochs += 1
+                last_progress = now
+            self._publish()
+            self.stats.passes += 1
+            if len(self.stats.pass_s) < 10_000:
+                self.stats.pass_s.append(time.monotonic() - started)
+            if now - last_progress > self.stall_timeout_s:
+                left = sum(len(s.todo) + len(s.flights) for s in active.values())
+                raise CellfeedError(f"epoch {min(active)}: no unit finished in {self.stall_timeout_s:.0f}s with "
+                                    f"{left} left: are the producers running?")
+            if active:
+                self._stop.wait(self.poll_s)
         return self.stats
 
     def start(self, epochs: list[int], resume_epoch: int | None = None) -> threading.Thread:
-        """Run the epochs in a background thread (e.g. inside trainer rank 0); errors are kept in
-        `self.error`."""
-        self.error: BaseException | None = None
+        """Run the epochs in a background thread (e.g. inside trainer rank 0); an error is kept in
+        `self.error` for the owner to raise (`check`)."""
 
         def target():
             try:
@@ -181,6 +255,11 @@ class Driver:
         thread = threading.Thread(target=target, daemon=True, name="cellfeed-driver")
         thread.start()
         return thread
+
+    def check(self) -> None:
+        """Raise the driver's error, if it had one (the trainer calls this every step)."""
+        if self.error is not None:
+            raise CellfeedError(f"the driver failed: {self.error}") from self.error
 
     def stop(self) -> None:
         self._stop.set()

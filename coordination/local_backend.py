@@ -24,9 +24,9 @@ import sys
 import threading
 
 from coordination.errors import CellfeedError
-from coordination.queues import Empty, Full, ItemTooLarge, MemoryMap, MemoryQueue
+from coordination.queues import Empty, Full, ItemTooLarge, MapGone, MemoryMap, MemoryQueue
 
-OK, FULL, EMPTY, TOO_LARGE, MISSING, ERROR = range(6)
+OK, FULL, EMPTY, TOO_LARGE, MISSING, ERROR, GONE = range(7)
 _U32 = struct.Struct("<I")
 CONNECT_TIMEOUT_S = 10.0
 REPLY_MARGIN_S = 30.0  # how much longer than the server-side wait a client waits for the reply
@@ -102,6 +102,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 code, header, out = TOO_LARGE, {"message": str(exc)}, []
             except KeyError:
                 code, header, out = MISSING, {}, []
+            except MapGone as exc:
+                code, header, out = GONE, {"message": str(exc)}, []
             except Exception as exc:  # noqa: BLE001 - sent back to the caller
                 code, header, out = ERROR, {"message": f"{type(exc).__name__}: {exc}"}, []
             try:
@@ -111,6 +113,14 @@ class _Handler(socketserver.BaseRequestHandler):
 
     @staticmethod
     def _dispatch(op, h, values, queue, store):
+        if h.get("map") is not None:  # a named map (ops 4-7 on it; 9 creates, 10 drops)
+            if op == 9:
+                store.named(h["map"], create=True)
+                return OK, {}, []
+            if op == 10:
+                store.drop(h["map"])
+                return OK, {}, []
+            store = store.named(h["map"])
         if op == 1:
             queue.put_many(values, h["block"], h["timeout"], partition=h["partition"])
             return OK, {}, []
@@ -218,6 +228,8 @@ class _Client:
             raise ItemTooLarge(reply["message"])
         if code == MISSING:
             raise KeyError(header.get("key"))
+        if code == GONE:
+            raise MapGone(reply["message"])
         raise CellfeedError(f"local queue server error: {reply.get('message')}")
 
 
@@ -251,21 +263,25 @@ class LocalQueue:
 
 
 class LocalMap:
-    """`Map` over the local server."""
+    """`Map` over the local server (`name`: one of its named maps, None: the run's map)."""
 
-    def __init__(self, address: str):
-        self.client = _Client(address)
+    def __init__(self, address: str, name: str | None = None, client: _Client | None = None):
+        self.client = client or _Client(address)
+        self.name = name
+
+    def _call(self, op: int, header: dict, values: list[bytes] = ()):
+        return self.client.call(op, {**header, "map": self.name}, values)
 
     def put(self, key, value, *, skip_if_exists=False) -> bool:
-        return self.client.call(4, {"key": key, "skip_if_exists": skip_if_exists}, [_encode_value(value)])[0]["stored"]
+        return self._call(4, {"key": key, "skip_if_exists": skip_if_exists}, [_encode_value(value)])[0]["stored"]
 
     def get(self, key, default=None):
-        reply, values = self.client.call(5, {"key": key})
+        reply, values = self._call(5, {"key": key})
         return _decode_value(values[0]) if reply["found"] else default
 
     def pop(self, key, *default):
         try:
-            return _decode_value(self.client.call(6, {"key": key})[1][0])
+            return _decode_value(self._call(6, {"key": key})[1][0])
         except KeyError:
             if default:
                 return default[0]
@@ -275,10 +291,18 @@ class LocalMap:
         return self.get(key) is not None
 
     def keys(self) -> list[str]:
-        return self.client.call(7, {})[0]["keys"]
+        return self._call(7, {})[0]["keys"]
 
     def __len__(self) -> int:
         return len(self.keys())
+
+    def named(self, name: str, create: bool = False) -> "LocalMap":
+        if create:
+            self.client.call(9, {"map": name})
+        return LocalMap(self.client.address, name, self.client)
+
+    def drop(self, name: str) -> None:
+        self.client.call(10, {"map": name})
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ and run-scoped names with clean-up at the end of a campaign.
 
 from __future__ import annotations
 
-from coordination.queues import validate_item, validate_partition
+from coordination.queues import Full, MapGone, validate_item, validate_partition
 
 
 def run_object_name(run: str) -> str:
@@ -36,7 +36,12 @@ class ModalQueue:
         for v in values:
             validate_item(v)
         validate_partition(partition)
-        self.queue.put_many(values, block=block, timeout=timeout, partition=partition)
+        import modal.exception
+
+        try:
+            self.queue.put_many(values, block=block, timeout=timeout, partition=partition)
+        except modal.exception.TimeoutError as exc:  # a timed put that ran out (not only a full partition)
+            raise Full(str(exc)) from None
 
     def put(self, value, block=True, timeout=None, *, partition=None) -> None:
         self.put_many([value], block, timeout, partition=partition)
@@ -56,33 +61,55 @@ class ModalQueue:
 
 
 class ModalMap:
-    def __init__(self, name: str | None = None, *, mapping=None, environment: str | None = None):
+    def __init__(self, name: str | None = None, *, mapping=None, environment: str | None = None,
+                 create: bool = True):
         if name is None and mapping is None:
             raise ValueError("give a dict name or a modal.Dict")
-        self.name, self.environment, self._dict = name, environment, mapping
+        self.name, self.environment, self._dict, self.create = name, environment, mapping, create
 
     @property
     def dict(self):
         if self._dict is None:
             import modal
 
-            self._dict = modal.Dict.from_name(self.name, create_if_missing=True, environment_name=self.environment)
+            self._dict = modal.Dict.from_name(self.name, create_if_missing=self.create,
+                                              environment_name=self.environment)
         return self._dict
 
+    def _call(self, method: str, *args, **kwargs):
+        import modal.exception
+
+        try:
+            return getattr(self.dict, method)(*args, **kwargs)
+        except modal.exception.NotFoundError as exc:  # a named map that was dropped: its epoch is over
+            raise MapGone(f"modal.Dict {self.name} is gone: {exc}") from None
+
     def put(self, key, value, *, skip_if_exists=False) -> bool:
-        return bool(self.dict.put(key, value, skip_if_exists=skip_if_exists))
+        return bool(self._call("put", key, value, skip_if_exists=skip_if_exists))
 
     def get(self, key, default=None):
-        return self.dict.get(key, default)
+        return self._call("get", key, default)
 
     def pop(self, key, *default):
-        return self.dict.pop(key, *default)
+        return self._call("pop", key, *default)
 
     def __contains__(self, key) -> bool:
-        return bool(self.dict.contains(key))
+        return bool(self._call("contains", key))
 
     def keys(self) -> list[str]:
-        return list(self.dict.keys())
+        return list(self._call("keys"))
+
+    def named(self, name: str, create: bool = False) -> "ModalMap":
+        """A modal.Dict of its own; created now (one call) with `create`, else never by us."""
+        sibling = ModalMap(f"{self.name}-{name}", environment=self.environment, create=create)
+        if create:
+            sibling.put("created", 1)
+        return sibling
+
+    def drop(self, name: str) -> None:
+        import modal
+
+        modal.Dict.objects.delete(f"{self.name}-{name}", allow_missing=True, environment_name=self.environment)
 
 
 def run_backends(run: str, environment: str | None = None) -> tuple[ModalQueue, ModalMap]:
@@ -91,10 +118,14 @@ def run_backends(run: str, environment: str | None = None) -> tuple[ModalQueue, 
     return ModalQueue(name, environment=environment), ModalMap(name, environment=environment)
 
 
-def delete_run_backends(run: str, environment: str | None = None) -> None:
-    """Delete the run's queue and map at the end of a campaign."""
+def delete_run_backends(run: str, epochs: int = 0, environment: str | None = None) -> None:
+    """Delete the run's queue and map, and any epoch map left by an interrupted epoch, at the end."""
     import modal
+
+    from coordination.routing import epoch_map_name
 
     name = run_object_name(run)
     modal.Queue.objects.delete(name, allow_missing=True, environment_name=environment)
+    for epoch in range(epochs):
+        modal.Dict.objects.delete(f"{name}-{epoch_map_name(epoch)}", allow_missing=True, environment_name=environment)
     modal.Dict.objects.delete(name, allow_missing=True, environment_name=environment)

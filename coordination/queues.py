@@ -14,6 +14,10 @@ What we rely on, and what the shim enforces so tests catch what Modal would reje
 - Map: `put(key, value, *, skip_if_exists=False) -> bool` (False when the key existed and was
   kept), `get(key, default=None)`, `pop(key, default=...)` (KeyError when missing and no default),
   `__contains__`, `keys()`.
+- Named maps beside a run's map, for state that must go away in one call (an epoch's stitching):
+  `named(name, create=False)` is another map of the same backend (a `modal.Dict` of its own on
+  Modal); `drop(name)` deletes it whole. A map that was dropped, or opened without `create` and
+  never created, raises `MapGone` on use — so a late duplicate producer cannot re-create it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ Empty = stdlib_queue.Empty
 
 class ItemTooLarge(CellfeedError):
     """An item over Modal's 1 MiB limit (producers split items so this never happens)."""
+
+
+class MapGone(CellfeedError):
+    """A named map that was dropped (or never created): its epoch is over."""
 
 
 @runtime_checkable
@@ -63,6 +71,10 @@ class Map(Protocol):
     def __contains__(self, key: str) -> bool: ...
 
     def keys(self) -> list[str]: ...
+
+    def named(self, name: str, create: bool = False) -> "Map": ...
+
+    def drop(self, name: str) -> None: ...
 
 
 def validate_partition(partition: str | None) -> str:
@@ -146,16 +158,23 @@ class MemoryQueue:
 
 
 class MemoryMap:
-    """A thread-safe dict with modal.Dict's put-if-absent."""
+    """A thread-safe dict with modal.Dict's put-if-absent; `named` maps share one registry."""
 
-    def __init__(self):
+    def __init__(self, registry: dict | None = None):
         self._data: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._registry = {} if registry is None else registry  # name -> MemoryMap, shared by siblings
+        self._gone = False
+
+    def _check(self) -> None:
+        if self._gone:
+            raise MapGone("this map was dropped (its epoch is over)")
 
     def put(self, key, value, *, skip_if_exists=False) -> bool:
         if isinstance(value, (bytes, bytearray)) and len(value) > MAX_ITEM_BYTES:
             raise ItemTooLarge(f"map value of {len(value):,} bytes exceeds the 1 MiB limit")
         with self._lock:
+            self._check()
             if skip_if_exists and key in self._data:
                 return False
             self._data[key] = value
@@ -163,10 +182,12 @@ class MemoryMap:
 
     def get(self, key, default=None):
         with self._lock:
+            self._check()
             return self._data.get(key, default)
 
     def pop(self, key, *default):
         with self._lock:
+            self._check()
             if key in self._data:
                 return self._data.pop(key)
         if default:
@@ -175,12 +196,60 @@ class MemoryMap:
 
     def __contains__(self, key) -> bool:
         with self._lock:
+            self._check()
             return key in self._data
 
     def keys(self) -> list[str]:
         with self._lock:
+            self._check()
             return list(self._data)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._data)
+
+    def named(self, name: str, create: bool = False) -> "NamedMap":
+        if create:
+            with self._lock:
+                self._registry.setdefault(name, MemoryMap(self._registry))
+        return NamedMap(self._registry, name, self._lock)
+
+    def drop(self, name: str) -> None:
+        with self._lock:
+            found = self._registry.pop(name, None)
+        if found is not None:
+            with found._lock:
+                found._gone = True
+
+
+class NamedMap:
+    """A named map by name, resolved on every call (as Modal resolves a Dict's name): `MapGone`
+    while it does not exist, the live map once it does."""
+
+    def __init__(self, registry: dict, name: str, lock: threading.Lock):
+        self._registry, self.name, self._lock = registry, name, lock
+
+    def _map(self) -> MemoryMap:
+        with self._lock:
+            found = self._registry.get(self.name)
+        if found is None:
+            raise MapGone(f"map {self.name!r} does not exist (dropped, or not created yet)")
+        return found
+
+    def put(self, key, value, *, skip_if_exists=False) -> bool:
+        return self._map().put(key, value, skip_if_exists=skip_if_exists)
+
+    def get(self, key, default=None):
+        return self._map().get(key, default)
+
+    def pop(self, key, *default):
+        return self._map().pop(key, *default)
+
+    def __contains__(self, key) -> bool:
+        return key in self._map()
+
+    def keys(self) -> list[str]:
+        return self._map().keys()
+
+    def __len__(self) -> int:
+        return len(self._map())

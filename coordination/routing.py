@@ -1,7 +1,13 @@
-"""Who sends what where: queue partitions, task messages, lease/done keys and item routing.
+"""Who sends what where: queue partitions, task and event messages, map keys, item routing.
 
 Items of unit u go to rank u mod W; a stitched cell c to rank c mod W, so every duplicate of an
 item reaches the rank that already dropped (or will drop) it by key.
+
+Partitions of the run's queue: `tasks` (driver -> producers: one unit each), `events`
+(producers -> driver: units done, units held, running totals), `rank-{r}` (items for rank r),
+`eval` (the held-out set). Keys of the run's map: each epoch's plan summary, the stop signal,
+the producers' totals (published by the driver). Each epoch's stitching state lives in a named
+map of its own, `e{epoch}`, dropped whole when the epoch is complete.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import json
 from coordination.plan import derive_key
 
 TASKS_PARTITION = "tasks"
+EVENTS_PARTITION = "events"
 EVAL_PARTITION = "eval"  # a fixed held-out set, produced once and read by trainer rank 0
 
 
@@ -40,18 +47,29 @@ def decode_task(data: bytes) -> tuple[int, int]:
     return int(task["epoch"]), int(task["unit"])
 
 
-def lease_key(run: str, epoch: int, unit: int) -> str:
-    return f"{run}/lease/e{epoch}/u{unit}"
+def encode_event(producer: str, *, done=(), held=(), totals: dict | None = None) -> bytes:
+    """A producer's event: units it finished (`done`) and holds now (`held`), as (epoch, unit)
+    pairs, and optionally its running totals. Every event is also a heartbeat."""
+    return json.dumps({"p": producer, "done": [list(u) for u in done], "held": [list(u) for u in held],
+                       "totals": totals}).encode()
 
 
-def done_key(run: str, epoch: int, unit: int) -> str:
-    return f"{run}/done/e{epoch}/u{unit}"
+def decode_event(data: bytes) -> dict:
+    event = json.loads(data)
+    event["done"] = [tuple(u) for u in event["done"]]
+    event["held"] = [tuple(u) for u in event["held"]]
+    return event
+
+
+def epoch_map_name(epoch: int) -> str:
+    """The named map holding one epoch's stitching state."""
+    return f"e{epoch}"
 
 
 def stop_key(run: str) -> str:
     return f"{run}/stop"
 
 
-def producer_report_key(run: str, producer: str) -> str:
-    """Where a producer publishes its running totals (read by the local campaign's monitor)."""
-    return f"{run}/producer/{producer}"
+def producers_key(run: str) -> str:
+    """Every producer's running totals and when it was last heard (the driver publishes them)."""
+    return f"{run}/producers"

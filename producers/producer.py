@@ -1,20 +1,24 @@
-"""The producer loop: take a unit, lease it, read, rank + tokenize, pack, put, mark it done.
+"""The producer loop: take a unit, read, rank + tokenize, pack, put, report it done.
 
-Stateless and safe to kill at any point: a unit is only marked done after all its items are
-put, so a unit interrupted mid-way is produced again from scratch (the driver re-issues it when
-its lease expires) and consumers drop the duplicate items by key. A unit's output is identical
-every time: cells are shuffled with a generator seeded by (seed, epoch, unit).
+Stateless and safe to kill at any point: a unit is only reported done after all its items are
+put, so a unit interrupted mid-way is produced again from scratch (the driver re-issues it once
+its producer falls silent) and consumers drop the duplicate items by key. A unit's output is
+identical every time: cells are shuffled with a generator seeded by (seed, epoch, unit).
+
+Coordination costs about two calls per unit, whatever the latency: one `get` of the task and one
+`put` of a done event (DESIGN.md, "Routing and exactly-once"). A heartbeat thread reports the
+units held and the running totals every `heartbeat_s`, and reads the stop signal.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import queue as stdlib_queue
 import socket
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,9 +26,9 @@ import numpy as np
 from coordination.arrays import offsets_of, positions_in_ranges, ragged_arange
 from coordination.errors import CellfeedError
 from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit, derive_key
-from coordination.queues import Empty, Full, Map, Queue
-from coordination.routing import (EVAL_PARTITION, TASKS_PARTITION, cell_rank, decode_task, done_key, lease_key,
-                                  producer_report_key, rank_partition, run_tag, stop_key, unit_rank)
+from coordination.queues import Empty, Full, Map, MapGone, Queue
+from coordination.routing import (EVAL_PARTITION, EVENTS_PARTITION, TASKS_PARTITION, cell_rank, decode_task,
+                                  encode_event, epoch_map_name, rank_partition, run_tag, stop_key, unit_rank)
 from coordination.wire import pack_items
 from producers.dataset import Dataset, RowBlock, error_text, open_dataset
 from producers.gene_stats import load_gene_medians
@@ -32,8 +36,15 @@ from producers.ranking import CellRows
 from producers.stitch import offer_piece
 from producers.tokenizers import make_tokenizer, needs_gene_medians
 
-STOP_POLL_S = 1.0  # how often an idle producer checks for a stop
-PUT_BATCH_ITEMS = 32  # items per put_many call (32 x <=1 MiB stays far inside a 64 MiB partition)
+STOP_POLL_S = 1.0  # how often a waiting producer looks at its stop flag
+HEARTBEAT_S = 3.0  # how often a producer says what it holds (the driver re-issues after LEASE_S of silence)
+PUT_BATCH_ITEMS = 32  # items per put_many call, and at most PUT_BATCH_BYTES in one request
+PUT_BATCH_BYTES = 8 << 20
+OUTBOX_JOBS = 16  # jobs (a unit's items, a done event) the courier may be behind the loop
+
+
+class Stopped(Exception):
+    """The campaign signalled a stop while this producer waited."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +62,7 @@ class ProducerConfig:
     subset_filter: str | None = None  # a Lance SQL filter on obs, e.g. "plate != 'plate14'"
     subset_ids: tuple[int, ...] | None = None
     exclude_filter: str | None = None  # cells never to produce for training, e.g. the held-out split
-    lease_s: float = 120.0
+    heartbeat_s: float = HEARTBEAT_S
     put_timeout_s: float = 600.0
     idle_timeout_s: float = 10.0
 
@@ -149,7 +160,18 @@ class Producer:
         self.stats = ProducerStats()
         self._plans: dict[int, EpochPlan] = {}
         self._plan_lock = threading.Lock()
+        self._setup_loop()
+
+    def _setup_loop(self) -> None:
+        """State of the coordination loop (`run`), apart from the data work."""
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cellfeed-prefetch")
+        self._held: list[tuple[int, int]] = []  # units taken and not yet done
+        self._held_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._courier: threading.Thread | None = None
+        self._beat_at = 0.0
+        self._courier_error: BaseException | None = None
+        self._epoch_maps: dict[int, Map] = {}
 
     def plan(self, epoch: int) -> EpochPlan:
         """The epoch's plan, cached for this and the previous epoch (the read-ahead may cross)."""
@@ -163,17 +185,44 @@ class Producer:
     # ---- one unit
 
     def _put(self, items: list[bytes], partition: str) -> None:
-        for i in range(0, len(items), PUT_BATCH_ITEMS):
-            batch = items[i:i + PUT_BATCH_ITEMS]
+        """Hand items to the courier (the loop's sender thread; puts them in order, then the unit's
+        done event), or put them now when no loop runs (the held-out set)."""
+        if self._courier is None:
+            self._put_now(items, partition)
+        else:
+            self._post(("items", partition, items))
+        self.stats.items += len(items)
+        self.stats.bytes += sum(len(b) for b in items)
+
+    def _put_now(self, items: list[bytes], partition: str) -> None:
+        """Put in requests of at most PUT_BATCH_ITEMS items and PUT_BATCH_BYTES."""
+        start = 0
+        while start < len(items):
+            end, size = start, 0
+            while end < len(items) and end - start < PUT_BATCH_ITEMS and (
+                    end == start or size + len(items[end]) <= PUT_BATCH_BYTES):
+                size += len(items[end])
+                end += 1
+            self._send(items[start:end], partition)
+            start = end
+
+    def _send(self, batch: list[bytes], partition: str) -> None:
+        """One put: a full partition blocks (backpressure) in short waits, so a stop is noticed
+        within seconds, and is an error after `put_timeout_s`."""
+        deadline = time.monotonic() + self.config.put_timeout_s
+        while True:
+            if self._stopping.is_set():
+                raise Stopped
             try:
-                self.queue.put_many(batch, block=True, timeout=self.config.put_timeout_s, partition=partition)
+                wait = max(0.01, min(STOP_POLL_S * 2, deadline - time.monotonic()))
+                self.queue.put_many(batch, block=True, timeout=wait, partition=partition)
+                return
             except Full:
-                raise CellfeedError(
-                    f"queue partition {partition} stayed full for {self.config.put_timeout_s:.0f}s: "
-                    "is the trainer consuming?"
-                ) from None
-            self.stats.items += len(batch)
-            self.stats.bytes += sum(len(b) for b in batch)
+                if time.monotonic() >= deadline:
+                    raise CellfeedError(f"queue partition {partition} stayed full for {self.config.put_timeout_s:.0f}s: "
+                                        "is the trainer consuming?") from None
+                if partition != EVENTS_PARTITION:  # backpressure is no silence: keep heartbeating
+                    self._beat_if_due()
 
     def _emit(self, rows: CellRows, epoch: int, key_id: int, stitched: bool, partition: str,
               rng: np.random.Generator) -> None:
@@ -201,12 +250,12 @@ class Producer:
         unit = self.plan(epoch).unit(unit_id)
         return unit, self.ds.read_row_ranges(unit.ranges)
 
-    def process(self, epoch: int, unit_id: int, prefetched: Future | None = None) -> None:
-        """Produce every item of one unit (and any boundary cell it completes). With a read
-        already under way (`prefetched`), only the time spent waiting for it counts as read."""
+    def process(self, epoch: int, unit_id: int, rows: tuple[WorkUnit, RowBlock] | None = None) -> None:
+        """Produce every item of one unit (and any boundary cell it completes); `rows`: the unit
+        and its rows if already read (the loop reads ahead), else they are read here."""
         cfg = self.config
         t = time.perf_counter()
-        unit, block = prefetched.result() if prefetched is not None else self.read(epoch, unit_id)
+        unit, block = rows if rows is not None else self.read(epoch, unit_id)
         t = self.stats.add_time("read", t)
         cell_col = block.cell
         rng = np.random.default_rng(derive_key(cfg.seed, epoch, "unit", unit_id))
@@ -227,8 +276,11 @@ class Producer:
             a = int(piece_at[p])
             b = a + int(unit.piece_rows[p, 1] - unit.piece_rows[p, 0])
             t = time.perf_counter()
-            whole_cell = offer_piece(self.store, cfg.run, epoch, f"{unit_id}.{index}", cell, index, count,
-                                     block.gene[a:b], block.value[a:b])
+            try:
+                whole_cell = offer_piece(self._epoch_map(epoch), epoch, f"{unit_id}.{index}", cell, index, count,
+                                         block.gene[a:b], block.value[a:b])
+            except MapGone:  # the epoch is complete: this is a late duplicate, the cell was emitted
+                whole_cell = None
             self.stats.add_time("stitch", t)
             if whole_cell is not None:
                 rows = CellRows(np.array([cell], dtype=np.int64), np.array([0, len(whole_cell[0])]), *whole_cell)
@@ -236,59 +288,126 @@ class Producer:
                 self._emit(rows, epoch, cell, True, rank_partition(cell_rank(cell, cfg.world_size)), cell_rng)
         self.stats.units += 1
 
+    def _epoch_map(self, epoch: int) -> Map:
+        """The epoch's stitching map (the driver creates it; opening it creates nothing)."""
+        if epoch not in self._epoch_maps:
+            self._epoch_maps = {e: m for e, m in self._epoch_maps.items() if e >= epoch - 1}
+            self._epoch_maps[epoch] = self.store.named(epoch_map_name(epoch))
+        return self._epoch_maps[epoch]
+
     # ---- the loop
 
-    def _lease(self, epoch: int, unit: int) -> None:
-        value = json.dumps({"producer": self.name, "expires": time.time() + self.config.lease_s})
-        self.store.put(lease_key(self.config.run, epoch, unit), value)
-
-    def _take_task(self, block: bool) -> tuple[int, int, Future] | None:
-        """The next unit not yet done, leased and with its read started; None when the task list
-        stayed empty for `idle_timeout_s` (or at once if not `block`), or a stop was signalled."""
-        run = self.config.run
+    def _take_and_read(self) -> tuple[int, int, tuple[WorkUnit, RowBlock]] | None:
+        """(read-ahead thread) The next task and its rows; None when the task list stayed empty
+        for `idle_timeout_s`, or a stop was signalled."""
         idle_until = time.monotonic() + self.config.idle_timeout_s
-        while self.store.get(stop_key(run)) is None:
-            wait = min(STOP_POLL_S, idle_until - time.monotonic()) if block else 0.0
+        while not self._stopping.is_set():
             try:
-                task = self.queue.get(block=block, timeout=max(wait, 0.01) if block else None,
+                task = self.queue.get(block=True, timeout=max(0.01, min(STOP_POLL_S, idle_until - time.monotonic())),
                                       partition=TASKS_PARTITION)
             except Empty:
                 task = None
-            if task is None:
-                if not block or time.monotonic() >= idle_until:
-                    return None
-                continue
-            epoch, unit = decode_task(task)
-            if self.store.get(done_key(run, epoch, unit)) is not None:
-                continue  # a re-issued unit that another producer finished meanwhile
-            self._lease(epoch, unit)
-            return epoch, unit, self._reader.submit(self.read, epoch, unit)
+            if task is not None:
+                epoch, unit = decode_task(task)
+                with self._held_lock:
+                    self._held.append((epoch, unit))
+                return epoch, unit, self.read(epoch, unit)
+            if time.monotonic() >= idle_until:
+                return None
         return None
+
+    def _post(self, job: tuple) -> None:
+        """Give the courier a job; waits while it is behind (backpressure), never past its failure."""
+        while True:
+            if self._courier_error is not None:
+                raise self._courier_error
+            if self._stopping.is_set():
+                raise Stopped
+            try:
+                return self._outbox.put(job, timeout=STOP_POLL_S)
+            except stdlib_queue.Full:
+                continue
+
+    def _courier_loop(self) -> None:
+        """Send, in order: each unit's items, then its done event. Every `heartbeat_s` (also when
+        busy): an event naming the units held, and a look for the stop signal."""
+        self._beat_at = 0.0
+        try:
+            while True:
+                self._beat_if_due()
+                try:
+                    job = self._outbox.get(timeout=max(0.01, min(STOP_POLL_S, self._beat_at - time.monotonic())))
+                except stdlib_queue.Empty:
+                    continue
+                if job[0] == "items":
+                    self._put_now(job[2], job[1])
+                elif job[0] == "done":
+                    with self._held_lock:
+                        self._held.remove(job[1])
+                    self._event(done=[job[1]])
+                else:  # "end": everything before it is sent
+                    return
+        except Stopped:
+            self._stopping.set()
+        except BaseException as exc:  # noqa: BLE001 - raised in the loop's thread
+            self._courier_error = exc if isinstance(exc, CellfeedError) else CellfeedError(f"sending failed: {exc}")
+            self._stopping.set()
+
+    def _beat_if_due(self) -> None:
+        """(courier) A heartbeat event and a look for the stop signal, every `heartbeat_s`."""
+        if self._courier is None or time.monotonic() < self._beat_at:
+            return
+        self._beat_at = time.monotonic() + self.config.heartbeat_s
+        if self.store.get(stop_key(self.config.run)) is not None:
+            raise Stopped
+        self._event()
+
+    def _event(self, done=()) -> None:
+        """One event: the units just finished, the units held now, the running totals."""
+        with self._held_lock:
+            held = list(self._held)
+        self._send([encode_event(self.name, done=done, held=held, totals=self.totals())], EVENTS_PARTITION)
 
     def run(self, max_units: int | None = None) -> ProducerStats:
         """Work until the task list stays empty for `idle_timeout_s`, a stop is signalled, or
-        `max_units` units are done. The next unit is read while this one is tokenized."""
-        run = self.config.run
-        pending = None
-        while max_units is None or self.stats.units < max_units:
-            current = pending or self._take_task(block=True)
-            if current is None:
-                break
-            more = max_units is None or self.stats.units + 1 < max_units
-            pending = self._take_task(block=False) if more else None
-            epoch, unit, reading = current
-            self.process(epoch, unit, reading)
-            self.store.put(done_key(run, epoch, unit), self.name)
-            self.store.pop(lease_key(run, epoch, unit), None)
-            self.report()
+        `max_units` units are done. The next unit is taken and read while this one is tokenized;
+        the courier thread sends while the next is worked on, so no call waits on this thread."""
+        self._outbox = stdlib_queue.Queue(maxsize=OUTBOX_JOBS)
+        self._courier_error = None
+        self._courier = threading.Thread(target=self._courier_loop, daemon=True, name="cellfeed-courier")
+        self._courier.start()
+        ahead = self._reader.submit(self._take_and_read)
+        finished = False
+        try:
+            while ahead is not None:
+                t = time.perf_counter()
+                taken = ahead.result()
+                self.stats.add_time("read", t)
+                if taken is None:
+                    break
+                more = max_units is None or self.stats.units + 1 < max_units
+                ahead = self._reader.submit(self._take_and_read) if more else None
+                epoch, unit, rows = taken
+                self.process(epoch, unit, rows)
+                self._post(("done", (epoch, unit)))
+            self._post(("end",))
+            finished = True
+        except Stopped:
+            finished = True
+        finally:
+            if not finished:  # an error here: the courier stops too
+                self._stopping.set()
+            self._courier.join(timeout=self.config.put_timeout_s + 10)
+            self._courier = None
+        if self._courier_error is not None:
+            raise self._courier_error
         return self.stats
 
-    def report(self) -> None:
-        """Publish running totals (cells, units, bytes, busy seconds) for monitors (once per unit)."""
+    def totals(self) -> dict:
+        """Running totals (cells, units, items, bytes, busy seconds), for monitors."""
         s = self.stats
-        self.store.put(producer_report_key(self.config.run, self.name), json.dumps(
-            {"cells": s.cells, "units": s.units, "items": s.items, "bytes": s.bytes,
-             "busy_s": round(sum(s.seconds.values()), 3), "time": time.time()}))
+        return {"cells": s.cells, "units": s.units, "items": s.items, "bytes": s.bytes,
+                "busy_s": round(sum(s.seconds.values()), 3)}
 
 
 def produce(config: ProducerConfig, queue: Queue, store: Map, max_units: int | None = None) -> ProducerStats:

@@ -1,12 +1,13 @@
 """Boundary stitching through the map with put-if-absent (DESIGN.md, "Boundary stitching").
 
+The map is the epoch's own (`routing.epoch_map_name`), so the keys need no run or epoch.
 Each holder of a piece of cell c (P pieces) first writes its piece under
-`{run}/e{epoch}/c{c}/piece{i}`, then claims the first free arrival slot `.../arrival{j}` with
+`c{c}/piece{i}`, then claims the first free arrival slot `c{c}/arrival{j}` with
 `put(..., skip_if_exists=True)`, writing its holder id ("<unit>.<piece>": a unit may hold two
 pieces of one cell). A slot already holding its own holder id is its own (a re-run). Whoever holds slot P-1 reads all pieces and emits the cell: every piece is
-written before its holder claims a slot, so the last claimer finds them all. Keys are removed
-when the epoch is complete (`forget_epoch`), never by the emitter, so a late duplicate cannot
-start a new round.
+written before its holder claims a slot, so the last claimer finds them all. Keys are never
+removed by the emitter: the driver drops the epoch's whole map when the epoch is complete, and
+a late duplicate then finds it gone (`MapGone`) instead of starting a new round.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ _CODES = {1: np.dtype(np.uint16), 2: np.dtype(np.int32), 3: np.dtype(np.float32)
 _CODE_OF = {v: k for k, v in _CODES.items()}
 
 
-def piece_key(run: str, epoch: int, cell: int, index: int) -> str:
-    return f"{run}/e{epoch}/c{cell}/piece{index}"
+def piece_key(cell: int, index: int) -> str:
+    return f"c{cell}/piece{index}"
 
 
-def arrival_key(run: str, epoch: int, cell: int, slot: int) -> str:
-    return f"{run}/e{epoch}/c{cell}/arrival{slot}"
+def arrival_key(cell: int, slot: int) -> str:
+    return f"c{cell}/arrival{slot}"
 
 
 def encode_piece(genes: np.ndarray, values: np.ndarray) -> bytes:
@@ -49,13 +50,13 @@ def decode_piece(data: bytes) -> tuple[np.ndarray, np.ndarray]:
             np.frombuffer(body[n * g.itemsize:], dtype=v).copy())
 
 
-def offer_piece(store: Map, run: str, epoch: int, holder: str, cell: int, index: int, count: int,
+def offer_piece(store: Map, epoch: int, holder: str, cell: int, index: int, count: int,
                 genes: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Contribute piece `index` of `count`; returns the whole cell's (genes, values) if this holder
-    must emit it, else None."""
-    store.put(piece_key(run, epoch, cell, index), encode_piece(genes, values))
+    """Contribute piece `index` of `count` to the epoch's map `store`; returns the whole cell's
+    (genes, values) if this holder must emit it, else None. Raises `MapGone` after the epoch."""
+    store.put(piece_key(cell, index), encode_piece(genes, values))
     for slot in range(count):
-        key = arrival_key(run, epoch, cell, slot)
+        key = arrival_key(cell, slot)
         if store.put(key, holder, skip_if_exists=True) or store.get(key) == holder:
             break
     else:
@@ -65,20 +66,9 @@ def offer_piece(store: Map, run: str, epoch: int, holder: str, cell: int, index:
         )
     if slot != count - 1:
         return None
-    pieces = [store.get(piece_key(run, epoch, cell, i)) for i in range(count)]
+    pieces = [store.get(piece_key(cell, i)) for i in range(count)]
     missing = [i for i, p in enumerate(pieces) if p is None]
     if missing:
         raise CellfeedError(f"cell {cell} of epoch {epoch}: pieces {missing} missing at the last arrival")
     decoded = [decode_piece(p) for p in pieces]
     return np.concatenate([g for g, _ in decoded]), np.concatenate([v for _, v in decoded])
-
-
-def forget_epoch(store: Map, run: str, epoch: int, cells: np.ndarray, piece_counts: np.ndarray) -> int:
-    """Remove every stitching key of an epoch's boundary cells; returns how many were removed."""
-    removed = 0
-    for cell, count in zip(cells.tolist(), piece_counts.tolist()):
-        for i in range(count):
-            for key in (piece_key(run, epoch, cell, i), arrival_key(run, epoch, cell, i)):
-                if store.pop(key, None) is not None:
-                    removed += 1
-    return removed

@@ -12,7 +12,8 @@ import pytest
 from coordination.errors import CellfeedError
 from coordination.local_backend import LocalMap, LocalQueue, LocalServer, ServerProcess
 from coordination.modal_backend import ModalMap, ModalQueue, run_object_name
-from coordination.queues import MAX_ITEM_BYTES, Empty, Full, ItemTooLarge, MemoryMap, MemoryQueue
+from coordination.latency import CallCounts, with_latency
+from coordination.queues import MAX_ITEM_BYTES, Empty, Full, ItemTooLarge, MapGone, MemoryMap, MemoryQueue
 
 
 @pytest.fixture(scope="module")
@@ -22,13 +23,17 @@ def local_server():
     server.shutdown()
 
 
-@pytest.fixture(params=["memory", "local"])
+@pytest.fixture(params=["memory", "local", "memory+latency", "local+latency"])
 def backend(request, local_server):
-    if request.param == "memory":
-        return MemoryQueue(), MemoryMap()
-    local_server.queue.__init__()  # fresh state per test
-    local_server.store.__init__()
-    return LocalQueue(local_server.address), LocalMap(local_server.address)
+    """Each backend, also behind the latency wrapper (2 ± 1 ms a call): the semantics must hold
+    when every call is a round trip."""
+    if request.param.startswith("memory"):
+        pair = MemoryQueue(), MemoryMap()
+    else:
+        local_server.queue.__init__()  # fresh state per test
+        local_server.store.__init__()
+        pair = LocalQueue(local_server.address), LocalMap(local_server.address)
+    return with_latency(*pair, 2.0, 1.0)[:2] if request.param.endswith("+latency") else pair
 
 
 def test_fifo_partitions_and_len(backend):
@@ -96,6 +101,48 @@ def test_put_if_absent_has_one_winner_under_contention(backend):
     for t in threads:
         t.join()
     assert len(winners) == 1 and m.get("slot") == winners[0]
+
+
+def test_named_maps_are_separate_created_once_and_dropped_whole(backend):
+    _, m = backend
+    m.put("k", b"run map")
+    e0 = m.named("e0", create=True)
+    e0.put("k", b"epoch map")
+    assert e0.put("slot", "u1", skip_if_exists=True) is True and e0.put("slot", "u2", skip_if_exists=True) is False
+    assert m.get("k") == b"run map" and e0.get("k") == b"epoch map"
+    assert m.named("e0").get("slot") == "u1"  # opened again, without create: the same map
+    with pytest.raises(MapGone):  # never created: opening creates nothing, using it fails
+        m.named("e1").put("k", b"x")
+    m.drop("e0")  # one call, whatever it held
+    for stale in (e0, m.named("e0")):  # a handle from before, or a late producer's new one
+        with pytest.raises(MapGone):
+            stale.put("slot", "late", skip_if_exists=True)
+        with pytest.raises(MapGone):
+            stale.get("k")
+    assert m.get("k") == b"run map"
+    m.drop("never-made")  # dropping what is not there is fine
+    again = m.named("e0", create=True)  # the driver may create it afresh (a resumed epoch)
+    assert again.get("slot") is None
+
+
+def test_latency_wrapper_costs_each_call_and_counts_it():
+    counts = CallCounts()
+    q, m, _ = with_latency(MemoryQueue(), MemoryMap(), 20.0, 5.0, counts=counts,
+                           partition_kind=lambda p: ".items" if p == "rank-0" else "")
+    start = time.monotonic()
+    q.put_many([b"a", b"b"], partition="rank-0")
+    q.get_many(5, partition="rank-0")
+    m.put("k", 1)
+    m.get("k")
+    m.named("e0", create=True).put("x", 1)
+    m.drop("e0")
+    elapsed = time.monotonic() - start
+    assert 7 * 0.015 <= elapsed < 7 * 0.025 + 0.2  # 7 calls of 20 ± 5 ms
+    assert counts.snapshot() == {"queue.put_many.items": 1, "queue.get_many.items": 1, "map.put": 2, "map.get": 1,
+                                 "map.create": 1, "map.drop": 1}
+    assert counts.items["queue.put_many.items"] == 2 and counts.items["queue.get_many.items"] == 2
+    with pytest.raises(ValueError):
+        with_latency(MemoryQueue(), MemoryMap(), 5.0, 10.0)  # jitter above the mean
 
 
 def test_server_process_and_its_disappearance():
@@ -183,3 +230,25 @@ def test_modal_adapter_translates_calls_and_behaviours():
     m = ModalMap(mapping=d)
     assert m.put("k", 1, skip_if_exists=True) is True and m.put("k", 2, skip_if_exists=True) is False
     assert m.get("k") == 1 and "k" in m and m.keys() == ["k"] and m.pop("k") == 1 and m.pop("k", None) is None
+
+
+def test_modal_adapter_named_maps_and_timed_puts_offline():
+    import modal.exception
+
+    m = ModalMap("cellfeed-r1")
+    e0 = m.named("e0")  # opening: nothing contacted, and never created by us
+    assert e0.name == "cellfeed-r1-e0" and e0.create is False and e0._dict is None
+
+    class TimesOut(RecordingModalQueue):
+        def put_many(self, values, block=True, timeout=None, partition=None):
+            raise modal.exception.TimeoutError("Queue.put could not complete within the provided timeout")
+
+    with pytest.raises(Full):  # handled like a full partition: the producer's backpressure loop
+        ModalQueue(queue=TimesOut()).put_many([b"a"], block=True, timeout=1, partition="rank-0")
+
+    class Gone(RecordingModalDict):
+        def get(self, key, default=None):
+            raise modal.exception.NotFoundError("Dict not found")
+
+    with pytest.raises(MapGone):
+        ModalMap(mapping=Gone()).get("k")

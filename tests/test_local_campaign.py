@@ -167,7 +167,7 @@ def test_status_line_shows_queue_tasks_and_producer_states():
     from app.config import CampaignConfig
     from app.local import status_line
     from coordination.queues import MemoryMap, MemoryQueue
-    from coordination.routing import TASKS_PARTITION, producer_report_key, rank_partition
+    from coordination.routing import TASKS_PARTITION, producers_key, rank_partition
 
     class Proc:  # what the monitor reads of a producer process
         def __init__(self, code):
@@ -180,9 +180,8 @@ def test_status_line_shows_queue_tasks_and_producer_states():
     queue, store = MemoryQueue(), MemoryMap()
     queue.put_many([b"a", b"b", b"c"], partition=rank_partition(1))
     queue.put(b"t", partition=TASKS_PARTITION)
-    report = {"cells": 500, "units": 2, "busy_s": 0.25, "time": time.time()}
-    store.put(producer_report_key("s", "p0"), json.dumps(report))
-    store.put(producer_report_key("s", "p1"), json.dumps({**report, "units": 1}))
+    report = {"cells": 500, "units": 2, "busy_s": 0.25, "heard": time.time()}
+    store.put(producers_key("s"), json.dumps({"p0": report, "p1": {**report, "units": 1}}))
     line = status_line(cfg, queue, store, Path("/nonexistent"), time.monotonic(), 10, ["p0", "p1", "p2", "p3"],
                        [Proc(None), Proc(0), Proc(None), Proc(-9)], 7)
     assert "units 3/7 done, 1 queued" in line and "queue r0:0 r1:3 items" in line

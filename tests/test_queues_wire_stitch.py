@@ -12,7 +12,8 @@ import pytest
 
 from coordination.queues import MAX_ITEM_BYTES, Empty, Full, ItemTooLarge, MemoryMap, MemoryQueue
 from coordination.wire import Item, ItemError, pack_item, pack_items, unpack_item
-from producers.stitch import arrival_key, forget_epoch, offer_piece
+from coordination.queues import MapGone
+from producers.stitch import arrival_key, offer_piece
 from producers.tokenizers import Tokens
 
 # ----------------------------------------------------------------------------------- queue / map
@@ -147,6 +148,7 @@ def test_concurrent_stitching_emits_each_cell_exactly_once():
     rng = np.random.default_rng(7)
     store = MemoryMap()
     for trial in range(300):
+        epoch_map = store.named(f"e{trial}", create=True)  # the driver creates each epoch's map
         n_cells = 12
         cells = {}
         holders = []  # (unit, cell, index, count, genes, values)
@@ -165,7 +167,7 @@ def test_concurrent_stitching_emits_each_cell_exactly_once():
 
         def hold(h):
             time.sleep(random.random() * 0.002)
-            out = offer_piece(store, "run", trial, h[0], h[1], h[2], h[3], h[4], h[5])
+            out = offer_piece(epoch_map, trial, h[0], h[1], h[2], h[3], h[4], h[5])
             if out is not None:
                 with lock:
                     emitted.append((h[1], out))
@@ -181,13 +183,16 @@ def test_concurrent_stitching_emits_each_cell_exactly_once():
         # unless that unit ran twice (consumers drop the duplicate by key)
         for c in cells:
             count = len({h[2] for h in holders if h[1] == c})
-            last_owner = store.get(arrival_key("run", trial, c, count - 1))
+            last_owner = epoch_map.get(arrival_key(c, count - 1))
             runs_of_owner = sum(1 for h in holders if h[0] == last_owner)
             emits = sum(1 for e, _ in emitted if e == c)
             assert 1 <= emits <= runs_of_owner and (runs_of_owner > 1 or emits == 1), (c, count)
         for c, (genes, values) in emitted:
             np.testing.assert_array_equal(genes, cells[c][0])
             np.testing.assert_array_equal(values, cells[c][1])
-        counts = np.array([len({h[2] for h in holders if h[1] == c}) for c in range(n_cells)])
-        forget_epoch(store, "run", trial, np.arange(n_cells), counts)
-        assert len(store) == 0  # no key left behind
+        store.drop(f"e{trial}")  # the epoch is complete: its whole map goes in one call
+        with pytest.raises(MapGone):  # a late duplicate finds it gone instead of re-creating it
+            offer_piece(store.named(f"e{trial}"), trial, *holders[0])
+        with pytest.raises(MapGone):
+            epoch_map.get(arrival_key(0, 0))
+        assert f"e{trial}" not in store._registry

@@ -64,7 +64,8 @@ class ConsumerStream:
     def __init__(self, queue: Queue, *, rank: int, world_size: int, run: str, batch_size: int,
                  pad_to: int | None = None, buffer_cells: int = 4096, seed: int = 0,
                  no_data_timeout_s: float = 600.0, poll_s: float = 1.0, fetch_items: int = 32,
-                 consumed: set | None = None, trained_cells: dict | None = None, pin_memory: bool | None = None):
+                 consumed: set | None = None, trained_cells: dict | None = None, pin_memory: bool | None = None,
+                 check=None):
         if batch_size < 1 or buffer_cells < 1:
             raise CellfeedError("batch_size and buffer_cells must be >= 1")
         self.queue, self.rank, self.world_size = queue, rank, world_size
@@ -75,6 +76,7 @@ class ConsumerStream:
         self.consumed = set(consumed or ())  # keys fully trained on (from a checkpoint)
         self.trained_cells = {k: set(v) for k, v in (trained_cells or {}).items()}  # partially trained items
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.check = check  # called while waiting for data: raises if the campaign failed (e.g. the driver)
         self.stats = StreamStats()
         self._items: stdlib_queue.Queue = stdlib_queue.Queue(maxsize=max(4, buffer_cells // 16))
         self._future: list[Item] = []  # decoded items of later epochs
@@ -112,6 +114,8 @@ class ConsumerStream:
             if item.epoch == epoch:
                 return self._future.pop(i)
         while True:
+            if self.check is not None:
+                self.check()
             if self._error is not None:
                 if isinstance(self._error, ItemError):
                     raise CellfeedError(f"rank {self.rank}: refusing to train on a bad item: {self._error}")

@@ -110,14 +110,14 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             print(f"resumed from step {step} (epoch {epoch}, {sum(done_before):,} cells of it already trained)")
     elif cfg.resume and rank == 0:
         print(f"no checkpoint in {cfg.checkpoint_dir}: starting at step 0")
-    stream = ConsumerStream(queue, rank=rank, world_size=world, run=cfg.run, batch_size=cfg.batch_size,
-                            pad_to=cfg.pad_to, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
-                            no_data_timeout_s=cfg.no_data_timeout_s, consumed=progress.consumed,
-                            trained_cells=progress.partial)
     driver = None
     if rank == 0 and cfg.run_driver:
         driver = Driver(queue, store, cfg.run)
         driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if saved is not None else None)
+    stream = ConsumerStream(queue, rank=rank, world_size=world, run=cfg.run, batch_size=cfg.batch_size,
+                            pad_to=cfg.pad_to, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
+                            no_data_timeout_s=cfg.no_data_timeout_s, consumed=progress.consumed,
+                            trained_cells=progress.partial, check=driver.check if driver else None)
     cells_log = open(f"{cfg.cells_log}.rank{rank}.jsonl", "a") if cfg.cells_log else None
     tracker = Tracker(rank, cfg.log_path, total_steps, peak_flops(device), cfg.progress_bar)
     if rank == 0:

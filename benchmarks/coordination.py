@@ -1,0 +1,272 @@
+"""Coordination at Modal's latency and Tahoe's scale, simulated in one process.
+
+The real driver and the real producer loop (`Producer.run`: take, lease/heartbeat, done, stop)
+coordinate through the in-memory queue and map behind the latency wrapper (25 ± 10 ms a call, as
+Modal's Queue/Dict). Only the data work is simulated: a producer spends a unit's cells / rate
+seconds (its compute) and puts real-size items (128 cells, 2 KiB a cell); 8 consumer ranks pop
+them and count cells from item headers (no decompression). Plans are real: the block plan of a
+100M-cell, 62,710-gene geometry with Tahoe-like fragments; each simulated epoch is a window of
+its first units (a whole Tahoe epoch is ~100k units, ~25 minutes at 64k cells/s).
+
+Reports: delivered cells/s against the producers' total capacity (efficiency), coordination calls
+per 1,000 cells by kind (item puts/gets apart), driver pass time, time from a producer's death to
+its unit's re-issue, the gap between epochs, time to the first batch, and the setup and producer
+start-up seconds / peak RSS at 100M cells (each in a fresh process).
+
+    python benchmarks/coordination.py [--quick] [--producers 64] [--rate 1000] [--latency-ms 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from coordination.driver import Driver, PlanSummary, publish_summary  # noqa: E402
+from coordination.latency import with_latency  # noqa: E402
+from coordination.plan import DatasetGeometry, EpochPlan, Sampling  # noqa: E402
+from coordination.queues import Empty, MemoryMap, MemoryQueue  # noqa: E402
+from coordination.routing import TASKS_PARTITION, rank_partition, run_tag, unit_rank  # noqa: E402
+from coordination.wire import HEADER, MAGIC, VERSION  # noqa: E402
+from producers.producer import Producer, ProducerConfig, ProducerStats  # noqa: E402
+
+TAHOE_CELLS, TAHOE_GENES = 100_000_000, 62_710
+ROWS_PER_FRAGMENT = 1 << 22
+SAMPLING = Sampling("block", block_size=64, fetch_factor=16, batch_size=64)  # 1,024 cells a unit
+WORLD = 8
+CELLS_PER_ITEM, BYTES_PER_CELL = 128, 2048
+RUN = "sim"
+
+
+def tahoe_geometry(n_cells: int = TAHOE_CELLS, seed: int = 0) -> DatasetGeometry:
+    """Row offsets of a Tahoe-like atlas (non-zeros per cell lognormal, median ~1,500), from arrays."""
+    rng = np.random.default_rng(seed)
+    starts = np.empty(n_cells + 1, dtype=np.int64)
+    starts[0] = 0
+    step = 10_000_000
+    total = 0
+    for a in range(0, n_cells, step):  # in chunks: no 100M-element temporary of float64
+        counts = np.clip(rng.lognormal(np.log(1500), 0.5, size=min(step, n_cells - a)), 200, 8000).astype(np.int64)
+        np.cumsum(counts, out=starts[a + 1:a + 1 + len(counts)])
+        starts[a + 1:a + 1 + len(counts)] += total
+        total = int(starts[a + len(counts)])
+    fragments = np.append(np.arange(0, total, ROWS_PER_FRAGMENT, dtype=np.int64), total)
+    return DatasetGeometry(f"tahoe-like-{n_cells}-{seed}", starts, fragments)
+
+
+def fake_item(epoch: int, unit: int, seq: int, n_items: int, n_cells: int, payload: bytes) -> bytes:
+    """A header the consumer would accept and a payload of a real item's size (not decoded here)."""
+    body = payload[: n_cells * BYTES_PER_CELL]
+    return HEADER.pack(MAGIC, VERSION, 0, run_tag(RUN), epoch, unit, seq, n_items, n_cells, n_cells * 1025, 1, 1,
+                       len(body), 0) + body
+
+
+class SimulatedProducer(Producer):
+    """The real producer loop; the data work is a sleep at `rate` cells/s and real-size items."""
+
+    def __init__(self, queue, store, name: str, rate: float, plans: dict, payload: bytes, **config):
+        self.config = ProducerConfig(dataset="-", run=RUN, world_size=WORLD, sampling=SAMPLING, **config)
+        self.queue, self.store, self.name = queue, store, name
+        self.rate, self.plans, self.payload = rate, plans, payload
+        self.stats = ProducerStats()
+        self.died = threading.Event()
+        self._setup_loop()
+
+    def read(self, epoch, unit):
+        return None
+
+    def process(self, epoch, unit_id, rows=None):
+        cells = int(self.plans[epoch].unit_cell_counts[unit_id])
+        time.sleep(cells / self.rate)
+        if self.died.is_set():  # killed mid-unit: never finishes, never reports again
+            raise SystemExit
+        n_items = -(-cells // CELLS_PER_ITEM)
+        items = [fake_item(epoch, unit_id, s, n_items, min(CELLS_PER_ITEM, cells - s * CELLS_PER_ITEM), self.payload)
+                 for s in range(n_items)]
+        self._put(items, rank_partition(unit_rank(unit_id, WORLD)))
+        self.stats.cells += cells
+        self.stats.units += 1
+
+
+def window_summary(plan: EpochPlan, n_units: int) -> PlanSummary:
+    """The summary of the epoch's first `n_units` units (the simulated window)."""
+    counts = plan.unit_cell_counts[:n_units]
+    per_rank = np.bincount(np.arange(n_units) % WORLD, weights=counts, minlength=WORLD).astype(np.int64)
+    return PlanSummary(plan.epoch, plan.plan_id, n_units, int(counts.sum()), WORLD, per_rank.tolist())
+
+
+def consume(queue, rank: int, summaries: dict, log: dict, stop: threading.Event) -> None:
+    """Pop this rank's items, count cells per epoch from headers; record arrival times."""
+    got = defaultdict(int)
+    while not stop.is_set() and any(got[e] < s.cells_per_rank[rank] for e, s in summaries.items()):
+        try:
+            items = queue.get_many(64, block=True, timeout=1.0, partition=rank_partition(rank))
+        except Empty:
+            continue
+        now = time.monotonic()
+        for data in items:
+            fields = HEADER.unpack_from(data)
+            epoch, n_cells = fields[4], fields[8]
+            if got[epoch] == 0:
+                log["first"][epoch].append(now)
+            got[epoch] += n_cells
+            log["cells"].append((now, n_cells))
+            if got[epoch] >= summaries[epoch].cells_per_rank[rank]:
+                log["last"][epoch].append(now)
+
+
+def simulate(*, producers: int, rate: float, units: int, epochs: int, latency_ms: float, jitter_ms: float,
+             kill: bool, max_seconds: float, plans: dict) -> dict:
+    queue, store = MemoryQueue(), MemoryMap()
+    kind = lambda p: ".tasks" if p == TASKS_PARTITION else ".items" if (p or "").startswith("rank-") else ""  # noqa: E731
+    queue, store, counts = with_latency(queue, store, latency_ms, jitter_ms, partition_kind=kind)
+    summaries = {e: window_summary(plans[e], units) for e in range(epochs)}
+    for s in summaries.values():
+        publish_summary(store, RUN, s)
+    payload = os.urandom(CELLS_PER_ITEM * BYTES_PER_CELL)
+    setup_calls = sum(counts.snapshot().values())
+    log = {"first": defaultdict(list), "last": defaultdict(list), "cells": []}
+    stop = threading.Event()
+    started = time.monotonic()
+    driver = Driver(queue, store, RUN)
+    driver.start(list(range(epochs)))
+    sims = [SimulatedProducer(queue, store, f"p{i}", rate, plans, payload, idle_timeout_s=3600)
+            for i in range(producers)]
+    threads = [threading.Thread(target=p.run, daemon=True) for p in sims]
+    consumers = [threading.Thread(target=consume, args=(queue, r, summaries, log, stop), daemon=True)
+                 for r in range(WORLD)]
+    for t in threads + consumers:
+        t.start()
+    killed_at = None
+    if kill:  # a producer dies mid-unit once the campaign is running
+        time.sleep(min(5.0, max_seconds / 4))
+        killed_at = time.monotonic()
+        sims[0].died.set()
+    for t in consumers:
+        t.join(timeout=max(0.0, max_seconds - (time.monotonic() - started)))
+    elapsed = time.monotonic() - started
+    stop.set()
+    driver.stop()
+    from coordination.routing import stop_key
+
+    store.inner.put(stop_key(RUN), "stop")
+    cells = sum(n for _, n in log["cells"])
+    expected = sum(s.n_cells for s in summaries.values())
+    t0 = min(t for t, _ in log["cells"]) if log["cells"] else started
+    t1 = max(t for t, _ in log["cells"]) if log["cells"] else started
+    # the producers' capacity over the delivery window, counting the killed one only while alive
+    capacity = rate * (producers - (max(0.0, t1 - killed_at) / max(t1 - started, 1e-9) if killed_at else 0.0))
+    calls = counts.snapshot()
+    coordination = {k: v for k, v in calls.items() if not k.endswith(".items")}
+    gaps = [min(log["first"][e + 1]) - max(log["last"][e]) for e in range(epochs - 1)
+            if log["first"].get(e + 1) and len(log["last"].get(e, [])) == WORLD]
+    return {
+        "finished": cells >= expected, "cells": cells, "expected_cells": expected, "seconds": round(elapsed, 1),
+        "delivered_cells_per_s": round(cells / max(t1 - started, 1e-9)),  # from the campaign's start
+        "efficiency": round(cells / max(t1 - started, 1e-9) / capacity, 3),
+        "first_batch_s": round(t0 - started, 2),
+        "calls_per_1k_cells": round((sum(coordination.values()) - setup_calls) / max(cells, 1) * 1000, 2),
+        "calls_by_kind_per_1k": {k: round(v / max(cells, 1) * 1000, 3) for k, v in sorted(calls.items())},
+        "epoch_gap_s": round(max(0.0, max(gaps)), 2) if gaps else None,  # < 0: the epochs overlapped
+        "epoch_overlap_s": round(-max(gaps), 2) if gaps and max(gaps) < 0 else 0.0,
+        "driver_pass_s": driver.stats.pass_seconds() if hasattr(driver.stats, "pass_seconds") else None,
+        "reissue_s": (round(driver.stats.first_reissue_at - killed_at, 1)
+                      if killed_at and getattr(driver.stats, "first_reissue_at", None) else None),
+        "reissued": driver.stats.reissued,
+    }
+
+
+def startup_probe(what: str, n_cells: int) -> dict:
+    """Seconds and peak RSS of one start-up step at `n_cells`, in a fresh process."""
+    code = f"""
+import json, resource, sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+t = time.perf_counter()
+from benchmarks.coordination import SAMPLING, WORLD, tahoe_geometry
+from coordination.driver import PlanSummary
+from coordination.plan import EpochPlan
+geometry = tahoe_geometry({n_cells})
+t_index = time.perf_counter() - t
+plan = EpochPlan(geometry, SAMPLING, seed=0, epoch=0)
+if {what!r} == "setup":
+    summary = PlanSummary.of(plan, WORLD)
+    assert sum(summary.cells_per_rank) == {n_cells}
+else:
+    unit = plan.unit(plan.n_units // 2)
+    assert len(unit.cells) > 0
+print(json.dumps({{"seconds": time.perf_counter() - t, "index_s": t_index, "n_units": plan.n_units,
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller run at the same latency (under a minute)")
+    parser.add_argument("--producers", type=int, default=64, help="simulated producers (default: 64)")
+    parser.add_argument("--rate", type=float, default=1000.0, help="cells/s of one producer (default: 1000)")
+    parser.add_argument("--units", type=int, default=2000, help="units per simulated epoch window (default: 2000)")
+    parser.add_argument("--epochs", type=int, default=2, help="simulated epochs (default: 2)")
+    parser.add_argument("--latency-ms", type=float, default=25.0, help="per-call latency (default: 25)")
+    parser.add_argument("--jitter-ms", type=float, default=10.0, help="per-call jitter (default: 10)")
+    parser.add_argument("--max-seconds", type=float, default=600.0, help="stop the simulation after this long")
+    parser.add_argument("--startup-cells", type=int, default=TAHOE_CELLS,
+                        help="cells of the geometry for the setup/start-up probes (default: 100M)")
+    args = parser.parse_args()
+    if args.quick:
+        args.producers, args.units, args.max_seconds = min(args.producers, 32), min(args.units, 400), 50.0
+        args.startup_cells = min(args.startup_cells, 10_000_000)
+    t = time.perf_counter()
+    geometry = tahoe_geometry(max(2_000_000, 2 * args.units * 1024))  # room for the simulated windows' units
+    plans = {e: EpochPlan(geometry, replace(SAMPLING), seed=0, epoch=e) for e in range(args.epochs)}
+    print(f"plans for the simulated windows built in {time.perf_counter() - t:.1f}s")
+    sim = simulate(producers=args.producers, rate=args.rate, units=args.units, epochs=args.epochs,
+                   latency_ms=args.latency_ms, jitter_ms=args.jitter_ms, kill=True, max_seconds=args.max_seconds,
+                   plans=plans)
+    setup = startup_probe("setup", args.startup_cells)
+    start = startup_probe("producer", args.startup_cells)
+    rows = [
+        ("producers x rate", f"{args.producers} x {args.rate:,.0f} cells/s = {args.producers * args.rate:,.0f}"),
+        ("latency per call", f"{args.latency_ms:.0f} ± {args.jitter_ms:.0f} ms"),
+        ("window", f"{args.units:,} units x {args.epochs} epochs, {sim['expected_cells']:,} cells"),
+        ("finished", f"{sim['finished']} ({sim['cells']:,} cells in {sim['seconds']}s)"),
+        ("delivered cells/s", f"{sim['delivered_cells_per_s']:,}"),
+        ("efficiency", f"{sim['efficiency']:.3f}"),
+        ("coordination calls / 1k cells", f"{sim['calls_per_1k_cells']}"),
+        ("time to first item", f"{sim['first_batch_s']} s"),
+        ("epoch gap", f"{sim['epoch_gap_s']} s" + (f" (the next epoch's first items came {sim['epoch_overlap_s']} s "
+                                                   "before this one's last)" if sim["epoch_overlap_s"] else "")),
+        ("driver pass", f"{sim['driver_pass_s']} s"),
+        ("re-issue after a death", f"{sim['reissue_s']} s ({sim['reissued']} re-issued)"),
+        (f"setup at {args.startup_cells / 1e6:.0f}M cells", f"{setup['seconds']:.1f} s, {setup['rss_mb']:,.0f} MB RSS"),
+        (f"producer start at {args.startup_cells / 1e6:.0f}M", f"{start['seconds']:.1f} s, {start['rss_mb']:,.0f} MB RSS"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print("calls per 1,000 cells by kind:")
+    for k, v in sim["calls_by_kind_per_1k"].items():
+        print(f"  {k:<24} {v}")
+    print(json.dumps({**sim, "producer_start_s_100m": round(start["seconds"], 2),
+                      "producer_start_rss_mb_100m": round(start["rss_mb"]), "setup_s_100m": round(setup["seconds"], 2),
+                      "setup_rss_mb_100m": round(setup["rss_mb"]), "startup_cells": args.startup_cells,
+                      "latency_ms": args.latency_ms, "jitter_ms": args.jitter_ms, "producers": args.producers,
+                      "rate": args.rate}))
+
+
+if __name__ == "__main__":
+    main()
