@@ -19,6 +19,7 @@ import os
 from typing import Literal
 
 import modal
+import modal.exception
 
 APP_NAME = "cellfeed"
 SECRET_NAME = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")
@@ -26,7 +27,10 @@ VOLUME_NAME = "cellfeed-checkpoints"
 CHECKPOINTS = "/checkpoints"
 PACKAGES = ("producers", "coordination", "trainer", "app")
 PRODUCER_CPU, PRODUCER_MEMORY_MB = 4.0, 16_384
+# 8 ranks pop, verify and decompress items and collate batches on the CPU (Modal's default is 0.125 core)
+TRAINER_CPU, TRAINER_MEMORY_MB = 32.0, 131_072
 DAY = 24 * 3600
+STOP_GRACE_S = 60.0  # after training: how long all producers together get to stop before being cancelled
 
 PRODUCER_PIP = ("pylance>=0.30", "pyarrow>=16", "polars>=1.0", "numpy>=1.26", "zstandard>=0.22", "boto3>=1.34",
                 "anndata>=0.10", "h5py>=3.9", "scipy>=1.11", "tqdm>=4.66", "pandas>=2")
@@ -74,26 +78,33 @@ def produce_body(config: dict, name: str, queue=None, store=None) -> dict:
 
 def train_body(config: dict, facts: dict, *, backend: dict | None = None, spawn_producers=None,
                checkpoint_dir: str = CHECKPOINTS) -> dict:
-    """Rank launcher inside the GPU container: spawn the producers, start one process per GPU
-    (rank 0 also drives the epochs), wait, then stop the producers and delete the run's queue and
-    dict. `backend`/`spawn_producers` are injectable so the body runs here against the local backend."""
+    """Rank launcher inside the GPU container: start (or find) the producer fleet, one process per
+    GPU (rank 0 also drives the epochs), wait, then stop the producers — one deadline for all, then
+    cancel stragglers — and delete the run's queue and dicts.
+
+    Safe to re-run: Modal re-runs a preempted `train` on the same input, so a run with a checkpoint
+    resumes from it, and the fleet of the first attempt is found in the map and reused, never
+    doubled. `backend`/`spawn_producers` are injectable so the body runs here against the local
+    backend (`spawn_producers()` starts them and returns `stop(deadline_s)`)."""
     import json
     from pathlib import Path
 
     from coordination.backends import connect
     from coordination.routing import stop_key
+    from trainer import checkpoint
     from trainer.launch import launch, wait_all
 
     cfg = _campaign(config)
     cfg.checkpoint_dir = checkpoint_dir
+    latest = checkpoint.latest(f"{checkpoint_dir.rstrip('/')}/{cfg.run}")
+    if latest is not None and not cfg.resume:  # a re-run of this input (preemption): carry on
+        print(f"run {cfg.run} has a checkpoint at step {latest.step}: resuming from it")
+        cfg.resume = True
     backend = backend or {"kind": "modal", "run": cfg.run}
     workdir = Path("/tmp/cellfeed") / cfg.run
     train_cfg = cfg.train_config(backend, facts, log_path=str(workdir / "steps.jsonl"))
-    if spawn_producers is None:
-        spawned = [produce.spawn(config, f"producer-{i}") for i in range(cfg.producers)]
-        wait_producers = lambda: [_quietly(lambda c=c: c.get(timeout=120)) for c in spawned]  # noqa: E731
-    else:
-        wait_producers = spawn_producers()
+    _, store = connect(backend)
+    stop_producers = spawn_producers() if spawn_producers is not None else _fleet(cfg, config, store)
     try:
         codes = wait_all(launch(train_cfg, cfg.gpus, workdir, summary_path=str(workdir / "summary")), timeout=DAY)
         if codes != [0] * cfg.gpus:
@@ -102,20 +113,53 @@ def train_body(config: dict, facts: dict, *, backend: dict | None = None, spawn_
             checkpoints.commit()
         return json.loads((workdir / "summary.rank0").read_text())
     finally:
-        _, store = connect(backend)
         store.put(stop_key(cfg.run), "stop")
-        wait_producers()
+        stop_producers(STOP_GRACE_S)
         if backend["kind"] == "modal":
             from coordination.modal_backend import delete_run_backends
 
-            delete_run_backends(cfg.run)
+            delete_run_backends(cfg.run, facts["epochs"])
 
 
-def _quietly(fn) -> None:
+def _fleet(cfg, config: dict, store):
+    """The run's producer calls: those of an earlier attempt of this input while any still runs
+    (their ids are in the map), else a new fleet. Returns `stop(deadline_s)`."""
+    import json
+
+    from coordination.routing import fleet_key
+
+    calls = []
+    if not store.put(fleet_key(cfg.run), "[]", skip_if_exists=True):  # an earlier attempt spawned one
+        earlier = [modal.FunctionCall.from_id(i) for i in json.loads(store.get(fleet_key(cfg.run)) or "[]")]
+        calls = [c for c in earlier if _running(c)]
+        if calls:
+            print(f"reusing the {len(calls)} producers still running from an earlier attempt of this run")
+    if not calls:
+        calls = [produce.spawn(config, f"producer-{i}") for i in range(cfg.producers)]
+        store.put(fleet_key(cfg.run), json.dumps([c.object_id for c in calls]))
+
+    def stop(deadline_s: float) -> None:
+        import time
+
+        deadline = time.monotonic() + deadline_s
+        for call in calls:
+            try:
+                call.get(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - still running past the deadline, or failed: cancel it
+                call.cancel()
+
+    return stop
+
+
+def _running(call) -> bool:
+    """Whether a producer call is still running (it has no result yet)."""
     try:
-        fn()
-    except Exception:  # noqa: BLE001 - a failed producer was retried by Modal; its work was re-issued
-        pass
+        call.get(timeout=0)
+    except modal.exception.TimeoutError:
+        return True
+    except Exception:  # noqa: BLE001 - it failed: not running
+        return False
+    return False
 
 
 @app.function(image=producer_image, secrets=[secret], cpu=2.0, memory=8192, timeout=3600)
@@ -129,7 +173,8 @@ def produce(config: dict, name: str) -> dict:
     return produce_body(config, name)
 
 
-@app.function(image=trainer_image, gpu="H100:8", volumes={CHECKPOINTS: checkpoints}, timeout=DAY)
+@app.function(image=trainer_image, gpu="H100:8", volumes={CHECKPOINTS: checkpoints}, timeout=DAY,
+              cpu=TRAINER_CPU, memory=TRAINER_MEMORY_MB)
 def train(config: dict, facts: dict) -> dict:
     return train_body(config, facts)
 

@@ -170,14 +170,13 @@ class EpochPlan:
         self.sampling = sampling.validate()
         self.seed, self.epoch = int(seed), int(epoch)
         n = geometry.n_cells
-        if subset is None:
-            self.selected = np.arange(n, dtype=np.int64)
-        else:
+        self.subset = None  # None: every cell (no 8-bytes-a-cell id array at Tahoe scale)
+        if subset is not None:
             sel = np.unique(np.asarray(subset, dtype=np.int64))
             if len(sel) and (sel[0] < 0 or sel[-1] >= n):
                 raise CellfeedError(f"subset holds cell ids outside 0..{n - 1}")
-            self.selected = sel
-        if len(self.selected) == 0:
+            self.subset = sel
+        if self.n_cells == 0:
             raise CellfeedError("the cell subset selects no cells; check the filter or id list")
         if sampling.strategy in ("block", "random"):
             self._plan_blocks()
@@ -191,7 +190,7 @@ class EpochPlan:
         """Identifies (dataset, sampling, seed, epoch, subset): items carry it to reject foreign data."""
         h = hashlib.blake2b(digest_size=8)
         h.update(json.dumps([self.geometry.fingerprint, asdict(self.sampling), self.seed, self.epoch]).encode())
-        h.update(self.selected.tobytes())
+        h.update(b"all" if self.subset is None else self.subset.tobytes())
         return h.hexdigest()
 
     def _units_of(self, n: int, per_unit: int) -> int:
@@ -202,7 +201,7 @@ class EpochPlan:
 
     def _plan_blocks(self) -> None:
         s = self.sampling
-        n_sel = len(self.selected)
+        n_sel = self.n_cells
         # blocks too shrink on a dataset with fewer than min_units blocks' worth of cells
         self.block_size = bs = self._units_of(n_sel, s.effective_block_size)
         self.n_blocks = -(-n_sel // bs)
@@ -222,7 +221,7 @@ class EpochPlan:
         bs = self.block_size
         blocks = np.sort(self.block_order[u * self.blocks_per_unit:(u + 1) * self.blocks_per_unit])
         idx = (blocks[:, None] * bs + np.arange(bs)[None, :]).ravel()
-        cells = self.selected[idx[idx < len(self.selected)]]
+        cells = self.cells_at(idx[idx < self.n_cells])
         starts = self.geometry.cell_row_start
         empty = np.zeros(0, dtype=np.int64)
         return WorkUnit(self.epoch, u, _merge_ranges(starts[cells], starts[cells + 1]), cells, empty, empty, empty,
@@ -233,7 +232,7 @@ class EpochPlan:
     def _plan_scanners(self) -> None:
         starts = self.geometry.cell_row_start
         frag = self.geometry.fragment_row_start
-        sel = self.selected
+        sel = self.selected  # scanner plans hold per-cell arrays anyway
         n_frags = max(1, len(frag) - 1)
         n_rows = int(starts[-1])
         # fragment of each selected cell's first and last row (a cell with no rows lives where it starts)
@@ -297,7 +296,7 @@ class EpochPlan:
     def _scanner_unit(self, u: int) -> WorkUnit:
         starts, frag = self.geometry.cell_row_start, self.geometry.fragment_row_start
         idx = np.concatenate([np.arange(lo, hi) for _, lo, hi in self._unit_chunks[u]])
-        cells = self.selected[self._member_cell_idx[idx]]
+        cells = self.cells_at(self._member_cell_idx[idx])
         f = self._member_frag[idx]
         lo = np.maximum(starts[cells], frag[f])
         hi = np.minimum(starts[cells + 1], frag[f + 1])
@@ -320,7 +319,16 @@ class EpochPlan:
 
     @property
     def n_cells(self) -> int:
-        return len(self.selected)
+        return self.geometry.n_cells if self.subset is None else len(self.subset)
+
+    @property
+    def selected(self) -> np.ndarray:
+        """The selected cell ids, sorted (built on demand when the plan covers every cell)."""
+        return np.arange(self.geometry.n_cells, dtype=np.int64) if self.subset is None else self.subset
+
+    def cells_at(self, positions: np.ndarray) -> np.ndarray:
+        """Cell ids at positions of the selection."""
+        return positions.astype(np.int64) if self.subset is None else self.subset[positions]
 
     def cells_per_rank(self, world_size: int) -> np.ndarray:
         """Cells each rank receives: unit u's cells go to u mod W, a stitched cell c to c mod W."""

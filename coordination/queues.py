@@ -77,6 +77,23 @@ class Map(Protocol):
     def drop(self, name: str) -> None: ...
 
 
+MAX_REQUEST_ITEMS = 32  # items in one put_many request
+MAX_REQUEST_BYTES = 8 << 20  # bytes in one put_many request (Modal's request limit is undocumented; stay small)
+
+
+def request_batches(items: list[bytes], max_items: int = MAX_REQUEST_ITEMS, max_bytes: int = MAX_REQUEST_BYTES):
+    """Consecutive slices of `items` of at most `max_items` and `max_bytes` each (an item alone may
+    be larger): what one put_many request carries."""
+    start = 0
+    while start < len(items):
+        end, size = start, 0
+        while end < len(items) and end - start < max_items and (end == start or size + len(items[end]) <= max_bytes):
+            size += len(items[end])
+            end += 1
+        yield items[start:end]
+        start = end
+
+
 def validate_partition(partition: str | None) -> str:
     if partition is None:
         return ""

@@ -70,6 +70,11 @@ def stop_key(run: str) -> str:
     return f"{run}/stop"
 
 
+def fleet_key(run: str) -> str:
+    """The ids of the run's producer function calls (a re-run of `train` reuses them)."""
+    return f"{run}/fleet"
+
+
 def producers_key(run: str) -> str:
     """Every producer's running totals and when it was last heard (the driver publishes them)."""
     return f"{run}/producers"

@@ -26,7 +26,7 @@ import numpy as np
 from coordination.arrays import offsets_of, positions_in_ranges, ragged_arange
 from coordination.errors import CellfeedError
 from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit, derive_key
-from coordination.queues import Empty, Full, Map, MapGone, Queue
+from coordination.queues import Empty, Full, Map, MapGone, Queue, request_batches
 from coordination.routing import (EVAL_PARTITION, EVENTS_PARTITION, TASKS_PARTITION, cell_rank, decode_task,
                                   encode_event, epoch_map_name, rank_partition, run_tag, stop_key, unit_rank)
 from coordination.wire import pack_items
@@ -38,8 +38,6 @@ from producers.tokenizers import make_tokenizer, needs_gene_medians
 
 STOP_POLL_S = 1.0  # how often a waiting producer looks at its stop flag
 HEARTBEAT_S = 3.0  # how often a producer says what it holds (the driver re-issues after LEASE_S of silence)
-PUT_BATCH_ITEMS = 32  # items per put_many call, and at most PUT_BATCH_BYTES in one request
-PUT_BATCH_BYTES = 8 << 20
 OUTBOX_JOBS = 16  # jobs (a unit's items, a done event) the courier may be behind the loop
 
 
@@ -195,16 +193,8 @@ class Producer:
         self.stats.bytes += sum(len(b) for b in items)
 
     def _put_now(self, items: list[bytes], partition: str) -> None:
-        """Put in requests of at most PUT_BATCH_ITEMS items and PUT_BATCH_BYTES."""
-        start = 0
-        while start < len(items):
-            end, size = start, 0
-            while end < len(items) and end - start < PUT_BATCH_ITEMS and (
-                    end == start or size + len(items[end]) <= PUT_BATCH_BYTES):
-                size += len(items[end])
-                end += 1
-            self._send(items[start:end], partition)
-            start = end
+        for batch in request_batches(items):
+            self._send(batch, partition)
 
     def _send(self, batch: list[bytes], partition: str) -> None:
         """One put: a full partition blocks (backpressure) in short waits, so a stop is noticed

@@ -60,6 +60,7 @@ def test_modal_functions_declare_their_resources():
     import app.modal_app as m
 
     assert m.train._spec_.gpus == "H100:8" and "/checkpoints" in m.train._spec_.volumes
+    assert m.train._spec_.cpu == 32.0 and m.train._spec_.memory == 131_072  # 8 ranks decompress on the CPU
     assert m.produce._spec_.gpus is None and m.produce._spec_.cpu == 4.0 and m.produce._spec_.memory == 16384
     assert [s for s in m.produce._spec_.secrets] and [s for s in m.setup._spec_.secrets]
     assert not any(p.startswith(("pylance", "polars")) for p in m.TRAINER_PIP)
@@ -127,12 +128,17 @@ def test_modal_train_body_runs_ranks_against_the_local_backend(small_synth, tmp_
                        for i in range(cfg.producers)]
             for t in threads:
                 t.start()
-            return lambda: [t.join(timeout=60) for t in threads]
+            return lambda deadline_s: [t.join(timeout=deadline_s) for t in threads]
 
         summary = m.train_body(config, facts, backend=backend, spawn_producers=spawn_producers,
                                checkpoint_dir=str(tmp_path / "ckpt"))
+        # Modal re-runs a preempted train on the same input: it resumes from the checkpoint (here the
+        # last step, so nothing is left to train) instead of starting over at step 0
+        again = m.train_body(config, facts, backend=backend, spawn_producers=lambda: (lambda deadline_s: None),
+                             checkpoint_dir=str(tmp_path / "ckpt"))
     finally:
         server.close()
+    assert again["steps"] == 0
     assert summary["steps"] == 6 and math.isfinite(summary["final_loss"])
     assert [e["step"] for e in summary["eval"]] == [0, 3, 6]
     assert (tmp_path / "ckpt" / "modal-body" / "latest").read_text().strip() == "step-00000006"

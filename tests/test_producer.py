@@ -298,3 +298,25 @@ def test_gene_medians_and_geneformer_producer(tmp_path, capsys):
             ranked = [genes[j] + 4 for j in sorted(range(len(genes)), key=lambda j: (-norm[j], genes[j]))[:10]]
             want = ranked if version == "geneformer-v1" else [1] + ranked + [2]
             np.testing.assert_array_equal(it.tokens[it.offsets[0]:it.offsets[1]], want)
+
+def test_a_stop_is_noticed_within_seconds_while_blocked_on_a_full_partition(small_synth):
+    import time
+
+    from coordination.routing import stop_key
+
+    queue, store = MemoryQueue(max_items=100), MemoryMap()  # the trainer consumes nothing: backpressure
+    config = ProducerConfig(dataset=small_synth.uri, run="stop", world_size=1, max_genes=8, cells_per_item=1,
+                            sampling=Sampling("sequential", unit_cells=300), heartbeat_s=0.5, idle_timeout_s=60)
+    producer = Producer(config, queue, store, dataset=small_synth)
+    enqueue_epoch(queue, producer, 0)
+    thread = threading.Thread(target=producer.run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while queue.len(partition=rank_partition(0)) < 100 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # blocked on the full partition by now
+    assert thread.is_alive()
+    store.put(stop_key("stop"), "stop")
+    stopped = time.monotonic()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and time.monotonic() - stopped < 5.0

@@ -206,16 +206,20 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
 
 def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
     """The fixed evaluation batches: every held-out item, popped once (bounded wait)."""
+    from coordination.queues import request_batches
     from coordination.routing import EVAL_PARTITION
     from trainer.stream import collate_items
 
-    items = []
+    raw, items = [], []
     deadline = time.monotonic() + cfg.no_data_timeout_s
     while sum(i.n_cells for i in items) < cfg.eval_cells:
         if time.monotonic() > deadline:
             raise CellfeedError(f"held-out set incomplete after {cfg.no_data_timeout_s:.0f}s: did the setup produce it?")
-        items += [unpack_item(b, run_tag=run_tag(cfg.run)) for b in
-                  queue.get_many(64, timeout=cfg.no_data_timeout_s, partition=EVAL_PARTITION)]
+        got = queue.get_many(64, timeout=cfg.no_data_timeout_s, partition=EVAL_PARTITION)
+        raw += got
+        items += [unpack_item(b, run_tag=run_tag(cfg.run)) for b in got]
+    for batch in request_batches(raw):  # put back: a re-run of this trainer (preemption) reads them too
+        queue.put_many(batch, partition=EVAL_PARTITION)
     return [b.to(device) for b in collate_items(items, cfg.batch_size, cfg.pad_to)]
 
 
