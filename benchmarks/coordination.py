@@ -187,18 +187,20 @@ def simulate(*, producers: int, rate: float, units: int, epochs: int, latency_ms
     }
 
 
-def startup_probe(what: str, n_cells: int) -> dict:
-    """Seconds and peak RSS of one start-up step at `n_cells`, in a fresh process."""
+def startup_probe(what: str, n_cells: int, strategy: str = "block") -> dict:
+    """Seconds and peak RSS of one start-up step at `n_cells` (the row index, then the epoch's
+    plan: its summary for "setup", one unit for "producer"), in a fresh process."""
     code = f"""
 import json, resource, sys, time
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 t = time.perf_counter()
+from dataclasses import replace
 from benchmarks.coordination import SAMPLING, WORLD, tahoe_geometry
 from coordination.driver import PlanSummary
 from coordination.plan import EpochPlan
 geometry = tahoe_geometry({n_cells})
 t_index = time.perf_counter() - t
-plan = EpochPlan(geometry, SAMPLING, seed=0, epoch=0)
+plan = EpochPlan(geometry, replace(SAMPLING, strategy={strategy!r}, unit_cells=1024), seed=0, epoch=0)
 if {what!r} == "setup":
     summary = PlanSummary.of(plan, WORLD)
     assert sum(summary.cells_per_rank) == {n_cells}
@@ -237,7 +239,9 @@ def main() -> None:
                    latency_ms=args.latency_ms, jitter_ms=args.jitter_ms, kill=True, max_seconds=args.max_seconds,
                    plans=plans)
     setup = startup_probe("setup", args.startup_cells)
-    start = startup_probe("producer", args.startup_cells)
+    starts = {s: startup_probe("producer", args.startup_cells, s) for s in ("block", "sequential", "mixture")}
+    start = {"seconds": max(r["seconds"] for r in starts.values()),  # the worst strategy, in each figure
+             "rss_mb": max(r["rss_mb"] for r in starts.values())}
     rows = [
         ("producers x rate", f"{args.producers} x {args.rate:,.0f} cells/s = {args.producers * args.rate:,.0f}"),
         ("latency per call", f"{args.latency_ms:.0f} ± {args.jitter_ms:.0f} ms"),
@@ -252,8 +256,8 @@ def main() -> None:
         ("driver pass", f"{sim['driver_pass_s']} s"),
         ("re-issue after a death", f"{sim['reissue_s']} s ({sim['reissued']} re-issued)"),
         (f"setup at {args.startup_cells / 1e6:.0f}M cells", f"{setup['seconds']:.1f} s, {setup['rss_mb']:,.0f} MB RSS"),
-        (f"producer start at {args.startup_cells / 1e6:.0f}M", f"{start['seconds']:.1f} s, {start['rss_mb']:,.0f} MB RSS"),
-    ]
+    ] + [(f"producer start at {args.startup_cells / 1e6:.0f}M, {s}", f"{r['seconds']:.1f} s, {r['rss_mb']:,.0f} MB RSS, "
+          f"{r['n_units']:,} units") for s, r in starts.items()]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -262,6 +266,8 @@ def main() -> None:
         print(f"  {k:<24} {v}")
     print(json.dumps({**sim, "producer_start_s_100m": round(start["seconds"], 2),
                       "producer_start_rss_mb_100m": round(start["rss_mb"]), "setup_s_100m": round(setup["seconds"], 2),
+                      "producer_start_100m_by_strategy": {s: {"seconds": round(r["seconds"], 2), "rss_mb": round(r["rss_mb"])}
+                                                          for s, r in starts.items()},
                       "setup_rss_mb_100m": round(setup["rss_mb"]), "startup_cells": args.startup_cells,
                       "latency_ms": args.latency_ms, "jitter_ms": args.jitter_ms, "producers": args.producers,
                       "rate": args.rate}))

@@ -230,52 +230,80 @@ class EpochPlan:
     # ---- sequential / mixture
 
     def _plan_scanners(self) -> None:
-        starts = self.geometry.cell_row_start
-        frag = self.geometry.fragment_row_start
-        sel = self.selected  # scanner plans hold per-cell arrays anyway
+        """Chunks of `unit_cells` consecutive selected cells within a fragment. A fragment's
+        cells are a contiguous range of the selection, and cells cut by a fragment edge lie only
+        at the edges, so the plan holds per-fragment, per-chunk and per-straddler arrays, never
+        one per cell (a 100M-cell atlas plans in its row index alone)."""
+        starts, frag = self.geometry.cell_row_start, self.geometry.fragment_row_start
         n_frags = max(1, len(frag) - 1)
-        n_rows = int(starts[-1])
-        # fragment of each selected cell's first and last row (a cell with no rows lives where it starts)
-        first = np.clip(np.searchsorted(frag, starts[sel], side="right") - 1, 0, n_frags - 1)
-        last_row = np.maximum(starts[sel + 1] - 1, starts[sel])
-        last = np.clip(np.searchsorted(frag, np.minimum(last_row, max(n_rows - 1, 0)), side="right") - 1,
-                       0, n_frags - 1)
-        span = last - first + 1
-        # one membership row per (cell, fragment it touches): cells in storage order within each fragment
-        member_cell_idx = np.repeat(np.arange(len(sel)), span)
-        member_frag = np.repeat(first, span) + (np.arange(span.sum()) - np.repeat(np.cumsum(span) - span, span))
-        order = np.lexsort((member_cell_idx, member_frag))
-        self._member_cell_idx, self._member_frag = member_cell_idx[order], member_frag[order]
-        self._member_piece = (self._member_frag - first[self._member_cell_idx])
-        self._member_span = span[self._member_cell_idx]
-        # chunks: runs of unit_cells members within a fragment (a mixture unit holds several chunks)
+        sel_starts, sel_ends = self._selected_rows()
+        n_sel = self.n_cells
+        # the selection positions of each fragment's cells: [lo, hi); an empty cell lives where it starts
+        lo = np.minimum(np.searchsorted(sel_ends, frag[:n_frags], side="right"),
+                        np.searchsorted(sel_starts, frag[:n_frags], side="left"))
+        hi = np.append(np.searchsorted(sel_starts, frag[1:n_frags], side="left"), n_sel)
+        lo[0] = 0
+        # straddlers: selected cells cut by an inner fragment edge, each once
+        edges = frag[1:n_frags]
+        inside = np.searchsorted(starts, edges, side="right") - 1  # the cell holding each edge's row
+        cut = (starts[inside] < edges) & (starts[inside + 1] > edges)
+        straddlers = np.unique(inside[cut])
+        if self.subset is not None:
+            straddlers = straddlers[np.isin(straddlers, self.subset)]
+        first = np.searchsorted(frag, starts[straddlers], side="right") - 1
+        last = np.searchsorted(frag, starts[straddlers + 1] - 1, side="right") - 1
+        # chunks: runs of unit_cells positions within a fragment (a mixture unit holds several)
         group = min(self.sampling.n_scanners, n_frags) if self.sampling.strategy == "mixture" else 1
-        k = max(1, self._units_of(len(sel), self.sampling.unit_cells * group) // group)
-        frag_start = np.searchsorted(self._member_frag, np.arange(n_frags), side="left")
-        frag_stop = np.searchsorted(self._member_frag, np.arange(n_frags), side="right")
-        chunks = [(f, lo, min(lo + k, frag_stop[f])) for f in range(n_frags)
-                  for lo in range(frag_start[f], frag_stop[f], k)]
+        k = max(1, self._units_of(n_sel, self.sampling.unit_cells * group) // group)
+        chunks = [(f, a, min(a + k, int(hi[f]))) for f in range(n_frags) for a in range(int(lo[f]), int(hi[f]), k)]
         if self.sampling.strategy == "sequential":
             self._unit_chunks = [[c] for c in chunks]
         else:
             self._unit_chunks = self._mixture_rounds(chunks, n_frags)
         self.n_units = len(self._unit_chunks)
-        # a cell whose pieces all landed in one unit (neighbouring fragments in one mixture round)
-        # is whole for that unit: no stitching
-        member_unit = np.empty(len(self._member_cell_idx), dtype=np.int64)
-        for u, group in enumerate(self._unit_chunks):
-            for _, lo, hi in group:
-                member_unit[lo:hi] = u
-        by_cell = np.argsort(self._member_cell_idx, kind="stable")
-        firsts = np.flatnonzero(np.r_[True, np.diff(self._member_cell_idx[by_cell]) != 0])
-        lo_unit = np.minimum.reduceat(member_unit[by_cell], firsts)
-        hi_unit = np.maximum.reduceat(member_unit[by_cell], firsts)
-        one_unit = lo_unit == hi_unit  # per selected cell
-        self._member_whole = one_unit[self._member_cell_idx]
-        first_member = by_cell[firsts]  # one member per cell: counts each whole cell once
-        self.unit_cell_counts = np.bincount(member_unit[first_member][one_unit], minlength=self.n_units)
-        self.boundary_cells = sel[~one_unit]
-        self.boundary_piece_counts = span[~one_unit]
+        # each straddler's pieces: in which unit is each? all in one unit = whole for that unit
+        chunk_f = np.array([c[0] for c in chunks], dtype=np.int64).reshape(-1)
+        chunk_a = np.array([c[1] for c in chunks], dtype=np.int64).reshape(-1)
+        unit_of_chunk = {}
+        for u, group_chunks in enumerate(self._unit_chunks):
+            for c in group_chunks:
+                unit_of_chunk[c] = u
+        chunk_unit = np.array([unit_of_chunk[c] for c in chunks], dtype=np.int64)
+        order = np.lexsort((chunk_a, chunk_f))  # chunks are already in (fragment, start) order
+        position = self._positions(straddlers)
+        span = last - first + 1
+        piece_frag = np.repeat(first, span) + (np.arange(span.sum()) - np.repeat(np.cumsum(span) - span, span))
+        piece_pos = np.repeat(position, span)
+        # the chunk of (fragment, position): the last chunk of that fragment starting at or before it
+        keys = chunk_f[order] * (n_sel + 1) + chunk_a[order]
+        piece_chunk = order[np.searchsorted(keys, piece_frag * (n_sel + 1) + piece_pos, side="right") - 1]
+        piece_unit = chunk_unit[piece_chunk].reshape(-1)
+        owner = np.full(len(straddlers), -1, dtype=np.int64)
+        if len(straddlers):
+            starts_of = np.cumsum(span) - span
+            same = np.minimum.reduceat(piece_unit, starts_of) == np.maximum.reduceat(piece_unit, starts_of)
+            owner[same] = piece_unit[starts_of[same]]
+        self._straddlers, self._straddler_first, self._straddler_span = straddlers, first, span
+        self._straddler_owner = owner
+        # whole cells per unit: every position of its chunks, less straddler pieces, plus straddlers whole in it
+        sizes = np.array([b - a for _, a, b in chunks], dtype=np.int64).reshape(-1)
+        counts = np.bincount(chunk_unit, weights=sizes, minlength=self.n_units)
+        counts -= np.bincount(piece_unit, minlength=self.n_units)
+        counts += np.bincount(owner[owner >= 0], minlength=self.n_units)
+        self.unit_cell_counts = counts.astype(np.int64)
+        self.boundary_cells = straddlers[owner < 0]
+        self.boundary_piece_counts = span[owner < 0]
+
+    def _selected_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """First row and end row of each selected cell (views, without a subset)."""
+        starts = self.geometry.cell_row_start
+        if self.subset is None:
+            return starts[:-1], starts[1:]
+        return starts[self.subset], starts[self.subset + 1]
+
+    def _positions(self, cells: np.ndarray) -> np.ndarray:
+        """Positions in the selection of selected cells."""
+        return cells if self.subset is None else np.searchsorted(self.subset, cells)
 
     def _mixture_rounds(self, chunks, n_frags) -> list[list[tuple[int, int, int]]]:
         per_frag: list[list] = [[] for _ in range(n_frags)]
@@ -295,16 +323,22 @@ class EpochPlan:
 
     def _scanner_unit(self, u: int) -> WorkUnit:
         starts, frag = self.geometry.cell_row_start, self.geometry.fragment_row_start
-        idx = np.concatenate([np.arange(lo, hi) for _, lo, hi in self._unit_chunks[u]])
-        cells = self.cells_at(self._member_cell_idx[idx])
-        f = self._member_frag[idx]
+        groups = [(f, self.cells_at(np.arange(a, b))) for f, a, b in self._unit_chunks[u]]
+        cells = np.concatenate([c for _, c in groups])
+        f = np.concatenate([np.full(len(c), fr, dtype=np.int64) for fr, c in groups])
         lo = np.maximum(starts[cells], frag[f])
         hi = np.minimum(starts[cells + 1], frag[f + 1])
-        whole = self._member_whole[idx]
+        k = np.searchsorted(self._straddlers, cells)
+        k = np.minimum(k, max(len(self._straddlers) - 1, 0))
+        straddling = (self._straddlers[k] == cells) if len(self._straddlers) else np.zeros(len(cells), dtype=bool)
+        whole = ~straddling
+        whole[straddling] = self._straddler_owner[k[straddling]] == u
+        piece = ~whole
+        kp = k[piece]
         return WorkUnit(
             self.epoch, u, _merge_ranges(lo, hi), np.unique(cells[whole]),
-            cells[~whole], self._member_piece[idx][~whole], self._member_span[idx][~whole],
-            np.stack([lo[~whole], hi[~whole]], axis=1),
+            cells[piece], f[piece] - self._straddler_first[kp], self._straddler_span[kp],
+            np.stack([lo[piece], hi[piece]], axis=1),
         )
 
     # ---- queries
