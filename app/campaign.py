@@ -4,7 +4,7 @@ map (the trainer's driver and consumers need only those) and produces the held-o
 
 from __future__ import annotations
 
-from coordination.driver import PlanSummary, publish_summary
+from coordination.plan import PlanSummary, publish_summary
 from coordination.errors import CellfeedError
 from coordination.tokens import vocab_size
 from producers.producer import Producer, filter_cells

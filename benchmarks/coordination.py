@@ -33,9 +33,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordination.driver import Driver, PlanSummary, publish_summary  # noqa: E402
+from coordination.driver import Driver  # noqa: E402
 from coordination.latency import with_latency  # noqa: E402
-from coordination.plan import DatasetGeometry, EpochPlan, Sampling  # noqa: E402
+from coordination.plan import DatasetGeometry, EpochPlan, PlanSummary, Sampling, publish_summary  # noqa: E402
 from coordination.queues import Empty, MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import TASKS_PARTITION, rank_partition, run_tag, unit_rank  # noqa: E402
 from coordination.wire import HEADER, MAGIC, VERSION  # noqa: E402
@@ -196,7 +196,7 @@ sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 t = time.perf_counter()
 from dataclasses import replace
 from benchmarks.coordination import SAMPLING, WORLD, tahoe_geometry
-from coordination.driver import PlanSummary
+from coordination.plan import PlanSummary
 from coordination.plan import EpochPlan
 geometry = tahoe_geometry({n_cells})
 t_index = time.perf_counter() - t

@@ -24,8 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from coordination.driver import Driver, PlanSummary, publish_summary  # noqa: E402
-from coordination.plan import Sampling  # noqa: E402
+from coordination.driver import Driver  # noqa: E402
+from coordination.plan import PlanSummary, Sampling, publish_summary  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import stop_key  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402

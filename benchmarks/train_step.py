@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from coordination.driver import PlanSummary, publish_summary  # noqa: E402
+from coordination.plan import PlanSummary, publish_summary  # noqa: E402
 from coordination.queues import Full, MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import rank_partition, run_tag  # noqa: E402
 from coordination.wire import pack_items  # noqa: E402

@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-
 from collections import deque
+from dataclasses import dataclass, field
 
 from coordination.errors import CellfeedError
+from coordination.plan import PlanSummary, load_summary
 from coordination.queues import Full, Map, Queue
 from coordination.routing import (EVENTS_PARTITION, TASKS_PARTITION, decode_event, encode_task, epoch_map_name,
                                   producers_key)
@@ -29,61 +29,6 @@ from coordination.routing import (EVENTS_PARTITION, TASKS_PARTITION, decode_even
 LEASE_S = 12.0  # a unit whose producer is silent this long (4 missed heartbeats) is re-issued
 EVENTS_PER_CALL = 1000
 PUBLISH_EVERY_S = 2.0  # how often the producers' totals are published for monitors
-
-
-def steps_per_epoch(cells_per_rank: list[int], batch_size: int) -> int:
-    """Batches every rank takes: the same number on all ranks (the largest rank's), so DDP
-    agrees on the step count with no communication."""
-    return -(-max(cells_per_rank) // batch_size)
-
-
-@dataclass
-class PlanSummary:
-    """What consumers and the driver need of an epoch plan (JSON, well under 1 MiB for Tahoe)."""
-
-    epoch: int
-    plan_id: str
-    n_units: int
-    n_cells: int
-    world_size: int
-    cells_per_rank: list[int]
-    boundary_cells: list[int] = field(default_factory=list)
-    boundary_piece_counts: list[int] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, plan, world_size: int) -> "PlanSummary":
-        return cls(plan.epoch, plan.plan_id, plan.n_units, plan.n_cells, world_size,
-                   plan.cells_per_rank(world_size).tolist(), plan.boundary_cells.tolist(),
-                   plan.boundary_piece_counts.tolist())
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "PlanSummary":
-        return cls(**json.loads(data))
-
-    def steps(self, batch_size: int) -> int:
-        return steps_per_epoch(self.cells_per_rank, batch_size)
-
-
-def summary_key(run: str, epoch: int) -> str:
-    return f"{run}/plan/e{epoch}"
-
-
-def publish_summary(store: Map, run: str, summary: PlanSummary) -> None:
-    store.put(summary_key(run, summary.epoch), summary.to_bytes())
-
-
-def load_summary(store: Map, run: str, epoch: int, timeout_s: float = 60.0) -> PlanSummary:
-    """The epoch's summary, waiting up to `timeout_s` for the setup to publish it."""
-    deadline = time.monotonic() + timeout_s
-    while (data := store.get(summary_key(run, epoch))) is None:
-        if time.monotonic() > deadline:
-            raise CellfeedError(f"no plan published for epoch {epoch} of run {run!r} after {timeout_s:.0f}s: "
-                                "did the campaign's setup step run?")
-        time.sleep(0.1)
-    return PlanSummary.from_bytes(data)
 
 
 @dataclass

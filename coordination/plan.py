@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
 import numpy as np
 
 from coordination.errors import CellfeedError
+from coordination.queues import Map
+from coordination.routing import summary_key
+from coordination.seeds import plan_key
 
 STRATEGIES = ("sequential", "mixture", "block", "random")
 FEISTEL_ROUNDS = 6
@@ -39,12 +43,6 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * _M1
     z = (z ^ (z >> np.uint64(27))) * _M2
     return z ^ (z >> np.uint64(31))
-
-
-def derive_key(*parts: int | str) -> int:
-    """A 64-bit key from seed/epoch/purpose: the same parts always give the same key."""
-    text = json.dumps([str(p) for p in parts]).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
 class FeistelPermutation:
@@ -206,7 +204,7 @@ class EpochPlan:
         self.block_size = bs = self._units_of(n_sel, s.effective_block_size)
         self.n_blocks = -(-n_sel // bs)
         self.blocks_per_unit = self._units_of(self.n_blocks, max(1, -(-s.fetch_factor * s.batch_size // bs)))
-        perm = FeistelPermutation(self.n_blocks, derive_key(self.seed, self.epoch, "blocks"))
+        perm = FeistelPermutation(self.n_blocks, plan_key(self.seed, self.epoch, "blocks"))
         self.block_order = perm(np.arange(self.n_blocks))
         self.n_units = -(-self.n_blocks // self.blocks_per_unit)
         sizes = np.full(self.n_blocks, bs, dtype=np.int64)
@@ -311,7 +309,7 @@ class EpochPlan:
             per_frag[c[0]].append(c)
         cursor = np.zeros(n_frags, dtype=np.int64)
         remaining = np.array([len(p) for p in per_frag])
-        rng = np.random.default_rng(derive_key(self.seed, self.epoch, "scanners"))
+        rng = np.random.default_rng(plan_key(self.seed, self.epoch, "scanners"))
         rounds = []
         while remaining.sum():
             active = np.flatnonzero(remaining)
@@ -371,3 +369,56 @@ class EpochPlan:
         stitched = np.bincount(self.boundary_cells % world_size, minlength=world_size)
         return (units + stitched).astype(np.int64)
 
+
+# ------------------------------------------------------------------ the plan contract (both halves)
+
+
+def steps_per_epoch(cells_per_rank: list[int], batch_size: int) -> int:
+    """Batches every rank takes: the same number on all ranks (the largest rank's), so DDP
+    agrees on the step count with no communication."""
+    return -(-max(cells_per_rank) // batch_size)
+
+
+@dataclass
+class PlanSummary:
+    """What consumers and the driver need of an epoch plan (JSON, well under 1 MiB for Tahoe)."""
+
+    epoch: int
+    plan_id: str
+    n_units: int
+    n_cells: int
+    world_size: int
+    cells_per_rank: list[int]
+    boundary_cells: list[int] = field(default_factory=list)
+    boundary_piece_counts: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, plan, world_size: int) -> "PlanSummary":
+        return cls(plan.epoch, plan.plan_id, plan.n_units, plan.n_cells, world_size,
+                   plan.cells_per_rank(world_size).tolist(), plan.boundary_cells.tolist(),
+                   plan.boundary_piece_counts.tolist())
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "PlanSummary":
+        return cls(**json.loads(data))
+
+    def steps(self, batch_size: int) -> int:
+        return steps_per_epoch(self.cells_per_rank, batch_size)
+
+
+def publish_summary(store: Map, run: str, summary: PlanSummary) -> None:
+    store.put(summary_key(run, summary.epoch), summary.to_bytes())
+
+
+def load_summary(store: Map, run: str, epoch: int, timeout_s: float = 60.0) -> PlanSummary:
+    """The epoch's summary, waiting up to `timeout_s` for the setup to publish it."""
+    deadline = time.monotonic() + timeout_s
+    while (data := store.get(summary_key(run, epoch))) is None:
+        if time.monotonic() > deadline:
+            raise CellfeedError(f"no plan published for epoch {epoch} of run {run!r} after {timeout_s:.0f}s: "
+                                "did the campaign's setup step run?")
+        time.sleep(0.1)
+    return PlanSummary.from_bytes(data)

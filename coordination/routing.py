@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from coordination.plan import derive_key
+from coordination.seeds import derive_key
 
 TASKS_PARTITION = "tasks"
 EVENTS_PARTITION = "events"
@@ -64,6 +64,11 @@ def decode_event(data: bytes) -> dict:
 def epoch_map_name(epoch: int) -> str:
     """The named map holding one epoch's stitching state."""
     return f"e{epoch}"
+
+
+def summary_key(run: str, epoch: int) -> str:
+    """Where the setup publishes an epoch's `PlanSummary`."""
+    return f"{run}/plan/e{epoch}"
 
 
 def stop_key(run: str) -> str:

@@ -25,10 +25,11 @@ import numpy as np
 
 from coordination.arrays import offsets_of, positions_in_ranges, ragged_arange
 from coordination.errors import CellfeedError
-from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit, derive_key
+from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit
 from coordination.queues import Empty, Full, Map, MapGone, Queue, request_batches
 from coordination.routing import (EVAL_PARTITION, EVENTS_PARTITION, TASKS_PARTITION, cell_rank, decode_task,
                                   encode_event, epoch_map_name, rank_partition, run_tag, stop_key, unit_rank)
+from coordination.seeds import cell_rng, held_out_rng, unit_rng
 from coordination.wire import pack_items
 from producers.dataset import Dataset, RowBlock, error_text, open_dataset
 from producers.gene_stats import load_gene_medians
@@ -233,7 +234,7 @@ class Producer:
         block = self.ds.read_cells(cell_ids)
         counts = np.diff(self.ds.cell_row_start)[cell_ids]
         rows = CellRows(cell_ids, offsets_of(counts), block.gene, block.value)
-        self._emit(rows, 0, 0, False, partition, np.random.default_rng(derive_key(self.config.seed, "held-out")))
+        self._emit(rows, 0, 0, False, partition, held_out_rng(self.config.seed))
         return len(cell_ids)
 
     def read(self, epoch: int, unit_id: int) -> tuple[WorkUnit, RowBlock]:
@@ -248,7 +249,7 @@ class Producer:
         unit, block = rows if rows is not None else self.read(epoch, unit_id)
         t = self.stats.add_time("read", t)
         cell_col = block.cell
-        rng = np.random.default_rng(derive_key(cfg.seed, epoch, "unit", unit_id))
+        rng = unit_rng(cfg.seed, epoch, unit_id)
         # whole cells, shuffled; each cell's rows are contiguous in the block
         order = rng.permutation(len(unit.cells))
         cells = unit.cells[order]
@@ -274,8 +275,8 @@ class Producer:
             self.stats.add_time("stitch", t)
             if whole_cell is not None:
                 rows = CellRows(np.array([cell], dtype=np.int64), np.array([0, len(whole_cell[0])]), *whole_cell)
-                cell_rng = np.random.default_rng(derive_key(cfg.seed, epoch, "cell", cell))
-                self._emit(rows, epoch, cell, True, rank_partition(cell_rank(cell, cfg.world_size)), cell_rng)
+                rng_of_cell = cell_rng(cfg.seed, epoch, cell)
+                self._emit(rows, epoch, cell, True, rank_partition(cell_rank(cell, cfg.world_size)), rng_of_cell)
         self.stats.units += 1
 
     def _epoch_map(self, epoch: int) -> Map:

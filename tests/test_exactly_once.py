@@ -12,7 +12,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from coordination.driver import Driver, PlanSummary, publish_summary
+from coordination.driver import Driver
+from coordination.plan import PlanSummary, publish_summary
 from coordination.errors import CellfeedError
 from coordination.plan import Sampling
 from coordination.latency import with_latency

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from coordination.driver import steps_per_epoch
+from coordination.plan import steps_per_epoch
 from coordination.errors import CellfeedError
 from coordination.queues import Empty, Queue
 from coordination.routing import rank_partition, run_tag
+from coordination.seeds import batch_rng
 from coordination.tokens import PAD
 from coordination.wire import Item, ItemError, unpack_item
 
@@ -158,7 +159,7 @@ class EpochIterator:
         self.step = 0
         self.received = 0  # cells taken into the buffer
         self.seen: set = set()
-        self.rng = np.random.default_rng([stream.seed, epoch, stream.rank])
+        self.rng = batch_rng(stream.seed, epoch, stream.rank)
         self.buffer: list[tuple[Item, int]] = []  # (item, cell index)
         self.remaining: dict = {}  # item key -> cells of it not yet batched
 

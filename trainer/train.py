@@ -20,10 +20,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from coordination.backends import connect
-from coordination.driver import Driver, load_summary
+from coordination.driver import Driver
 from coordination.errors import CellfeedError
-from coordination.plan import derive_key
+from coordination.plan import load_summary
 from coordination.routing import run_tag
+from coordination.seeds import mask_seed
 from coordination.wire import unpack_item
 from trainer import checkpoint
 from trainer.metrics import StepMetrics, Tracker, peak_flops
@@ -145,7 +146,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                     started, waited, cells, lengths, masked = time.perf_counter() - batch.wait_s, 0.0, 0, [], 0
                     totals = torch.zeros(3, device=device)
                 batch = batch.to(device)
-                generator = torch.Generator().manual_seed(derive_key(cfg.seed, rank, step, micro) % 2**63)
+                generator = torch.Generator().manual_seed(mask_seed(cfg.seed, rank, step, micro))
                 sync = micro == cfg.grad_accum - 1
                 with autocast, (ddp.no_sync() if not sync else nullcontext()):
                     loss_sum, n_masked, correct = masked_loss(step_model, batch, cfg.mask_ratio, generator,
