@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from coordination.local_backend import LocalMap, LocalQueue, ServerProcess  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
+from coordination.latency import remote  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import TASKS_PARTITION, encode_task, rank_partition  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
@@ -98,12 +99,15 @@ def round_trip_us(queue, n: int = 300) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
+                        help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
     args = parser.parse_args()
     n_cells = 12_000 if args.quick else 60_000
     items, per_rep, reps = make_items(n_cells)
     server = ServerProcess()
     try:
-        backends = {"memory": lambda: MemoryQueue(), "local": lambda: LocalQueue(server.address)}
+        backends = {"memory": lambda: remote(MemoryQueue(), MemoryMap(), args.rpc_latency_ms)[0],
+                    "local": lambda: remote(LocalQueue(server.address), MemoryMap(), args.rpc_latency_ms)[0]}
         results = {}
         for name, make in backends.items():
             for batch in (64, 240):

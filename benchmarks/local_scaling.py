@@ -35,11 +35,11 @@ from producers.synth import SynthSpec, synthesize  # noqa: E402
 from trainer.stream import ConsumerStream  # noqa: E402
 
 
-def run(dataset: str, n_producers: int, batch: int) -> dict:
+def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> dict:
     cfg = CampaignConfig(dataset=dataset, run=f"scaling-{n_producers}", producers=n_producers, gpus=1,
-                         batch_size=batch, max_genes=1024, preset="tiny").validate()
+                         batch_size=batch, max_genes=1024, preset="tiny", rpc_latency_ms=latency_ms).validate()
     server = ServerProcess()
-    queue, store = connect({"kind": "local", "address": server.address})
+    queue, store = connect({"kind": "local", "address": server.address, "latency_ms": latency_ms})
     procs = []
     depth: list[tuple[float, int]] = []
     try:
@@ -81,13 +81,15 @@ def run(dataset: str, n_producers: int, batch: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
+                        help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
     parser.add_argument("--png", default=str(ROOT / "benchmarks" / "local_scaling.png"))
     args = parser.parse_args()
     n_cells = 20_000 if args.quick else 200_000
     path = os.path.join(tempfile.gettempdir(), f"cellfeed-bench-atlas-{n_cells}")
     if not os.path.exists(os.path.join(path, "config.json")):
         synthesize(path, SynthSpec(n_cells=n_cells, seed=0), overwrite=True)
-    results = {n: run(path, n, batch=240) for n in (1, 2)}
+    results = {n: run(path, n, batch=240, latency_ms=args.rpc_latency_ms) for n in (1, 2)}
     print(f"\nlocal campaign, {n_cells:,}-cell atlas, scGPT tokens (1024 genes), one no-op consumer rank, batch 240; "
           f"machine: {platform.machine()}, {os.cpu_count()} cores")
     print("cells/s: whole epoch incl. start-up; steady: between 10% and 90% of the epoch delivered")

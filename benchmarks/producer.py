@@ -25,10 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from coordination.plan import Sampling  # noqa: E402
+from coordination.latency import remote  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import TASKS_PARTITION, encode_task  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
-from producers.gene_stats import compute_nonzero_medians, load_gene_medians, store_gene_stats  # noqa: E402
+from producers.gene_stats import compute_gene_medians, load_gene_medians, store_gene_stats  # noqa: E402
 from producers.producer import Producer, ProducerConfig  # noqa: E402
 from coordination.arrays import offsets_of  # noqa: E402
 from producers.ranking import CellRows, rank_order  # noqa: E402
@@ -43,11 +44,12 @@ STRATEGIES = {
 }
 
 
-def run_config(ds, tokenizer: str, max_genes: int, sampling: Sampling, cell_budget: int) -> dict:
-    queue = MemoryQueue(max_items=10**9, max_bytes=1 << 62)
+def run_config(ds, tokenizer: str, max_genes: int, sampling: Sampling, cell_budget: int,
+               latency_ms: float = 0.0) -> dict:
+    queue, store = remote(MemoryQueue(max_items=10**9, max_bytes=1 << 62), MemoryMap(), latency_ms)
     config = ProducerConfig(dataset=ds.uri, run="bench", tokenizer=tokenizer, max_genes=max_genes,
                             sampling=sampling, world_size=1, cells_per_item=128)
-    producer = Producer(config, queue, MemoryMap(), dataset=ds)
+    producer = Producer(config, queue, store, dataset=ds)
     plan = producer.plan(0)
     units, cells = [], 0
     rng = np.random.default_rng(0)
@@ -106,6 +108,8 @@ def floor_cells_per_s(ds, units, plan_sampling) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
+                        help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
     parser.add_argument("--dataset", help="an existing dataset (default: synthesize one in a temp dir)")
     parser.add_argument("--cells", type=int, default=None, help="atlas size (default 200,000; 20,000 quick)")
     parser.add_argument("--budget", type=int, default=None, help="cells per configuration (default 40k; 4k quick)")
@@ -117,7 +121,7 @@ def main() -> None:
         synthesize(path, SynthSpec(n_cells=n_cells, seed=0), rows_per_fragment=1 << 22, overwrite=True)
     ds = open_dataset(path)
     if load_gene_medians(ds) is None:
-        store_gene_stats(ds, compute_nonzero_medians(ds, progress=False))
+        store_gene_stats(ds, compute_gene_medians(ds, progress=False))
         ds = open_dataset(path)
 
     configs = [("scgpt", 1024, s) for s in STRATEGIES]
@@ -125,7 +129,7 @@ def main() -> None:
                 if (tok, mg) != ("scgpt", 1024)]
     results = {}
     for tok, mg, strategy in configs:
-        results[(tok, mg, strategy)] = run_config(ds, tok, mg, STRATEGIES[strategy], budget)
+        results[(tok, mg, strategy)] = run_config(ds, tok, mg, STRATEGIES[strategy], budget, args.rpc_latency_ms)
     seq_units = results[("scgpt", 1024, "sequential")]["units"]
     floor, floor_rows = floor_cells_per_s(ds, seq_units, STRATEGIES["sequential"])
 

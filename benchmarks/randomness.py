@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from coordination.driver import Driver  # noqa: E402
 from coordination.plan import PlanSummary, Sampling, publish_summary  # noqa: E402
+from coordination.latency import remote  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import stop_key  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
@@ -49,8 +50,8 @@ def entropy_bits(labels: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def batch_entropies(ds, sampling: Sampling, buffer_cells: int) -> list[float]:
-    queue, store = MemoryQueue(max_items=10**9, max_bytes=1 << 62), MemoryMap()
+def batch_entropies(ds, sampling: Sampling, buffer_cells: int, latency_ms: float = 0.0) -> list[float]:
+    queue, store = remote(MemoryQueue(max_items=10**9, max_bytes=1 << 62), MemoryMap(), latency_ms)
     run = "randomness"
     config = ProducerConfig(dataset=ds.uri, run=run, sampling=sampling, max_genes=8, label_column="plate",
                             world_size=1, idle_timeout_s=600)
@@ -72,6 +73,8 @@ def batch_entropies(ds, sampling: Sampling, buffer_cells: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
+                        help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
     parser.add_argument("--buffer", type=int, default=4096, help="consumer mixing buffer in cells (4096)")
     args = parser.parse_args()
     n_cells = 20_000 if args.quick else 200_000
@@ -89,7 +92,7 @@ def main() -> None:
     print(f"{'true random':<18}{reference:>10.3f}{np.std(true_random):>7.3f}{1.0:>11.1%}")
     figures = {"true_random_bits": round(reference, 4)}
     for name, sampling in STRATEGIES.items():
-        values = batch_entropies(ds, sampling, args.buffer)
+        values = batch_entropies(ds, sampling, args.buffer, args.rpc_latency_ms)
         mean = float(np.mean(values))
         print(f"{name:<18}{mean:>10.3f}{np.std(values):>7.3f}{mean / reference:>11.1%}")
         figures[f"{name.split()[0]}{'' if ' ' not in name else '_' + name.split()[1][2:]}_bits"] = round(mean, 4)

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from coordination.plan import PlanSummary, publish_summary  # noqa: E402
+from coordination.latency import remote  # noqa: E402
 from coordination.queues import Full, MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import rank_partition, run_tag  # noqa: E402
 from coordination.wire import pack_items  # noqa: E402
@@ -51,6 +52,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--preset", default=None, help="tiny (CPU default) or scgpt (GPU default), base, large")
     parser.add_argument("--batch", type=int, default=None, help="cells per step (CPU 16, GPU 240)")
+    parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
+                        help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
     parser.add_argument("--max-genes", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -61,7 +64,7 @@ def main() -> None:
     steps = args.steps or (12 if args.quick else 40)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
-    queue, store = MemoryQueue(), MemoryMap()
+    queue, store = remote(MemoryQueue(), MemoryMap(), args.rpc_latency_ms)
     n_cells = steps * batch
     publish_summary(store, "bench", PlanSummary(0, "bench", 1, n_cells, 1, [n_cells]))
     stop = threading.Event()

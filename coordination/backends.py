@@ -12,12 +12,9 @@ def connect(spec: dict):
     if kind == "local":
         from coordination.local_backend import LocalMap, LocalQueue
 
-        pair = LocalQueue(spec["address"]), LocalMap(spec["address"])
-        if spec.get("latency_ms"):
-            from coordination.latency import with_latency
+        from coordination.latency import remote
 
-            return with_latency(*pair, spec["latency_ms"], 0.4 * spec["latency_ms"])[:2]
-        return pair
+        return remote(LocalQueue(spec["address"]), LocalMap(spec["address"]), spec.get("latency_ms", 0.0))
     if kind == "modal":
         from coordination.modal_backend import run_backends
 
