@@ -364,6 +364,7 @@ class Producer:
         `max_units` units are done. The next unit is taken and read while this one is tokenized;
         the courier thread sends while the next is worked on, so no call waits on this thread."""
         self._outbox = stdlib_queue.Queue(maxsize=OUTBOX_JOBS)
+        self._stopping.clear()  # a stop still signalled in the map is read by the courier's first heartbeat
         self._courier_error = None
         self._courier = threading.Thread(target=self._courier_loop, daemon=True, name="cellfeed-courier")
         self._courier.start()
