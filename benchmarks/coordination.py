@@ -216,6 +216,55 @@ print(json.dumps({{"seconds": time.perf_counter() - t, "index_s": t_index, "n_un
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def driver_probe(n_cells: int) -> dict:
+    """The driver through one whole epoch of the 100M-cell block plan (~98k units), in a fresh
+    process that holds only the plan's summary (as trainer rank 0 does): instant stand-in
+    producers take tasks and report them done in batches, so this measures the driver's own
+    seconds, passes and peak RSS at Tahoe's unit count."""
+    import tempfile
+
+    root = str(Path(__file__).resolve().parents[1])
+    summary_path = Path(tempfile.mkdtemp()) / "summary.json"
+    make = f"""
+import sys
+sys.path.insert(0, {root!r})
+from benchmarks.coordination import SAMPLING, WORLD, tahoe_geometry
+from coordination.plan import EpochPlan, PlanSummary
+open({str(summary_path)!r}, "wb").write(PlanSummary.of(EpochPlan(tahoe_geometry({n_cells}), SAMPLING, 0, 0), WORLD).to_bytes())
+"""
+    drive = f"""
+import json, resource, sys, threading, time
+sys.path.insert(0, {root!r})
+from coordination.driver import Driver
+from coordination.plan import PlanSummary, publish_summary
+from coordination.queues import Empty, MemoryMap, MemoryQueue
+from coordination.routing import EVENTS_PARTITION, TASKS_PARTITION, decode_task, encode_event
+summary = PlanSummary.from_bytes(open({str(summary_path)!r}, "rb").read())
+queue, store = MemoryQueue(), MemoryMap()
+publish_summary(store, "probe", summary)
+driver = Driver(queue, store, "probe", poll_s=0.01)
+stop = threading.Event()
+def producers():
+    while not stop.is_set():
+        try:
+            tasks = [decode_task(t) for t in queue.get_many(1000, timeout=0.1, partition=TASKS_PARTITION)]
+        except Empty:
+            continue
+        queue.put_many([encode_event("p", done=tasks)], partition=EVENTS_PARTITION)
+threading.Thread(target=producers, daemon=True).start()
+t = time.perf_counter()
+stats = driver.run_epochs([0])
+stop.set()
+print(json.dumps({{"seconds": time.perf_counter() - t, "units": summary.n_units, "passes": stats.passes,
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+"""
+    for code in (make, drive):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller run at the same latency (under a minute)")
@@ -240,6 +289,7 @@ def main() -> None:
                    plans=plans)
     setup = startup_probe("setup", args.startup_cells)
     starts = {s: startup_probe("producer", args.startup_cells, s) for s in ("block", "sequential", "mixture")}
+    driven = driver_probe(args.startup_cells)
     start = {"seconds": max(r["seconds"] for r in starts.values()),  # the worst strategy, in each figure
              "rss_mb": max(r["rss_mb"] for r in starts.values())}
     rows = [
@@ -256,6 +306,8 @@ def main() -> None:
         ("driver pass", f"{sim['driver_pass_s']} s"),
         ("re-issue after a death", f"{sim['reissue_s']} s ({sim['reissued']} re-issued)"),
         (f"setup at {args.startup_cells / 1e6:.0f}M cells", f"{setup['seconds']:.1f} s, {setup['rss_mb']:,.0f} MB RSS"),
+        (f"driver, one epoch at {args.startup_cells / 1e6:.0f}M", f"{driven['units']:,} units in {driven['seconds']:.1f} s "
+                                                          f"({driven['passes']:,} passes), {driven['rss_mb']:,.0f} MB RSS"),
     ] + [(f"producer start at {args.startup_cells / 1e6:.0f}M, {s}", f"{r['seconds']:.1f} s, {r['rss_mb']:,.0f} MB RSS, "
           f"{r['n_units']:,} units") for s, r in starts.items()]
     width = max(len(k) for k, _ in rows)
@@ -266,6 +318,7 @@ def main() -> None:
         print(f"  {k:<24} {v}")
     print(json.dumps({**sim, "producer_start_s_100m": round(start["seconds"], 2),
                       "producer_start_rss_mb_100m": round(start["rss_mb"]), "setup_s_100m": round(setup["seconds"], 2),
+                      "driver_epoch_s_100m": round(driven["seconds"], 2), "driver_rss_mb_100m": round(driven["rss_mb"]),
                       "producer_start_100m_by_strategy": {s: {"seconds": round(r["seconds"], 2), "rss_mb": round(r["rss_mb"])}
                                                           for s, r in starts.items()},
                       "setup_rss_mb_100m": round(setup["rss_mb"]), "startup_cells": args.startup_cells,
