@@ -1,5 +1,5 @@
-"""Shared fixtures: a real S3-compatible server on 127.0.0.1 (moto's server mode), h5ad builders,
-and small synthetic datasets."""
+"""Shared fixtures: a real S3-compatible server on 127.0.0.1 (SeaweedFS), h5ad builders, and small
+synthetic datasets."""
 
 from __future__ import annotations
 
@@ -23,31 +23,28 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint():
-    """A moto S3 server in this process, listening on a free loopback port."""
-    from moto.server import ThreadedMotoServer
+def seaweed():
+    """A real S3-compatible server (SeaweedFS) on 127.0.0.1 for the session; every request is
+    authenticated."""
+    from producers.object_store import SeaweedServer
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    server = SeaweedServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(seaweed):
+    return seaweed.endpoint
 
 
 @pytest.fixture
-def s3(s3_endpoint, monkeypatch):
+def s3(seaweed, monkeypatch):
     """S3 settings in the environment (as a user sets them) and a fresh bucket; yields the bucket name."""
-    import boto3
-
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
-    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    for name, value in seaweed.settings.items():
+        monkeypatch.setenv(name, value)
     bucket = f"cellfeed-{os.urandom(4).hex()}"
-    boto3.client(
-        "s3", endpoint_url=s3_endpoint, aws_access_key_id="testing-key",
-        aws_secret_access_key="testing-secret", region_name="us-east-1",
-    ).create_bucket(Bucket=bucket)
+    seaweed.client().create_bucket(Bucket=bucket)
     return bucket
 
 

