@@ -27,14 +27,9 @@ import warnings
 from pathlib import Path
 
 from coordination.errors import CellfeedError
+from coordination.local_backend import free_port
 
 ACCESS_KEY, SECRET_KEY, REGION = "cellfeed-test-key", "cellfeed-test-secret", "us-east-1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -4,7 +4,6 @@ synthetic datasets."""
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from pathlib import Path
 
@@ -14,12 +13,6 @@ import scipy.sparse as sp
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 PBMC = SHARED_DATA / "pbmc68k_reduced.h5ad"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -10,11 +10,12 @@ import pytest
 
 from app.cli import main as cli
 from coordination.errors import CellfeedError
+from coordination.local_backend import free_port
 from producers.convert import convert
 from producers.dataset import open_dataset
 from producers.storage import S3Location, S3Settings
 from producers.synth import SynthSpec, synthesize
-from tests.conftest import free_port, random_counts, write_h5ad
+from tests.conftest import random_counts, write_h5ad
 
 
 def assert_same_dataset(a, b):

@@ -163,7 +163,7 @@ def test_gradient_accumulation_counts_every_batch_of_a_step(small_synth, tmp_pat
 
     from coordination.queues import MemoryMap, MemoryQueue
     from coordination.routing import TASKS_PARTITION, encode_task
-    from trainer.launch import free_port
+    from coordination.local_backend import free_port
     from trainer.train import train
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

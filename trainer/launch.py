@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from trainer.train import TrainConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from coordination.local_backend import free_port
 
 
 def launch(cfg: TrainConfig, world_size: int, workdir: str | os.PathLike, summary_path: str | None = None,
