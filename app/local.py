@@ -26,6 +26,8 @@ from trainer import checkpoint
 from trainer.launch import launch, wait_all
 
 STATUS_EVERY_S = 2.0
+PRODUCER_RETRIES = 3  # as the Modal producer function's retries=3
+RESTART_BACKOFF_S = 1.0
 
 
 def default_dataset(workdir: Path, cells: int, seed: int) -> str:
@@ -104,7 +106,7 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
     server = ServerProcess()
     backend = {"kind": "local", "address": server.address, "latency_ms": cfg.rpc_latency_ms}
     queue, store = connect(backend)
-    producers: list[subprocess.Popen] = []
+    fleet = None
     try:
         facts = prepare(cfg, queue, store)
         total_steps = facts["total_steps"]
@@ -114,7 +116,7 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
               + (f", {facts['held_out_cells']:,} held-out cells" if facts["held_out_cells"] else ""), flush=True)
         config_path = workdir / "campaign.json"
         config_path.write_text(json.dumps(asdict(cfg)))
-        producers = start_producers(config_path, server.address, cfg.producers)
+        fleet = ProducerFleet(config_path, server.address, cfg.producers, workdir)
         log = workdir / "steps.jsonl"
         log.unlink(missing_ok=True)
         changes = dict(log_path=str(log), progress_bar=False)
@@ -125,26 +127,25 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
         train_cfg = cfg.train_config(backend, facts, **changes)
         ranks = launch(train_cfg, cfg.gpus, workdir, summary_path=str(workdir / "summary"), log_ranks=True)
         started = time.monotonic()
-        names = [f"producer-{i}" for i in range(cfg.producers)]
         while any(p.poll() is None for p in ranks):
-            if any(p.poll() not in (None, 0) for p in ranks + producers):
+            if any(p.poll() not in (None, 0) for p in ranks):
                 break
+            fleet.check()  # a dead producer is restarted; its unit is re-issued by the driver
             row = _last_step(log)
             if not quiet and not (row and row["step"] >= total_steps):  # rank 0 prints the final table itself
-                print(status_line(cfg, queue, store, log, started, total_steps, names, producers, facts["units_total"]),
-                      flush=True)
+                print(status_line(cfg, queue, store, log, started, total_steps, fleet.names, fleet.procs,
+                                  facts["units_total"]), flush=True)
             time.sleep(STATUS_EVERY_S)
         codes = wait_all(ranks, timeout=60)
-        failed = [p for p in producers if p.poll() not in (None, 0)]
-        if codes != [0] * cfg.gpus or failed:
-            raise CellfeedError(f"the campaign failed: trainer ranks exited {codes}, "
-                                f"{len(failed)} producer(s) failed; rank logs are in {workdir}")
+        if codes != [0] * cfg.gpus:
+            raise CellfeedError(f"the campaign failed: trainer ranks exited {codes}; rank logs are in {workdir}")
         summary = json.loads((workdir / "summary.rank0").read_text())
         reports = json.loads(store.get(producers_key(cfg.run)) or "{}")
-        summary["producers"] = [reports.get(n, {}) for n in names]
+        summary["producers"] = [reports.get(n, {}) for n in fleet.names]
+        summary["producer_restarts"] = sum(fleet.restarts)
         return summary
     finally:
-        stop_campaign(store, cfg.run, producers, server)
+        stop_campaign(store, cfg.run, fleet.procs if fleet else [], server)
 
 
 def describe_resume(cfg: CampaignConfig) -> str:
@@ -158,10 +159,48 @@ def describe_resume(cfg: CampaignConfig) -> str:
             f"{sum(latest.trained):,} cells of that epoch already trained): {latest.folder}")
 
 
+def start_producer(config_path: Path, address: str, name: str) -> subprocess.Popen:
+    """A producer process for the campaign config at `config_path`."""
+    return subprocess.Popen([sys.executable, "-m", "app.local", "--produce", str(config_path), "--address", address,
+                             "--name", name])
+
+
 def start_producers(config_path: Path, address: str, n: int) -> list[subprocess.Popen]:
-    """n producer processes (`producer-0`, ...) for the campaign config at `config_path`."""
-    return [subprocess.Popen([sys.executable, "-m", "app.local", "--produce", str(config_path), "--address", address,
-                              "--name", f"producer-{i}"]) for i in range(n)]
+    """n producer processes (`producer-0`, ...)."""
+    return [start_producer(config_path, address, f"producer-{i}") for i in range(n)]
+
+
+class ProducerFleet:
+    """The local producers, restarted when one dies, as Modal retries a producer call (`retries`
+    times each, after RESTART_BACKOFF_S, doubling). Nothing is lost meanwhile: the driver re-issues
+    the dead producer's unit once it falls silent, and consumers drop any duplicate."""
+
+    def __init__(self, config_path: Path, address: str, n: int, workdir: Path, retries: int = PRODUCER_RETRIES):
+        self.config_path, self.address, self.workdir, self.retries = config_path, address, workdir, retries
+        self.names = [f"producer-{i}" for i in range(n)]
+        self.procs = [start_producer(config_path, address, name) for name in self.names]
+        self.restarts = [0] * n
+        self._due: list[float | None] = [None] * n  # when a dead producer is started again
+
+    def check(self) -> None:
+        """Restart the producers that died; raise once one has died more than `retries` times."""
+        now = time.monotonic()
+        for i, (name, proc) in enumerate(zip(self.names, self.procs)):
+            code = proc.poll()
+            if code in (None, 0):
+                continue
+            if self.restarts[i] >= self.retries:
+                raise CellfeedError(f"{name} died {self.restarts[i] + 1} times (last exit code {code}); the campaign "
+                                    f"stops (its output is above; checkpoints are in {self.workdir.parent})")
+            if self._due[i] is None:
+                wait = RESTART_BACKOFF_S * 2 ** self.restarts[i]
+                self._due[i] = now + wait
+                print(f"{name} exited with code {code}: restarting it in {wait:.0f}s "
+                      f"({self.restarts[i] + 1} of {self.retries} restarts)", flush=True)
+            elif now >= self._due[i]:
+                self.procs[i] = start_producer(self.config_path, self.address, name)
+                self.restarts[i] += 1
+                self._due[i] = None
 
 
 def stop_campaign(store, run: str, producers: list[subprocess.Popen], server: ServerProcess) -> None:

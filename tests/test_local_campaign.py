@@ -6,6 +6,7 @@ a small real dataset gives every producer and rank work."""
 from __future__ import annotations
 
 import json
+import os
 import math
 import subprocess
 import sys
@@ -186,3 +187,31 @@ def test_status_line_shows_queue_tasks_and_producer_states():
                        [Proc(None), Proc(0), Proc(None), Proc(-9)], 7)
     assert "units 3/7 done, 1 queued" in line and "queue r0:0 r1:3 items" in line
     assert "producers working 2,000 cells/s, done, starting, failed (-9)" in line
+
+
+def test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact(counts_atlas, tmp_path):
+    import signal
+    import time
+
+    run_dir = tmp_path / "kill"
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "local", "--dataset", counts_atlas.uri, "--workdir",
+                             str(tmp_path), "--run", "kill", "--producers", "2", "--gpus", "2", "--max-genes", "24",
+                             "--batch-size", "16", "--epochs", "3", "--rpc-latency-ms", "20", "--audit-cells",
+                             "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed, deadline = None, time.monotonic() + 120
+    while killed is None and time.monotonic() < deadline and proc.poll() is None:
+        steps = run_dir / "steps.jsonl"
+        if steps.exists() and steps.read_text().strip():  # training has begun: producers are mid-campaign
+            found = subprocess.run(["pgrep", "-f", r"app\.local --produce .*--name producer-0$"], capture_output=True,
+                                   text=True).stdout.split()
+            if found:
+                killed = int(found[0])
+                os.kill(killed, signal.SIGKILL)
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=400)
+    assert killed is not None, "the producer to kill was not found"
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    assert "producer-0 exited with code -9: restarting it in 1s (1 of 3 restarts)" in out
+    epochs = trained_cells(run_dir)
+    everything = Counter(range(counts_atlas.n_cells))
+    assert [epochs[e] for e in range(3)] == [everything] * 3  # 0 lost, 0 duplicated, in every epoch
