@@ -9,6 +9,7 @@ status line (steps, cells/s, queue depth, producer rates, dataloader wait) and a
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from trainer import checkpoint
 from trainer.launch import launch, wait_all
 
 STATUS_EVERY_S = 2.0
+STOP_GRACE_S = 10.0  # how long producers together get to stop at the end before being killed
 PRODUCER_RETRIES = 3  # as the Modal producer function's retries=3
 RESTART_BACKOFF_S = 1.0
 
@@ -106,7 +108,7 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
     server = ServerProcess()
     backend = {"kind": "local", "address": server.address, "latency_ms": cfg.rpc_latency_ms}
     queue, store = connect(backend)
-    fleet = None
+    fleet, ranks = None, []
     try:
         facts = prepare(cfg, queue, store)
         total_steps = facts["total_steps"]
@@ -144,8 +146,15 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
         summary["producers"] = [reports.get(n, {}) for n in fleet.names]
         summary["producer_restarts"] = sum(fleet.restarts)
         return summary
-    finally:
-        stop_campaign(store, cfg.run, fleet.procs if fleet else [], server)
+    finally:  # whatever happened (Ctrl-C included): stop every child, leave nothing behind
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        try:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+            stop_campaign(store, cfg.run, fleet.procs if fleet else [], server)
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 def describe_resume(cfg: CampaignConfig) -> str:
@@ -162,7 +171,7 @@ def describe_resume(cfg: CampaignConfig) -> str:
 def start_producer(config_path: Path, address: str, name: str) -> subprocess.Popen:
     """A producer process for the campaign config at `config_path`."""
     return subprocess.Popen([sys.executable, "-m", "app.local", "--produce", str(config_path), "--address", address,
-                             "--name", name])
+                             "--name", name], start_new_session=True)  # a terminal's Ctrl-C reaches only the campaign
 
 
 def start_producers(config_path: Path, address: str, n: int) -> list[subprocess.Popen]:
@@ -209,11 +218,13 @@ def stop_campaign(store, run: str, producers: list[subprocess.Popen], server: Se
         store.put(stop_key(run), "stop")
     except CellfeedError:
         pass  # the server is already gone
+    deadline = time.monotonic() + STOP_GRACE_S  # one deadline for all (they notice the stop within seconds)
     for p in producers:
         try:
-            p.wait(timeout=15)
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
+            p.wait()
     server.close()
 
 

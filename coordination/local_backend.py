@@ -172,7 +172,8 @@ class ServerProcess:
     """The server in its own process (what the local campaign uses); stopped on `close`."""
 
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", "coordination.local_backend"], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "coordination.local_backend"], start_new_session=True,
+                                     stdout=subprocess.PIPE,
                                      text=True)
         line = self.proc.stdout.readline().strip()
         if not line.startswith("listening "):

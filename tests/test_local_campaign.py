@@ -215,3 +215,34 @@ def test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact(counts_at
     epochs = trained_cells(run_dir)
     everything = Counter(range(counts_atlas.n_cells))
     assert [epochs[e] for e in range(3)] == [everything] * 3  # 0 lost, 0 duplicated, in every epoch
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["main-process", "process-group"])
+def test_ctrl_c_stops_every_child_with_one_line(counts_atlas, tmp_path, to_group):
+    import signal
+    import time
+
+    def servers() -> set[str]:
+        return set(subprocess.run(["pgrep", "-f", "-m", "coordination.local_backend"], capture_output=True,
+                                  text=True).stdout.split())
+
+    before = servers()
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "local", "--dataset", counts_atlas.uri, "--workdir",
+                             str(tmp_path), "--run", "ctrlc", "--epochs", "20", "--max-genes", "24", "--quiet"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own group, as a terminal's foreground job
+    steps, deadline = tmp_path / "ctrlc" / "steps.jsonl", time.monotonic() + 120
+    while not (steps.exists() and steps.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, "the campaign ended before it could be interrupted"
+    if to_group:  # Ctrl-C in a terminal: SIGINT to the foreground process group
+        os.killpg(proc.pid, signal.SIGINT)
+    else:  # SIGINT to the main process alone
+        proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "cellfeed: interrupted" and "Traceback" not in err, err[-2000:]
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert left == [], "producer or rank processes outlived the campaign"
+    assert servers() <= before, "the queue server outlived the campaign"

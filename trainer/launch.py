@@ -31,7 +31,10 @@ def launch(cfg: TrainConfig, world_size: int, workdir: str | os.PathLike, summar
         if summary_path:
             cmd += ["--summary", str(summary_path)]
         out = open(workdir / f"rank{rank}.log", "w") if (log_ranks and rank > 0) else None
-        procs.append(subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT if out else None))
+        # in a session of their own: a terminal's Ctrl-C reaches the launcher, which stops them (no orphans,
+        # no tracebacks from every rank)
+        procs.append(subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                      start_new_session=True))
     return procs
 
 
