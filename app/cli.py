@@ -135,7 +135,7 @@ LOCAL_HELP = {"max_genes": "genes per cell (default: 256, short for CPU; the tok
 LOCAL_FLAGS = ("dataset", "run", "tokenizer", "max_genes", "n_bins", "strategy", "block_size", "fetch_factor",
                "n_scanners", "unit_cells", "subset_filter", "eval_filter", "eval_cells", "eval_every", "producers",
                "gpus", "batch_size", "grad_accum", "steps", "epochs", "preset", "lr", "warmup_steps",
-               "checkpoint_every", "resume", "seed", "rpc_latency_ms")
+               "checkpoint_every", "keep_checkpoints", "resume", "seed", "rpc_latency_ms")
 
 
 def add_campaign_flags(p: argparse.ArgumentParser) -> None:

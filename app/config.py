@@ -43,6 +43,7 @@ FLAG_HELP = {
     "warmup_steps": "learning-rate warm-up steps",
     "compile": "torch.compile the model",
     "checkpoint_every": "checkpoint every N steps (and at the end)",
+    "keep_checkpoints": "checkpoints kept: the last N, and the best by held-out loss",
     "resume": "continue --run from its latest checkpoint, saying from which step (locally, a run with none is an error)",
     "seed": "seed of plans, shuffles, masks and weights: the same seed gives the same run",
     "rpc_latency_ms": "make every queue/map call cost this many ms (± 40%), as a round trip to Modal does: "
@@ -78,6 +79,7 @@ class CampaignConfig:
     compile: bool = False
     checkpoint_dir: str = "checkpoints"
     checkpoint_every: int = 500
+    keep_checkpoints: int = 2  # the last k, and the best by held-out loss
     resume: bool = False
     seed: int = 0
     cells_per_item: int = 128
@@ -102,7 +104,7 @@ class CampaignConfig:
         if self.preset not in PRESETS:
             raise CellfeedError(f"unknown model preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         for name in ("producers", "gpus", "batch_size", "grad_accum", "checkpoint_every", "block_size", "fetch_factor",
-                     "n_scanners", "unit_cells", "cells_per_item", "eval_every", "eval_cells"):
+                     "keep_checkpoints", "n_scanners", "unit_cells", "cells_per_item", "eval_every", "eval_cells"):
             if int(getattr(self, name)) < 1:
                 raise CellfeedError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("max_genes", "steps", "epochs"):  # optional
@@ -145,6 +147,7 @@ class CampaignConfig:
                     max_steps=facts["total_steps"], epochs=facts["epochs"], seed=self.seed, compile=self.compile,
                     pad_to=spec.sequence_length(self.genes_per_cell),
                     checkpoint_dir=f"{self.checkpoint_dir.rstrip('/')}/{self.run}", checkpoint_every=self.checkpoint_every,
+                    keep_checkpoints=self.keep_checkpoints,
                     resume=self.resume, eval_every=self.eval_every if facts["held_out_cells"] else None,
                     eval_cells=facts["held_out_cells"])
         return TrainConfig(**{**base, **changes})

@@ -233,6 +233,7 @@ def main(
     lr: float = 3e-4,
     warmup_steps: int = 100,
     checkpoint_every: int = 500,
+    keep_checkpoints: int = 2,
     run: str = "",
     resume: bool = False,
     compile: bool = False,

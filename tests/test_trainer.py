@@ -185,3 +185,15 @@ def test_gradient_accumulation_counts_every_batch_of_a_step(small_synth, tmp_pat
         dist.destroy_process_group()
     rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert summary["steps"] == 5 and [r["cells"] for r in rows] == [32] * 5
+
+
+def test_checkpoints_keep_the_last_k_and_the_best(tmp_path):
+    from trainer import checkpoint
+
+    losses = {1: 5.0, 2: 1.0, 3: 3.0, 4: None, 5: 2.5}  # step -> held-out loss when it was written (4: none yet)
+    for step, loss in losses.items():
+        checkpoint.save(tmp_path, step, 0, 0, 1, checkpoint.RankProgress(), lambda: {"w": torch.zeros(1)},
+                        lambda: None, keep=2, eval_loss=loss)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000004", "step-00000005"]
+    assert checkpoint.latest(tmp_path).step == 5 and checkpoint.load(tmp_path, 1, torch.device("cpu")).step == 5
+    assert checkpoint.prune(tmp_path, keep=1) == ["step-00000004"]  # the best (2) stays with the last

@@ -64,8 +64,10 @@ class Checkpoint:
 
 
 def save(directory: str | os.PathLike, step: int, epoch: int, rank: int, world: int, progress: RankProgress,
-         state_fn, barrier) -> None:
-    """Collective: every rank calls it. `state_fn()` (rank 0 only) returns the tensors to store."""
+         state_fn, barrier, *, keep: int = 2, eval_loss: float | None = None) -> None:
+    """Collective: every rank calls it. `state_fn()` (rank 0 only) returns the tensors to store.
+    Afterwards only the last `keep` checkpoints and the one with the lowest `eval_loss` (the
+    held-out loss when it was written, if any) are kept."""
     root = Path(directory)
     tmp = root / f".step-{step:08d}.tmp"
     if rank == 0:
@@ -76,13 +78,31 @@ def save(directory: str | os.PathLike, step: int, epoch: int, rank: int, world: 
     barrier()
     if rank == 0:
         torch.save({"step": step, "epoch": epoch, "world": world, **state_fn()}, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "epoch": epoch, "eval_loss": eval_loss}))
         final = root / f"step-{step:08d}"
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         latest_tmp = root / ".latest.tmp"
         latest_tmp.write_text(final.name)
         os.replace(latest_tmp, root / "latest")
+        prune(root, keep)
     barrier()
+
+
+def prune(root: Path, keep: int) -> list[str]:
+    """Remove checkpoints but the last `keep` and the best by held-out loss; returns the removed."""
+    folders = sorted(root.glob("step-*"))
+    losses = {}
+    for f in folders:
+        meta = f / "meta.json"
+        loss = json.loads(meta.read_text()).get("eval_loss") if meta.exists() else None
+        if loss is not None:
+            losses[f] = loss
+    kept = set(folders[-keep:]) | ({min(losses, key=losses.get)} if losses else set())
+    removed = [f for f in folders if f not in kept]
+    for f in removed:
+        shutil.rmtree(f, ignore_errors=True)
+    return [f.name for f in removed]
 
 
 @dataclass

@@ -54,6 +54,7 @@ class TrainConfig:
     run_driver: bool = True  # rank 0 drives the producers (so a detached campaign needs no laptop)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 100
+    keep_checkpoints: int = 2  # the last k are kept, and the best by held-out loss
     resume: bool = False
     log_path: str | None = None  # JSON lines, one per step (rank 0)
     cells_log: str | None = None  # per rank, JSON lines of the cell ids each step trained on (tests, audits)
@@ -132,7 +133,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     def save():
         checkpoint.save(cfg.checkpoint_dir, step, epoch, rank, world, progress, lambda: {
             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "config": json.dumps(asdict(cfg))}, dist.barrier)
+            "config": json.dumps(asdict(cfg))}, dist.barrier, keep=cfg.keep_checkpoints,
+            eval_loss=tracker.evals[-1]["eval_loss"] if tracker.evals else None)
 
     try:
         while epoch < cfg.epochs and step < total_steps:
