@@ -27,6 +27,7 @@ from trainer import checkpoint
 from trainer.launch import launch, wait_all
 
 STATUS_EVERY_S = 2.0
+CHECK_EVERY_S = 0.5  # how often the ranks and producers are looked at
 STOP_GRACE_S = 10.0  # how long producers together get to stop at the end before being killed
 PRODUCER_RETRIES = 3  # as the Modal producer function's retries=3
 RESTART_BACKOFF_S = 1.0
@@ -129,15 +130,18 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
         train_cfg = cfg.train_config(backend, facts, **changes)
         ranks = launch(train_cfg, cfg.gpus, workdir, summary_path=str(workdir / "summary"), log_ranks=True)
         started = time.monotonic()
+        printed = 0.0
         while any(p.poll() is None for p in ranks):
             if any(p.poll() not in (None, 0) for p in ranks):
                 break
             fleet.check()  # a dead producer is restarted; its unit is re-issued by the driver
             row = _last_step(log)
-            if not quiet and not (row and row["step"] >= total_steps):  # rank 0 prints the final table itself
+            due = time.monotonic() - printed >= STATUS_EVERY_S
+            if due and not quiet and not (row and row["step"] >= total_steps):  # rank 0 prints the final table
                 print(status_line(cfg, queue, store, log, started, total_steps, fleet.names, fleet.procs,
                                   facts["units_total"]), flush=True)
-            time.sleep(STATUS_EVERY_S)
+                printed = time.monotonic()
+            time.sleep(CHECK_EVERY_S)
         codes = wait_all(ranks, timeout=60)
         if codes != [0] * cfg.gpus:
             raise CellfeedError(f"the campaign failed: trainer ranks exited {codes}; rank logs are in {workdir}")
