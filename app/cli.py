@@ -77,14 +77,15 @@ def cmd_local(args) -> int:
     from pathlib import Path
 
     from app.config import CampaignConfig
-    from app.local import default_dataset, describe_resume, print_summary, run_local
+    from app.local import default_dataset, describe_resume, place_checkpoints, print_summary, run_local
     from coordination.tokens import layout
 
     workdir = Path(args.workdir)
     fields = {k: v for k, v in vars(args).items() if k in CampaignConfig.__dataclass_fields__ and v is not None}
     cfg = CampaignConfig(**{**fields, "dataset": args.dataset or "(synthesized)"})
-    if cfg.resume and not Path(cfg.checkpoint_dir).is_absolute():  # nothing to resume: say so before any work
-        describe_resume(CampaignConfig(**{**fields, "dataset": "-", "checkpoint_dir": str(workdir / cfg.checkpoint_dir)}))
+    place_checkpoints(cfg, workdir)
+    if cfg.resume:  # nothing to resume: say so before any work (synthesizing a dataset included)
+        describe_resume(cfg)
     cfg.dataset = args.dataset or default_dataset(workdir, args.cells, args.seed)
     summary = run_local(cfg, workdir, quiet=args.quiet, audit_cells=args.audit_cells)
     print_summary(summary, workdir / cfg.run, layout(cfg.tokenizer).objective)

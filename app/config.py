@@ -118,6 +118,11 @@ class CampaignConfig:
         return self
 
     @property
+    def run_checkpoint_dir(self) -> str:
+        """Where this run's checkpoints go (and `--resume` looks)."""
+        return f"{self.checkpoint_dir.rstrip('/')}/{self.run}"
+
+    @property
     def genes_per_cell(self) -> int:
         return self.max_genes or layout(self.tokenizer).default_genes
 
@@ -146,7 +151,7 @@ class CampaignConfig:
                     batch_size=self.batch_size, grad_accum=self.grad_accum, lr=self.lr, warmup_steps=self.warmup_steps,
                     max_steps=facts["total_steps"], epochs=facts["epochs"], seed=self.seed, compile=self.compile,
                     pad_to=spec.sequence_length(self.genes_per_cell),
-                    checkpoint_dir=f"{self.checkpoint_dir.rstrip('/')}/{self.run}", checkpoint_every=self.checkpoint_every,
+                    checkpoint_dir=self.run_checkpoint_dir, checkpoint_every=self.checkpoint_every,
                     keep_checkpoints=self.keep_checkpoints,
                     resume=self.resume, eval_every=self.eval_every if facts["held_out_cells"] else None,
                     eval_cells=facts["held_out_cells"])

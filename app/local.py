@@ -100,8 +100,7 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
     """Run a whole campaign locally; returns the trainer's summary (rank 0). With `audit_cells`,
     each rank writes the cell ids of every step to WORKDIR/RUN/cells.rank<r>.jsonl."""
     cfg.validate()
-    if not Path(cfg.checkpoint_dir).is_absolute():
-        cfg.checkpoint_dir = str(Path(workdir) / cfg.checkpoint_dir)
+    place_checkpoints(cfg, workdir)
     if cfg.resume:
         print(describe_resume(cfg))
     workdir = Path(workdir) / cfg.run
@@ -161,9 +160,15 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
             signal.signal(signal.SIGINT, previous)
 
 
+def place_checkpoints(cfg: CampaignConfig, workdir: str | Path) -> None:
+    """A relative checkpoint folder lives in the workdir."""
+    if not Path(cfg.checkpoint_dir).is_absolute():
+        cfg.checkpoint_dir = str(Path(workdir) / cfg.checkpoint_dir)
+
+
 def describe_resume(cfg: CampaignConfig) -> str:
     """What `--resume` continues from, in one line; an error when the run has no checkpoint."""
-    directory = f"{cfg.checkpoint_dir.rstrip('/')}/{cfg.run}"
+    directory = cfg.run_checkpoint_dir
     latest = checkpoint.latest(directory)
     if latest is None:
         raise CellfeedError(f"--resume: run {cfg.run!r} has no checkpoint in {directory}; leave out --resume to start "

@@ -96,7 +96,7 @@ def train_body(config: dict, facts: dict, *, backend: dict | None = None, spawn_
 
     cfg = _campaign(config)
     cfg.checkpoint_dir = checkpoint_dir
-    latest = checkpoint.latest(f"{checkpoint_dir.rstrip('/')}/{cfg.run}")
+    latest = checkpoint.latest(cfg.run_checkpoint_dir)
     if latest is not None and not cfg.resume:  # a re-run of this input (preemption): carry on
         print(f"run {cfg.run} has a checkpoint at step {latest.step}: resuming from it")
         cfg.resume = True
