@@ -150,10 +150,10 @@ def _slice_cells(tokens, lo: int, hi: int):
     return tokens.cell_ids[lo:hi], tokens.offsets[lo:hi + 1] - a, tokens.tokens[a:b], values
 
 
-def pack_items(tokens, *, epoch: int, key_id: int, run_tag: int, stitched: bool = False,
-               labels: np.ndarray | None = None, cells_per_item: int = 128) -> list[bytes]:
+def pack_cells(tokens, *, epoch: int, key_id: int, run_tag: int, stitched: bool = False,
+               labels: np.ndarray | None = None, cells_per_item: int = 128) -> list[bytearray]:
     """Pack tokenized cells (a `Tokens`) into items of at most `cells_per_item` cells and 1 MiB,
-    numbered 0, 1, ... in order; deterministic for the same input."""
+    not yet numbered (`number_items` does that once a unit's items are all packed)."""
     packed: list[bytearray] = []
 
     def emit(lo: int, hi: int) -> None:
@@ -170,6 +170,18 @@ def pack_items(tokens, *, epoch: int, key_id: int, run_tag: int, stitched: bool 
 
     for lo in range(0, tokens.n_cells, cells_per_item):
         emit(lo, min(lo + cells_per_item, tokens.n_cells))
-    for seq, data in enumerate(packed):  # number the items once their count is known (header only)
+    return packed
+
+
+def number_items(packed: list[bytearray]) -> list[bytes]:
+    """Number a unit's packed items 0, 1, ... in order and record their count (header only)."""
+    for seq, data in enumerate(packed):
         struct.pack_into("<II", data, _SEQ_OFFSET, seq, len(packed))
     return [bytes(d) for d in packed]
+
+
+def pack_items(tokens, *, epoch: int, key_id: int, run_tag: int, stitched: bool = False,
+               labels: np.ndarray | None = None, cells_per_item: int = 128) -> list[bytes]:
+    """Pack and number tokenized cells (a `Tokens`): deterministic for the same input."""
+    return number_items(pack_cells(tokens, epoch=epoch, key_id=key_id, run_tag=run_tag, stitched=stitched,
+                                   labels=labels, cells_per_item=cells_per_item))

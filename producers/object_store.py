@@ -14,6 +14,7 @@ bytes are paced to `bandwidth_mbps`.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import socket
@@ -41,11 +42,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
 
 
+def _in_child(cpus: set[int] | None) -> None:
+    _die_with_parent()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 class SeaweedServer:
     """`weed server -s3` on 127.0.0.1 with one identity (every request is authenticated), its data in
-    a temporary folder; stopped and removed on `close`."""
+    a temporary folder; stopped and removed on `close`. `cpus`: the CPUs it may use (a benchmark
+    keeps it off the producer's, as a remote store's would be)."""
 
-    def __init__(self, start_timeout_s: float = 60.0):
+    def __init__(self, start_timeout_s: float = 60.0, cpus: set[int] | None = None):
         beside = Path(sys.executable).with_name("weed")  # the venv's, when it is not activated
         weed = str(beside) if beside.exists() else shutil.which("weed")
         if weed is None:
@@ -68,8 +76,13 @@ class SeaweedServer:
                  f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", "-filer",
                  f"-filer.port={ports['filer']}", "-s3", f"-s3.port={ports['s3']}", f"-s3.config={self.root / 's3.json'}",
                  "-s3.port.iceberg=0", "-s3.port.lance=0",  # SeaweedFS's other listeners, on fixed ports: off
-                 "-master.volumeSizeLimitMB=16", "-volume.max=0", *grpc],  # small volumes, as many as the disk holds: every bucket is a collection with volumes of its own
-                stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                 # small volumes, as many as the disk holds: every bucket is a collection with volumes of its own
+                 "-master.volumeSizeLimitMB=16", "-volume.max=0",
+                 # objects stored in 1 MB chunks: a ranged GET reads the chunks it touches, and with the
+                 # default 4 MB it costs this machine ~2.5x the CPU (the server shares our cores; a remote
+                 # store's CPU is not the client's)
+                 "-filer.maxMB=1", *grpc],
+                stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=lambda: _in_child(cpus))
         self._wait_ready(start_timeout_s)
 
     @property
@@ -83,6 +96,11 @@ class SeaweedServer:
 
         return boto3.client("s3", endpoint_url=endpoint or self.endpoint, aws_access_key_id=ACCESS_KEY,
                             aws_secret_access_key=SECRET_KEY, region_name=REGION)
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server has used so far (Linux): what serving costs this machine's cores."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def _wait_ready(self, timeout_s: float) -> None:
         """Until a bucket can be created and written (the filer and a volume are up, not just the port)."""

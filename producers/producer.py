@@ -17,8 +17,8 @@ import queue as stdlib_queue
 import socket
 import threading
 import time
-from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from collections import defaultdict, deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,8 +30,9 @@ from coordination.queues import Empty, Full, Map, MapGone, Queue, request_batche
 from coordination.routing import (EVAL_PARTITION, EVENTS_PARTITION, TASKS_PARTITION, cell_rank, decode_task,
                                   encode_event, epoch_map_name, rank_partition, run_tag, stop_key, unit_rank)
 from coordination.seeds import cell_rng, held_out_rng, unit_rng
-from coordination.wire import pack_items
+from coordination.wire import number_items, pack_cells
 from producers.dataset import Dataset, RowBlock, error_text, open_dataset
+from producers.storage import LocalLocation
 from producers.gene_stats import load_gene_medians
 from producers.ranking import CellRows
 from producers.stitch import offer_piece
@@ -40,6 +41,9 @@ from producers.tokenizers import make_tokenizer, needs_gene_medians
 STOP_POLL_S = 1.0  # how often a waiting producer looks at its stop flag
 HEARTBEAT_S = 3.0  # how often a producer says what it holds (the driver re-issues after LEASE_S of silence)
 OUTBOX_JOBS = 16  # jobs (a unit's items, a done event) the courier may be behind the loop
+MAX_READ_AHEAD = 16  # units read ahead at most
+READ_AHEAD_BYTES = 512 << 20  # rows held by the units read ahead at most (a b=16 f=256 unit holds ~100 MB)
+CHUNK_CELLS = 256  # cells tokenized at once: their rows (~0.4M at 1,600 genes per cell) fit in cache
 
 
 class Stopped(Exception):
@@ -61,6 +65,8 @@ class ProducerConfig:
     subset_filter: str | None = None  # a Lance SQL filter on obs, e.g. "plate != 'plate14'"
     subset_ids: tuple[int, ...] | None = None
     exclude_filter: str | None = None  # cells never to produce for training, e.g. the held-out split
+    threads: int | None = None  # tokenizing threads; None: one per CPU this process may use
+    read_ahead: int | None = None  # units read ahead of the one tokenized; None: as many as the read latency needs
     heartbeat_s: float = HEARTBEAT_S
     put_timeout_s: float = 600.0
     idle_timeout_s: float = 10.0
@@ -69,11 +75,20 @@ class ProducerConfig:
         self.sampling.validate()
         if self.world_size < 1:
             raise CellfeedError(f"world_size must be >= 1, got {self.world_size}")
+        if self.threads is not None and self.threads < 1:
+            raise CellfeedError(f"threads must be >= 1, got {self.threads}")
+        if self.read_ahead is not None and self.read_ahead < 1:
+            raise CellfeedError(f"read_ahead must be >= 1, got {self.read_ahead}")
         if self.cells_per_item < 1:
             raise CellfeedError(f"cells_per_item must be >= 1, got {self.cells_per_item}")
         if not self.run or "/" in self.run:
             raise CellfeedError(f"run id must be non-empty and without '/', got {self.run!r}")
         return self
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (a container's share, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def select_cells(ds: Dataset, subset_filter: str | None = None, subset_ids=None, exclude_filter: str | None = None,
@@ -127,6 +142,10 @@ class ProducerStats:
     items: int = 0
     bytes: int = 0
     seconds: dict = field(default_factory=lambda: defaultdict(float))
+    # per unit, the latest few thousand: how long its rows took to read, and how long the loop
+    # then waited for them (0 when the read-ahead hid the read)
+    unit_read_s: deque = field(default_factory=lambda: deque(maxlen=4096))
+    unit_wait_s: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     def add_time(self, stage: str, start: float) -> float:
         now = time.perf_counter()
@@ -163,7 +182,11 @@ class Producer:
 
     def _setup_loop(self) -> None:
         """State of the coordination loop (`run`), apart from the data work."""
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cellfeed-prefetch")
+        cfg = self.config
+        self._reader = ThreadPoolExecutor(max_workers=cfg.read_ahead or MAX_READ_AHEAD,
+                                          thread_name_prefix="cellfeed-prefetch")
+        self.threads = cfg.threads or usable_cpus()
+        self._workers = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cellfeed-tokenize")
         self._held: list[tuple[int, int]] = []  # units taken and not yet done
         self._held_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -171,6 +194,8 @@ class Producer:
         self._beat_at = 0.0
         self._courier_error: BaseException | None = None
         self._epoch_maps: dict[int, Map] = {}
+        self._unit_work_s: deque = deque(maxlen=8)  # recent units' tokenize-pack-hand-off times
+        self._unit_bytes = 0  # the latest unit's rows in memory
 
     def plan(self, epoch: int) -> EpochPlan:
         """The epoch's plan, cached for this and the previous epoch (the read-ahead may cross)."""
@@ -186,10 +211,12 @@ class Producer:
     def _put(self, items: list[bytes], partition: str) -> None:
         """Hand items to the courier (the loop's sender thread; puts them in order, then the unit's
         done event), or put them now when no loop runs (the held-out set)."""
+        t = time.perf_counter()
         if self._courier is None:
             self._put_now(items, partition)
         else:
             self._post(("items", partition, items))
+        self.stats.add_time("put", t)
         self.stats.items += len(items)
         self.stats.bytes += sum(len(b) for b in items)
 
@@ -215,31 +242,19 @@ class Producer:
                 if partition != EVENTS_PARTITION:  # backpressure is no silence: keep heartbeating
                     self._beat_if_due()
 
-    def _emit(self, rows: CellRows, epoch: int, key_id: int, stitched: bool, partition: str,
-              rng: np.random.Generator) -> None:
-        t = time.perf_counter()
-        tokens = self.tokenizer(rows, rng)
-        t = self.stats.add_time("tokenize", t)
-        labels = None if self.labels is None else self.labels[rows.cell_ids]
-        items = pack_items(tokens, epoch=epoch, key_id=key_id, run_tag=self.tag, stitched=stitched,
-                           labels=labels, cells_per_item=self.config.cells_per_item)
-        t = self.stats.add_time("pack", t)
-        self._put(items, partition)
-        self.stats.add_time("put", t)
-        self.stats.cells += rows.n_cells
-
     def produce_held_out(self, cell_ids: np.ndarray, partition: str = EVAL_PARTITION) -> int:
         """Tokenize a fixed set of cells (e.g. an evaluation split) into `partition`, once."""
         cell_ids = np.sort(np.asarray(cell_ids, dtype=np.int64))
-        block = self.ds.read_cells(cell_ids)
+        block = self.ds.read_cells(cell_ids, with_cell_ids=False)
         counts = np.diff(self.ds.cell_row_start)[cell_ids]
-        rows = CellRows(cell_ids, offsets_of(counts), block.gene, block.value)
-        self._emit(rows, 0, 0, False, partition, held_out_rng(self.config.seed))
+        items = self._tokenize_and_pack(cell_ids, offsets_of(counts)[:-1], counts, block, 0, 0,
+                                        held_out_rng(self.config.seed))
+        self._put(items, partition)
         return len(cell_ids)
 
     def read(self, epoch: int, unit_id: int) -> tuple[WorkUnit, RowBlock]:
         unit = self.plan(epoch).unit(unit_id)
-        return unit, self.ds.read_row_ranges(unit.ranges)
+        return unit, self.ds.read_row_ranges(unit.ranges, with_cell_ids=False)
 
     def process(self, epoch: int, unit_id: int, rows: tuple[WorkUnit, RowBlock] | None = None) -> None:
         """Produce every item of one unit (and any boundary cell it completes); `rows`: the unit
@@ -247,19 +262,16 @@ class Producer:
         cfg = self.config
         t = time.perf_counter()
         unit, block = rows if rows is not None else self.read(epoch, unit_id)
-        t = self.stats.add_time("read", t)
-        cell_col = block.cell
-        rng = unit_rng(cfg.seed, epoch, unit_id)
-        # whole cells, shuffled; each cell's rows are contiguous in the block
-        order = rng.permutation(len(unit.cells))
-        cells = unit.cells[order]
-        lo = np.searchsorted(cell_col, cells, side="left")
-        hi = np.searchsorted(cell_col, cells, side="right")
-        rows_idx = ragged_arange(lo, hi)
-        whole = CellRows(cells, offsets_of(hi - lo), block.gene[rows_idx], block.value[rows_idx])
         self.stats.add_time("read", t)
-        if whole.n_cells:
-            self._emit(whole, epoch, unit_id, False, rank_partition(unit_rank(unit_id, cfg.world_size)), rng)
+        rng = unit_rng(cfg.seed, epoch, unit_id)
+        cells = unit.cells[rng.permutation(len(unit.cells))]  # whole cells, shuffled
+        if len(cells):
+            starts = self.geometry.cell_row_start
+            first = positions_in_ranges(unit.ranges, starts[cells])  # each cell's rows, contiguous in the block
+            items = self._tokenize_and_pack(cells, first, starts[cells + 1] - starts[cells], block, epoch, unit_id,
+                                            rng)
+            self._put(items, rank_partition(unit_rank(unit_id, cfg.world_size)))
+            self.stats.cells += len(cells)
         # boundary pieces: stitch through the map; the last arrival emits the cell
         piece_at = positions_in_ranges(unit.ranges, unit.piece_rows[:, 0]) if len(unit.pieces) else []
         for p, (cell, index, count) in enumerate(zip(unit.pieces.tolist(), unit.piece_index.tolist(),
@@ -274,10 +286,46 @@ class Producer:
                 whole_cell = None
             self.stats.add_time("stitch", t)
             if whole_cell is not None:
-                rows = CellRows(np.array([cell], dtype=np.int64), np.array([0, len(whole_cell[0])]), *whole_cell)
-                rng_of_cell = cell_rng(cfg.seed, epoch, cell)
-                self._emit(rows, epoch, cell, True, rank_partition(cell_rank(cell, cfg.world_size)), rng_of_cell)
+                genes, values = whole_cell
+                items = self._tokenize_and_pack(np.array([cell]), np.array([0]), np.array([len(genes)]),
+                                                RowBlock(None, genes, values), epoch, cell, cell_rng(cfg.seed, epoch, cell),
+                                                stitched=True)
+                self._put(items, rank_partition(cell_rank(cell, cfg.world_size)))
+                self.stats.cells += 1
         self.stats.units += 1
+
+    def _tokenize_and_pack(self, cells: np.ndarray, first: np.ndarray, counts: np.ndarray, block: RowBlock,
+                           epoch: int, key_id: int, rng: np.random.Generator, stitched: bool = False) -> list[bytes]:
+        """Items of `cells` (in this order; cell i's rows are block[first[i]:first[i] + counts[i]]).
+
+        Worked in chunks of a few hundred cells, on `threads` threads: a chunk's rows fit in cache
+        (one sort of a whole unit's rows is several times slower per row), and NumPy, the sort
+        and zstd release the GIL. Chunks hold whole items, so the items are the same as if the
+        unit were packed at once; each chunk draws from its own child of the unit's generator."""
+        cfg = self.config
+        size = cfg.cells_per_item * max(1, CHUNK_CELLS // cfg.cells_per_item)
+        bounds = list(range(0, len(cells), size))
+        rngs = rng.spawn(len(bounds))
+
+        def chunk(i: int) -> tuple[list[bytearray], float, float]:
+            t0 = time.perf_counter()
+            sel = slice(bounds[i], bounds[i] + size)
+            at = ragged_arange(first[sel], first[sel] + counts[sel])
+            rows = CellRows(cells[sel], offsets_of(counts[sel]), block.gene[at], block.value[at])
+            tokens = self.tokenizer(rows, rngs[i])
+            t1 = time.perf_counter()
+            labels = None if self.labels is None else self.labels[rows.cell_ids]
+            packed = pack_cells(tokens, epoch=epoch, key_id=key_id, run_tag=self.tag, stitched=stitched,
+                                labels=labels, cells_per_item=cfg.cells_per_item)
+            return packed, t1 - t0, time.perf_counter() - t1
+
+        jobs = map(chunk, range(len(bounds))) if len(bounds) == 1 else self._workers.map(chunk, range(len(bounds)))
+        packed = []
+        for part, tokenize_s, pack_s in jobs:
+            packed += part
+            self.stats.seconds["tokenize"] += tokenize_s
+            self.stats.seconds["pack"] += pack_s
+        return number_items(packed)
 
     def _epoch_map(self, epoch: int) -> Map:
         """The epoch's stitching map (the driver creates it; opening it creates nothing)."""
@@ -302,7 +350,10 @@ class Producer:
                 epoch, unit = decode_task(task)
                 with self._held_lock:
                     self._held.append((epoch, unit))
-                return epoch, unit, self.read(epoch, unit)
+                t = time.perf_counter()
+                rows = self.read(epoch, unit)
+                self.stats.unit_read_s.append(time.perf_counter() - t)
+                return epoch, unit, rows
             if time.monotonic() >= idle_until:
                 return None
         return None
@@ -361,26 +412,38 @@ class Producer:
 
     def run(self, max_units: int | None = None) -> ProducerStats:
         """Work until the task list stays empty for `idle_timeout_s`, a stop is signalled, or
-        `max_units` units are done. The next unit is taken and read while this one is tokenized;
-        the courier thread sends while the next is worked on, so no call waits on this thread."""
+        `max_units` units are done. The next `read_ahead` units are taken and read while this one
+        is tokenized (deeper when storage is remote: its reads take several round trips); the
+        courier thread sends while the next is worked on, so no call waits on this thread."""
         self._outbox = stdlib_queue.Queue(maxsize=OUTBOX_JOBS)
         self._stopping.clear()  # a stop still signalled in the map is read by the courier's first heartbeat
         self._courier_error = None
         self._courier = threading.Thread(target=self._courier_loop, daemon=True, name="cellfeed-courier")
         self._courier.start()
-        ahead = self._reader.submit(self._take_and_read)
+        ahead: deque = deque()
+        taken_units = 0
+        idle = False
         finished = False
         try:
-            while ahead is not None:
-                t = time.perf_counter()
-                taken = ahead.result()
-                self.stats.add_time("read", t)
-                if taken is None:
+            while True:
+                while not idle and len(ahead) < self.read_ahead() and (max_units is None or taken_units < max_units):
+                    ahead.append(self._reader.submit(self._take_and_read))
+                    taken_units += 1
+                if not ahead:
                     break
-                more = max_units is None or self.stats.units + 1 < max_units
-                ahead = self._reader.submit(self._take_and_read) if more else None
+                t = time.perf_counter()
+                taken = self._first_done(ahead).result()
+                self.stats.add_time("read", t)
+                if taken is not None:
+                    self.stats.unit_wait_s.append(time.perf_counter() - t)
+                if taken is None:  # the task list stayed empty (or a stop): finish what was taken
+                    idle = True
+                    continue
                 epoch, unit, rows = taken
+                t = time.perf_counter()
                 self.process(epoch, unit, rows)
+                self._unit_work_s.append(time.perf_counter() - t)
+                self._unit_bytes = rows[1].gene.nbytes + rows[1].value.nbytes
                 self._post(("done", (epoch, unit)))
             self._post(("end",))
             finished = True
@@ -394,6 +457,31 @@ class Producer:
         if self._courier_error is not None:
             raise self._courier_error
         return self.stats
+
+    @staticmethod
+    def _first_done(ahead: deque) -> Future:
+        """Remove and return the oldest finished take-and-read (waiting for one if none is):
+        never wait on a take still looking for a task while a later one holds a unit's rows."""
+        done = next((f for f in ahead if f.done()), None)
+        if done is None:
+            wait(ahead, return_when=FIRST_COMPLETED)
+            done = next(f for f in ahead if f.done())
+        ahead.remove(done)
+        return done
+
+    def read_ahead(self) -> int:
+        """Units to have taken and in reading while one is worked on: enough that a unit's read
+        (a few round trips on object storage) ends before the units ahead of it are worked
+        through -- 1 + read time / work time, from the recent units -- within `READ_AHEAD_BYTES`
+        of rows. Fixed when `ProducerConfig.read_ahead` is set."""
+        if self.config.read_ahead:
+            return self.config.read_ahead
+        if not self.stats.unit_read_s or not self._unit_work_s:
+            return 1 if isinstance(self.ds.location, LocalLocation) else 4  # a guess until measured
+        read_s = float(np.median(list(self.stats.unit_read_s)[-8:]))
+        work_s = max(1e-3, float(np.median(self._unit_work_s)))
+        by_memory = READ_AHEAD_BYTES // max(1, self._unit_bytes)
+        return int(max(1, min(MAX_READ_AHEAD, by_memory, 1 + np.ceil(read_s / work_s))))
 
     def totals(self) -> dict:
         """Running totals (cells, units, items, bytes, busy seconds), for monitors."""

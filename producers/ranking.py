@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordination.arrays import offsets_of
+from coordination.arrays import offsets_of, ragged_arange
 
 
 @dataclass
@@ -41,8 +41,8 @@ class CellRows:
 
 def rank_order(rows: CellRows, score: np.ndarray | None = None) -> CellRows:
     """Each cell's rows sorted by (score or value descending, gene ascending)."""
-    if (score is None and rows.values.dtype == np.uint16 and len(rows.genes)
-            and int(rows.genes.max(initial=0)) < (1 << 16) and rows.n_cells < (1 << 31)):
+    small = len(rows.genes) and int(rows.genes.max(initial=0)) < (1 << 16)
+    if score is None and rows.values.dtype == np.uint16 and small and rows.n_cells < (1 << 31):
         # key = cell << 32 | ~value << 16 | gene: one sort orders (cell, -value, gene), and the
         # sorted keys decode back to genes and values (the low 16-bit fields, by truncation)
         key = np.repeat(np.arange(rows.n_cells, dtype=np.uint64) << np.uint64(32), rows.counts)
@@ -52,10 +52,58 @@ def rank_order(rows: CellRows, score: np.ndarray | None = None) -> CellRows:
         genes = key.astype(np.uint16).astype(rows.genes.dtype, copy=False)
         values = np.invert((key >> np.uint64(16)).astype(np.uint16))
         return CellRows(rows.cell_ids, rows.offsets, genes, values)
+    if score is not None and small and rows.n_cells < (1 << 32) and score.dtype == np.float64 \
+            and bool(np.all(score >= 0)) and bool(np.all(np.isfinite(score))):
+        return rows.take(_score_order(rows, score), rows.offsets)
     cell = rows.cell_of_row()
     primary = rows.values if score is None else score
     order = np.lexsort((rows.genes, -primary.astype(np.float64), cell))
     return rows.take(order, rows.offsets)
+
+
+def _score_order(rows: CellRows, score: np.ndarray) -> np.ndarray:
+    """The row order of (cell, score descending, gene ascending) for non-negative float64 scores,
+    exactly as a lexsort gives it (which is ~10x slower), from one argsort of packed 64-bit keys:
+    cell | the top bits of the inverted score bits (a non-negative float orders like its bits) |
+    gene (16 bits). Scores that differ only in the bits cut off tie in the key (rare: the key keeps
+    ~30 of 52 mantissa bits for a few hundred cells); those runs alone are re-sorted exactly."""
+    cell_bits = max(1, (rows.n_cells - 1).bit_length())
+    score_bits = 48 - cell_bits
+    key = np.repeat(np.arange(rows.n_cells, dtype=np.uint64) << np.uint64(16 + score_bits), rows.counts)
+    top = np.invert(score.view(np.uint64)) >> np.uint64(63 - score_bits) & np.uint64((1 << score_bits) - 1)
+    key |= top << np.uint64(16)
+    key |= rows.genes.astype(np.uint64)
+    order = np.argsort(key)  # (cell, gene) is unique, so no two keys are equal
+    coarse = key[order] >> np.uint64(16)
+    tied = coarse[1:] == coarse[:-1]
+    if not tied.any():
+        return order
+    ordered_score = score[order]
+    bad = np.flatnonzero(tied & (ordered_score[1:] != ordered_score[:-1]))
+    if not len(bad):
+        return order  # only exact ties, which the key already orders by gene
+    # re-sort the groups of equal truncated keys that hold unequal scores, exactly: the group's
+    # rows are in (cell, gene) order now, so a stable sort by score then by cell breaks ties by gene
+    group = np.concatenate([[0], np.cumsum(~tied)])
+    groups = np.unique(group[bad])
+    at = ragged_arange(np.searchsorted(group, groups, side="left"), np.searchsorted(group, groups, side="right"))
+    rows_at = order[at]
+    by_score = np.argsort(-score[rows_at], kind="stable")
+    by_cell = np.argsort((key[rows_at] >> np.uint64(16 + score_bits))[by_score], kind="stable")
+    order[at] = rows_at[by_score[by_cell]]
+    return order
+
+
+def gene_order(rows: CellRows) -> CellRows:
+    """Each cell's rows by gene: as stored (cell-major, then gene), so only checked, unless the
+    rows come in another order (then sorted)."""
+    genes = rows.genes.astype(np.int64)
+    step = np.diff(genes)
+    starts = rows.offsets[1:-1]
+    step[starts[(starts > 0) & (starts < len(genes))] - 1] = 1  # a new cell may start lower
+    if bool(np.all(step > 0)):
+        return rows
+    return rows.take(np.lexsort((rows.genes, rows.cell_of_row())), rows.offsets)
 
 
 def random_order(rows: CellRows, rng: np.random.Generator) -> CellRows:

@@ -24,7 +24,7 @@ import numpy as np
 from coordination.arrays import offsets_of
 from coordination.errors import CellfeedError
 from coordination.tokens import CLS, GENE_OFFSET, Layout, layout
-from producers.ranking import CellRows, quantile_bins, random_order, rank_order, truncate
+from producers.ranking import CellRows, gene_order, quantile_bins, random_order, rank_order, truncate
 
 
 @dataclass
@@ -128,9 +128,7 @@ class RawTokenizer:
         self.n_genes, self.max_genes = n_genes, max_genes
 
     def __call__(self, rows: CellRows, rng=None) -> Tokens:
-        cell = rows.cell_of_row()
-        ordered = rows.take(np.lexsort((rows.genes, cell)), rows.offsets)
-        chosen = truncate(ordered, self.max_genes)
+        chosen = truncate(gene_order(rows), self.max_genes)
         return _with_specials(chosen, self.n_genes, None, None, chosen.values.astype(np.float32))
 
 

@@ -15,7 +15,7 @@ import scipy.sparse as sp
 from app.cli import main as cli
 from coordination.errors import CellfeedError
 from producers.convert import convert
-from producers.dataset import DatasetWriter, open_dataset
+from producers.dataset import DatasetWriter, RowBlock, open_dataset
 from tests.conftest import PBMC, random_counts, write_h5ad
 
 
@@ -187,9 +187,17 @@ def test_open_rejects_broken_datasets(small_synth, tmp_path):
         open_dataset(broken)
 
 
-def test_row_range_reads_agree_with_one_contiguous_read(small_synth):
+@pytest.mark.parametrize("slice_rows", [1 << 18, 777])
+def test_row_range_reads_agree_with_one_contiguous_read(small_synth, slice_rows, monkeypatch):
+    import producers.dataset
+
+    monkeypatch.setattr(producers.dataset, "SLICE_ROWS", slice_rows)  # long ranges cut into many slices
     ds = small_synth
-    everything = ds.read_rows(0, ds.n_rows)
+    table = ds.expression.to_table()  # Lance's own read of the whole table: the reference
+    everything = RowBlock(*[table.column(c).to_numpy() for c in ("cell_integer_id", "gene_integer_id", "value")])
+    whole = ds.read_row_ranges(np.array([[0, ds.n_rows]]))
+    for name in ("cell", "gene", "value"):
+        np.testing.assert_array_equal(getattr(whole, name), getattr(everything, name))
     rng = np.random.default_rng(0)
     bounds = [f.row_start for f in ds.fragments[1:4]]
     for ranges in (
@@ -201,6 +209,10 @@ def test_row_range_reads_agree_with_one_contiguous_read(small_synth):
         idx = np.concatenate([np.arange(a, b) for a, b in ranges])
         for name in ("cell", "gene", "value"):
             np.testing.assert_array_equal(getattr(got, name), getattr(everything, name)[idx])
+        lean = ds.read_row_ranges(ranges, with_cell_ids=False)  # what a producer reads
+        assert lean.cell is None
+        np.testing.assert_array_equal(lean.gene, got.gene)
+        np.testing.assert_array_equal(lean.value, got.value)
     with pytest.raises(IndexError):
         ds.read_row_ranges(np.array([[0, ds.n_rows + 1]]))
 

@@ -69,7 +69,8 @@ def test_every_cell_exactly_once_across_threads(small_synth, strategy):
     config = ProducerConfig(dataset=small_synth.uri, run=f"t-{strategy}", seed=4, world_size=WORLD,
                             sampling=Sampling(strategy, unit_cells=150, n_scanners=3, block_size=8,
                                               fetch_factor=4, batch_size=32),
-                            max_genes=64, cells_per_item=50, label_column="plate", idle_timeout_s=0.5)
+                            max_genes=64, cells_per_item=50, label_column="plate", idle_timeout_s=0.5,
+                            read_ahead=3, threads=2)  # three units in reading at once per producer
     producers = [Producer(config, queue, store, dataset=small_synth) for _ in range(3)]
     plan = enqueue_epoch(queue, producers[0], 0, extra_units=[0, 1])  # two units produced twice
     threads = [threading.Thread(target=p.run) for p in producers]
@@ -103,6 +104,36 @@ def test_unit_output_is_identical_every_time(small_synth):
         Producer(config, queue, MemoryMap(), dataset=small_synth).process(0, 3)
         outputs.append(queue.get_many(1000, block=False, partition=rank_partition(0)))
     assert outputs[0] == outputs[1] and len(outputs[0]) > 0
+
+
+@pytest.mark.parametrize("tokenizer", ["scgpt", "raw"])
+def test_chunked_threaded_tokenizing_equals_one_pass(small_synth, monkeypatch, tokenizer):
+    """A unit tokenized in chunks on several threads gives exactly the items of tokenizing all its
+    cells at once and packing them (item boundaries included)."""
+    import producers.producer as producer_module
+    from coordination.seeds import unit_rng
+    from coordination.wire import pack_items
+    from producers.ranking import CellRows
+
+    monkeypatch.setattr(producer_module, "CHUNK_CELLS", 40)  # several chunks of 2 items each
+    sampling = Sampling("block", block_size=16, fetch_factor=8, batch_size=32, min_units=1)
+    config = ProducerConfig(dataset=small_synth.uri, run="chunks", world_size=1, max_genes=48,
+                            cells_per_item=20, tokenizer=tokenizer, sampling=sampling, threads=3)
+    producer = Producer(config, MemoryQueue(), MemoryMap(), dataset=small_synth)
+    unit = producer.plan(0).unit(2)
+    assert len(unit.cells) > 3 * 40
+    queue = MemoryQueue()
+    producer.queue = queue
+    producer.process(0, 2)
+    got = queue.get_many(10**6, block=False, partition=rank_partition(0))
+
+    cells = unit.cells[unit_rng(0, 0, 2).permutation(len(unit.cells))]  # the one-pass reference
+    block = small_synth.read_cells(cells)
+    rows = CellRows(cells, np.concatenate([[0], np.cumsum(np.diff(small_synth.cell_row_start)[cells])]),
+                    block.gene, block.value)
+    expected = pack_items(producer.tokenizer(rows, None), epoch=0, key_id=2, run_tag=run_tag("chunks"),
+                          cells_per_item=20)
+    assert got == expected
 
 
 class CrashingQueue(MemoryQueue):

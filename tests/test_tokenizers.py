@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from coordination.errors import CellfeedError
-from producers.ranking import CellRows, rank_order, truncate
+from producers.ranking import CellRows, gene_order, rank_order, truncate
 from coordination.tokens import CLS, EOS, layout
 from producers.tokenizers import make_tokenizer
 
@@ -113,9 +113,17 @@ def test_geneformer_alias_is_v2():
     np.testing.assert_array_equal(a.tokens, b.tokens)
 
 
+@pytest.mark.parametrize("as_stored", [False, True])
 @pytest.mark.parametrize("floats", [False, True])
-def test_raw_matches_reference(floats):
+def test_raw_matches_reference(floats, as_stored):
     rows = random_cells(4, floats=floats)
+    if as_stored:  # each cell's genes ascending, as read from storage (the path that sorts nothing)
+        order = np.lexsort((rows.genes, rows.cell_of_row()))
+        offsets = rows.offsets.copy()
+        offsets[-2:] = offsets[-3]  # and two empty cells at the end (the first is empty too)
+        order = order[:offsets[-1]]
+        rows = CellRows(rows.cell_ids, offsets, rows.genes[order], rows.values[order])
+        assert rows.counts[0] == 0 and gene_order(rows) is rows
     tok = make_tokenizer("raw", 3000, max_genes=50)(rows)
     for i, (genes, values) in enumerate(per_cell(rows)):
         order = np.argsort(genes, kind="stable")[:50]
@@ -131,6 +139,25 @@ def test_rank_order_fast_path_equals_general_path():
     np.testing.assert_array_equal(fast.values, general.values)
     top = truncate(fast, 5)
     assert top.counts.max() == 5 and np.array_equal(top.counts, np.minimum(rows.counts, 5))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rank_by_score_equals_lexsort_with_exact_and_one_ulp_ties(seed):
+    """The packed-key ranking (a truncated score in the key) equals a plain lexsort, also when
+    scores tie exactly, differ in the last bit only, or span many orders of magnitude."""
+    rows = random_cells(seed, n_cells=300)
+    rng = np.random.default_rng(seed)
+    base = rng.choice([0.0, 1.0, 1.5, 3.0, 1e-7, 2.5e6], size=len(rows.genes))
+    ulps = rng.integers(-2, 3, size=len(rows.genes))
+    score = np.array([np.nextafter(b, np.inf) if u > 0 else np.nextafter(b, -np.inf) if u < 0 and b > 0 else b
+                      for b, u in zip(base, ulps)])
+    score[::7] = rng.random(len(score[::7])) * 10.0 ** rng.integers(-5, 6, size=len(score[::7]))
+    for s in (score, np.abs(score)):
+        cell = rows.cell_of_row()
+        expected = np.lexsort((rows.genes, -s, cell))
+        ranked = rank_order(rows, score=s)
+        np.testing.assert_array_equal(ranked.genes, rows.genes[expected])
+        np.testing.assert_array_equal(ranked.values, rows.values[expected])
 
 
 def test_bad_tokenizer_settings_fail_before_work():

@@ -1,0 +1,208 @@
+"""One producer reading from object storage as the product does: the same atlas on local disk, on
+a real S3 server (SeaweedFS on 127.0.0.1) and on that server behind a proxy that gives every
+request a remote store's time to first byte (default 30 ± 10 ms) and each connection a bandwidth
+cap. scGPT, 1,024 genes, units as large as on a Tahoe-scale atlas; for each strategy: cells/s,
+GETs per 1,000 cells, bytes fetched per cell, read amplification (bytes fetched / the rows'
+bytes as uint16 gene + uint16 value), p50/p99 time to read a unit's rows and how long the loop
+then waited for them, the server's CPU per 1,000 cells (it shares this machine's cores), and the
+producer's start-up time. Rates are steady rates: the wait for a producer's first unit (shown as
+"fill") is paid once per producer and reported apart.
+
+    python benchmarks/object_store.py            # 100k-cell atlas, >= 60k cells and 4 units per setting
+    python benchmarks/object_store.py --quick    # >= 6k cells and 3 units per setting, about a minute
+
+Ends with one JSON line of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.producer import STRATEGIES, run_config  # noqa: E402
+from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
+from producers.dataset import open_dataset  # noqa: E402
+from producers.object_store import REGION, S3Proxy, SeaweedServer  # noqa: E402
+from producers.producer import Producer, ProducerConfig  # noqa: E402
+from producers.storage import S3Settings  # noqa: E402
+from producers.synth import SynthSpec, synthesize  # noqa: E402
+
+ROW_BYTES = 4  # a non-zero as the producer needs it: uint16 gene + uint16 value
+
+
+def upload(server: SeaweedServer, folder: str, bucket: str, prefix: str) -> str:
+    """Copy a dataset folder into the bucket, file by file (the bytes Lance wrote, unchanged), each
+    in one PUT: SeaweedFS serves ranged GETs of multipart-uploaded objects at several times the CPU."""
+    s3 = server.client()
+    s3.create_bucket(Bucket=bucket)
+    for path in sorted(Path(folder).rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as body:
+                s3.put_object(Bucket=bucket, Key=f"{prefix}/{path.relative_to(folder).as_posix()}", Body=body)
+    return f"s3://{bucket}/{prefix}"
+
+
+def _serve_proxy(upstream: str, options: dict, cpus: set[int] | None, conn) -> None:
+    """(child process) The proxy, on its own CPUs: answers "counts" and stops on "stop"."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    with S3Proxy(upstream, **options) as proxy:
+        conn.send(proxy.endpoint)
+        while conn.recv() != "stop":
+            conn.send((proxy.requests, proxy.bytes_down))
+
+
+class ProxyProcess:
+    """An `S3Proxy` in a process of its own, so its CPU is not the producer's."""
+
+    def __init__(self, upstream: str, cpus: set[int] | None, **options):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_proxy, args=(upstream, options, cpus, child), daemon=True)
+        self._proc.start()
+        self.endpoint = self._conn.recv()
+
+    @property
+    def requests(self) -> int:
+        self._conn.send("counts")
+        return self._conn.recv()[0]
+
+    def close(self) -> None:
+        self._conn.send("stop")
+        self._proc.join(timeout=10)
+
+
+def start_up_s(uri: str, settings: S3Settings | None) -> float:
+    """Open the dataset and build a producer (cell index, plan geometry, tokenizer): what a new
+    producer pays before its first unit."""
+    t = time.perf_counter()
+    ds = open_dataset(uri, settings)
+    producer = Producer(ProducerConfig(dataset=uri, run="startup"), MemoryQueue(), MemoryMap(), dataset=ds)
+    producer.plan(0)
+    return time.perf_counter() - t
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=">= 6k cells and 3 units per setting")
+    parser.add_argument("--cells", type=int, default=None, help="atlas size (default 100,000)")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="cells per setting, at least 4 units (3 quick) (default 60,000; 6,000 quick)")
+    parser.add_argument("--latency-ms", type=float, default=30.0, help="proxy: time to first byte (default 30)")
+    parser.add_argument("--jitter-ms", type=float, default=10.0, help="proxy: ± uniform jitter (default 10)")
+    parser.add_argument("--bandwidth-mbps", type=float, default=800.0,
+                        help="proxy: per-connection cap in Mbit/s, about one S3 connection's (default 800)")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="let the producer, the server and the proxy share all cores (default: the producer "
+                             "on CPU 0, the server and the proxy on the others, as if the store were remote)")
+    args = parser.parse_args()
+    n_cells = args.cells or 100_000  # a b=16 f=256 unit is 16,384 cells: fewer give too few units
+    budget = args.budget or (6_000 if args.quick else 60_000)
+    min_units = 3 if args.quick else 4
+    strategies = args.strategies.split(",")
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        parser.error(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+
+    path = os.path.join(tempfile.gettempdir(), f"cellfeed-bench-atlas-{n_cells}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        synthesize(path, SynthSpec(n_cells=n_cells, seed=0), rows_per_fragment=1 << 22, overwrite=True)
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = not args.no_pin and len(cpus) >= 2
+    store_cpus = set(cpus[1:]) if pin else None
+    results: dict[tuple[str, str], dict] = {}
+    with SeaweedServer(cpus=store_cpus) as server:
+        t = time.perf_counter()
+        uri = upload(server, path, "bench", "atlas")
+        upload_s = time.perf_counter() - t
+        proxy = ProxyProcess(server.endpoint, store_cpus, latency_ms=args.latency_ms, jitter_ms=args.jitter_ms,
+                             bandwidth_mbps=args.bandwidth_mbps)
+        if pin:  # from here on (and every thread started from here) the producer runs on CPU 0
+            os.sched_setaffinity(0, {cpus[0]})
+        try:
+            keys = dict(access_key_id=server.settings["AWS_ACCESS_KEY_ID"],
+                        secret_access_key=server.settings["AWS_SECRET_ACCESS_KEY"], region=REGION)
+            stores = {"local": (path, None), "s3": (uri, S3Settings(endpoint=server.endpoint, **keys)),
+                      "s3_30ms": (uri, S3Settings(endpoint=proxy.endpoint, **keys))}
+            opened = {name: open_dataset(u, settings) for name, (u, settings) in stores.items()}
+            startup = {name: start_up_s(u, settings) for name, (u, settings) in stores.items()}
+            run_config(opened["local"], "scgpt", 1024, STRATEGIES["block"], 4000)  # warm-up, not reported
+            for strategy in strategies:
+                for name, ds in opened.items():  # the three stores back to back, per strategy
+                    requests_before, server_cpu = proxy.requests, server.cpu_seconds()
+                    r = run_config(ds, "scgpt", 1024, STRATEGIES[strategy], budget, min_units=min_units)
+                    r["http_requests"] = proxy.requests - requests_before if name == "s3_30ms" else None
+                    r["server_cpu_s"] = server.cpu_seconds() - server_cpu
+                    results[(strategy, name)] = r
+        finally:
+            proxy.close()
+
+    print(f"\natlas: {n_cells:,} cells, {opened['local'].n_rows / n_cells:,.0f} non-zeros/cell, "
+          f"{len(opened['local'].fragments)} fragments; machine: {platform.machine()}, {os.cpu_count()} cores; "
+          f"one producer, scgpt 1024; proxy {args.latency_ms:.0f} ± {args.jitter_ms:.0f} ms, "
+          f"{args.bandwidth_mbps:.0f} Mbit/s per connection; upload {upload_s:.1f}s")
+    print(f"{'strategy':<11}{'store':<9}{'cells/s':>9}{'x local':>8}{'x s3':>6}{'GET/1k':>8}{'B/cell':>8}"
+          f"{'amplif':>7}{'read p50':>9}{'p99':>7}{'wait p50':>9}{'p99':>7}{'fill':>6}{'server':>8}"
+          "   (read/wait/fill: ms per unit; server: its CPU ms per 1k cells)")
+    for (strategy, name), r in results.items():
+        local = results[(strategy, "local")]["cells_per_s"]
+        cells = max(1, r["cells"])
+        direct = results[(strategy, "s3")]["cells_per_s"]
+        print(f"{strategy:<11}{name:<9}{r['cells_per_s']:>9,.0f}{r['cells_per_s'] / local:>8.2f}"
+              f"{r['cells_per_s'] / direct if name == 's3_30ms' else float('nan'):>6.2f}"
+              f"{r['gets'] / cells * 1000:>8.0f}{r['bytes_read'] / cells:>8,.0f}"
+              f"{r['bytes_read'] / max(1, r['rows'] * ROW_BYTES):>7.2f}"
+              f"{pct(r['unit_read_s'], 50) * 1e3:>9.0f}{pct(r['unit_read_s'], 99) * 1e3:>7.0f}"
+              f"{pct(r['unit_wait_s'], 50) * 1e3:>9.0f}{pct(r['unit_wait_s'], 99) * 1e3:>7.0f}"
+              f"{r['fill_s'] * 1e3:>6.0f}{r['server_cpu_s'] / cells * 1e6:>8.0f}")
+    print("start-up (open + cell index + plan): " + ", ".join(f"{k} {v:.2f}s" for k, v in startup.items()))
+    proxied = [r for (s, n), r in results.items() if n == "s3_30ms"]
+    print(f"HTTP requests through the proxy: {sum(r['http_requests'] for r in proxied):,} "
+          f"(Lance counted {sum(r['gets'] for r in proxied):,} reads)")
+
+    def rate(strategy: str, store: str) -> float:
+        return results[(strategy, store)]["cells_per_s"] if (strategy, store) in results else float("nan")
+
+    figures = {f"{n}_{s}_cells_per_s": round(r["cells_per_s"]) for (s, n), r in results.items()}
+    figures.update({f"s3_30ms_over_local_{s}": round(rate(s, "s3_30ms") / rate(s, "local"), 3) for s in strategies})
+    figures.update({f"s3_30ms_over_s3_{s}": round(rate(s, "s3_30ms") / rate(s, "s3"), 3) for s in strategies})
+    figures.update({f"server_cpu_ms_per_1k_cells_{s}": round(results[(s, "s3")]["server_cpu_s"] /
+                                                             max(1, results[(s, "s3")]["cells"]) * 1e6, 1)
+                    for s in strategies})
+    figures.update({f"gets_per_1k_cells_{s}": round(results[(s, "s3_30ms")]["gets"] /
+                                                    max(1, results[(s, "s3_30ms")]["cells"]) * 1000, 1)
+                    for s in strategies})
+    figures.update({f"read_amplification_{s}": round(results[(s, "local")]["bytes_read"] /
+                                                     max(1, results[(s, "local")]["rows"] * ROW_BYTES), 3)
+                    for s in strategies})
+    figures.update({
+        "local_block_cells_per_s": round(rate("block", "local")),
+        "s3_30ms_block_cells_per_s": round(rate("block", "s3_30ms")),
+        "block16_over_sequential_local": round(rate("block16", "local") / rate("sequential", "local"), 3),
+        "block_over_sequential_local": round(rate("block", "local") / rate("sequential", "local"), 3),
+        "startup_s": {k: round(v, 2) for k, v in startup.items()},
+        "latency_ms": args.latency_ms, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    })
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
