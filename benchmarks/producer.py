@@ -153,10 +153,10 @@ def main() -> None:
 
     print(f"\natlas: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows / ds.n_cells:,.0f} non-zeros/cell; "
           f"machine: {platform.machine()}, {os.cpu_count()} cores; one producer, local disk")
-    head = f"{'tokenizer':<11}{'genes':>6} {'strategy':<11}{'cells/s':>9}{'MB/s':>7}{'B/cell':>8}" \
-           f"{'wait':>7}{'rank':>7}{'token':>7}{'pack':>7}{'stitch':>7}   (stage seconds per 1k cells; wait: for\n"
-           "rows the read-ahead had not read yet; rank/token/pack: summed over the tokenizing threads)")
-    print(head)
+    print("stage seconds per 1k cells -- wait: for rows the read-ahead had not read yet; rank/token/pack: "
+          "summed over the tokenizing threads")
+    print(f"{'tokenizer':<11}{'genes':>6} {'strategy':<11}{'cells/s':>9}{'MB/s':>7}{'B/cell':>8}"
+          f"{'wait':>7}{'rank':>7}{'token':>7}{'pack':>7}{'stitch':>7}")
     for (tok, mg, strategy), r in results.items():
         per_k = 1000 / max(1, r["cells"])
         print(f"{tok:<11}{mg:>6} {strategy:<11}{r['cells_per_s']:>9,.0f}{r['mb_per_s']:>7.1f}"
