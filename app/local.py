@@ -247,6 +247,8 @@ def print_summary(summary: dict, workdir: Path, objective: str = "bins") -> None
           f"median dataloader wait {summary['median_wait_ms']:.1f} ms")
     for e in summary.get("eval", []):
         print(f"  held-out at step {e['step']}: masked-{objective[:-1]} accuracy {e['eval_accuracy']:.3f}, loss {e['eval_loss']:.3f}")
+    for audit in summary.get("audits", []):
+        print(f"  {audit['line']}")
     print(f"step log: {workdir}/steps.jsonl")
 
 

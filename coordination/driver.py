@@ -35,6 +35,7 @@ PUBLISH_EVERY_S = 2.0  # how often the producers' totals are published for monit
 class DriverStats:
     issued: int = 0
     reissued: int = 0
+    skipped_units: int = 0  # a resumed epoch's units not produced again (trained through)
     epochs: int = 0
     events: int = 0
     passes: int = 0
@@ -110,13 +111,14 @@ class Driver:
     # ---- the epochs
 
     def run_epochs(self, epochs: list[int], summary_timeout_s: float = 60.0,
-                   resume_epoch: int | None = None) -> DriverStats:
+                   resume_epoch: int | None = None, skip_units: set[int] = frozenset()) -> DriverStats:
         """Drive epochs in order, each to completion (every unit done), then drop its stitching
         map. The next epoch's units are issued as soon as this epoch has none left to issue, so
         producers never idle on an epoch's last stragglers (consumers hold later-epoch items
         aside). Each epoch's map is created fresh when it starts; a resumed epoch's half-finished
-        stitching is dropped first (every unit is issued again; consumers drop what they already
-        trained on by key)."""
+        stitching is dropped first, and its units are issued again but `skip_units` (trained
+        through, holding no piece of an untrained boundary cell: `PlanSummary.units_to_skip`);
+        consumers drop what they already trained on by key."""
         waiting = deque(epochs)
         active: dict[int, EpochState] = {}  # started and not complete, in epoch order
         order: deque = deque()  # (seq, epoch, unit) in issue order: the FIFO task list's contents and past
@@ -124,10 +126,13 @@ class Driver:
         def start_next() -> None:
             epoch = waiting.popleft()
             summary = load_summary(self.store, self.run, epoch, summary_timeout_s)
+            units = range(summary.n_units)
             if epoch == resume_epoch:
                 self.store.drop(epoch_map_name(epoch))
+                units = [u for u in units if u not in skip_units]
+                self.stats.skipped_units += summary.n_units - len(units)
             self.store.named(epoch_map_name(epoch), create=True)
-            active[epoch] = EpochState(summary, deque(range(summary.n_units)))
+            active[epoch] = EpochState(summary, deque(units))
 
         if waiting:
             start_next()
@@ -187,13 +192,14 @@ class Driver:
                 self._stop.wait(self.poll_s)
         return self.stats
 
-    def start(self, epochs: list[int], resume_epoch: int | None = None) -> threading.Thread:
+    def start(self, epochs: list[int], resume_epoch: int | None = None,
+              skip_units: set[int] = frozenset()) -> threading.Thread:
         """Run the epochs in a background thread (e.g. inside trainer rank 0); an error is kept in
         `self.error` for the owner to raise (`check`)."""
 
         def target():
             try:
-                self.run_epochs(epochs, resume_epoch=resume_epoch)
+                self.run_epochs(epochs, resume_epoch=resume_epoch, skip_units=skip_units)
             except BaseException as exc:  # noqa: BLE001 - reported by the owner
                 self.error = exc
 

@@ -45,6 +45,23 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+HASH_CHUNK = 1 << 23  # positions hashed at a time when a plan computes its expected hashes
+
+
+def cell_hashes(cells) -> np.ndarray:
+    """Each cell id's 64-bit hash (splitmix64 of id + 1: no id hashes to 0)."""
+    with np.errstate(over="ignore"):
+        return _mix64((np.asarray(cells, dtype=np.int64).astype(np.uint64) + np.uint64(1)) * _GOLDEN)
+
+
+def cells_hash(cells) -> int:
+    """An order-independent hash of a multiset of cell ids: the sum of their hashes mod 2**64.
+    A rank's trained cells hash to the plan's value exactly when (but for a 2**-64 chance) they
+    are the planned cells, each once: a lost and a duplicated cell do not cancel."""
+    return int(cell_hashes(cells).sum(dtype=np.uint64))
+
+
 class FeistelPermutation:
     """A pseudo-random bijection of range(n) in O(1) memory: a balanced Feistel network on the
     smallest even bit width covering n, with cycle walking to stay inside [0, n)."""
@@ -214,6 +231,7 @@ class EpochPlan:
                                             minlength=self.n_units).astype(np.int64)
         self.boundary_cells = np.zeros(0, dtype=np.int64)
         self.boundary_piece_counts = np.zeros(0, dtype=np.int64)
+        self.boundary_piece_units = np.zeros(0, dtype=np.int64)
 
     def _block_unit(self, u: int) -> WorkUnit:
         bs = self.block_size
@@ -283,6 +301,7 @@ class EpochPlan:
             owner[same] = piece_unit[starts_of[same]]
         self._straddlers, self._straddler_first, self._straddler_span = straddlers, first, span
         self._straddler_owner = owner
+        self._chunks, self._chunk_unit, self._piece_unit = chunks, chunk_unit, piece_unit
         # whole cells per unit: every position of its chunks, less straddler pieces, plus straddlers whole in it
         sizes = np.array([b - a for _, a, b in chunks], dtype=np.int64).reshape(-1)
         counts = np.bincount(chunk_unit, weights=sizes, minlength=self.n_units)
@@ -291,6 +310,7 @@ class EpochPlan:
         self.unit_cell_counts = counts.astype(np.int64)
         self.boundary_cells = straddlers[owner < 0]
         self.boundary_piece_counts = span[owner < 0]
+        self.boundary_piece_units = piece_unit[np.repeat(owner < 0, span)]  # pieces in order, cell by cell
 
     def _selected_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """First row and end row of each selected cell (views, without a subset)."""
@@ -369,6 +389,52 @@ class EpochPlan:
         stitched = np.bincount(self.boundary_cells % world_size, minlength=world_size)
         return (units + stitched).astype(np.int64)
 
+    def cell_hash_per_rank(self, world_size: int) -> list[int]:
+        """`cells_hash` of the cells each rank receives in this epoch (what each rank checks its
+        trained cells against at the epoch's end). Streams over the selection in chunks, from
+        per-unit ranges of selection positions: seconds and bounded memory for 100M cells."""
+        if self.sampling.strategy in ("block", "random"):
+            bs, n = self.block_size, self.n_cells
+            blocks = np.arange(self.n_blocks, dtype=np.int64)
+            slot = np.empty(self.n_blocks, dtype=np.int64)
+            slot[self.block_order] = blocks  # where each block sits in the shuffled order
+            sums = self._position_sums(blocks * bs, np.minimum((blocks + 1) * bs, n))
+            ranks = slot // self.blocks_per_unit % world_size
+            add, take = [], []  # no pieces: every block cell is whole
+        else:
+            chunks = np.array(self._chunks, dtype=np.int64).reshape(-1, 3)
+            sums = self._position_sums(chunks[:, 1], chunks[:, 2])
+            ranks = self._chunk_unit % world_size
+            pieces = np.repeat(self._straddlers, self._straddler_span)
+            owned = self._straddler_owner >= 0
+            take = [(pieces, self._piece_unit % world_size)]  # a chunk counts each piece's cell once: not whole there
+            add = [(self._straddlers[owned], self._straddler_owner[owned] % world_size),
+                   (self.boundary_cells, self.boundary_cells % world_size)]  # whole in one unit / stitched
+        out = np.zeros(world_size, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for r in range(world_size):
+                out[r] = sums[ranks == r].sum(dtype=np.uint64)
+                for cells, rank in add:
+                    out[r] += cell_hashes(cells[rank == r]).sum(dtype=np.uint64)
+                for cells, rank in take:
+                    out[r] -= cell_hashes(cells[rank == r]).sum(dtype=np.uint64)
+        return [int(x) for x in out]
+
+    def _position_sums(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """For each [start, stop) of selection positions, the sum of its cells' hashes (mod 2**64),
+        from prefix sums taken only at the segment edges while streaming over the selection."""
+        points = np.unique(np.concatenate([starts, stops, [0]]))
+        prefix = np.zeros(len(points), dtype=np.uint64)  # prefix[i]: hashes of positions < points[i]
+        carry = np.uint64(0)
+        with np.errstate(over="ignore"):
+            for lo in range(0, self.n_cells, HASH_CHUNK):
+                hi = min(self.n_cells, lo + HASH_CHUNK)
+                running = np.cumsum(cell_hashes(self.cells_at(np.arange(lo, hi))), dtype=np.uint64)
+                a, b = np.searchsorted(points, [lo + 1, hi + 1])  # points p with lo < p <= hi
+                prefix[a:b] = carry + running[points[a:b] - lo - 1]
+                carry = carry + running[-1]
+            return prefix[np.searchsorted(points, stops)] - prefix[np.searchsorted(points, starts)]
+
 
 # ------------------------------------------------------------------ the plan contract (both halves)
 
@@ -391,12 +457,26 @@ class PlanSummary:
     cells_per_rank: list[int]
     boundary_cells: list[int] = field(default_factory=list)
     boundary_piece_counts: list[int] = field(default_factory=list)
+    cell_hash_per_rank: list[int] = field(default_factory=list)  # `cells_hash` per rank; empty: not audited
+    boundary_piece_units: list[int] = field(default_factory=list)  # the unit of each boundary piece, cell by cell
 
     @classmethod
     def of(cls, plan, world_size: int) -> "PlanSummary":
         return cls(plan.epoch, plan.plan_id, plan.n_units, plan.n_cells, world_size,
                    plan.cells_per_rank(world_size).tolist(), plan.boundary_cells.tolist(),
-                   plan.boundary_piece_counts.tolist())
+                   plan.boundary_piece_counts.tolist(), plan.cell_hash_per_rank(world_size),
+                   plan.boundary_piece_units.tolist())
+
+    def units_to_skip(self, done_units: set[int], trained_boundary_cells: set[int]) -> set[int]:
+        """On resume: the units that need not be produced again -- those whose items were all
+        trained on, less any holding a piece of a boundary cell not trained yet (stitching it
+        needs every piece offered again)."""
+        needed, at = set(), 0
+        for cell, count in zip(self.boundary_cells, self.boundary_piece_counts):
+            if cell not in trained_boundary_cells:
+                needed.update(self.boundary_piece_units[at:at + count])
+            at += count
+        return set(done_units) - needed
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self)).encode()

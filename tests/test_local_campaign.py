@@ -76,6 +76,8 @@ def test_every_tokenizer_trains_with_a_held_out_split_and_steps_beyond_an_epoch(
     assert max(epochs[1].values()) == 1 and set(epochs[1]) <= train  # part of epoch 1, no duplicate
     assert sum(epochs[1].values()) > 0
     assert "held-out at step" in out.stdout
+    assert f"epoch 0: {len(train):,} cells trained, 0 missing, 0 duplicated" in out.stdout  # the audit
+    assert "epoch 1: " not in out.stdout  # a partial epoch is not audited
 
 
 def test_steps_beyond_the_given_epochs_is_refused(counts_atlas, tmp_path):
@@ -160,6 +162,7 @@ def test_small_real_dataset_gives_every_producer_and_rank_work(tmp_path):
     per_rank = [sum(len(json.loads(line)["cells"]) for line in (tmp_path / "pbmc" / f"cells.rank{r}.jsonl")
                     .read_text().splitlines()) for r in range(2)]
     assert min(per_rank) > 0 and sum(per_rank) == 700  # both ranks trained, every cell once
+    assert [(a["epoch"], a["cells"], a["missing"], a["duplicated"]) for a in summary["audits"]] == [(0, 700, 0, 0)]
 
 
 def test_status_line_shows_queue_tasks_and_producer_states():

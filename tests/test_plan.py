@@ -172,3 +172,40 @@ def test_small_datasets_get_enough_units_for_every_producer_and_rank(strategy, n
     assert (plan.cells_per_rank(2) > 0).all() or n_cells < 2
     cells = np.concatenate([u.cells for u in plan.units()] + [plan.boundary_cells])
     np.testing.assert_array_equal(np.sort(cells), np.arange(n_cells))  # still every cell exactly once
+
+
+@pytest.mark.parametrize("strategy", ["block", "random", "sequential", "mixture"])
+@pytest.mark.parametrize("subset", [False, True])
+def test_expected_cell_hash_per_rank_equals_the_units_cells(strategy, subset, monkeypatch):
+    """The per-rank hash the trainer checks an epoch against (computed from ranges of the
+    selection, streaming) equals the hash of the cells each rank's units and stitched cells
+    actually hold; a lost or an extra cell changes it."""
+    import coordination.plan as plan_module
+    from coordination.plan import cells_hash
+
+    monkeypatch.setattr(plan_module, "HASH_CHUNK", 97)  # many streaming chunks
+    geometry = synthetic_geometry(7, 3000, 900, empty_every=11)  # straddlers and empty cells
+    chosen = np.flatnonzero(np.random.default_rng(1).random(3000) < 0.6) if subset else None
+    plan = EpochPlan(geometry, Sampling(strategy, unit_cells=40, n_scanners=3, block_size=8, fetch_factor=3,
+                                        batch_size=16, min_units=1), seed=2, epoch=1, subset=chosen)
+    for world in (1, 3):
+        by_rank = [[] for _ in range(world)]
+        for u in plan.units():
+            by_rank[u.id % world].append(u.cells)
+        for c in plan.boundary_cells.tolist():
+            by_rank[c % world].append(np.array([c]))
+        expected = [cells_hash(np.concatenate(parts)) for parts in by_rank]
+        assert plan.cell_hash_per_rank(world) == expected
+    everything = np.concatenate([u.cells for u in plan.units()] + [plan.boundary_cells])
+    assert cells_hash(everything) == plan.cell_hash_per_rank(1)[0]
+    holders: dict[int, list[int]] = {}  # the units holding each boundary cell's pieces (what a resume keeps)
+    for u in plan.units():
+        for c in u.pieces.tolist():
+            holders.setdefault(c, []).append(u.id)
+    at = 0
+    for c, k in zip(plan.boundary_cells.tolist(), plan.boundary_piece_counts.tolist()):
+        assert sorted(plan.boundary_piece_units[at:at + k].tolist()) == sorted(holders.pop(c))
+        at += k
+    assert not holders and at == len(plan.boundary_piece_units)
+    assert cells_hash(everything[1:]) != cells_hash(everything)  # one lost
+    assert cells_hash(np.concatenate([everything[1:], everything[2:3]])) != cells_hash(everything)  # lost + duplicated

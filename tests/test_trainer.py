@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from coordination.errors import CellfeedError
 from coordination.plan import PlanSummary, publish_summary
 from coordination.local_backend import LocalMap, LocalQueue, ServerProcess
 from coordination.plan import Sampling
@@ -34,11 +35,12 @@ BATCH = 32
 class Campaign:
     """Server + published plans + producer threads, as the local campaign sets them up."""
 
-    def __init__(self, ds, run: str, epochs: int, producers: int = 2, subset_filter=None, held_out=None):
+    def __init__(self, ds, run: str, epochs: int, producers: int = 2, subset_filter=None, held_out=None,
+                 sampling: Sampling = Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH)):
         self.server = ServerProcess()
         self.run = run
         config = ProducerConfig(dataset=ds.uri, run=run, world_size=WORLD, max_genes=24, cells_per_item=40,
-                                sampling=Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
+                                sampling=sampling,
                                 idle_timeout_s=300, subset_filter=subset_filter)
         first = Producer(config, LocalQueue(self.server.address), LocalMap(self.server.address), dataset=ds)
         if held_out is not None:
@@ -105,10 +107,16 @@ def test_two_rank_ddp_trains_in_sync_on_every_cell_once(small_synth, tmp_path):
     assert all(e["eval_accuracy"] > 0.5 for e in evals[1:])  # far above chance (1 in 50 bins)
 
 
-def test_sigkill_mid_epoch_then_resume_trains_every_cell_once(small_synth, tmp_path):
-    campaign = Campaign(small_synth, "resume", epochs=1)
+@pytest.mark.parametrize("sampling", [Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
+                                      Sampling("sequential", unit_cells=60)], ids=["block", "sequential"])
+def test_sigkill_mid_epoch_then_resume_trains_every_cell_once(small_synth, tmp_path, sampling):
+    """All ranks killed mid-epoch, then resumed: every cell trained exactly once across the two
+    runs, units trained through are not produced again (with sequential units, those holding a
+    piece of a boundary cell not trained yet are), and the epoch passes its audit."""
+    campaign = Campaign(small_synth, "resume", epochs=1, sampling=sampling)
     try:
-        first = campaign.train_config(tmp_path / "a", cells_log=str(tmp_path / "a" / "cells"))
+        # a mixing buffer far smaller than the epoch (as at scale), so units complete before the crash
+        first = campaign.train_config(tmp_path / "a", cells_log=str(tmp_path / "a" / "cells"), buffer_cells=160)
         procs = launch(first, WORLD, tmp_path / "a")
         latest = tmp_path / "a" / "ckpt" / "latest"
         deadline = time.monotonic() + 300
@@ -122,8 +130,9 @@ def test_sigkill_mid_epoch_then_resume_trains_every_cell_once(small_synth, tmp_p
         committed = int(latest.read_text().strip().split("-")[1])
         assert committed < campaign.summaries[0].steps(BATCH)  # really mid-epoch
         second = campaign.train_config(tmp_path / "b", checkpoint_dir=first.checkpoint_dir, resume=True,
-                                       cells_log=str(tmp_path / "b" / "cells"))
-        codes = wait_all(launch(second, WORLD, tmp_path / "b"), timeout=600)
+                                       cells_log=str(tmp_path / "b" / "cells"), buffer_cells=160)
+        codes = wait_all(launch(second, WORLD, tmp_path / "b", summary_path=str(tmp_path / "b" / "summary")),
+                         timeout=600)
     finally:
         campaign.close()
     assert codes == [0, 0]
@@ -131,6 +140,12 @@ def test_sigkill_mid_epoch_then_resume_trains_every_cell_once(small_synth, tmp_p
     after = read_cells(tmp_path / "b" / "cells")
     assert sum(before.values()) > 0 and sum(after.values()) > 0
     assert before + after == Counter(range(small_synth.n_cells))  # no loss, no duplicate
+    summary = json.loads((tmp_path / "b" / "summary.rank0").read_text())
+    assert 0 < summary["resume_skipped_units"] < campaign.summaries[0].n_units
+    (audit,) = summary["audits"]
+    assert audit["audited"] and audit["cells"] == small_synth.n_cells and audit["missing"] == 0
+    if sampling.strategy == "sequential":
+        assert len(campaign.summaries[0].boundary_cells) > 0
 
 
 def test_model_presets_masking_and_flops():
@@ -197,3 +212,47 @@ def test_checkpoints_keep_the_last_k_and_the_best(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000004", "step-00000005"]
     assert checkpoint.latest(tmp_path).step == 5 and checkpoint.load(tmp_path, 1, torch.device("cpu")).step == 5
     assert checkpoint.prune(tmp_path, keep=1) == ["step-00000004"]  # the best (2) stays with the last
+
+
+@pytest.mark.parametrize("tamper", [False, True])
+def test_end_of_epoch_audit_passes_exactly_or_fails_loudly(small_synth, tmp_path, monkeypatch, tamper):
+    """A whole epoch ends with the count and cell-id hash check; cells other than the plan's
+    (here: a plan whose hash was changed) fail the run with one line naming the rank."""
+    import torch.distributed as dist
+
+    from coordination.local_backend import free_port
+    from coordination.queues import MemoryMap, MemoryQueue
+    from coordination.routing import TASKS_PARTITION, encode_task, epoch_map_name
+    from trainer.train import train
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    queue, store = MemoryQueue(), MemoryMap()
+    config = ProducerConfig(dataset=small_synth.uri, run="audit", world_size=1, max_genes=16, idle_timeout_s=0.2,
+                            sampling=Sampling("sequential", unit_cells=100))
+    producer = Producer(config, queue, store, dataset=small_synth)
+    plan = producer.plan(0)
+    summary = PlanSummary.of(plan, 1)
+    assert len(plan.boundary_cells) > 0  # stitched cells are audited too
+    if tamper:
+        summary.cell_hash_per_rank = [(summary.cell_hash_per_rank[0] + 1) % 2**64]
+    publish_summary(store, "audit", summary)
+    store.named(epoch_map_name(0), create=True)  # what the driver does first: the epoch's stitching map
+    queue.put_many([encode_task(0, u) for u in range(plan.n_units)], partition=TASKS_PARTITION)
+    producer.run()
+    cfg = TrainConfig(run="audit", backend={"kind": "memory"}, vocab_size=62_714, batch_size=64, epochs=1,
+                      run_driver=False, progress_bar=False, no_data_timeout_s=20)
+    try:
+        if tamper:
+            with pytest.raises(CellfeedError, match="epoch 0 failed its exactly-once audit: rank 0 trained the "
+                                                    "planned number of cells, but not the planned cells"):
+                train(cfg, queue=queue, store=store)
+        else:
+            result = train(cfg, queue=queue, store=store)
+            (audit,) = result["audits"]
+            assert audit["audited"] and audit["cells"] == small_synth.n_cells
+            assert audit["line"].startswith(f"epoch 0: {small_synth.n_cells:,} cells trained, 0 missing, 0 duplicated")
+    finally:
+        dist.destroy_process_group()

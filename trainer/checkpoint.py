@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from coordination.plan import cells_hash
+
 
 def _key(k) -> tuple:
     return tuple(k)
@@ -31,9 +33,14 @@ class RankProgress:
     trained: int = 0
     consumed: set = field(default_factory=set)  # item keys whose every cell was trained on
     partial: dict = field(default_factory=dict)  # item key -> cell ids trained so far
+    cells_hash: int | None = 0  # `coordination.plan.cells_hash` of the cells trained (None: unknown, not audited)
+    unit_items: dict = field(default_factory=dict)  # unit -> how many items it has (seen complete ones)
 
     def record(self, batch) -> None:
         self.trained += batch.size
+        self.unit_items.update(batch.unit_items)
+        if self.cells_hash is not None:
+            self.cells_hash = (self.cells_hash + cells_hash(batch.cell_ids.numpy())) % 2**64
         for key in batch.completed:
             self.consumed.add(key)
             self.partial.pop(key, None)
@@ -41,10 +48,21 @@ class RankProgress:
             self.partial.setdefault(key, set()).update(cells)
 
     def next_epoch(self, epoch: int) -> None:
-        self.epoch, self.trained, self.consumed, self.partial = epoch, 0, set(), {}
+        self.epoch, self.trained, self.consumed, self.partial, self.cells_hash = epoch, 0, set(), {}, 0
+        self.unit_items = {}
+
+    def done_units(self) -> set[int]:
+        """Units of this epoch whose every item was trained on."""
+        return {u for u, n in self.unit_items.items()
+                if all((self.epoch, "unit", u, seq) in self.consumed for seq in range(n))}
+
+    def trained_stitched(self) -> set[int]:
+        """Stitched (boundary) cells of this epoch that were trained on."""
+        return {k[2] for k in self.consumed if k[1] == "cell"}
 
     def to_json(self) -> str:
-        return json.dumps({"epoch": self.epoch, "trained": self.trained,
+        return json.dumps({"epoch": self.epoch, "trained": self.trained, "cells_hash": self.cells_hash,
+                           "unit_items": sorted(self.unit_items.items()),
                            "consumed": sorted(list(k) for k in self.consumed),
                            "partial": [[list(k), sorted(v)] for k, v in self.partial.items()]})
 
@@ -52,7 +70,9 @@ class RankProgress:
     def from_json(cls, text: str) -> "RankProgress":
         d = json.loads(text)
         return cls(d["epoch"], d["trained"], {_key(k) for k in d["consumed"]},
-                   {_key(k): set(v) for k, v in d["partial"]})
+                   {_key(k): set(v) for k, v in d["partial"]},
+                   d.get("cells_hash"),  # a checkpoint from before the audit: this epoch is not audited
+                   dict((u, n) for u, n in d.get("unit_items", [])))
 
 
 @dataclass

@@ -38,6 +38,7 @@ class Batch:
     cell_ids: torch.Tensor  # int64 [B]
     completed: list = field(default_factory=list)  # item keys whose last cell is in this batch
     cells_of_partial: dict = field(default_factory=dict)  # item key -> cell ids in this batch (resume)
+    unit_items: dict = field(default_factory=dict)  # unit -> its item count, for units with an item completed here
     wait_s: float = 0.0  # time the caller waited for this batch
 
     @property
@@ -49,7 +50,7 @@ class Batch:
             return self
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Batch(move(self.tokens), move(self.attention_mask), move(self.values), move(self.labels),
-                     self.cell_ids, self.completed, self.cells_of_partial, self.wait_s)
+                     self.cell_ids, self.completed, self.cells_of_partial, self.unit_items, self.wait_s)
 
 
 @dataclass
@@ -221,6 +222,8 @@ class EpochIterator:
             if self.remaining[item.key] == 0:
                 del self.remaining[item.key]
                 batch.completed.append(item.key)
+                if not item.stitched:
+                    batch.unit_items[item.key_id] = item.n_items
             else:
                 batch.cells_of_partial.setdefault(item.key, []).append(int(item.cell_ids[i]))
         batch.wait_s = waited

@@ -114,8 +114,16 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         print(f"no checkpoint in {cfg.checkpoint_dir}: starting at step 0")
     driver = None
     if rank == 0 and cfg.run_driver:
+        skip = set()
+        if saved is not None:  # units the checkpoint says were trained through are not produced again
+            resumed = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
+            skip = resumed.units_to_skip(set().union(*(r.done_units() for r in saved.ranks)),
+                                         set().union(*(r.trained_stitched() for r in saved.ranks)))
+            print(f"{len(skip):,} of epoch {epoch}'s {resumed.n_units:,} units were trained through and are not "
+                  "produced again")
         driver = Driver(queue, store, cfg.run)
-        driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if saved is not None else None)
+        driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if saved is not None else None,
+                     skip_units=skip)
     stream = ConsumerStream(queue, rank=rank, world_size=world, run=cfg.run, batch_size=cfg.batch_size,
                             pad_to=cfg.pad_to, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
                             no_data_timeout_s=cfg.no_data_timeout_s, consumed=progress.consumed,
@@ -136,6 +144,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             "config": json.dumps(asdict(cfg))}, dist.barrier, keep=cfg.keep_checkpoints,
             eval_loss=tracker.evals[-1]["eval_loss"] if tracker.evals else None)
 
+    audits: list[dict] = []
     try:
         while epoch < cfg.epochs and step < total_steps:
             summary = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
@@ -189,10 +198,14 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                     save()
                 if step >= total_steps:
                     break
-            else:  # the epoch ran to its end
-                epoch += 1
-                progress.next_epoch(epoch)
-                done_before = [0] * world
+            if batches.step < batches.steps:  # stopped inside the epoch (the steps asked for are done)
+                break
+            audits.append(audit_epoch(epoch, progress, summary, world, device))  # the epoch is complete
+            if rank == 0:
+                print(audits[-1]["line"], flush=True)
+            epoch += 1
+            progress.next_epoch(epoch)
+            done_before = [0] * world
         if cfg.checkpoint_dir:
             save()
     finally:
@@ -202,6 +215,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         if cells_log is not None:
             cells_log.close()
     summary = tracker.finish()
+    summary["audits"] = audits
+    summary["resume_skipped_units"] = driver.stats.skipped_units if driver is not None else 0
     summary["params"] = model.n_params()
     summary["final_params_checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
     return summary
@@ -224,6 +239,36 @@ def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
     for batch in request_batches(raw):  # put back: a re-run of this trainer (preemption) reads them too
         queue.put_many(batch, partition=EVAL_PARTITION)
     return [b.to(device) for b in collate_items(items, cfg.batch_size, cfg.pad_to)]
+
+
+def audit_epoch(epoch: int, progress: checkpoint.RankProgress, summary, world: int, device) -> dict:
+    """The end-of-epoch exactly-once check, on every rank: each rank's trained-cell count and the
+    order-independent hash of their ids (`coordination.plan.cells_hash`, kept in checkpoints
+    across restarts) against the plan's. Raises, naming the rank, when cells were lost or
+    duplicated; cheap at any scale (one all-gather of three numbers per rank)."""
+    h = progress.cells_hash
+    mine = torch.tensor([progress.trained, 0 if h is None else h - 2**64 if h >= 2**63 else h, h is not None],
+                        dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    counts = [int(t[0]) for t in every]
+    hashes = [int(t[1]) % 2**64 for t in every]
+    trained, expected = sum(counts), sum(summary.cells_per_rank)
+    if not summary.cell_hash_per_rank or not all(int(t[2]) for t in every):
+        return {"epoch": epoch, "cells": trained, "audited": False,
+                "line": f"epoch {epoch}: {trained:,} cells trained (not audited: the plan or a checkpoint predates it)"}
+    for r in range(world):
+        want, want_hash = summary.cells_per_rank[r], summary.cell_hash_per_rank[r]
+        if counts[r] != want or hashes[r] != want_hash:
+            what = (f"{want - counts[r]:,} fewer cells than planned" if counts[r] < want else
+                    f"{counts[r] - want:,} more cells than planned" if counts[r] > want else
+                    "the planned number of cells, but not the planned cells")
+            raise CellfeedError(f"epoch {epoch} failed its exactly-once audit: rank {r} trained {what} "
+                                f"({counts[r]:,} of {want:,}): cells were lost or duplicated; the last checkpoint "
+                                "is kept, and --audit-cells records which cells each step trained")
+    return {"epoch": epoch, "cells": trained, "audited": True, "missing": 0, "duplicated": 0,
+            "line": f"epoch {epoch}: {trained:,} cells trained, 0 missing, 0 duplicated "
+                    f"(of {expected:,} planned; count and cell-id hash checked on every rank)"}
 
 
 @torch.no_grad()
