@@ -247,8 +247,12 @@ def print_summary(summary: dict, workdir: Path, objective: str = "bins") -> None
           f"median dataloader wait {summary['median_wait_ms']:.1f} ms")
     for e in summary.get("eval", []):
         print(f"  held-out at step {e['step']}: masked-{objective[:-1]} accuracy {e['eval_accuracy']:.3f}, loss {e['eval_loss']:.3f}")
-    for audit in summary.get("audits", []):
-        print(f"  {audit['line']}")
+    audits = summary.get("audits", [])
+    if audits:  # each epoch's own line was printed as it ended
+        checked = [a for a in audits if a["audited"]]
+        print(f"exactly-once audit: {len(checked)} of {plural(len(audits), 'complete epoch')} checked, "
+              f"{sum(a['cells'] for a in checked):,} cells trained, {sum(a['missing'] for a in checked)} missing, "
+              f"{sum(a['duplicated'] for a in checked)} duplicated")
     print(f"step log: {workdir}/steps.jsonl")
 
 
