@@ -31,6 +31,7 @@ CHECK_EVERY_S = 0.5  # how often the ranks and producers are looked at
 STOP_GRACE_S = 10.0  # how long producers together get to stop at the end before being killed
 PRODUCER_RETRIES = 3  # as the Modal producer function's retries=3
 RESTART_BACKOFF_S = 1.0
+USER_ERROR_EXIT = 2  # a producer or rank that stopped on a CellfeedError (restarting it would not help)
 
 
 def default_dataset(workdir: Path, cells: int, seed: int) -> str:
@@ -207,6 +208,9 @@ class ProducerFleet:
             code = proc.poll()
             if code in (None, 0):
                 continue
+            if code == USER_ERROR_EXIT:  # a damaged or changed dataset does not mend on a restart
+                raise CellfeedError(f"{name} stopped on the error above; the campaign stops (checkpoints are in "
+                                    f"{self.workdir.parent})")
             if self.restarts[i] >= self.retries:
                 raise CellfeedError(f"{name} died {self.restarts[i] + 1} times (last exit code {code}); the campaign "
                                     f"stops (its output is above; checkpoints are in {self.workdir.parent})")
@@ -261,7 +265,11 @@ def _produce_main(config_path: str, address: str, name: str) -> None:
 
     cfg = CampaignConfig(**json.loads(Path(config_path).read_text()))
     queue, store = connect({"kind": "local", "address": address, "latency_ms": cfg.rpc_latency_ms})
-    Producer(cfg.producer_config(), queue, store, name=name).run()
+    try:
+        Producer(cfg.producer_config(), queue, store, name=name).run()
+    except CellfeedError as exc:  # bad data or settings: one line, and an exit code that says "do not retry"
+        print(f"cellfeed: error: {name}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(USER_ERROR_EXIT)
 
 
 if __name__ == "__main__":

@@ -183,7 +183,14 @@ class Dataset:
 
     def _read_piece(self, piece: tuple[int, int, int], columns: list[str]) -> pa.Table:
         frag, offset, limit = piece
-        return self._lance_fragments[frag].to_table(columns=columns, offset=offset, limit=limit)
+        try:
+            return self._lance_fragments[frag].to_table(columns=columns, offset=offset, limit=limit)
+        except Exception as exc:  # noqa: BLE001 - one line naming the dataset and fragment
+            raise self._read_error(exc, f"fragment {self.fragments[frag].id}") from None
+
+    def _read_error(self, exc: Exception, where: str) -> CellfeedError:
+        return CellfeedError(f"cannot read rows of {self.uri} ({where}): {error_text(exc)}; the dataset is damaged "
+                             "or was changed while in use: write it again (`cellfeed convert`/`synth`) or restore it")
 
     def read_rows(self, start: int, stop: int) -> RowBlock:
         """Expression rows [start, stop) in storage order."""
@@ -213,7 +220,10 @@ class Dataset:
         columns = list(EXPRESSION_COLUMNS if with_cell_ids else EXPRESSION_COLUMNS[1:])
         local = isinstance(self.location, LocalLocation)  # remote: Lance's take sends its GETs a few at a time
         if local and len(pieces) > 1 and sum(p[2] for p in pieces) < TAKE_BELOW_MEAN_ROWS * len(pieces):
-            return self._block(self.expression.take(ragged_arange(ranges[:, 0], ranges[:, 1]), columns=columns))
+            try:
+                return self._block(self.expression.take(ragged_arange(ranges[:, 0], ranges[:, 1]), columns=columns))
+            except Exception as exc:  # noqa: BLE001
+                raise self._read_error(exc, f"{len(ranges)} row ranges") from None
         if not pieces:
             return self._block(expression_schema(self.n_genes, self.value_type).empty_table().select(columns))
         if len(pieces) == 1:

@@ -25,10 +25,11 @@ import numpy as np
 
 from coordination.arrays import offsets_of, positions_in_ranges, ragged_arange
 from coordination.errors import CellfeedError
-from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit
+from coordination.plan import DatasetGeometry, EpochPlan, PlanSummary, Sampling, WorkUnit
 from coordination.queues import Empty, Full, Map, MapGone, Queue, request_batches
 from coordination.routing import (EVAL_PARTITION, EVENTS_PARTITION, TASKS_PARTITION, cell_rank, decode_task,
-                                  encode_event, epoch_map_name, rank_partition, run_tag, stop_key, unit_rank)
+                                  encode_event, epoch_map_name, rank_partition, run_tag, stop_key, summary_key,
+                                  unit_rank)
 from coordination.seeds import cell_rng, held_out_rng, unit_rng
 from coordination.wire import number_items, pack_cells
 from producers.dataset import Dataset, RowBlock, error_text, open_dataset
@@ -194,6 +195,7 @@ class Producer:
         self._beat_at = 0.0
         self._courier_error: BaseException | None = None
         self._epoch_maps: dict[int, Map] = {}
+        self._checked_epochs: set[int] = set()  # epochs whose published plan matched this producer's
         self._unit_work_s: deque = deque(maxlen=8)  # recent units' tokenize-pack-hand-off times
         self._unit_bytes = 0  # the latest unit's rows in memory
 
@@ -327,6 +329,22 @@ class Producer:
             self.stats.seconds["pack"] += pack_s
         return number_items(packed)
 
+    def _check_plan(self, epoch: int) -> None:
+        """Once per epoch: this producer's plan is the one the campaign published (same dataset
+        content, sampling, seed and selection), else nothing is produced from it."""
+        if epoch in self._checked_epochs:
+            return
+        published = self.store.get(summary_key(self.config.run, epoch))
+        if published is not None:
+            planned = PlanSummary.from_bytes(published)
+            mine = self.plan(epoch)
+            if planned.plan_id != mine.plan_id:
+                raise CellfeedError(
+                    f"{self.ds.uri} changed since run {self.config.run} planned epoch {epoch} (its plan {planned.plan_id}, "
+                    f"this dataset's {mine.plan_id}: {planned.n_cells:,} cells planned, {mine.n_cells:,} now): "
+                    "restore the dataset, or start a new --run on the new one")
+        self._checked_epochs.add(epoch)
+
     def _epoch_map(self, epoch: int) -> Map:
         """The epoch's stitching map (the driver creates it; opening it creates nothing)."""
         if epoch not in self._epoch_maps:
@@ -350,6 +368,7 @@ class Producer:
                 epoch, unit = decode_task(task)
                 with self._held_lock:
                     self._held.append((epoch, unit))
+                self._check_plan(epoch)
                 t = time.perf_counter()
                 rows = self.read(epoch, unit)
                 self.stats.unit_read_s.append(time.perf_counter() - t)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from coordination.errors import CellfeedError
 from coordination.plan import cells_hash
 
 
@@ -35,6 +36,7 @@ class RankProgress:
     partial: dict = field(default_factory=dict)  # item key -> cell ids trained so far
     cells_hash: int | None = 0  # `coordination.plan.cells_hash` of the cells trained (None: unknown, not audited)
     unit_items: dict = field(default_factory=dict)  # unit -> how many items it has (seen complete ones)
+    plan_id: str = ""  # the epoch's plan (a resume must find the same)
 
     def record(self, batch) -> None:
         self.trained += batch.size
@@ -49,7 +51,7 @@ class RankProgress:
 
     def next_epoch(self, epoch: int) -> None:
         self.epoch, self.trained, self.consumed, self.partial, self.cells_hash = epoch, 0, set(), {}, 0
-        self.unit_items = {}
+        self.unit_items, self.plan_id = {}, ""
 
     def done_units(self) -> set[int]:
         """Units of this epoch whose every item was trained on."""
@@ -62,7 +64,7 @@ class RankProgress:
 
     def to_json(self) -> str:
         return json.dumps({"epoch": self.epoch, "trained": self.trained, "cells_hash": self.cells_hash,
-                           "unit_items": sorted(self.unit_items.items()),
+                           "unit_items": sorted(self.unit_items.items()), "plan_id": self.plan_id,
                            "consumed": sorted(list(k) for k in self.consumed),
                            "partial": [[list(k), sorted(v)] for k, v in self.partial.items()]})
 
@@ -72,7 +74,7 @@ class RankProgress:
         return cls(d["epoch"], d["trained"], {_key(k) for k in d["consumed"]},
                    {_key(k): set(v) for k, v in d["partial"]},
                    d.get("cells_hash"),  # a checkpoint from before the audit: this epoch is not audited
-                   dict((u, n) for u, n in d.get("unit_items", [])))
+                   dict((u, n) for u, n in d.get("unit_items", [])), d.get("plan_id", ""))
 
 
 @dataclass
@@ -155,7 +157,7 @@ def load(directory: str | os.PathLike, world: int, device: torch.device) -> Chec
     folder = root / pointer.read_text().strip()
     state = torch.load(folder / "state.pt", map_location=device, weights_only=True)
     if state["world"] != world:
-        raise ValueError(f"checkpoint {folder} was written by {state['world']} ranks; resume with the same number "
-                         f"(got {world})")
+        raise CellfeedError(f"--resume: checkpoint {folder} was written by {state['world']} ranks; resume with "
+                            f"--gpus {state['world']} (got {world})")
     ranks = [RankProgress.from_json((folder / f"progress-rank{r}.json").read_text()) for r in range(world)]
     return Checkpoint(int(state["step"]), int(state["epoch"]), state, ranks)

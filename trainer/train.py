@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -103,6 +104,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     step, epoch, progress, done_before = 0, 0, checkpoint.RankProgress(), [0] * world
     saved = checkpoint.load(cfg.checkpoint_dir, world, device) if cfg.resume and cfg.checkpoint_dir else None
     if saved is not None:
+        check_resume(saved, cfg, model, store)
         model.load_state_dict(saved.state["model"])
         optimizer.load_state_dict(saved.state["optimizer"])
         scheduler.load_state_dict(saved.state["scheduler"])
@@ -115,7 +117,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     driver = None
     if rank == 0 and cfg.run_driver:
         skip = set()
-        if saved is not None:  # units the checkpoint says were trained through are not produced again
+        if saved is not None and epoch < cfg.epochs:  # units trained through are not produced again
             resumed = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
             skip = resumed.units_to_skip(set().union(*(r.done_units() for r in saved.ranks)),
                                          set().union(*(r.trained_stitched() for r in saved.ranks)))
@@ -148,6 +150,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     try:
         while epoch < cfg.epochs and step < total_steps:
             summary = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
+            progress.plan_id = summary.plan_id
             left = [c - d for c, d in zip(summary.cells_per_rank, done_before)]
             micro = 0
             batches = stream.epoch(epoch, left)
@@ -241,6 +244,26 @@ def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
     return [b.to(device) for b in collate_items(items, cfg.batch_size, cfg.pad_to)]
 
 
+def check_resume(saved: checkpoint.Checkpoint, cfg: TrainConfig, model, store) -> None:
+    """A resume continues the same run: the checkpoint's epoch must have the plan it was trained
+    on (same dataset, sampling, seed, splits, ranks), and its weights must fit this model."""
+    trained_on = saved.ranks[0].plan_id
+    if trained_on and saved.epoch < cfg.epochs:
+        now = load_summary(store, cfg.run, saved.epoch).plan_id
+        if now != trained_on:
+            raise CellfeedError(f"--resume: epoch {saved.epoch}'s plan differs from the one the checkpoint at step "
+                                f"{saved.step} was trained on: the dataset, sampling, seed or splits changed; "
+                                "resume with the run's own settings, or start a new --run")
+    mine = model.state_dict()
+    theirs = saved.state["model"]
+    wrong = sorted(k for k in set(mine) | set(theirs)
+                   if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
+    if wrong:
+        raise CellfeedError(f"--resume: the checkpoint at step {saved.step} does not fit the model of these settings "
+                            f"({len(wrong)} tensors differ, e.g. {wrong[0]}): --preset, --tokenizer, --max-genes or "
+                            "--n-bins changed; resume with the run's own settings, or start a new --run")
+
+
 def audit_epoch(epoch: int, progress: checkpoint.RankProgress, summary, world: int, device) -> dict:
     """The end-of-epoch exactly-once check, on every rank: each rank's trained-cell count and the
     order-independent hash of their ids (`coordination.plan.cells_hash`, kept in checkpoints
@@ -298,6 +321,10 @@ def main() -> None:
         if args.summary:
             with open(f"{args.summary}.rank{dist.get_rank()}", "w") as f:
                 json.dump(summary, f)
+    except CellfeedError as exc:  # every rank meets it; rank 0 says it, in one line
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"cellfeed: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
