@@ -261,15 +261,16 @@ def print_summary(summary: dict, workdir: Path, objective: str = "bins") -> None
 
 
 def _produce_main(config_path: str, address: str, name: str) -> None:
+    from producers.dataset import StorageUnavailable
     from producers.producer import Producer
 
     cfg = CampaignConfig(**json.loads(Path(config_path).read_text()))
     queue, store = connect({"kind": "local", "address": address, "latency_ms": cfg.rpc_latency_ms})
     try:
         Producer(cfg.producer_config(), queue, store, name=name).run()
-    except CellfeedError as exc:  # bad data or settings: one line, and an exit code that says "do not retry"
+    except CellfeedError as exc:  # one line; bad data or settings exit with a code that says "do not retry"
         print(f"cellfeed: error: {name}: {exc}", file=sys.stderr, flush=True)
-        sys.exit(USER_ERROR_EXIT)
+        sys.exit(1 if isinstance(exc, StorageUnavailable) else USER_ERROR_EXIT)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,15 @@ class RowBlock:
         return len(self.gene)
 
 
+class StorageUnavailable(CellfeedError):
+    """The storage did not answer (connection refused or reset, timeouts, HTTP errors): worth
+    trying again later, unlike damaged data."""
+
+
+UNREACHABLE = re.compile(r"LanceError\(IO\)|HTTP|connect|timed? ?out|error sending request|broken pipe|reset by peer",
+                         re.IGNORECASE)
+
+
 def error_text(exc: Exception) -> str:
     """One line of a (Lance) error for the user: its first line, without the Rust source location
     Lance appends (`, /…/src/sql.rs:109:22`) or its internal columns."""
@@ -189,8 +198,11 @@ class Dataset:
             raise self._read_error(exc, f"fragment {self.fragments[frag].id}") from None
 
     def _read_error(self, exc: Exception, where: str) -> CellfeedError:
-        return CellfeedError(f"cannot read rows of {self.uri} ({where}): {error_text(exc)}; the dataset is damaged "
-                             "or was changed while in use: write it again (`cellfeed convert`/`synth`) or restore it")
+        text = error_text(exc)
+        if UNREACHABLE.search(text):
+            return StorageUnavailable(f"cannot reach the rows of {self.uri} ({where}): {text}; is the object store up?")
+        return CellfeedError(f"cannot read rows of {self.uri} ({where}): {text}; the dataset is damaged or was "
+                             "changed while in use: write it again (`cellfeed convert`/`synth`) or restore it")
 
     def read_rows(self, start: int, stop: int) -> RowBlock:
         """Expression rows [start, stop) in storage order."""

@@ -69,9 +69,7 @@ class SeaweedServer:
         self.port = ports["s3"]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log = open(self.root / "weed.log", "w")
-        with warnings.catch_warnings():  # preexec_fn forks: Lance warns it is not fork-safe, but the
-            warnings.simplefilter("ignore")  # child only sets its death signal and execs weed
-            self.proc = subprocess.Popen(
+        self._command = (
                 [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.root / 'data'}",
                  f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", "-filer",
                  f"-filer.port={ports['filer']}", "-s3", f"-s3.port={ports['s3']}", f"-s3.config={self.root / 's3.json'}",
@@ -81,9 +79,25 @@ class SeaweedServer:
                  # objects stored in 1 MB chunks: a ranged GET reads the chunks it touches, and with the
                  # default 4 MB it costs this machine ~2.5x the CPU (the server shares our cores; a remote
                  # store's CPU is not the client's)
-                 "-filer.maxMB=1", *grpc],
-                stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=lambda: _in_child(cpus))
+                 "-filer.maxMB=1", *grpc])
+        self._cpus = cpus
+        self._start()
         self._wait_ready(start_timeout_s)
+
+    def _start(self) -> None:
+        with warnings.catch_warnings():  # preexec_fn forks: Lance warns it is not fork-safe, but the
+            warnings.simplefilter("ignore")  # child only sets its death signal and execs weed
+            self.proc = subprocess.Popen(self._command, stdout=self.log, stderr=subprocess.STDOUT,
+                                         preexec_fn=lambda: _in_child(self._cpus))
+
+    def restart(self, down_s: float = 0.0, start_timeout_s: float = 60.0) -> None:
+        """Kill the server (an outage: open requests fail), wait `down_s`, and start it again on
+        the same data and ports."""
+        self.proc.kill()
+        self.proc.wait(timeout=15)
+        time.sleep(down_s)
+        self._start()
+        self._wait_ready(start_timeout_s, restarted=True)
 
     @property
     def settings(self) -> dict:
@@ -102,10 +116,11 @@ class SeaweedServer:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        """Until a bucket can be created and written (the filer and a volume are up, not just the port)."""
+    def _wait_ready(self, timeout_s: float, restarted: bool = False) -> None:
+        """Until a bucket can be created and written (the filer and a volume are up, not just the
+        port); after a restart, until what was written before reads back."""
         deadline = time.monotonic() + timeout_s
-        probe = f"ready-{int(time.time() * 1000)}"
+        probe = "cellfeed-ready-probe"
         while True:
             if self.proc.poll() is not None:
                 raise CellfeedError(f"SeaweedFS exited at start ({self.proc.returncode}); see {self.root / 'weed.log'}")
@@ -121,8 +136,11 @@ class SeaweedServer:
                 continue
             try:
                 s3 = self.client()
-                s3.create_bucket(Bucket=probe)
-                s3.put_object(Bucket=probe, Key="probe", Body=b"x")
+                if restarted:
+                    s3.get_object(Bucket=probe, Key="probe")["Body"].read()
+                else:
+                    s3.create_bucket(Bucket=probe)
+                    s3.put_object(Bucket=probe, Key="probe", Body=b"x")
                 return
             except Exception:  # noqa: BLE001 - not ready yet (no volume assigned, filer starting)
                 if time.monotonic() > deadline:

@@ -32,7 +32,7 @@ from coordination.routing import (EVAL_PARTITION, EVENTS_PARTITION, TASKS_PARTIT
                                   unit_rank)
 from coordination.seeds import cell_rng, held_out_rng, unit_rng
 from coordination.wire import number_items, pack_cells
-from producers.dataset import Dataset, RowBlock, error_text, open_dataset
+from producers.dataset import Dataset, RowBlock, StorageUnavailable, error_text, open_dataset
 from producers.storage import LocalLocation
 from producers.gene_stats import load_gene_medians
 from producers.ranking import CellRows
@@ -69,6 +69,7 @@ class ProducerConfig:
     threads: int | None = None  # tokenizing threads; None: one per CPU this process may use
     read_ahead: int | None = None  # units read ahead of the one tokenized; None: as many as the read latency needs
     heartbeat_s: float = HEARTBEAT_S
+    read_retry_s: float = 180.0  # how long a unit's read is tried again while storage does not answer
     put_timeout_s: float = 600.0
     idle_timeout_s: float = 10.0
 
@@ -255,8 +256,19 @@ class Producer:
         return len(cell_ids)
 
     def read(self, epoch: int, unit_id: int) -> tuple[WorkUnit, RowBlock]:
+        """A unit and its rows. Storage that does not answer is tried again (1 s, 2 s, 4 s, then 5 s
+        apart, for `read_retry_s`): an object store restarting mid-epoch costs time, not the run.
+        The unit stays held meanwhile (the courier's heartbeats name it)."""
         unit = self.plan(epoch).unit(unit_id)
-        return unit, self.ds.read_row_ranges(unit.ranges, with_cell_ids=False)
+        deadline, pause = time.monotonic() + self.config.read_retry_s, 1.0
+        while True:
+            try:
+                return unit, self.ds.read_row_ranges(unit.ranges, with_cell_ids=False)
+            except StorageUnavailable:
+                if time.monotonic() + pause > deadline or self._stopping.is_set():
+                    raise
+                time.sleep(pause)
+                pause = min(2 * pause, 5.0)
 
     def process(self, epoch: int, unit_id: int, rows: tuple[WorkUnit, RowBlock] | None = None) -> None:
         """Produce every item of one unit (and any boundary cell it completes); `rows`: the unit

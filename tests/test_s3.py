@@ -123,3 +123,52 @@ def test_upload_script_stages_a_local_dataset(s3, tmp_path):
     again = subprocess.run([sys.executable, "deploy/upload.py", local.uri, f"s3://{s3}/staged"], cwd=root,
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+def test_producers_ride_out_an_s3_server_restart(tmp_path):
+    """The S3 server is killed mid-epoch and started again 3 s later on the same data: producers
+    reading from it retry, and the epoch still yields every cell exactly once."""
+    import threading
+
+    from coordination.plan import Sampling
+    from coordination.queues import MemoryMap, MemoryQueue
+    from coordination.routing import TASKS_PARTITION, encode_task, epoch_map_name, rank_partition
+    from coordination.wire import unpack_item
+    from producers.object_store import SeaweedServer
+    from producers.producer import Producer, ProducerConfig
+
+    with SeaweedServer() as server:
+        server.client().create_bucket(Bucket="outage")
+        settings = S3Settings(endpoint=server.endpoint, access_key_id=server.settings["AWS_ACCESS_KEY_ID"],
+                              secret_access_key=server.settings["AWS_SECRET_ACCESS_KEY"])
+        synthesize("s3://outage/atlas", SynthSpec(n_cells=1200, n_genes=1000, n_plates=3, seed=4),
+                   rows_per_fragment=20_000, progress=False, settings=settings)
+        ds = open_dataset("s3://outage/atlas", settings)
+        queue, store = MemoryQueue(), MemoryMap()
+        config = ProducerConfig(dataset=ds.uri, run="outage", max_genes=16, idle_timeout_s=3.0,
+                                sampling=Sampling("block", block_size=8, fetch_factor=1, batch_size=16, min_units=1))
+        producers = [Producer(config, queue, store, dataset=ds) for _ in range(2)]
+        plan = producers[0].plan(0)
+        store.named(epoch_map_name(0), create=True)
+        queue.put_many([encode_task(0, u) for u in range(plan.n_units)], partition=TASKS_PARTITION)
+        errors = []
+
+        def work(p):
+            try:
+                p.run()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(p,)) for p in producers]
+        for t in threads:
+            t.start()
+        while sum(p.stats.units for p in producers) < 3:
+            time.sleep(0.01)
+        server.restart(down_s=3.0)  # killed mid-epoch, back on the same data and port
+        for t in threads:
+            t.join(timeout=300)
+        assert errors == []
+        cells = [c for data in queue.get_many(10**6, block=False, partition=rank_partition(0))
+                 for c in unpack_item(data).cell_ids.tolist()]
+        assert sorted(cells) == list(range(1200))  # every cell once (no driver here: no unit re-issued)
+        assert sum(p.stats.units for p in producers) == plan.n_units
