@@ -1,6 +1,8 @@
-"""How random are the batches a trainer sees? Plate-label entropy of each batch, through the real
-pipeline (plan → producer → items → consumer stream with its mixing buffer), for each sampling
-strategy, against batches drawn truly at random from the same cells.
+"""How random are the batches a trainer sees? Through the real pipeline (plan → producer → items →
+consumer stream with its mixing buffer), for each sampling strategy: the plate-label entropy of
+each batch (mean ± sd, beside batches drawn truly at random from the same cells, and beside
+scDataset's bounds for block sampling) and the index score (mean |id_i - id_j| within a batch:
+0 sequential, 1 uniform random); `trainer/sampling_quality.py` defines them.
 
     python benchmarks/randomness.py            # 200k-cell atlas (14 plates), batch 64
     python benchmarks/randomness.py --quick    # 20k-cell atlas
@@ -32,6 +34,7 @@ from coordination.routing import stop_key  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
 from producers.producer import Producer, ProducerConfig, label_codes  # noqa: E402
 from producers.synth import SynthSpec, synthesize  # noqa: E402
+from trainer.sampling_quality import block_entropy_bounds, entropy_bits, index_score  # noqa: E402
 from trainer.stream import ConsumerStream  # noqa: E402
 
 BATCH = 64
@@ -44,13 +47,8 @@ STRATEGIES = {
 }
 
 
-def entropy_bits(labels: np.ndarray) -> float:
-    _, counts = np.unique(labels, return_counts=True)
-    p = counts / counts.sum()
-    return float(-(p * np.log2(p)).sum())
-
-
-def batch_entropies(ds, sampling: Sampling, buffer_cells: int, latency_ms: float = 0.0) -> list[float]:
+def batch_scores(ds, sampling: Sampling, buffer_cells: int, latency_ms: float = 0.0) -> tuple[list, list]:
+    """Per full batch of the epoch: plate entropy (bits) and index score."""
     queue, store = remote(MemoryQueue(max_items=10**9, max_bytes=1 << 62), MemoryMap(), latency_ms)
     run = "randomness"
     config = ProducerConfig(dataset=ds.uri, run=run, sampling=sampling, max_genes=8, label_column="plate",
@@ -63,11 +61,15 @@ def batch_entropies(ds, sampling: Sampling, buffer_cells: int, latency_ms: float
     worker = threading.Thread(target=producer.run, daemon=True)
     worker.start()
     stream = ConsumerStream(queue, rank=0, world_size=1, run=run, batch_size=BATCH, buffer_cells=buffer_cells)
-    out = [entropy_bits(b.labels.numpy()) for b in stream.epoch(0, summary.cells_per_rank) if b.size == BATCH]
+    entropies, scores = [], []
+    for b in stream.epoch(0, summary.cells_per_rank):
+        if b.size == BATCH:
+            entropies.append(entropy_bits(b.labels.numpy()))
+            scores.append(index_score(b.cell_ids.numpy(), ds.n_cells))
     stream.close()
     store.put(stop_key(run), "stop")
     worker.join(timeout=30)
-    return out
+    return entropies, scores
 
 
 def main() -> None:
@@ -85,17 +87,27 @@ def main() -> None:
     plates = label_codes(ds, "plate")[0]
     rng = np.random.default_rng(0)
     order = rng.permutation(ds.n_cells)
-    true_random = [entropy_bits(plates[order[i:i + BATCH]]) for i in range(0, ds.n_cells - BATCH + 1, BATCH)]
+    batches = [order[i:i + BATCH] for i in range(0, ds.n_cells - BATCH + 1, BATCH)]
+    true_random = [entropy_bits(plates[b]) for b in batches]
+    true_scores = [index_score(b, ds.n_cells) for b in batches]
     reference = float(np.mean(true_random))
-    print(f"\n{ds.n_cells:,} cells in 14 plates stored in order; batch {BATCH}; consumer buffer {args.buffer} cells")
-    print(f"{'strategy':<18}{'mean bits':>10}{'std':>7}{'of random':>11}")
-    print(f"{'true random':<18}{reference:>10.3f}{np.std(true_random):>7.3f}{1.0:>11.1%}")
-    figures = {"true_random_bits": round(reference, 4)}
+    proportions = np.bincount(plates)
+    print(f"\n{ds.n_cells:,} cells in {len(proportions)} plates stored in order; batch {BATCH}; consumer buffer "
+          f"{args.buffer} cells")
+    print(f"{'strategy':<18}{'plate bits':>11}{'sd':>7}{'- random':>9}{'index':>7}   block bounds (bits)")
+    print(f"{'true random':<18}{reference:>11.3f}{np.std(true_random):>7.3f}{0.0:>+9.3f}{np.mean(true_scores):>7.3f}")
+    figures = {"random_plate_entropy": round(reference, 4), "random_index_score": round(float(np.mean(true_scores)), 4)}
     for name, sampling in STRATEGIES.items():
-        values = batch_entropies(ds, sampling, args.buffer, args.rpc_latency_ms)
-        mean = float(np.mean(values))
-        print(f"{name:<18}{mean:>10.3f}{np.std(values):>7.3f}{mean / reference:>11.1%}")
-        figures[f"{name.split()[0]}{'' if ' ' not in name else '_' + name.split()[1][2:]}_bits"] = round(mean, 4)
+        entropies, scores = batch_scores(ds, sampling, args.buffer, args.rpc_latency_ms)
+        mean = float(np.mean(entropies))
+        bounds = ""
+        if sampling.strategy == "block":
+            lower, upper = block_entropy_bounds(proportions, sampling.block_size, BATCH)
+            bounds = f"   {lower:.3f} .. {upper:.3f}"
+        print(f"{name:<18}{mean:>11.3f}{np.std(entropies):>7.3f}{mean - reference:>+9.3f}{np.mean(scores):>7.3f}{bounds}")
+        key = name.replace("block b=", "block_b").replace(" f=", "_f")
+        figures[f"{key}_plate_entropy"] = round(mean, 4)
+        figures[f"{key}_index_score"] = round(float(np.mean(scores)), 4)
     print(json.dumps(figures))
 
 

@@ -36,3 +36,22 @@ def test_producers_killed_and_stalled_and_trainer_paused_lose_and_duplicate_noth
     assert out.stdout.count("cells trained, 0 missing, 0 duplicated (of 1,500 planned") == 30  # each epoch audited
     assert "exactly-once audit: 30 of 30 complete epochs checked, 45,000 cells trained, 0 missing, 0 duplicated" \
         in out.stdout
+
+
+def test_a_stitching_piece_deleted_from_the_map_fails_the_cell_with_one_line():
+    """A piece lost from the map cannot be made up by the last holder: it stops with one line (the
+    local campaign then stops on it, keeping its checkpoint), and a resume drops the epoch's map and
+    produces every unit holding a piece of an untrained boundary cell again
+    (test_trainer: test_sigkill_mid_epoch_then_resume_trains_every_cell_once[sequential])."""
+    import numpy as np
+
+    from coordination.errors import CellfeedError
+    from coordination.queues import MemoryMap
+    from producers.stitch import offer_piece, piece_key
+
+    store = MemoryMap()
+    genes, values = np.array([3, 9], dtype=np.uint16), np.array([1, 2], dtype=np.uint16)
+    assert offer_piece(store, 0, "7.1", 42, 0, 2, genes, values) is None  # the first holder waits
+    store.pop(piece_key(42, 0))  # the piece is lost
+    with pytest.raises(CellfeedError, match=r"^cell 42 of epoch 0: pieces \[0\] missing at the last arrival$"):
+        offer_piece(store, 0, "8.0", 42, 1, 2, genes, values)

@@ -343,7 +343,7 @@ def test_a_stop_is_noticed_within_seconds_while_blocked_on_a_full_partition(smal
     thread = threading.Thread(target=producer.run)
     thread.start()
     deadline = time.monotonic() + 30
-    while queue.len(partition=rank_partition(0)) < 100 and time.monotonic() < deadline:
+    while queue.len(partition=rank_partition(0)) < 100 - 32 and time.monotonic() < deadline:  # puts go 32 at a time
         time.sleep(0.05)
     time.sleep(1.0)  # blocked on the full partition by now
     assert thread.is_alive()
