@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.chaos import trained_per_epoch
 from tests.conftest import PBMC
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,15 +42,6 @@ def local(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-def trained_cells(run_dir: Path) -> dict[int, Counter]:
-    """Per epoch, the multiset of cell ids all ranks trained on (from --audit-cells)."""
-    epochs: dict[int, Counter] = {}
-    for log in sorted(run_dir.glob("cells.rank*.jsonl")):
-        for line in log.read_text().splitlines():
-            row = json.loads(line)
-            epochs.setdefault(row["epoch"], Counter()).update(row["cells"])
-    return epochs
-
 
 @pytest.mark.parametrize("tokenizer, gpus", [
     ("geneformer-v1", 1), ("geneformer-v1", 2), ("geneformer-v2", 1), ("geneformer", 2), ("scgpt", 1),
@@ -70,7 +62,7 @@ def test_every_tokenizer_trains_with_a_held_out_split_and_steps_beyond_an_epoch(
     rows = [json.loads(line) for line in (tmp_path / "t" / "steps.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == steps and all(math.isfinite(x) for x in losses)
-    epochs = trained_cells(tmp_path / "t")
+    epochs = trained_per_epoch(tmp_path / "t")
     assert set(epochs) == {0, 1}
     assert epochs[0] == Counter(train)  # the whole training split once, no held-out cell
     assert max(epochs[1].values()) == 1 and set(epochs[1]) <= train  # part of epoch 1, no duplicate
@@ -215,7 +207,7 @@ def test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact(counts_at
     assert killed is not None, "the producer to kill was not found"
     assert proc.returncode == 0, out[-2000:] + err[-2000:]
     assert "producer-0 exited with code -9: restarting it in 1s (1 of 3 restarts)" in out
-    epochs = trained_cells(run_dir)
+    epochs = trained_per_epoch(run_dir)
     everything = Counter(range(counts_atlas.n_cells))
     assert [epochs[e] for e in range(8)] == [everything] * 8  # 0 lost, 0 duplicated, in every epoch
 

@@ -172,19 +172,24 @@ def test_model_presets_masking_and_flops():
     assert train_flops(c, lengths, 800) == pytest.approx(expected)
 
 
-def test_gradient_accumulation_counts_every_batch_of_a_step(small_synth, tmp_path, monkeypatch):
+@pytest.fixture
+def single_rank(monkeypatch):
+    """This process as rank 0 of a world of 1 (torch.distributed reads these)."""
+    from coordination.local_backend import free_port
+
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
+                        ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+
+
+def test_gradient_accumulation_counts_every_batch_of_a_step(small_synth, tmp_path, single_rank):
     """One rank in this process: with grad_accum 2, each logged step holds two batches' cells."""
     import torch.distributed as dist
 
     from coordination.queues import MemoryMap, MemoryQueue
     from coordination.routing import TASKS_PARTITION, encode_task
-    from coordination.local_backend import free_port
     from trainer.train import train
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
     queue, store = MemoryQueue(), MemoryMap()
     config = ProducerConfig(dataset=small_synth.uri, run="accum", world_size=1, max_genes=16, idle_timeout_s=0.2,
                             sampling=Sampling("block", block_size=8, fetch_factor=4, batch_size=16))
@@ -215,20 +220,15 @@ def test_checkpoints_keep_the_last_k_and_the_best(tmp_path):
 
 
 @pytest.mark.parametrize("tamper", [False, True])
-def test_end_of_epoch_audit_passes_exactly_or_fails_loudly(small_synth, tmp_path, monkeypatch, tamper):
+def test_end_of_epoch_audit_passes_exactly_or_fails_loudly(small_synth, tmp_path, single_rank, tamper):
     """A whole epoch ends with the count and cell-id hash check; cells other than the plan's
     (here: a plan whose hash was changed) fail the run with one line naming the rank."""
     import torch.distributed as dist
 
-    from coordination.local_backend import free_port
     from coordination.queues import MemoryMap, MemoryQueue
     from coordination.routing import TASKS_PARTITION, encode_task, epoch_map_name
     from trainer.train import train
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
     queue, store = MemoryQueue(), MemoryMap()
     config = ProducerConfig(dataset=small_synth.uri, run="audit", world_size=1, max_genes=16, idle_timeout_s=0.2,
                             sampling=Sampling("sequential", unit_cells=100))
