@@ -220,6 +220,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     summary = tracker.finish()
     summary["audits"] = audits
     summary["resume_skipped_units"] = driver.stats.skipped_units if driver is not None else 0
+    summary["units_reissued"] = driver.stats.reissued if driver is not None else 0  # their holders fell silent
     summary["params"] = model.n_params()
     summary["final_params_checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
     return summary
