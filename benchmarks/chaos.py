@@ -187,6 +187,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None, help="campaign epochs (default 20; 12 quick)")
     parser.add_argument("--cells", type=int, default=3000, help="cells of the synthetic atlas (default 3,000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault plan")
+    parser.add_argument("--rpc-latency-ms", type=float, default=25.0,
+                        help="every queue/map call costs this many ms, as on Modal (default 25): production then "
+                             "spans the campaign, so faults land on producers mid-unit, not on idle ones")
     parser.add_argument("--pause-s", type=float, default=4.0,
                         help="how long the trainer is paused (its wall time is added to the run's by construction)")
     args = parser.parse_args()
@@ -201,19 +204,20 @@ def main() -> None:
                progress=False)
     expected = Counter(range(args.cells))
 
-    calm = run_campaign(dataset, work, "calm", epochs=epochs)
+    latency = ["--rpc-latency-ms", str(args.rpc_latency_ms)]
+    calm = run_campaign(dataset, work, "calm", epochs=epochs, extra=latency)
     if calm.returncode != 0:
         sys.exit(f"the campaign without faults failed:\n{calm.stderr[-2000:]}")
     span = max(10.0, 0.6 * calm.wall_s)
     plan = fault_plan(args.seed, n_faults, span, pause_s=args.pause_s)
-    chaos = run_campaign(dataset, work, "chaos", epochs=epochs, faults=plan, seed=args.seed)
+    chaos = run_campaign(dataset, work, "chaos", epochs=epochs, faults=plan, seed=args.seed, extra=latency)
     checked, lost, duplicated = lost_and_duplicated(trained_per_epoch(work / "chaos"), expected, epochs)
     restarts = sum(1 for line in chaos.stdout.splitlines() if "restarting it" in line)
     reissued = json.loads((work / "chaos" / "summary.rank0").read_text()).get("units_reissued", 0)
     reproduced = round(reissued * cells_per_unit(chaos.stdout))  # made again: units whose holder fell silent
 
-    print(f"\ncampaign: {args.cells:,} cells x {epochs} epochs, 3 producers, 2 ranks; machine: {platform.machine()}, "
-          f"{os.cpu_count()} cores")
+    print(f"\ncampaign: {args.cells:,} cells x {epochs} epochs, 3 producers, 2 ranks, {args.rpc_latency_ms:.0f} ms a "
+          f"queue/map call; machine: {platform.machine()}, {os.cpu_count()} cores")
     print(f"{'at s':>6}  fault")
     for at, kind, n in sorted(chaos.faults):
         what = {"kill": "SIGKILL a producer", "stall": f"SIGSTOP a producer for {LEASE_S + 4:.0f}s (past its lease)",
