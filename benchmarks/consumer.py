@@ -16,7 +16,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,16 +30,14 @@ from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import TASKS_PARTITION, encode_task, rank_partition  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
 from producers.producer import Producer, ProducerConfig  # noqa: E402
-from producers.synth import SynthSpec, synthesize  # noqa: E402
+from producers.synth import cached_atlas  # noqa: E402
 from trainer.stream import ConsumerStream  # noqa: E402
 
 TARGET = 40_000
 
 
 def make_items(n_cells: int) -> list[bytes]:
-    path = os.path.join(tempfile.gettempdir(), "cellfeed-bench-atlas-20000")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        synthesize(path, SynthSpec(n_cells=20_000, seed=0), overwrite=True, progress=False)
+    path = cached_atlas(20_000)
     ds = open_dataset(path)
     queue = MemoryQueue(max_items=10**9, max_bytes=1 << 62)
     config = ProducerConfig(dataset=path, run="bench", max_genes=1024, world_size=1,

@@ -31,7 +31,7 @@ from coordination.backends import connect  # noqa: E402
 from coordination.driver import Driver  # noqa: E402
 from coordination.local_backend import ServerProcess  # noqa: E402
 from coordination.routing import rank_partition  # noqa: E402
-from producers.synth import SynthSpec, synthesize  # noqa: E402
+from producers.synth import cached_atlas  # noqa: E402
 from trainer.stream import ConsumerStream  # noqa: E402
 
 
@@ -86,9 +86,7 @@ def main() -> None:
     parser.add_argument("--png", default=str(ROOT / "benchmarks" / "local_scaling.png"))
     args = parser.parse_args()
     n_cells = 20_000 if args.quick else 200_000
-    path = os.path.join(tempfile.gettempdir(), f"cellfeed-bench-atlas-{n_cells}")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        synthesize(path, SynthSpec(n_cells=n_cells, seed=0), overwrite=True)
+    path = cached_atlas(n_cells)
     results = {n: run(path, n, batch=240, latency_ms=args.rpc_latency_ms) for n in (1, 2)}
     print(f"\nlocal campaign, {n_cells:,}-cell atlas, scGPT tokens (1024 genes), one no-op consumer rank, batch 240; "
           f"machine: {platform.machine()}, {os.cpu_count()} cores")

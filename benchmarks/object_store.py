@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from producers.dataset import open_dataset  # noqa: E402
 from producers.object_store import REGION, S3Proxy, SeaweedServer  # noqa: E402
 from producers.producer import Producer, ProducerConfig  # noqa: E402
 from producers.storage import S3Settings  # noqa: E402
-from producers.synth import SynthSpec, synthesize  # noqa: E402
+from producers.synth import cached_atlas  # noqa: E402
 
 ROW_BYTES = 4  # a non-zero as the producer needs it: uint16 gene + uint16 value
 
@@ -122,9 +121,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
 
-    path = os.path.join(tempfile.gettempdir(), f"cellfeed-bench-atlas-{n_cells}")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        synthesize(path, SynthSpec(n_cells=n_cells, seed=0), rows_per_fragment=1 << 22, overwrite=True)
+    path = cached_atlas(n_cells)
     cpus = sorted(os.sched_getaffinity(0))
     pin = not args.no_pin and len(cpus) >= 2
     store_cpus = set(cpus[1:]) if pin else None

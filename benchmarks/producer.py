@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from producers.gene_stats import compute_gene_medians, load_gene_medians, store_
 from producers.producer import CHUNK_CELLS, Producer, ProducerConfig  # noqa: E402
 from coordination.arrays import offsets_of  # noqa: E402
 from producers.ranking import CellRows, rank_order  # noqa: E402
-from producers.synth import SynthSpec, synthesize  # noqa: E402
+from producers.synth import cached_atlas  # noqa: E402
 
 # units as large as on a Tahoe-scale atlas (min_units=1: a small benchmark atlas must not shrink them)
 STRATEGIES = {
@@ -134,9 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     n_cells = args.cells or (20_000 if args.quick else 200_000)
     budget = args.budget or (4_000 if args.quick else 40_000)
-    path = args.dataset or os.path.join(tempfile.gettempdir(), f"cellfeed-bench-atlas-{n_cells}")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        synthesize(path, SynthSpec(n_cells=n_cells, seed=0), rows_per_fragment=1 << 22, overwrite=True)
+    path = args.dataset or cached_atlas(n_cells)
     ds = open_dataset(path)
     if load_gene_medians(ds) is None:
         store_gene_stats(ds, compute_gene_medians(ds, progress=False))

@@ -4,12 +4,23 @@ expression shift, heavy-tailed gene popularity and integer counts.
 It exists to make the ordering problem real in tests and benchmarks: streaming it in storage
 order yields batches from one plate at a time, and a classifier can tell plates apart.
 
+Labels that do not depend on the plate carry signal of their own, so a model trained on some
+plates can be judged on another (downstream parity in `benchmarks/randomness.py`):
+- `cell_line`: every plate pools all 50 lines, in proportions of its own (a Dirichlet draw, as
+  drugs thin some lines more than others); each line expresses a few marker genes of its own a
+  little (`marker_fraction` of its draws), on every plate.
+- `dose`: a stress programme shared by all drugs, drawn more the higher the dose.
+`drug` stays plate-specific (as in Tahoe, a plate holds a subset of the drugs), so it is not
+such a label.
+
 Generation is chunked (CHUNK_CELLS cells at a time, each chunk seeded by (seed, chunk index)),
 so memory is bounded by a chunk and the output depends only on the seed and the sizes.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,12 +30,17 @@ from tqdm import tqdm
 from coordination.errors import CellfeedError
 from producers.dataset import Dataset, DatasetWriter
 
+VERSION = 2  # raised whenever a spec yields other data than before (2: cell-line and dose signal)
 CHUNK_CELLS = 4096
 URN_SIZE = 1 << 22  # a gene "urn" per plate: drawing uniformly from it samples gene popularity
 N_CELL_LINES = 50
 N_DRUGS = 380
 DOSES_UM = (0.05, 0.5, 5.0)
 PLATE_SMALLEST, PLATE_LARGEST = 0.047, 0.104  # Tahoe-100M's plates span 4.7%..10.4% of cells
+LINE_DIRICHLET = 2.0  # spread of cell-line proportions between plates (smaller: more uneven)
+MARKERS_PER_LINE = 24
+DOSE_GENES = 24
+DOSE_FRACTION = (0.0, 0.002, 0.004)  # of a cell's draws, from the dose programme, per dose
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,7 @@ class SynthSpec:
     min_nnz: int = 500
     max_nnz: int = 3000
     near_empty_fraction: float = 0.002
+    marker_fraction: float = 0.005  # of a cell's draws, from its line's markers: ~12 of ~2,400 draws
 
     def validate(self) -> None:
         if self.n_cells < 1:
@@ -45,6 +62,8 @@ class SynthSpec:
             raise CellfeedError(f"--plates must be between 1 and the number of cells, got {self.n_plates}")
         if self.n_genes < 16:
             raise CellfeedError(f"--genes must be >= 16, got {self.n_genes}")
+        if not 0.0 <= self.marker_fraction < 1.0:
+            raise CellfeedError(f"marker_fraction must be in [0, 1), got {self.marker_fraction}")
         if self.n_genes > np.iinfo(np.int32).max:
             raise CellfeedError(f"--genes must be < 2^31, got {self.n_genes}")
 
@@ -91,6 +110,11 @@ class _Model:
             for _ in range(spec.n_plates)
         ]
         self.depth = np.exp(rng.normal(0.0, 0.12, size=spec.n_plates))  # plate sequencing depth
+        self.line_mix = rng.dirichlet(np.full(N_CELL_LINES, LINE_DIRICHLET), size=spec.n_plates)
+        n_signal = N_CELL_LINES * MARKERS_PER_LINE + DOSE_GENES  # distinct genes where there are enough
+        signal = rng.choice(g, size=n_signal, replace=g < n_signal)
+        self.markers = signal[: N_CELL_LINES * MARKERS_PER_LINE].reshape(N_CELL_LINES, MARKERS_PER_LINE)
+        self.dose_genes = signal[N_CELL_LINES * MARKERS_PER_LINE :]
         # draws with replacement collide on popular genes: tabulate expected distinct genes per
         # number of draws, E[distinct | d] = sum_g 1 - (1 - p_g)^d, to draw as many as a cell needs
         self.draw_grid = np.unique(np.geomspace(1, 40 * spec.max_nnz, 96).astype(np.int64))
@@ -114,6 +138,10 @@ def _chunk(spec: SynthSpec, model: _Model, plate_of: np.ndarray, start: int, sto
     nnz = np.clip(nnz, spec.min_nnz, spec.max_nnz).astype(np.int64)
     near_empty = rng.random(n) < spec.near_empty_fraction
     nnz[near_empty] = rng.integers(1, 20, size=int(near_empty.sum()))
+    lines = np.empty(n, dtype=np.int64)
+    for p in np.unique(plates):
+        lines[plates == p] = rng.choice(N_CELL_LINES, size=int((plates == p).sum()), p=model.line_mix[p])
+    doses = rng.integers(0, len(DOSES_UM), size=n)
     # draw genes with replacement from the plate's urn; repeats merge into counts
     draws = np.empty(n, dtype=np.int64)
     for p in np.unique(plates):
@@ -127,6 +155,17 @@ def _chunk(spec: SynthSpec, model: _Model, plate_of: np.ndarray, start: int, sto
         urn = model.urns[p]
         genes[pos : pos + k] = urn[rng.integers(0, len(urn), size=k)]
         pos += k
+    # and a few more from the cell line's markers and the dose programme (near-empty cells too)
+    n_marker = rng.binomial(draws, spec.marker_fraction)
+    n_dose = rng.binomial(draws, np.asarray(DOSE_FRACTION)[doses])
+    marker_cell = np.repeat(np.arange(n, dtype=np.int64), n_marker)
+    dose_cell = np.repeat(np.arange(n, dtype=np.int64), n_dose)
+    cell_of_draw = np.concatenate([cell_of_draw, marker_cell, dose_cell])
+    genes = np.concatenate([
+        genes,
+        model.markers[lines[marker_cell], rng.integers(0, MARKERS_PER_LINE, size=len(marker_cell))],
+        model.dose_genes[rng.integers(0, DOSE_GENES, size=len(dose_cell))],
+    ])
     key = cell_of_draw * spec.n_genes + genes
     key.sort()
     first = np.empty(len(key), dtype=bool)
@@ -152,9 +191,9 @@ def _chunk(spec: SynthSpec, model: _Model, plate_of: np.ndarray, start: int, sto
         {
             "cell_id": pa.array([f"cell_{i:09d}" for i in ids]),
             "plate": pa.array([f"plate{p + 1:02d}" for p in plates]),
-            "cell_line": pa.array([f"CVCL_{c:04d}" for c in rng.integers(0, N_CELL_LINES, size=n)]),
+            "cell_line": pa.array([f"CVCL_{c:04d}" for c in lines]),
             "drug": pa.array([f"drug_{d:03d}" for d in drugs]),
-            "dose": pa.array(np.asarray(DOSES_UM)[rng.integers(0, len(DOSES_UM), size=n)], type=pa.float32()),
+            "dose": pa.array(np.asarray(DOSES_UM)[doses], type=pa.float32()),
         }
     )
     return obs, indptr, genes, values
@@ -193,5 +232,14 @@ def synthesize(
             writer.append(obs, indptr, genes, values)
             bar.update(obs.num_rows)
         sizes = plate_sizes(spec.n_cells, spec.n_plates).tolist()
-        meta = {"synthetic": {"seed": spec.seed, "n_plates": spec.n_plates, "plate_sizes": sizes}}
+        meta = {"synthetic": {"version": VERSION, "seed": spec.seed, "n_plates": spec.n_plates, "plate_sizes": sizes}}
         return writer.commit(gene_table(spec), meta)
+
+
+def cached_atlas(n_cells: int, seed: int = 0) -> str:
+    """The path of a synthetic atlas in the temp dir, for benchmarks: made once per (cells, seed,
+    VERSION), so an atlas of an older generator is never reused."""
+    path = os.path.join(tempfile.gettempdir(), f"cellfeed-bench-atlas-{n_cells}-s{seed}-v{VERSION}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        synthesize(path, SynthSpec(n_cells=n_cells, seed=seed), overwrite=True)
+    return path
