@@ -40,7 +40,8 @@ from producers.synth import cached_atlas  # noqa: E402
 STRATEGIES = {
     "sequential": Sampling("sequential", unit_cells=1024, min_units=1),
     "mixture": Sampling("mixture", unit_cells=256, n_scanners=4, min_units=1),
-    "block": Sampling("block", block_size=64, fetch_factor=64, batch_size=64, min_units=1),  # the defaults
+    # Sampling's defaults: 64 blocks a unit (a campaign's batch of 240 makes its units 240 blocks)
+    "block": Sampling("block", block_size=64, fetch_factor=64, batch_size=64, min_units=1),
     "block16": Sampling("block", block_size=16, fetch_factor=256, batch_size=64, min_units=1),  # scDataset's
     "random": Sampling("random", fetch_factor=16, batch_size=64, min_units=1),
 }

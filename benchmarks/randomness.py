@@ -1,17 +1,22 @@
-"""How random are the batches a trainer sees? Through the real pipeline (plan → producer → items →
-consumer stream with its mixing buffer), for each sampling strategy: the plate-label entropy of
-each batch (mean ± sd, beside batches drawn truly at random from the same cells, and beside
-scDataset's bounds for block sampling) and the index score (mean |id_i - id_j| within a batch:
-0 sequential, 1 uniform random); `trainer/sampling_quality.py` defines them.
+"""How random are the batches a trainer sees, and does it matter downstream? Through the real
+pipeline (plan → producer → items → consumer stream with its mixing buffer), for each sampling
+strategy:
 
-    python benchmarks/randomness.py            # 200k-cell atlas (14 plates), batch 64, 19 settings
-    python benchmarks/randomness.py --quick    # 20k-cell atlas, 7 settings
+- the plate-label entropy of each batch (mean ± sd, beside batches drawn truly at random from
+  the same cells, and beside scDataset's bounds for block sampling) and the index score (mean
+  |i - j| over pairs of a batch's cells, i and j their positions in storage: 0 sequential,
+  1 uniform random); `trainer/sampling_quality.py` defines them;
+- downstream parity (sequential, random, the defaults and scDataset's b=16 f=256): a linear
+  probe of cell line and dose trained for one epoch on the stream, macro-F1 on a held-out plate,
+  two seeds, and its convergence (`benchmarks/downstream.py`);
+- each setting's producer throughput (`benchmarks/producer.py`'s loop, local disk).
 
-Also each setting's producer throughput (`benchmarks/producer.py`'s loop, local disk), and a PNG
-of score against throughput, a point per setting.
+    python benchmarks/randomness.py            # 200k-cell atlas (14 plates), batch 64, 20 settings
+    python benchmarks/randomness.py --quick    # 15k-cell atlas, the 5 parity settings, one seed (a minute)
 
-Storage is ordered by plate, so sequential batches see one plate (entropy ~0 bits) and a truly
-random batch of 64 sees most of 14 plates (~3.6 bits). Ends with one JSON line.
+Every epoch holds out plate14 (the probe's test plate), so batches come from 13 plates stored in
+order: sequential batches see one plate (entropy ~0 bits), truly random batches of 64 most of
+them. Draws two PNGs (score vs throughput; macro-F1 vs cells seen) and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -21,8 +26,7 @@ import json
 import os
 import platform
 import sys
-import tempfile
-import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,32 +34,36 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.downstream import (  # noqa: E402
+    EVAL_POINTS, LABELS, MAX_GENES, ProbeRun, parity_codes, pipeline_epoch, train_probe)
 from benchmarks.producer import run_config  # noqa: E402
-from coordination.driver import Driver  # noqa: E402
-from coordination.plan import PlanSummary, Sampling, publish_summary  # noqa: E402
-from coordination.latency import remote  # noqa: E402
-from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
-from coordination.routing import stop_key  # noqa: E402
+from coordination.plan import Sampling  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
-from producers.producer import Producer, ProducerConfig, label_codes  # noqa: E402
-from producers.synth import SynthSpec, synthesize  # noqa: E402
+from producers.producer import filter_cells, label_codes  # noqa: E402
+from producers.synth import cached_atlas  # noqa: E402
 from trainer.sampling_quality import block_entropy_bounds, entropy_bits, index_score  # noqa: E402
-from trainer.stream import ConsumerStream  # noqa: E402
 
 BATCH = 64
+HELD_OUT = "plate = 'plate14'"  # the campaign's --eval-filter: never trained on; the probe's test set
+# the campaign's defaults: mixture n_scanners 8; block units of 240 blocks of 64 cells (fetch factor 64
+# at its batch of 240, the same units as fetch factor 240 at this benchmark's batch of 64)
+DEFAULTS = {"block": "block b=64 f=240", "mixture": "mixture n=8"}
+PARITY = ("sequential", "random", DEFAULTS["mixture"], "block b=16 f=256", DEFAULTS["block"])
+SEEDS = (0, 1)
 
 
 def settings(quick: bool) -> dict[str, Sampling]:
-    """The sweep: sequential, random, mixture over n_scanners, block over block size x fetch factor.
-    Units as large as on a Tahoe-scale atlas (min_units=1)."""
-    out = {"sequential": Sampling("sequential", unit_cells=1024, min_units=1),
-           "random": Sampling("random", fetch_factor=16, batch_size=BATCH, min_units=1)}
-    for n in ((2, 8) if quick else (1, 2, 4, 8, 16)):
-        out[f"mixture n={n}"] = Sampling("mixture", unit_cells=256, n_scanners=n, min_units=1)
-    grid = ((16, 256), (64, 64), (256, 16)) if quick else \
-        [(b, f) for b in (4, 16, 64, 256) for f in (16, 64, 256)]
+    """The sweep: sequential, random, mixture over n_scanners, block over block size x fetch factor
+    (quick: the parity settings). Units as large as on a Tahoe-scale atlas (min_units=1); the
+    quick atlas is smaller than one block unit, so there units shrink to give at least 4."""
+    units = 4 if quick else 1
+    out = {"sequential": Sampling("sequential", unit_cells=1024, min_units=units),
+           "random": Sampling("random", fetch_factor=16, batch_size=BATCH, min_units=units)}
+    for n in ((8,) if quick else (1, 2, 4, 8, 16)):
+        out[f"mixture n={n}"] = Sampling("mixture", unit_cells=256, n_scanners=n, min_units=units)
+    grid = [(16, 256), (64, 240)] if quick else [(b, f) for b in (4, 16, 64, 256) for f in (16, 64, 256)] + [(64, 240)]
     for b, f in grid:
-        out[f"block b={b} f={f}"] = Sampling("block", block_size=b, fetch_factor=f, batch_size=BATCH, min_units=1)
+        out[f"block b={b} f={f}"] = Sampling("block", block_size=b, fetch_factor=f, batch_size=BATCH, min_units=units)
     return out
 
 
@@ -64,65 +72,76 @@ def key_of(name: str) -> str:
     return name.replace(" b=", "_b").replace(" f=", "_f").replace(" n=", "_n")
 
 
-def batch_scores(ds, sampling: Sampling, buffer_cells: int, latency_ms: float = 0.0) -> tuple[list, list]:
-    """Per full batch of the epoch: plate entropy (bits) and index score."""
-    queue, store = remote(MemoryQueue(max_items=10**9, max_bytes=1 << 62), MemoryMap(), latency_ms)
-    run = "randomness"
-    config = ProducerConfig(dataset=ds.uri, run=run, sampling=sampling, max_genes=8, label_column="plate",
-                            world_size=1, idle_timeout_s=600)
-    producer = Producer(config, queue, store, dataset=ds)
-    summary = PlanSummary.of(producer.plan(0), 1)
-    publish_summary(store, run, summary)
-    driver = Driver(queue, store, run, poll_s=0.05)
-    driver.start([0])
-    worker = threading.Thread(target=producer.run, daemon=True)
-    worker.start()
-    stream = ConsumerStream(queue, rank=0, world_size=1, run=run, batch_size=BATCH, buffer_cells=buffer_cells)
+def run_epoch(ds, sampling: Sampling, seed: int, probe: bool, args) -> tuple[list, list, ProbeRun | None]:
+    """One epoch of the pipeline: per full batch, plate entropy (bits) and index score (positions
+    among the trained cells); with `probe`, the linear probe trained on the same batches."""
+    plates = label_codes(ds, "plate")[0]
+    trained = np.setdiff1d(np.arange(ds.n_cells), filter_cells(ds, HELD_OUT, "held-out filter"))
     entropies, scores = [], []
-    for b in stream.epoch(0, summary.cells_per_rank):
-        if b.size == BATCH:
-            entropies.append(entropy_bits(b.labels.numpy()))
-            scores.append(index_score(b.cell_ids.numpy(), ds.n_cells))
-    stream.close()
-    store.put(stop_key(run), "stop")
-    worker.join(timeout=30)
-    return entropies, scores
+
+    def scored(batches):
+        for b in batches:
+            if b.size == BATCH:
+                ids = b.cell_ids.numpy()
+                entropies.append(entropy_bits(plates[ids]))
+                scores.append(index_score(np.searchsorted(trained, ids), len(trained)))
+            yield b
+
+    with pipeline_epoch(ds, sampling, seed=seed, batch_size=BATCH, buffer_cells=args.buffer,
+                        latency_ms=args.rpc_latency_ms, max_genes=MAX_GENES if probe else 8,
+                        held_out_filter=HELD_OUT) as (batches, held):
+        if probe:
+            return entropies, scores, train_probe(scored(batches), held, *parity_codes(ds), len(trained),
+                                                  eval_points=4 if args.quick else EVAL_POINTS)
+        for _ in scored(batches):
+            pass
+    return entropies, scores, None
+
+
+def throughput_ratio(ds, a: Sampling, b: Sampling, budget: int, repeats: int = 3) -> float:
+    """Producer cells/s of `a` over `b`: the median of `repeats` back-to-back pairs, so that drifts
+    of the machine's speed (±15% between settings measured minutes apart) cancel."""
+    speed = lambda s: run_config(ds, "scgpt", 1024, s, budget, min_units=2)["cells_per_s"]  # noqa: E731
+    return float(np.median([speed(a) / speed(b) for _ in range(repeats)]))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a 20k-cell atlas and 7 settings (a minute or two)")
+    parser.add_argument("--quick", action="store_true", help="a 15k-cell atlas, the 5 parity settings, one seed (a minute)")
     parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
                         help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
     parser.add_argument("--buffer", type=int, default=4096, help="consumer mixing buffer in cells (4096)")
     parser.add_argument("--budget", type=int, default=None,
-                        help="cells per setting for the throughput (default 40,000; 8,000 quick)")
+                        help="cells per setting for the throughput (default 40,000; 2,000 quick)")
     parser.add_argument("--png", default=str(ROOT / "benchmarks" / "randomness.png"),
-                        help="where to draw score vs throughput (default benchmarks/randomness.png)")
+                        help="where to draw score vs throughput (default benchmarks/randomness.png); the "
+                             "convergence plot goes beside it (randomness_convergence.png)")
     args = parser.parse_args()
-    n_cells = 20_000 if args.quick else 200_000
-    budget = args.budget or (8_000 if args.quick else 40_000)
-    path = os.path.join(tempfile.gettempdir(), f"cellfeed-bench-atlas-{n_cells}")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        synthesize(path, SynthSpec(n_cells=n_cells, seed=0), overwrite=True)
-    ds = open_dataset(path)
+    n_cells = 15_000 if args.quick else 200_000
+    budget = args.budget or (2_000 if args.quick else 40_000)
+    seeds = SEEDS[:1] if args.quick else SEEDS
+    ds = open_dataset(cached_atlas(n_cells))
     plates = label_codes(ds, "plate")[0]
-    rng = np.random.default_rng(0)
-    order = rng.permutation(ds.n_cells)
-    batches = [order[i:i + BATCH] for i in range(0, ds.n_cells - BATCH + 1, BATCH)]
-    true_random = [entropy_bits(plates[b]) for b in batches]
-    true_scores = [index_score(b, ds.n_cells) for b in batches]
+    trained = np.setdiff1d(np.arange(ds.n_cells), filter_cells(ds, HELD_OUT, "held-out filter"))
+    order = np.random.default_rng(0).permutation(len(trained))
+    batches = [order[i:i + BATCH] for i in range(0, len(order) - BATCH + 1, BATCH)]  # positions in `trained`
+    true_random = [entropy_bits(plates[trained[b]]) for b in batches]
+    true_scores = [index_score(b, len(trained)) for b in batches]
     reference = float(np.mean(true_random))
-    proportions = np.bincount(plates)
-    rows = {}
+    proportions = np.bincount(plates[trained])
+    rows, probes = {}, {}
+    start = time.perf_counter()
     for name, sampling in settings(args.quick).items():
-        entropies, scores = batch_scores(ds, sampling, args.buffer, args.rpc_latency_ms)
+        entropies, scores, probe = run_epoch(ds, sampling, seeds[0], name in PARITY, args)
+        if probe is not None:
+            probes[name] = [probe] + [run_epoch(ds, sampling, seed, True, args)[2] for seed in seeds[1:]]
         speed = run_config(ds, "scgpt", 1024, sampling, budget, min_units=2)["cells_per_s"]
         rows[name] = (float(np.mean(entropies)), float(np.std(entropies)), float(np.mean(scores)), speed, sampling)
+        print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
-    print(f"\n{ds.n_cells:,} cells in {len(proportions)} plates stored in order; batch {BATCH}; consumer buffer "
-          f"{args.buffer} cells; throughput: one producer, scGPT 1024, local disk, {platform.machine()}, "
-          f"{os.cpu_count()} cores")
+    print(f"\n{len(trained):,} cells in {len(proportions[proportions > 0])} plates stored in order (plate14 held out); "
+          f"batch {BATCH}; consumer buffer {args.buffer} cells; throughput: one producer, scGPT 1024, local disk, "
+          f"{platform.machine()}, {os.cpu_count()} cores")
     print(f"{'setting':<20}{'plate bits':>11}{'sd':>7}{'- random':>9}{'index':>7}{'cells/s':>9}"
           "   block bounds before mixing (bits)")
     print(f"{'true random':<20}{reference:>11.3f}{np.std(true_random):>7.3f}{0.0:>+9.3f}{np.mean(true_scores):>7.3f}")
@@ -137,13 +156,31 @@ def main() -> None:
         figures[f"{key_of(name)}_plate_entropy"] = round(mean, 4)
         figures[f"{key_of(name)}_index_score"] = round(score, 4)
         figures[f"{key_of(name)}_cells_per_s"] = round(speed)
-    default_mixture = "mixture n=8"
-    figures["mixture_index_score"] = figures[f"{key_of(default_mixture)}_index_score"]
-    figures["mixture_vs_sequential_throughput"] = round(rows[default_mixture][3] / rows["sequential"][3], 3)
-    figures["block_b16_f256_minus_random_bits"] = round(rows["block b=16 f=256"][0] - reference, 4)
-    figures["block_b64_f64_minus_random_bits"] = round(rows["block b=64 f=64"][0] - reference, 4)
+    figures["mixture_index_score"] = figures[f"{key_of(DEFAULTS['mixture'])}_index_score"]
+    figures["mixture_vs_sequential_throughput"] = round(
+        throughput_ratio(ds, rows[DEFAULTS["mixture"]][4], rows["sequential"][4], budget), 3)
+    print(f"{DEFAULTS['mixture']} / sequential producer throughput, median of 3 back-to-back pairs: "
+          f"{figures['mixture_vs_sequential_throughput']:.3f}")
+    for name in ("block b=16 f=256", DEFAULTS["block"]):
+        figures[f"{key_of(name)}_minus_random_bits"] = round(rows[name][0] - reference, 4)
+
+    print(f"\ndownstream parity: linear probe on scGPT tokens ({MAX_GENES} genes), one epoch, macro-F1 on the "
+          f"held-out plate (chance: 1/{len(np.unique(label_codes(ds, LABELS[0])[0]))} cell lines, 1/3 doses); "
+          f"seeds {', '.join(map(str, seeds))}")
+    print(f"{'setting':<20}" + "".join(f"{label + ' F1':>26}" for label in LABELS))
+    for name, runs in probes.items():
+        cells = ""
+        for label in LABELS:
+            f1 = [r.f1[label] for r in runs]
+            cells += f"{np.mean(f1):>10.3f} ({', '.join(f'{x:.3f}' for x in f1)})"
+            suffix = "" if label == LABELS[0] else f"_{label}"
+            short = "block" if name == DEFAULTS["block"] else "mixture" if name == DEFAULTS["mixture"] else key_of(name)
+            figures[f"f1{suffix}_{short}"] = round(float(np.mean(f1)), 4)
+        print(f"{name:<20}{cells}")
     draw(rows, reference, args.png)
-    print(f"score vs throughput: {args.png}")
+    convergence_png = str(Path(args.png).with_name(Path(args.png).stem + "_convergence.png"))
+    draw_convergence(probes, convergence_png)
+    print(f"score vs throughput: {args.png}; macro-F1 vs cells seen: {convergence_png}")
     print(json.dumps(figures))
 
 
@@ -164,6 +201,29 @@ def draw(rows: dict, reference: float, png: str) -> None:
                 title="Index score vs throughput")
     axes[1].set(xlabel="producer cells/s (scGPT 1024, one process)", ylabel="plate entropy - true random (bits)",
                 title="Plate entropy gap vs throughput")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+
+def draw_convergence(probes: dict, png: str) -> None:
+    """Held-out macro-F1 against cells seen, per label: a line per parity setting (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(LABELS), figsize=(6 * len(LABELS), 4.5))
+    for name, runs in probes.items():
+        cells = [c for c, _ in runs[0].curve]
+        for ax, label in zip(axes, LABELS):
+            f1 = np.mean([[f[label] for _, f in r.curve] for r in runs], axis=0)
+            ax.plot(cells, f1, marker="o", markersize=3, label=name)
+    n_seeds = len(next(iter(probes.values())))
+    for ax, label in zip(axes, LABELS):
+        ax.set(xlabel="cells seen", ylabel=f"{label} macro-F1, held-out plate",
+               title=f"{label}: one epoch, mean of {n_seeds} seed{'s' if n_seeds > 1 else ''}")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
