@@ -39,7 +39,7 @@ from benchmarks.downstream import (  # noqa: E402
 from benchmarks.producer import run_config  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
-from producers.producer import filter_cells, label_codes  # noqa: E402
+from producers.producer import label_codes, select_cells  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
 from trainer.sampling_quality import block_entropy_bounds, entropy_bits, index_score  # noqa: E402
 
@@ -72,11 +72,11 @@ def key_of(name: str) -> str:
     return name.replace(" b=", "_b").replace(" f=", "_f").replace(" n=", "_n")
 
 
-def run_epoch(ds, sampling: Sampling, seed: int, probe: bool, args) -> tuple[list, list, ProbeRun | None]:
-    """One epoch of the pipeline: per full batch, plate entropy (bits) and index score (positions
-    among the trained cells); with `probe`, the linear probe trained on the same batches."""
-    plates = label_codes(ds, "plate")[0]
-    trained = np.setdiff1d(np.arange(ds.n_cells), filter_cells(ds, HELD_OUT, "held-out filter"))
+def run_epoch(ds, sampling: Sampling, seed: int, probe: bool, plates: np.ndarray, trained: np.ndarray,
+              args) -> tuple[list, list, ProbeRun | None]:
+    """One epoch of the pipeline: per full batch, plate entropy (bits, `plates` codes) and index
+    score (positions among the `trained` cells); with `probe`, the linear probe trained on the
+    same batches."""
     entropies, scores = [], []
 
     def scored(batches):
@@ -122,7 +122,7 @@ def main() -> None:
     seeds = SEEDS[:1] if args.quick else SEEDS
     ds = open_dataset(cached_atlas(n_cells))
     plates = label_codes(ds, "plate")[0]
-    trained = np.setdiff1d(np.arange(ds.n_cells), filter_cells(ds, HELD_OUT, "held-out filter"))
+    trained = select_cells(ds, exclude_filter=HELD_OUT)  # the cells a producer streams
     order = np.random.default_rng(0).permutation(len(trained))
     batches = [order[i:i + BATCH] for i in range(0, len(order) - BATCH + 1, BATCH)]  # positions in `trained`
     true_random = [entropy_bits(plates[trained[b]]) for b in batches]
@@ -132,9 +132,10 @@ def main() -> None:
     rows, probes = {}, {}
     start = time.perf_counter()
     for name, sampling in settings(args.quick).items():
-        entropies, scores, probe = run_epoch(ds, sampling, seeds[0], name in PARITY, args)
+        entropies, scores, probe = run_epoch(ds, sampling, seeds[0], name in PARITY, plates, trained, args)
         if probe is not None:
-            probes[name] = [probe] + [run_epoch(ds, sampling, seed, True, args)[2] for seed in seeds[1:]]
+            probes[name] = [probe] + [run_epoch(ds, sampling, seed, True, plates, trained, args)[2]
+                                      for seed in seeds[1:]]
         speed = run_config(ds, "scgpt", 1024, sampling, budget, min_units=2)["cells_per_s"]
         rows[name] = (float(np.mean(entropies)), float(np.std(entropies)), float(np.mean(scores)), speed, sampling)
         print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
