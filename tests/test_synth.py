@@ -10,12 +10,7 @@ import scipy.sparse as sp
 from app.cli import main as cli
 from producers.dataset import open_dataset
 from producers.synth import SynthSpec, plate_sizes, synthesize
-
-
-def plate_entropy_bits(labels: np.ndarray) -> float:
-    _, counts = np.unique(labels, return_counts=True)
-    p = counts / counts.sum()
-    return float(-(p * np.log2(p)).sum())
+from trainer.sampling_quality import entropy_bits
 
 
 def test_plate_sizes_match_tahoe_shape():
@@ -77,9 +72,9 @@ def test_plate_structure_is_measurable(small_synth):
 
     # contiguous batches of 64 cells see ~one plate; shuffled batches see nearly all of them
     rng = np.random.default_rng(0)
-    contiguous = [plate_entropy_bits(plates[s : s + 64]) for s in range(0, ds.n_cells - 64, 64)]
+    contiguous = [entropy_bits(plates[s : s + 64]) for s in range(0, ds.n_cells - 64, 64)]
     shuffled_order = rng.permutation(ds.n_cells)
-    shuffled = [plate_entropy_bits(plates[shuffled_order[s : s + 64]]) for s in range(0, ds.n_cells - 64, 64)]
+    shuffled = [entropy_bits(plates[shuffled_order[s : s + 64]]) for s in range(0, ds.n_cells - 64, 64)]
     assert np.mean(contiguous) < 0.2 and np.mean(shuffled) > 3.0
 
 
