@@ -8,7 +8,7 @@ detached Modal campaign needs no laptop) or beside a local campaign — without 
 
 Its coordination calls do not grow with the units in flight: each pass drains the producers'
 events with one `get_many`, reads the task list's length once, and tops the task list up with one
-`put_many`; who holds what, and since when, is kept in memory (DESIGN.md, "Routing and
+`put_many`; who holds what, and since when, is kept in memory (docs/DESIGN.md, "Routing and
 exactly-once").
 """
 

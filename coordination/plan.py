@@ -1,7 +1,7 @@
 """Epoch plans: which cells each work unit reads and emits (sampling), as a pure function of
 (dataset geometry, sampling settings, seed, epoch, subset).
 
-Strategies (see DESIGN.md):
+Strategies (see docs/DESIGN.md):
 - `sequential`: scanner chunks of `unit_cells` cells in storage order, fragment by fragment.
 - `mixture`: one scanner per fragment; each unit is one round in which `n_scanners` scanners,
   drawn at random among those not exhausted, each contribute their next chunk.

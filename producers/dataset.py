@@ -1,6 +1,6 @@
 """SLAF-layout datasets: open one (local or S3) and read row ranges; write one chunk by chunk.
 
-Layout (SLAF 0.5, see DESIGN.md): `config.json`, `expression.lance` (one row per non-zero,
+Layout (SLAF 0.5, see docs/DESIGN.md): `config.json`, `expression.lance` (one row per non-zero,
 cell-major), `cells.lance` (obs + `cell_start_index`), `genes.lance` (var). Fragments of
 `expression.lance` are cut by row count, so a cell may straddle two fragments.
 """

@@ -6,7 +6,7 @@ its producer falls silent) and consumers drop the duplicate items by key. A unit
 identical every time: cells are shuffled with a generator seeded by (seed, epoch, unit).
 
 Coordination costs about two calls per unit, whatever the latency: one `get` of the task and one
-`put` of a done event (DESIGN.md, "Routing and exactly-once"). A heartbeat thread reports the
+`put` of a done event (docs/DESIGN.md, "Routing and exactly-once"). A heartbeat thread reports the
 units held and the running totals every `heartbeat_s`, and reads the stop signal.
 """
 

@@ -1,4 +1,4 @@
-"""Boundary stitching through the map with put-if-absent (DESIGN.md, "Boundary stitching").
+"""Boundary stitching through the map with put-if-absent (docs/DESIGN.md, "Boundary stitching").
 
 The map is the epoch's own (`routing.epoch_map_name`), so the keys need no run or epoch.
 Each holder of a piece of cell c (P pieces) first writes its piece under

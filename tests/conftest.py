@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-PBMC = SHARED_DATA / "pbmc68k_reduced.h5ad"
+TEST_DATA = Path(__file__).resolve().parent / "data"
+PBMC = TEST_DATA / "pbmc68k_reduced.h5ad"  # real data, with its provenance in tests/data/README.md
 
 
 @pytest.fixture(scope="session")
