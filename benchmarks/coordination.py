@@ -28,6 +28,7 @@ import time
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -72,19 +73,26 @@ def fake_item(epoch: int, unit: int, seq: int, n_items: int, n_cells: int, paylo
                        len(body), 0) + body
 
 
+NO_ROWS = SimpleNamespace(gene=np.empty(0, np.uint32), value=np.empty(0, np.float32))
+
+
 class SimulatedProducer(Producer):
     """The real producer loop; the data work is a sleep at `rate` cells/s and real-size items."""
 
     def __init__(self, queue, store, name: str, rate: float, plans: dict, payload: bytes, **config):
-        self.config = ProducerConfig(dataset="-", run=RUN, world_size=WORLD, sampling=SAMPLING, **config)
+        # reads are instant here, so one unit ahead is enough (the real producer sizes it from its reads)
+        self.config = ProducerConfig(dataset="-", run=RUN, world_size=WORLD, sampling=SAMPLING, read_ahead=1, **config)
         self.queue, self.store, self.name = queue, store, name
         self.rate, self.plans, self.payload = rate, plans, payload
         self.stats = ProducerStats()
         self.died = threading.Event()
         self._setup_loop()
 
+    def plan(self, epoch):
+        return self.plans[epoch]
+
     def read(self, epoch, unit):
-        return None
+        return None, NO_ROWS  # (unit, rows): nothing is read; the loop sizes its read-ahead by the rows' bytes
 
     def process(self, epoch, unit_id, rows=None):
         cells = int(self.plans[epoch].unit_cell_counts[unit_id])
@@ -187,6 +195,79 @@ def simulate(*, producers: int, rate: float, units: int, epochs: int, latency_ms
     }
 
 
+def full_partition_phase(*, seconds: float, latency_ms: float, jitter_ms: float, plans: dict, producers: int = 4,
+                         rate: float = 2000.0, speedup: float = 4.0, ranks: int = 2) -> dict:
+    """Producers `speedup` x faster than the trainer, on the Modal emulator's queue (a full
+    partition refuses a put at once when its timeout is under ~2 s, as Modal's client does), at
+    `latency_ms` a call: what producers upload, and how many calls they make, per cell the queue
+    takes. A producer that re-sends into a full partition without waiting shows up here."""
+    import tempfile
+
+    from coordination.latency import with_latency
+    from coordination.modal_backend import run_backends
+    from testing.modal_emulator import ModalEmulator
+
+    global WORLD
+    world_before, WORLD = WORLD, ranks
+    root = tempfile.mkdtemp(prefix="cellfeed-spin-")
+    emulator = ModalEmulator(root)
+    try:
+        emulator.install()
+        queue, store = run_backends("spin")
+        kind = lambda p: ".items" if (p or "").startswith("rank-") else ""  # noqa: E731
+        queue, store, counts = with_latency(queue, store, latency_ms, jitter_ms, partition_kind=kind)
+        summary = window_summary(plans[0], plans[0].n_units)  # more units than the phase can use
+        publish_summary(store, RUN, summary)
+        payload = os.urandom(CELLS_PER_ITEM * BYTES_PER_CELL)
+        driver = Driver(queue, store, RUN)
+        driver.start([0])
+        sims = [SimulatedProducer(queue, store, f"p{i}", rate, plans, payload, idle_timeout_s=3600)
+                for i in range(producers)]
+        stop = threading.Event()
+        consumed = [0]
+        per_rank_rate = producers * rate / speedup / ranks
+
+        def consumer(rank: int) -> None:  # the trainer: pops at a fixed pace, whatever is queued
+            started = time.monotonic()
+            while not stop.is_set():
+                try:
+                    items = queue.get_many(8, block=True, timeout=1.0, partition=rank_partition(rank))
+                except Empty:
+                    continue
+                consumed[0] += sum(HEADER.unpack_from(d)[8] for d in items)
+                ahead = consumed[0] / ranks / per_rank_rate - (time.monotonic() - started)
+                if ahead > 0:
+                    stop.wait(ahead)
+
+        threads = [threading.Thread(target=p.run, daemon=True) for p in sims]
+        threads += [threading.Thread(target=consumer, args=(r,), daemon=True) for r in range(ranks)]
+        for t in threads:
+            t.start()
+        before = counts.snapshot()
+        time.sleep(seconds)
+        calls = {k: v - before.get(k, 0) for k, v in counts.snapshot().items()}
+        stats = emulator.describe()["stats"].get("rank-*", {})
+        stop.set()
+        driver.stop()
+        for sim in sims:
+            sim._stopping.set()
+        for t in threads:
+            t.join(timeout=10)
+    finally:
+        emulator.close()
+        WORLD = world_before
+    accepted_cells = stats.get("put_ok_items", 0) * CELLS_PER_ITEM
+    producer_calls = calls.get("queue.put_many.items", 0) + calls.get("queue.len.items", 0)
+    return {
+        "seconds": seconds, "producers": producers, "producer_rate": rate, "trainer_rate": producers * rate / speedup,
+        "consumed_cells": consumed[0], "accepted_cells": accepted_cells,
+        "put_requests": stats.get("put_requests", 0), "puts_refused_full": stats.get("put_full", 0),
+        "full_partition_bytes_sent_per_delivered": round(stats.get("put_bytes", 0) / max(1, stats.get("put_ok_bytes", 0)), 3),
+        "full_partition_calls_per_1k_cells": round(producer_calls / max(1, accepted_cells) * 1000, 2),
+        "producer_item_calls": {k: v for k, v in calls.items() if k.endswith(".items") and "get" not in k},
+    }
+
+
 def startup_probe(what: str, n_cells: int, strategy: str = "block") -> dict:
     """Seconds and peak RSS of one start-up step at `n_cells` (the row index, then the epoch's
     plan: its summary for "setup", one unit for "producer"), in a fresh process."""
@@ -275,11 +356,14 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=25.0, help="per-call latency (default: 25)")
     parser.add_argument("--jitter-ms", type=float, default=10.0, help="per-call jitter (default: 10)")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="stop the simulation after this long")
+    parser.add_argument("--spin-seconds", type=float, default=60.0,
+                        help="length of the full-partition phase on the Modal emulator (default: 60; --quick: 20)")
     parser.add_argument("--startup-cells", type=int, default=TAHOE_CELLS,
                         help="cells of the geometry for the setup/start-up probes (default: 100M)")
     args = parser.parse_args()
     if args.quick:  # a smaller simulation at the same latency; the start-up probes stay at 100M cells
         args.producers, args.units, args.max_seconds = min(args.producers, 32), min(args.units, 300), 35.0
+        args.spin_seconds = min(args.spin_seconds, 20.0)
     t = time.perf_counter()
     geometry = tahoe_geometry(max(2_000_000, 2 * args.units * 1024))  # room for the simulated windows' units
     plans = {e: EpochPlan(geometry, replace(SAMPLING), seed=0, epoch=e) for e in range(args.epochs)}
@@ -287,6 +371,8 @@ def main() -> None:
     sim = simulate(producers=args.producers, rate=args.rate, units=args.units, epochs=args.epochs,
                    latency_ms=args.latency_ms, jitter_ms=args.jitter_ms, kill=True, max_seconds=args.max_seconds,
                    plans=plans)
+    spin = full_partition_phase(seconds=args.spin_seconds, latency_ms=args.latency_ms, jitter_ms=args.jitter_ms,
+                                plans=plans)
     setup = startup_probe("setup", args.startup_cells)
     starts = {s: startup_probe("producer", args.startup_cells, s) for s in ("block", "sequential", "mixture")}
     driven = driver_probe(args.startup_cells)
@@ -308,6 +394,11 @@ def main() -> None:
         (f"setup at {args.startup_cells / 1e6:.0f}M cells", f"{setup['seconds']:.1f} s, {setup['rss_mb']:,.0f} MB RSS"),
         (f"driver, one epoch at {args.startup_cells / 1e6:.0f}M", f"{driven['units']:,} units in {driven['seconds']:.1f} s "
                                                           f"({driven['passes']:,} passes), {driven['rss_mb']:,.0f} MB RSS"),
+        ("full partition: bytes sent / taken", f"{spin['full_partition_bytes_sent_per_delivered']} "
+                                                f"({spin['put_requests']:,} puts, {spin['puts_refused_full']:,} refused full)"),
+        ("full partition: producer calls / 1k", f"{spin['full_partition_calls_per_1k_cells']} "
+                                                f"(producers {spin['producers']} x {spin['producer_rate']:,.0f} cells/s, "
+                                                f"trainer {spin['trainer_rate']:,.0f} cells/s, {spin['seconds']:.0f} s)"),
     ] + [(f"producer start at {args.startup_cells / 1e6:.0f}M, {s}", f"{r['seconds']:.1f} s, {r['rss_mb']:,.0f} MB RSS, "
           f"{r['n_units']:,} units") for s, r in starts.items()]
     width = max(len(k) for k, _ in rows)
@@ -316,7 +407,10 @@ def main() -> None:
     print("calls per 1,000 cells by kind:")
     for k, v in sim["calls_by_kind_per_1k"].items():
         print(f"  {k:<24} {v}")
-    print(json.dumps({**sim, "producer_start_s_100m": round(start["seconds"], 2),
+    print(json.dumps({**sim, "full_partition": spin,
+                      "full_partition_bytes_sent_per_delivered": spin["full_partition_bytes_sent_per_delivered"],
+                      "full_partition_calls_per_1k_cells": spin["full_partition_calls_per_1k_cells"],
+                      "producer_start_s_100m": round(start["seconds"], 2),
                       "producer_start_rss_mb_100m": round(start["rss_mb"]), "setup_s_100m": round(setup["seconds"], 2),
                       "driver_epoch_s_100m": round(driven["seconds"], 2), "driver_rss_mb_100m": round(driven["rss_mb"]),
                       "producer_start_100m_by_strategy": {s: {"seconds": round(r["seconds"], 2), "rss_mb": round(r["rss_mb"])}
@@ -324,6 +418,10 @@ def main() -> None:
                       "setup_rss_mb_100m": round(setup["rss_mb"]), "startup_cells": args.startup_cells,
                       "latency_ms": args.latency_ms, "jitter_ms": args.jitter_ms, "producers": args.producers,
                       "rate": args.rate}))
+    if not sim["finished"] or spin["accepted_cells"] == 0:  # a benchmark that did not do its work fails
+        print(f"coordination benchmark did not finish: simulation finished={sim['finished']}, "
+              f"full-partition phase took {spin['accepted_cells']:,} cells", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,423 @@
+"""The emulated `modal` objects cellfeed uses, installed over the real package's names
+(`install()`): `modal.Queue`, `modal.Dict`, `modal.App` (its `function` and `local_entrypoint`),
+`modal.Function`/`FunctionCall`, `modal.Volume`. Everything else — `modal.exception`,
+`modal.Image`, `modal.Secret`, `modal.Retries` — stays modal's own. Each behaviour names its
+semantic point (S1...) from README.md, which says where in modal 1.6.4 it comes from.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import json
+import os
+import queue as stdlib_queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from coordination.local_backend import _decode_value, _encode_value, _recv_frame, _send_frame
+
+from testing.modal_emulator.limits import FULL, INVALID, MAX_TIMEOUT_S, NOT_FOUND, OK, TOO_LARGE
+
+GET_REQUEST_S = 50.0  # S10: one blocking QueueGet waits at most 50 s server-side; the client loops
+POLL_REQUEST_S = 50.0
+
+
+class _Connection:
+    """One socket per thread to the emulator's server (address from $MODAL_EMULATOR)."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def call(self, header: dict, values: list[bytes] = (), wait_s: float = 0.0):
+        import modal.exception
+
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            address = os.environ.get("MODAL_EMULATOR")
+            if not address:
+                raise modal.exception.ConnectionError("MODAL_EMULATOR is not set: no emulator to talk to")
+            host, port = address.rsplit(":", 1)
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._local.sock = sock
+        sock.settimeout(wait_s + 30)
+        try:
+            _send_frame(sock, 0, header, values)
+            code, reply, out = _recv_frame(sock)
+        except OSError as exc:
+            self._local.sock = None
+            sock.close()
+            raise modal.exception.ConnectionError(f"lost the Modal emulator: {exc}") from None
+        if code == OK:
+            return reply, out
+        message = reply.get("message", "")
+        if code == NOT_FOUND:
+            raise modal.exception.NotFoundError(message)
+        if code == INVALID:
+            raise modal.exception.InvalidError(message)
+        if code == FULL:
+            raise modal.exception.ResourceExhaustedError(message)
+        if code == TOO_LARGE:
+            raise _RequestTooLarge(message)
+        raise modal.exception.InternalError(message)
+
+
+class _RequestTooLarge(Exception):
+    """What the client sees of an HTTP 413 (`modal/queue.py`: "status = '413'" in the error)."""
+
+
+_conn = _Connection()
+
+
+def _serialized_size(value) -> int:
+    """Bytes as Modal sends the value: its own serializer (cloudpickle), S6."""
+    from modal._serialization import serialize
+
+    return len(serialize(value))
+
+
+class _Objects:
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def delete(self, name: str, *, allow_missing: bool = False, environment_name: str | None = None,
+               client=None) -> None:
+        _conn.call({"op": "delete", "kind": self.kind, "name": name, "allow_missing": allow_missing})
+
+
+class _Named:
+    """A handle made by `from_name`: lazy, hydrated on first use to one object id, kept (S1)."""
+
+    _kind = ""
+
+    def __init__(self, name: str, create_if_missing: bool):
+        self._name, self._create, self._object_id = name, create_if_missing, None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_name(cls, name: str, *, environment_name: str | None = None, create_if_missing: bool = False,
+                  client=None):
+        import re
+
+        import modal.exception
+
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,63}", name):  # S1: checked at construction, offline
+            raise modal.exception.InvalidError(f"Invalid {cls.__name__} name: {name!r}")
+        return cls(name, create_if_missing)
+
+    @property
+    def object_id(self) -> str:
+        with self._lock:
+            if self._object_id is None:
+                reply, _ = _conn.call({"op": "lookup", "kind": self._kind, "name": self._name,
+                                       "create": self._create})
+                self._object_id = reply["id"]
+            return self._object_id
+
+    def hydrate(self, client=None):
+        self.object_id
+        return self
+
+
+class Queue(_Named):
+    _kind = "queue"
+    objects = _Objects("queue")
+
+    @staticmethod
+    def validate_partition_key(partition: str | None) -> str:
+        import modal.exception
+
+        if partition is not None:
+            key = partition.encode()
+            if not 0 < len(key) <= 64:
+                raise modal.exception.InvalidError("Queue partition key must be between 1 and 64 bytes.")
+            return partition
+        return ""
+
+    def _put(self, values: list, partition: str | None, request_timeout: float | None):
+        sizes = [_serialized_size(v) for v in values]
+        return _conn.call({"op": "q.put", "id": self.object_id, "partition": self.validate_partition_key(partition),
+                           "sizes": sizes}, [bytes(v) for v in values])
+
+    def put_many(self, vs: list, block: bool = True, timeout: float | None = None, *, partition: str | None = None,
+                 partition_ttl: int = 24 * 3600) -> None:
+        """S5: blocking puts retry RESOURCE_EXHAUSTED with Modal's backoff (0.1 s, doubling, at most 30 s)
+        and give up when the next try could not finish 2 s before the deadline — so a put with a
+        timeout under ~2.1 s raises queue.Full at once; every retry re-sends the whole request."""
+        import modal.exception
+
+        vs = list(vs)
+        for v in vs:
+            if not isinstance(v, (bytes, bytearray)):
+                raise TypeError("the emulator carries bytes values only (all cellfeed puts)")
+        method = "put_many" if len(vs) > 1 else "put"
+        t0, delay, retries = time.time(), 0.1, 0
+        deadline = None if (timeout is None or not block) else t0 + timeout
+        while True:
+            try:
+                self._put(vs, partition, timeout)
+                return
+            except (_RequestTooLarge, modal.exception.ResourceExhaustedError) as exc:
+                too_large = isinstance(exc, _RequestTooLarge)  # S9: HTTP 413 reaches grpclib as UNKNOWN: retried
+                if not block:  # the default Retry: RESOURCE_EXHAUSTED at once, UNKNOWN after 3 retries
+                    if not too_large:
+                        raise stdlib_queue.Full(str(exc)) from None
+                    if retries >= 3:
+                        raise modal.exception.RequestSizeError(f"Queue.{method} request is too large") from None
+                elif deadline is not None and (time.time() >= deadline or time.time() + delay + 2.0 >= deadline):
+                    if too_large:
+                        raise modal.exception.TimeoutError(
+                            f"Queue.put could not complete within the provided timeout of {timeout} seconds") from exc
+                    raise stdlib_queue.Full(str(exc)) from None
+                time.sleep(delay)
+                retries += 1
+                delay = min(delay * 2, 30.0 if block else 1.0)
+
+    def put(self, v, block: bool = True, timeout: float | None = None, *, partition: str | None = None,
+            partition_ttl: int = 24 * 3600) -> None:
+        self.put_many([v], block, timeout, partition=partition, partition_ttl=partition_ttl)
+
+    def get_many(self, n_values: int, block: bool = True, timeout: float | None = None, *,
+                 partition: str | None = None) -> list:
+        """S10: blocking returns at least one item, or raises queue.Empty after `timeout`;
+        non-blocking returns [] when empty."""
+        key = self.validate_partition_key(partition)
+        if not block:
+            return _conn.call({"op": "q.get", "id": self.object_id, "partition": key, "n": n_values, "wait_s": 0})[1]
+        deadline = None if timeout is None else time.time() + timeout
+        while True:
+            wait = GET_REQUEST_S if deadline is None else max(0.0, min(GET_REQUEST_S, deadline - time.time()))
+            values = _conn.call({"op": "q.get", "id": self.object_id, "partition": key, "n": n_values,
+                                 "wait_s": wait}, wait_s=wait)[1]
+            if values:
+                return values
+            if deadline is not None and time.time() > deadline:
+                raise stdlib_queue.Empty()
+
+    def get(self, block: bool = True, timeout: float | None = None, *, partition: str | None = None):
+        values = self.get_many(1, block, timeout, partition=partition)
+        return values[0] if values else None
+
+    def len(self, *, partition: str | None = None, total: bool = False) -> int:
+        return _conn.call({"op": "q.len", "id": self.object_id, "partition": self.validate_partition_key(partition),
+                           "total": total})[0]["len"]
+
+    def clear(self, *, partition: str | None = None, all: bool = False) -> None:
+        _conn.call({"op": "q.clear", "id": self.object_id, "partition": self.validate_partition_key(partition),
+                    "all": all})
+
+
+_NO_DEFAULT = object()
+
+
+class Dict(_Named):
+    """S11: put/get/pop/contains/keys on one object id; values over 1 MiB refused."""
+
+    _kind = "dict"
+    objects = _Objects("dict")
+
+    def _op(self, what: str, key=None, value=_NO_DEFAULT, skip=False):
+        values = [] if value is _NO_DEFAULT else [_encode_value(value)]
+        reply, out = _conn.call({"op": "d", "id": self.object_id, "what": what, "key": key, "skip": skip}, values)
+        return _decode_value(out[0]) if reply.get("bytes") else reply.get("value")
+
+    def put(self, key, value, *, skip_if_exists: bool = False) -> bool:
+        return bool(self._op("put", key, value, skip_if_exists))
+
+    def get(self, key, default=None):
+        found = self._op("get", key)
+        return default if found is None else found
+
+    def contains(self, key) -> bool:
+        return bool(self._op("contains", key))
+
+    __contains__ = contains
+
+    def pop(self, key, default=_NO_DEFAULT):
+        import modal.exception
+
+        try:
+            return self._op("pop", key)
+        except modal.exception.NotFoundError as exc:
+            if "KeyError" not in str(exc):
+                raise
+            if default is not _NO_DEFAULT:
+                return default
+            raise KeyError(f"{key} not in dict {self.object_id}") from None
+
+    def keys(self):
+        """An iterator, as Modal's (S11): a deleted dict raises when it is first advanced."""
+        yield from self._op("keys")
+
+    def len(self) -> int:
+        return len(list(self.keys()))
+
+
+class Volume:
+    """A folder of the emulator's (S19): `commit` is counted, nothing more."""
+
+    commits = 0
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @classmethod
+    def from_name(cls, name: str, *, environment_name: str | None = None, create_if_missing: bool = False,
+                  version=None, client=None):
+        return cls(name)
+
+    def commit(self) -> None:
+        Volume.commits += 1
+
+    def reload(self) -> None:
+        pass
+
+
+def _raise_remote(error: dict):
+    """S13: the remote exception, re-raised as its own type where it can be rebuilt."""
+    import modal.exception
+
+    module, _, name = error["type"].rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module or "builtins"), name)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            raise cls(error["message"])
+    except (ImportError, AttributeError, TypeError):
+        pass
+    raise modal.exception.RemoteError(f"{error['type']}: {error['message']}")
+
+
+class FunctionCall:
+    def __init__(self, object_id: str):
+        self.object_id = object_id
+
+    @classmethod
+    def from_id(cls, function_call_id: str, client=None) -> "FunctionCall":
+        return cls(function_call_id)
+
+    def get(self, timeout: float | None = None, *, index: int = 0):
+        """S13: the result; the remote error re-raised; FunctionTimeoutError when the function
+        ran past its timeout; builtin `TimeoutError` while it is still running after `timeout`."""
+        import modal.exception
+
+        deadline = None if timeout is None else time.time() + timeout
+        while True:
+            wait = POLL_REQUEST_S if deadline is None else max(0.0, min(POLL_REQUEST_S, deadline - time.time()))
+            reply, _ = _conn.call({"op": "f.poll", "id": self.object_id, "wait_s": wait}, wait_s=wait)
+            status = reply["status"]
+            if status == "success":
+                return reply["result"]
+            if status == "timeout":
+                raise modal.exception.FunctionTimeoutError(reply["error"]["message"])
+            if status == "cancelled":  # S13: a cancelled input's output is TERMINATED, with no data
+                raise modal.exception.RemoteError("Input was cancelled")
+            if status == "failure":
+                _raise_remote(reply["error"])
+            if deadline is not None and time.time() >= deadline:
+                raise builtins.TimeoutError()
+
+    def cancel(self, terminate_containers: bool = False) -> None:
+        _conn.call({"op": "f.cancel", "id": self.object_id})
+
+
+@dataclass
+class _Spec:
+    timeout: float
+    retries: int
+    gpu: str | None
+    volumes: dict
+    cpu: float | None
+    memory: int | None
+
+
+class Function:
+    """An `@app.function`: `.remote` / `.spawn` run its body in a new process (S13-S16)."""
+
+    def __init__(self, raw_f, spec: _Spec):
+        self.raw_f, self.spec = raw_f, spec
+        self.__name__ = raw_f.__name__
+
+    def get_raw_f(self):
+        return self.raw_f
+
+    def with_options(self, *, gpu: str | None = None, **options) -> "Function":
+        changed = dict(vars(self.spec))
+        if gpu is not None:
+            changed["gpu"] = gpu
+        return Function(self.raw_f, _Spec(**changed))
+
+    def spawn(self, *args, **kwargs) -> FunctionCall:
+        import modal.exception
+
+        try:
+            payload = json.loads(json.dumps({"args": list(args), "kwargs": kwargs}))
+        except TypeError as exc:
+            raise modal.exception.InvalidError(f"the emulator passes JSON arguments only: {exc}") from None
+        reply, _ = _conn.call({"op": "f.spawn", "app_file": self.raw_f.__module__, "function": self.__name__,
+                               "args": payload, "timeout": self.spec.timeout, "retries": self.spec.retries,
+                               "gpu": self.spec.gpu})
+        return FunctionCall(reply["id"])
+
+    def remote(self, *args, **kwargs):
+        return self.spawn(*args, **kwargs).get()
+
+    def local(self, *args, **kwargs):
+        return self.raw_f(*args, **kwargs)
+
+
+class _EntrypointInfo:
+    def __init__(self, raw_f):
+        self.raw_f = raw_f
+
+
+class LocalEntrypoint:
+    """S18: `app.local_entrypoint()` keeps the function as `.info.raw_f`; calling it calls it."""
+
+    def __init__(self, raw_f):
+        self.info = _EntrypointInfo(raw_f)
+
+    def __call__(self, *args, **kwargs):
+        return self.info.raw_f(*args, **kwargs)
+
+
+class App:
+    def __init__(self, name: str | None = None, **kwargs):
+        self.name = name
+        self.registered_functions: dict[str, Function] = {}
+        self.registered_entrypoints: dict[str, LocalEntrypoint] = {}
+
+    def function(self, *, image=None, secrets=(), gpu=None, volumes=None, timeout: int = 300, retries=None,
+                 cpu=None, memory=None, **others):
+        import modal.exception
+
+        if timeout > MAX_TIMEOUT_S:  # S13: Modal refuses a timeout over 24 h (server-side, at deploy)
+            raise modal.exception.InvalidError("timeout must be at most 24 hours")
+        n_retries = getattr(retries, "max_retries", retries) or 0
+
+        def wrap(raw_f) -> Function:
+            fn = Function(raw_f, _Spec(float(timeout), int(n_retries), gpu, dict(volumes or {}), cpu, memory))
+            self.registered_functions[raw_f.__name__] = fn
+            return fn
+
+        return wrap
+
+    def local_entrypoint(self, *, name: str | None = None):
+        def wrap(raw_f) -> LocalEntrypoint:
+            entry = LocalEntrypoint(raw_f)
+            self.registered_entrypoints[name or raw_f.__name__] = entry
+            return entry
+
+        return wrap
+
+
+def install() -> None:
+    """Put the emulated objects where `import modal` finds them (this process only)."""
+    import modal
+
+    for name, obj in {"Queue": Queue, "Dict": Dict, "App": App, "Function": Function, "FunctionCall": FunctionCall,
+                      "Volume": Volume}.items():
+        setattr(modal, name, obj)
+    modal.is_emulated = True
