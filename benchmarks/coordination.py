@@ -205,7 +205,7 @@ def full_partition_phase(*, seconds: float, latency_ms: float, jitter_ms: float,
 
     from coordination.latency import with_latency
     from coordination.modal_backend import run_backends
-    from testing.modal_emulator import ModalEmulator
+    from cellfeed_testing.modal_emulator import ModalEmulator
 
     global WORLD
     world_before, WORLD = WORLD, ranks

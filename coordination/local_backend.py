@@ -24,9 +24,9 @@ import sys
 import threading
 
 from coordination.errors import CellfeedError
-from coordination.queues import Empty, Full, ItemTooLarge, MapGone, MemoryMap, MemoryQueue
+from coordination.queues import Empty, Full, ItemTooLarge, MapGone, MemoryMap, MemoryQueue, RequestTooLarge
 
-OK, FULL, EMPTY, TOO_LARGE, MISSING, ERROR, GONE = range(7)
+OK, FULL, EMPTY, TOO_LARGE, MISSING, ERROR, GONE, REQUEST_TOO_LARGE = range(8)
 _U32 = struct.Struct("<I")
 CONNECT_TIMEOUT_S = 10.0
 REPLY_MARGIN_S = 30.0  # how much longer than the server-side wait a client waits for the reply
@@ -107,6 +107,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 code, header, out = EMPTY, {}, []
             except ItemTooLarge as exc:
                 code, header, out = TOO_LARGE, {"message": str(exc)}, []
+            except RequestTooLarge as exc:
+                code, header, out = REQUEST_TOO_LARGE, {"message": str(exc)}, []
             except KeyError:
                 code, header, out = MISSING, {}, []
             except MapGone as exc:
@@ -234,6 +236,8 @@ class _Client:
             raise Empty()
         if code == TOO_LARGE:
             raise ItemTooLarge(reply["message"])
+        if code == REQUEST_TOO_LARGE:
+            raise RequestTooLarge(reply["message"])
         if code == MISSING:
             raise KeyError(header.get("key"))
         if code == GONE:

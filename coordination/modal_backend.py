@@ -3,14 +3,24 @@
 Deliberately thin. Modal already has the semantics the interfaces were shaped after (blocking
 `get_many` returns at least one item or raises `queue.Empty`, non-blocking `get` returns None,
 `queue.Full` on a full partition, `put(..., skip_if_exists=True)` returns False when the key
-existed), so each method is one call. What it adds: nothing touches Modal until first use (it
-imports and constructs offline), items are checked as bytes of at most 1 MiB before they leave,
-and run-scoped names with clean-up at the end of a campaign.
+existed), so each method is one call. What it adds (each point checked against modal 1.6.4 on
+the emulator, cellfeed_testing/modal_emulator/README.md):
+
+- nothing touches Modal until first use (it imports and constructs offline);
+- items are checked as bytes under Modal's 1 MiB, with a margin for its serialization, before
+  they leave;
+- a request Modal refuses as too large (HTTP 413: `RequestSizeError`, or, from a timed blocking
+  put, a `modal.exception.TimeoutError` caused by it) is `RequestTooLarge`, never "full"; any
+  other Modal `TimeoutError` is not a full partition either and propagates as it is;
+- a named map's handle follows its name: Modal binds a handle to one object id, so when that
+  object was deleted (a resumed epoch's map, dropped and created again), the name is opened
+  again, and only a name that no longer exists is `MapGone`;
+- run-scoped names, with clean-up at the end of a campaign.
 """
 
 from __future__ import annotations
 
-from coordination.queues import Full, MapGone, validate_item, validate_partition
+from coordination.queues import MapGone, RequestTooLarge, validate_item, validate_partition
 
 
 def run_object_name(run: str) -> str:
@@ -39,9 +49,16 @@ class ModalQueue:
         import modal.exception
 
         try:
-            self.queue.put_many(values, block=block, timeout=timeout, partition=partition)
-        except modal.exception.TimeoutError as exc:  # a timed put that ran out (not only a full partition)
-            raise Full(str(exc)) from None
+            if block:
+                self.queue.put_many(values, block=True, timeout=timeout, partition=partition)
+            else:  # Modal warns when a timeout comes with a non-blocking put
+                self.queue.put_many(values, block=False, partition=partition)
+        except modal.exception.RequestSizeError as exc:
+            raise RequestTooLarge(f"{len(values)} items, {sum(map(len, values)):,} bytes: {exc}") from None
+        except modal.exception.TimeoutError as exc:
+            if _refused_as_too_large(exc):
+                raise RequestTooLarge(f"{len(values)} items, {sum(map(len, values)):,} bytes: {exc}") from None
+            raise
 
     def put(self, value, block=True, timeout=None, *, partition=None) -> None:
         self.put_many([value], block, timeout, partition=partition)
@@ -58,6 +75,17 @@ class ModalQueue:
 
     def len(self, *, partition=None, total=False) -> int:
         return self.queue.len(partition=partition, total=total)
+
+
+def _refused_as_too_large(exc: BaseException) -> bool:
+    """Whether a Modal error was, underneath, an HTTP 413 (modal/queue.py matches the same text)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if "status = '413'" in str(exc):
+            return True
+        exc = getattr(exc, "final_exception", None) or exc.__cause__ or exc.__context__
+    return False
 
 
 class ModalMap:
@@ -79,10 +107,17 @@ class ModalMap:
     def _call(self, method: str, *args, **kwargs):
         import modal.exception
 
-        try:
-            return getattr(self.dict, method)(*args, **kwargs)
-        except modal.exception.NotFoundError as exc:  # a named map that was dropped: its epoch is over
-            raise MapGone(f"modal.Dict {self.name} is gone: {exc}") from None
+        for reopen in (True, False):
+            try:
+                result = getattr(self.dict, method)(*args, **kwargs)
+                return list(result) if method == "keys" else result  # keys() is a lazy iterator: read it here
+            except modal.exception.NotFoundError as exc:
+                # a handle binds to one object id: if that dict was deleted, this name may be a new one
+                # (a resumed epoch's map); a name that is gone for good means its epoch is over
+                if reopen and self.name is not None and not self.create and self._dict is not None:
+                    self._dict = None
+                    continue
+                raise MapGone(f"modal.Dict {self.name} is gone: {exc}") from None
 
     def put(self, key, value, *, skip_if_exists=False) -> bool:
         return bool(self._call("put", key, value, skip_if_exists=skip_if_exists))
@@ -97,7 +132,7 @@ class ModalMap:
         return bool(self._call("contains", key))
 
     def keys(self) -> list[str]:
-        return list(self._call("keys"))
+        return self._call("keys")
 
     def named(self, name: str, create: bool = False) -> "ModalMap":
         """A modal.Dict of its own; created now (one call) with `create`, else never by us."""

@@ -3,9 +3,12 @@ in-memory shim that tests use.
 
 What we rely on, and what the shim enforces so tests catch what Modal would reject:
 
-- `put_many(values, block=True, timeout=None, *, partition=None)`: blocks while the partition is
-  full; raises `queue.Full` after `timeout`, or at once when `block=False`. Items are bytes of at
-  most 1 MiB (`ItemTooLarge` otherwise); a partition holds at most 5,000 items and 64 MiB.
+- `put_many(values, block=True, timeout=None, *, partition=None)`: raises `queue.Full` at once when
+  `block=False` and the partition is full (so does Modal's client for any timeout under ~2 s:
+  callers wait for room themselves, `producers.producer.Producer._send`). Items are bytes of at
+  most `MAX_ITEM_BYTES` (1 MiB less a margin for Modal's serialization; `ItemTooLarge`
+  otherwise); a partition holds at most 5,000 items and 64 MiB; one request at most
+  `REQUEST_LIMIT_BYTES` (`RequestTooLarge` otherwise: split it and send the halves).
 - `get_many(n, block=True, timeout=None, *, partition=None)`: blocking returns at least one item
   or raises `queue.Empty` after `timeout`; non-blocking returns `[]` when empty.
 - `get(block, timeout, *, partition)`: one item; non-blocking returns None when empty.
@@ -17,7 +20,10 @@ What we rely on, and what the shim enforces so tests catch what Modal would reje
 - Named maps beside a run's map, for state that must go away in one call (an epoch's stitching):
   `named(name, create=False)` is another map of the same backend (a `modal.Dict` of its own on
   Modal); `drop(name)` deletes it whole. A map that was dropped, or opened without `create` and
-  never created, raises `MapGone` on use — so a late duplicate producer cannot re-create it.
+  never created, raises `MapGone` on use — so a late duplicate producer cannot re-create it. A
+  handle follows its name: after a drop and a new `named(name, create=True)` (a resumed epoch),
+  an old handle reaches the new map (on Modal, whose handles bind to one object id, the backend
+  opens the name again when its object was deleted).
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from coordination.errors import CellfeedError
 
-MAX_ITEM_BYTES = 1 << 20
+MODAL_ITEM_LIMIT = 1 << 20  # Modal's limit on an item, counted as its client serializes it
+# cloudpickle adds 9-18 bytes to a bytes value (1,048,576 -> 1,048,585: cellfeed_testing/modal_emulator/README.md, S6)
+MAX_ITEM_BYTES = MODAL_ITEM_LIMIT - 1024
 MAX_PARTITION_ITEMS = 5_000
 MAX_PARTITION_BYTES = 64 << 20
 MAX_PARTITION_KEY_BYTES = 64
@@ -41,6 +49,10 @@ Empty = stdlib_queue.Empty
 
 class ItemTooLarge(CellfeedError):
     """An item over Modal's 1 MiB limit (producers split items so this never happens)."""
+
+
+class RequestTooLarge(CellfeedError):
+    """A put request over the backend's request-size limit (Modal: HTTP 413, `RequestSizeError`)."""
 
 
 class MapGone(CellfeedError):
@@ -78,7 +90,10 @@ class Map(Protocol):
 
 
 MAX_REQUEST_ITEMS = 32  # items in one put_many request
-MAX_REQUEST_BYTES = 8 << 20  # bytes in one put_many request (Modal's request limit is undocumented; stay small)
+# Modal's request-size limit is undocumented; assume a gRPC server's default 4 MiB (the emulator's
+# figure, cellfeed_testing/modal_emulator/README.md S9) and send half of it, so a request is never refused
+REQUEST_LIMIT_BYTES = 4 << 20
+MAX_REQUEST_BYTES = REQUEST_LIMIT_BYTES // 2
 
 
 def request_batches(items: list[bytes], max_items: int = MAX_REQUEST_ITEMS, max_bytes: int = MAX_REQUEST_BYTES):
@@ -128,6 +143,8 @@ class MemoryQueue:
         key = validate_partition(partition)
         sizes = [validate_item(v) for v in values]
         total = sum(sizes)
+        if total > REQUEST_LIMIT_BYTES:
+            raise RequestTooLarge(f"a put request of {total:,} bytes is over the {REQUEST_LIMIT_BYTES >> 20} MiB limit")
         if len(values) > self.max_items or total > self.max_bytes:
             raise ItemTooLarge(f"a put of {len(values)} items / {total:,} bytes can never fit one partition")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -240,8 +257,9 @@ class MemoryMap:
 
 
 class NamedMap:
-    """A named map by name, resolved on every call (as Modal resolves a Dict's name): `MapGone`
-    while it does not exist, the live map once it does."""
+    """A named map by name, resolved on every call (the interface's contract: a handle follows its
+    name; Modal's handles bind once, and `ModalMap` opens the name again): `MapGone` while it does
+    not exist, the live map once it does."""
 
     def __init__(self, registry: dict, name: str, lock: threading.Lock):
         self._registry, self.name, self._lock = registry, name, lock

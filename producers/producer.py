@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import queue as stdlib_queue
+import random
 import socket
 import threading
 import time
@@ -26,7 +27,7 @@ import numpy as np
 from coordination.arrays import offsets_of, positions_in_ranges, ragged_arange
 from coordination.errors import CellfeedError
 from coordination.plan import DatasetGeometry, EpochPlan, PlanSummary, Sampling, WorkUnit
-from coordination.queues import Empty, Full, Map, MapGone, Queue, request_batches
+from coordination.queues import Empty, Full, Map, MapGone, Queue, RequestTooLarge, request_batches
 from coordination.routing import (EVAL_PARTITION, EVENTS_PARTITION, TASKS_PARTITION, cell_rank, decode_task,
                                   encode_event, epoch_map_name, rank_partition, run_tag, stop_key, summary_key,
                                   unit_rank)
@@ -40,6 +41,7 @@ from producers.stitch import offer_piece
 from producers.tokenizers import make_tokenizer, needs_gene_medians
 
 STOP_POLL_S = 1.0  # how often a waiting producer looks at its stop flag
+FULL_WAIT_MIN_S, FULL_WAIT_MAX_S = 0.1, 2.0  # looking for room in a full partition: this often, backing off
 HEARTBEAT_S = 3.0  # how often a producer says what it holds (the driver re-issues after LEASE_S of silence)
 OUTBOX_JOBS = 16  # jobs (a unit's items, a done event) the courier may be behind the loop
 MAX_READ_AHEAD = 16  # units read ahead at most
@@ -199,6 +201,8 @@ class Producer:
         self._checked_epochs: set[int] = set()  # epochs whose published plan matched this producer's
         self._unit_work_s: deque = deque(maxlen=8)  # recent units' tokenize-pack-hand-off times
         self._unit_bytes = 0  # the latest unit's rows in memory
+        self._full_wait_s = FULL_WAIT_MIN_S  # how long to wait before looking again at a full partition
+        self._full_at: dict[str, int] = {}  # partitions that refused a put -> their length then (the courier's)
 
     def plan(self, epoch: int) -> EpochPlan:
         """The epoch's plan, cached for this and the previous epoch (the read-ahead may cross)."""
@@ -228,22 +232,52 @@ class Producer:
             self._send(batch, partition)
 
     def _send(self, batch: list[bytes], partition: str) -> None:
-        """One put: a full partition blocks (backpressure) in short waits, so a stop is noticed
-        within seconds, and is an error after `put_timeout_s`."""
+        """One put. A full partition is backpressure: wait for room, then send — never send a
+        batch into a partition known to be full. (On Modal a put whose timeout is under ~2 s is
+        refused at once, and each try uploads the whole batch again.) A refusal at length L
+        marks the partition full with room for L items; until it drains, each send first looks
+        at its length (one small call) and waits for room for the batch. A request too large for
+        the backend is split in two. Waiting is an error after `put_timeout_s`; a stop is noticed
+        within a wait."""
         deadline = time.monotonic() + self.config.put_timeout_s
         while True:
             if self._stopping.is_set():
                 raise Stopped
+            if partition in self._full_at:
+                self._wait_for_room(len(batch), partition, deadline)
             try:
-                wait = max(0.01, min(STOP_POLL_S * 2, deadline - time.monotonic()))
-                self.queue.put_many(batch, block=True, timeout=wait, partition=partition)
+                self.queue.put_many(batch, block=False, partition=partition)
+                return
+            except RequestTooLarge as exc:
+                if len(batch) == 1:
+                    raise CellfeedError(f"one item of {len(batch[0]):,} bytes is a request too large for the "
+                                        f"queue ({exc})") from None
+                self._send(batch[: len(batch) // 2], partition)
+                self._send(batch[len(batch) // 2:], partition)
                 return
             except Full:
-                if time.monotonic() >= deadline:
-                    raise CellfeedError(f"queue partition {partition} stayed full for {self.config.put_timeout_s:.0f}s: "
-                                        "is the trainer consuming?") from None
-                if partition != EVENTS_PARTITION:  # backpressure is no silence: keep heartbeating
-                    self._beat_if_due()
+                self._full_at[partition] = self.queue.len(partition=partition)
+
+    def _wait_for_room(self, n_items: int, partition: str, deadline: float) -> None:
+        """Until a partition marked full has room for `n_items` more, looking at its length with
+        a jittered back-off (0.1 s up to 2 s, remembered between waits, so producers sharing a
+        partition look at different moments); a partition that drained to half is full no more."""
+        while True:
+            held, room_for = self.queue.len(partition=partition), self._full_at[partition]
+            if held <= room_for // 2:
+                del self._full_at[partition]
+                return
+            if held + n_items <= room_for:
+                self._full_wait_s = max(FULL_WAIT_MIN_S, self._full_wait_s / 2)
+                return
+            if time.monotonic() >= deadline:
+                raise CellfeedError(f"queue partition {partition} stayed full for {self.config.put_timeout_s:.0f}s: "
+                                    "is the trainer consuming?")
+            if partition != EVENTS_PARTITION:  # backpressure is no silence: keep heartbeating
+                self._beat_if_due()
+            if self._stopping.wait(self._full_wait_s * random.uniform(0.75, 1.25)):
+                raise Stopped
+            self._full_wait_s = min(FULL_WAIT_MAX_S, self._full_wait_s * 2)
 
     def produce_held_out(self, cell_ids: np.ndarray, partition: str = EVAL_PARTITION) -> int:
         """Tokenize a fixed set of cells (e.g. an evaluation split) into `partition`, once."""

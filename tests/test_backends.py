@@ -243,7 +243,8 @@ def test_modal_adapter_named_maps_and_timed_puts_offline():
         def put_many(self, values, block=True, timeout=None, partition=None):
             raise modal.exception.TimeoutError("Queue.put could not complete within the provided timeout")
 
-    with pytest.raises(Full):  # handled like a full partition: the producer's backpressure loop
+    # a put that could not complete is not a full partition (Modal says Full when it is): it propagates
+    with pytest.raises(modal.exception.TimeoutError):
         ModalQueue(queue=TimesOut()).put_many([b"a"], block=True, timeout=1, partition="rank-0")
 
     class Gone(RecordingModalDict):

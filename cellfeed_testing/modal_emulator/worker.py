@@ -10,7 +10,7 @@ import signal
 import sys
 import traceback
 
-from testing.modal_emulator.client import _conn
+from cellfeed_testing.modal_emulator.client import _conn
 
 
 def _cancelled(*_):

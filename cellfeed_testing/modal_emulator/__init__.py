@@ -21,8 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from testing.modal_emulator import client
-from testing.modal_emulator.limits import DICT_ENTRY_TTL_S, MAX_REQUEST_BYTES, PARTITION_TTL_S  # noqa: F401
+from cellfeed_testing.modal_emulator import client
+from cellfeed_testing.modal_emulator.limits import DICT_ENTRY_TTL_S, MAX_REQUEST_BYTES, PARTITION_TTL_S  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 BOOT = Path(__file__).resolve().parent / "boot"
@@ -44,7 +44,7 @@ class ModalEmulator:
         container_env = {**base, **(env or {}), "PYTHONPATH": path, "HOME": str(self.root),
                          "CELLFEED_CHECKPOINT_MOUNT": str(self.volume_dir)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "testing.modal_emulator.server", "--root", str(self.root),
+            [sys.executable, "-m", "cellfeed_testing.modal_emulator.server", "--root", str(self.root),
              "--clock-speed", str(clock_speed), "--grace-s", str(grace_s), "--retry-delay-s", str(retry_delay_s),
              "--env", json.dumps(container_env)],
             cwd=str(ROOT), env={**base, "PYTHONPATH": path}, stdout=subprocess.PIPE, text=True, start_new_session=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from coordination.local_backend import _recv_frame, _send_frame
 
-from testing.modal_emulator.limits import (DICT_ENTRY_TTL_S, ERROR, INVALID, MAX_GPUS, MAX_ITEM_BYTES, MAX_PARTITION_BYTES,
+from cellfeed_testing.modal_emulator.limits import (DICT_ENTRY_TTL_S, ERROR, INVALID, MAX_GPUS, MAX_ITEM_BYTES, MAX_PARTITION_BYTES,
                                            MAX_PARTITION_ITEMS, MAX_REQUEST_BYTES, NOT_FOUND, OK, PARTITION_TTL_S, FULL,
                                            TOO_LARGE)
 
@@ -300,7 +300,7 @@ class Emulated:
             if fail:
                 env["MODAL_EMULATOR_FAIL"] = "injected fault"
             log = open(tmp / "output.log", "wb")
-            proc = subprocess.Popen([sys.executable, "-m", "testing.modal_emulator.worker"], env=env, cwd=str(tmp),
+            proc = subprocess.Popen([sys.executable, "-m", "cellfeed_testing.modal_emulator.worker"], env=env, cwd=str(tmp),
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             log.close()
             attempt = {"started": self.clock.now(), "pid": proc.pid, "outcome": None, "log": str(tmp / "output.log")}
@@ -499,7 +499,7 @@ class Server(socketserver.ThreadingTCPServer):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="The Modal emulator's server (started by testing.modal_emulator).")
+    parser = argparse.ArgumentParser(description="The Modal emulator's server (started by cellfeed_testing.modal_emulator).")
     parser.add_argument("--root", required=True)
     parser.add_argument("--clock-speed", type=float, default=1.0)
     parser.add_argument("--grace-s", type=float, default=30.0)

@@ -4,6 +4,6 @@ PYTHONPATH): the emulated objects replace modal's remote ones before any user co
 import os
 
 if os.environ.get("MODAL_EMULATOR"):
-    from testing.modal_emulator.client import install
+    from cellfeed_testing.modal_emulator.client import install
 
     install()

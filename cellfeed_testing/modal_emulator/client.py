@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from coordination.local_backend import _decode_value, _encode_value, _recv_frame, _send_frame
 
-from testing.modal_emulator.limits import FULL, INVALID, MAX_TIMEOUT_S, NOT_FOUND, OK, TOO_LARGE
+from cellfeed_testing.modal_emulator.limits import FULL, INVALID, MAX_TIMEOUT_S, NOT_FOUND, OK, TOO_LARGE
 
 GET_REQUEST_S = 50.0  # S10: one blocking QueueGet waits at most 50 s server-side; the client loops
 POLL_REQUEST_S = 50.0
