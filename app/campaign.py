@@ -5,6 +5,7 @@ map (the trainer's driver and consumers need only those) and produces the held-o
 from __future__ import annotations
 
 from coordination.plan import PlanSummary, publish_summary
+from coordination.routing import EVAL_PARTITION, stop_key
 from coordination.errors import CellfeedError
 from coordination.tokens import vocab_size
 from producers.producer import Producer, filter_cells
@@ -29,18 +30,23 @@ def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
 
 
 def prepare(cfg, queue, store) -> dict:
-    """Publish plans and the held-out set; returns what the trainer needs to know."""
+    """Publish plans and the held-out set; returns what the trainer needs to know. Safe to run
+    again on a run (a resume, or a campaign whose plans or held-out set expired): plans are the
+    same, the held-out set is replaced, and a stop left by an earlier end is cleared."""
     producer = Producer(cfg.producer_config(), queue, store)
     summaries = plan_epochs(cfg, producer)
+    store.pop(stop_key(cfg.run), None)
     for summary in summaries:
         publish_summary(store, cfg.run, summary)
-    held_out = 0
+    held_out, held_out_items = 0, 0
+    while queue.get_many(1000, block=False, partition=EVAL_PARTITION):  # an earlier copy: replaced, not doubled
+        pass
     if cfg.eval_filter:
         cells = filter_cells(producer.ds, cfg.eval_filter, "--eval-filter")[: cfg.eval_cells]
         if len(cells) == 0:
             raise CellfeedError(f"--eval-filter {cfg.eval_filter!r} matches no cells; check the filter "
                                 "(`cellfeed inspect DATASET` lists the obs columns and their values)")
-        held_out = producer.produce_held_out(cells)
+        held_out, held_out_items = len(cells), producer.produce_held_out(cells)
     return {
         "n_genes": producer.ds.n_genes,
         "vocab_size": vocab_size(producer.ds.n_genes),
@@ -51,4 +57,5 @@ def prepare(cfg, queue, store) -> dict:
         "steps_per_epoch": summaries[0].steps(cfg.batch_size) // cfg.grad_accum,
         "total_steps": cfg.steps or sum(s.steps(cfg.batch_size) // cfg.grad_accum for s in summaries),
         "held_out_cells": held_out,
+        "held_out_items": held_out_items,  # what the eval partition holds when complete
     }

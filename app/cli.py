@@ -133,24 +133,12 @@ LOCAL_HELP = {"max_genes": "genes per cell (default: 256, short for CPU; the tok
               "tokenizer": "scgpt (genes in rank order + expression bins), geneformer-v1 (no special tokens) or "
                            "geneformer-v2 (CLS, genes, EOS; alias geneformer); geneformer needs `cellfeed stats` "
                            "(default: scgpt)"}
-LOCAL_FLAGS = ("dataset", "run", "tokenizer", "max_genes", "n_bins", "strategy", "block_size", "fetch_factor",
-               "n_scanners", "unit_cells", "subset_filter", "eval_filter", "eval_cells", "eval_every", "producers",
-               "gpus", "batch_size", "grad_accum", "steps", "epochs", "preset", "lr", "warmup_steps",
-               "checkpoint_every", "keep_checkpoints", "resume", "seed", "rpc_latency_ms")
-
-
 def add_campaign_flags(p: argparse.ArgumentParser) -> None:
     """The campaign's flags, help from `app.config.FLAG_HELP`, defaults of the local run."""
-    from dataclasses import MISSING, fields
+    from app.config import CAMPAIGN_FLAGS, FLAG_HELP, flag_choices, flag_defaults
 
-    from app.config import FLAG_HELP, PRESETS, CampaignConfig
-    from coordination.plan import STRATEGIES
-    from coordination.tokens import TOKENIZER_NAMES, layout
-
-    defaults = {f.name: f.default for f in fields(CampaignConfig) if f.default is not MISSING} | LOCAL_DEFAULTS
-    trainable = tuple(n for n in TOKENIZER_NAMES if layout(n).objective)
-    choices = {"tokenizer": trainable, "strategy": STRATEGIES, "preset": PRESETS}
-    for name in LOCAL_FLAGS:
+    defaults, choices = flag_defaults(LOCAL_DEFAULTS), flag_choices()
+    for name in CAMPAIGN_FLAGS:
         flag, default = "--" + name.replace("_", "-"), defaults.get(name)
         text = LOCAL_HELP.get(name, FLAG_HELP[name]).replace("%", "%%")  # argparse formats help with %
         if isinstance(default, bool):

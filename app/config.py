@@ -3,9 +3,11 @@ it: the producers' config and the trainer's config."""
 
 from __future__ import annotations
 
+import inspect
 import re
 import time
-from dataclasses import dataclass
+import typing
+from dataclasses import MISSING, dataclass, fields
 
 from coordination.errors import CellfeedError
 from coordination.plan import STRATEGIES, Sampling
@@ -48,7 +50,17 @@ FLAG_HELP = {
     "seed": "seed of plans, shuffles, masks and weights: the same seed gives the same run",
     "rpc_latency_ms": "make every queue/map call cost this many ms (± 40%), as a round trip to Modal does: "
                       "run locally under the remote world's costs",
+    "attempt_hours": "Modal: after this many hours a train call checkpoints and continues in a new call "
+                     "(Modal ends any call at 24 h)",
 }
+
+# The flags of `cellfeed local` and of `modal run app/modal_app.py`, in the order --help lists them.
+CAMPAIGN_FLAGS = ("dataset", "run", "tokenizer", "max_genes", "n_bins", "strategy", "block_size", "fetch_factor",
+                  "n_scanners", "unit_cells", "subset_filter", "eval_filter", "eval_cells", "eval_every", "producers",
+                  "gpus", "batch_size", "grad_accum", "steps", "epochs", "preset", "lr", "warmup_steps",
+                  "checkpoint_every", "keep_checkpoints", "resume", "seed", "rpc_latency_ms")
+MODAL_FLAGS = CAMPAIGN_FLAGS + ("attempt_hours",)
+MAX_ATTEMPT_HOURS = 23.0  # an hour short of Modal's 24 h limit on a call: time to checkpoint and hand over
 
 
 @dataclass
@@ -84,7 +96,8 @@ class CampaignConfig:
     seed: int = 0
     cells_per_item: int = 128
     label_column: str | None = None
-    rpc_latency_ms: float = 0.0  # local runs: every queue/map call costs this long (± 40%), as on Modal
+    rpc_latency_ms: float = 0.0  # every queue/map call costs this long (± 40%) more, as Modal's round trips
+    attempt_hours: float = 22.0  # Modal: a train call hands over to a new one after this long (calls end at 24 h)
 
     def __post_init__(self):
         if not self.run:
@@ -112,10 +125,25 @@ class CampaignConfig:
                 raise CellfeedError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.rpc_latency_ms <= 10_000:
             raise CellfeedError(f"--rpc-latency-ms must be within 0..10000, got {self.rpc_latency_ms}")
+        if not 0 < self.attempt_hours <= MAX_ATTEMPT_HOURS:
+            raise CellfeedError(f"--attempt-hours must be within 0..{MAX_ATTEMPT_HOURS:g} (Modal ends a call at 24 h), "
+                                f"got {self.attempt_hours}")
         if not 3 <= self.n_bins <= 255:
             raise CellfeedError(f"--n-bins must be within 3..255, got {self.n_bins}")
         self.sampling.validate()
         return self
+
+    @classmethod
+    def from_flags(cls, flags: dict) -> "CampaignConfig":
+        """The config of a command line's flags, validated (an optional flag left out is None)."""
+        unknown = sorted(set(flags) - {f.name for f in fields(cls)})
+        if unknown:
+            raise CellfeedError(f"unknown campaign settings: {', '.join(unknown)}")
+        return cls(**flags).validate()
+
+    def backend_spec(self, kind: str, **where) -> dict:
+        """How processes reach this run's queue and map (`coordination.backends.connect`)."""
+        return {"kind": kind, "run": self.run, "latency_ms": self.rpc_latency_ms, **where}
 
     @property
     def run_checkpoint_dir(self) -> str:
@@ -156,3 +184,29 @@ class CampaignConfig:
                     resume=self.resume, eval_every=self.eval_every if facts["held_out_cells"] else None,
                     eval_cells=facts["held_out_cells"])
         return TrainConfig(**{**base, **changes})
+
+
+def flag_choices() -> dict[str, tuple]:
+    """The flags whose values come from a fixed list."""
+    from coordination.tokens import TOKENIZER_NAMES
+
+    trainable = tuple(n for n in TOKENIZER_NAMES if layout(n).objective)
+    return {"tokenizer": trainable, "strategy": tuple(STRATEGIES), "preset": PRESETS}
+
+
+def flag_defaults(overrides: dict | None = None) -> dict:
+    return {f.name: f.default for f in fields(CampaignConfig) if f.default is not MISSING} | (overrides or {})
+
+
+def flags_signature(names=MODAL_FLAGS, defaults: dict | None = None) -> inspect.Signature:
+    """A signature with one keyword parameter per flag — its type and default from
+    `CampaignConfig`, choices as a `Literal` — for a command line built from a function's
+    signature (`modal run` builds its options so): the entrypoint cannot drift from the config."""
+    hints = typing.get_type_hints(CampaignConfig)
+    choices, defaults = flag_choices(), flag_defaults(defaults)
+    params = []
+    for name in names:
+        kind = typing.Literal[choices[name]] if name in choices else hints[name]
+        default = defaults.get(name, inspect.Parameter.empty)
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=kind))
+    return inspect.Signature(params)

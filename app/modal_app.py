@@ -4,33 +4,58 @@
     modal run --detach app/modal_app.py ...      # nothing depends on the laptop once it starts
     modal run app/modal_app.py --help            # every flag (works offline)
 
-Flow: the local entrypoint validates the config and calls `setup` (producer image: opens the
-dataset, publishes every epoch's plan into the run's modal.Dict, produces the held-out set),
-then `train` (GPU image). Rank 0 of `train` spawns the producers, drives the epochs (tasks,
-leases, re-issues) and, at the end, signals the producers to stop and deletes the run's queue
-and dict. Checkpoints go to the `cellfeed-checkpoints` Volume. S3 credentials come from a
-Modal Secret (name: $CELLFEED_SECRET, default "cellfeed-s3") holding AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL and AWS_REGION.
+A campaign, from the laptop's side (`main`, at the bottom): validate the flags, call `setup`
+(producer image: opens the dataset, publishes every epoch's plan into the run's modal.Dict,
+produces the held-out set), then `train` (GPU image) until the campaign ends.
+
+Inside `train`: find the run's producer calls still running (a re-run of this input reuses
+them) or spawn them, start one process per GPU (rank 0 also drives the epochs), and watch. How a
+call ends decides what happens to the campaign:
+
+- the campaign is complete: the producers are told to stop, the run's queue and dicts deleted;
+- Modal preempts the container (SIGINT, ~30 s, then it is gone; Modal runs the same input
+  again): the ranks checkpoint and the call ends with nothing stopped or deleted, so the re-run
+  resumes from the checkpoint with the same queue, plans and producers;
+- the call has run `--attempt-hours` (Modal ends any call at 24 h): the ranks checkpoint and a
+  new `train` call continues the campaign; `main` follows the chain;
+- a real failure (a rank fails, a producer failed all of Modal's retries): the producers are
+  stopped, the queue and dicts deleted, and the error is raised in one line; `--resume` later
+  continues from the last checkpoint.
+
+Checkpoints go to the `cellfeed-checkpoints` Volume. S3 credentials come from a Modal Secret
+(name: $CELLFEED_SECRET, default "cellfeed-s3") holding AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL and AWS_REGION. Tests run all of this on the Modal
+emulator (cellfeed_testing/modal_emulator): no Modal run has been made from this repository.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-from typing import Literal
+import signal
+import time
+from dataclasses import asdict
 
 import modal
-import modal.exception
+
+from app.config import MODAL_FLAGS, CampaignConfig, flags_signature
 
 APP_NAME = "cellfeed"
 SECRET_NAME = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")
 VOLUME_NAME = "cellfeed-checkpoints"
-CHECKPOINTS = "/checkpoints"
+CHECKPOINTS = os.environ.get("CELLFEED_CHECKPOINT_MOUNT", "/checkpoints")  # where the Volume is mounted
 PACKAGES = ("producers", "coordination", "trainer", "app")
 PRODUCER_CPU, PRODUCER_MEMORY_MB = 4.0, 16_384
 # 8 ranks pop, verify and decompress items and collate batches on the CPU (Modal's default is 0.125 core)
 TRAINER_CPU, TRAINER_MEMORY_MB = 32.0, 131_072
-DAY = 24 * 3600
-STOP_GRACE_S = 60.0  # after training: how long all producers together get to stop before being cancelled
+DAY = 24 * 3600  # Modal's longest timeout for a call
+MAX_GPUS = 8  # Modal's largest GPU count for one container ("H100:8")
+PRODUCER_RETRIES = 3
+PRODUCER_HOURS = 23.0  # a producer call returns after this long (Modal ends it at 24 h) and is replaced
+STOP_GRACE_S = 60.0  # at the end: how long all producers together get to stop before being cancelled
+PREEMPT_SAVE_S = 20.0  # of Modal's ~30 s grace after a preemption's SIGINT: the ranks' time to checkpoint
+FLEET_CHECK_S = 15.0  # how often `train` looks at its producer calls
 
 PRODUCER_PIP = ("pylance>=0.30", "pyarrow>=16", "polars>=1.0", "numpy>=1.26", "zstandard>=0.22", "boto3>=1.34",
                 "anndata>=0.10", "h5py>=3.9", "scipy>=1.11", "tqdm>=4.66", "pandas>=2")
@@ -46,129 +71,218 @@ secret = modal.Secret.from_name(SECRET_NAME)
 checkpoints = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True)
 
 
-def _campaign(config: dict):
-    from app.config import CampaignConfig
+# ---- the bodies (plain functions: tests run them on the Modal emulator, and against local backends)
 
-    return CampaignConfig(**config).validate()
-
-
-def setup_body(config: dict, queue=None, store=None) -> dict:
+def setup_body(config: dict) -> dict:
     """Publish plans and the held-out set (runs in the producer image)."""
     from app.campaign import prepare
-    from coordination.modal_backend import run_backends
+    from coordination.backends import connect
 
-    cfg = _campaign(config)
-    if queue is None:
-        queue, store = run_backends(cfg.run)
-    return prepare(cfg, queue, store)
+    cfg = CampaignConfig(**config).validate()
+    return prepare(cfg, *connect(cfg.backend_spec("modal")))
 
 
-def produce_body(config: dict, name: str, queue=None, store=None) -> dict:
-    """One producer: works until rank 0 signals the stop (or an hour without tasks)."""
-    from coordination.modal_backend import run_backends
+def produce_body(config: dict, name: str) -> dict:
+    """One producer: works until rank 0 signals the stop, an hour passes without tasks, or
+    `PRODUCER_HOURS` are up (it returns before Modal's 24 h; `train` starts another)."""
+    import threading
+
+    from coordination.backends import connect
     from producers.producer import Producer
 
-    cfg = _campaign(config)
-    if queue is None:
-        queue, store = run_backends(cfg.run)
-    stats = Producer(cfg.producer_config(), queue, store, name=name).run()
+    cfg = CampaignConfig(**config).validate()
+    producer = Producer(cfg.producer_config(), *connect(cfg.backend_spec("modal")), name=name)
+    retire = threading.Timer(PRODUCER_HOURS * 3600, producer.stop)
+    retire.daemon = True
+    retire.start()
+    stats = producer.run()
+    retire.cancel()
     return {"cells": stats.cells, "units": stats.units, "items": stats.items, "bytes": stats.bytes,
             "seconds": dict(stats.seconds)}
 
 
-def train_body(config: dict, facts: dict, *, backend: dict | None = None, spawn_producers=None,
-               checkpoint_dir: str = CHECKPOINTS) -> dict:
-    """Rank launcher inside the GPU container: start (or find) the producer fleet, one process per
-    GPU (rank 0 also drives the epochs), wait, then stop the producers — one deadline for all, then
-    cancel stragglers — and delete the run's queue and dicts.
-
-    Safe to re-run: Modal re-runs a preempted `train` on the same input, so a run with a checkpoint
-    resumes from it, and the fleet of the first attempt is found in the map and reused, never
-    doubled. `backend`/`spawn_producers` are injectable so the body runs here against the local
-    backend (`spawn_producers()` starts them and returns `stop(deadline_s)`)."""
-    import json
+def train_body(config: dict, facts: dict) -> dict:
+    """The GPU container's launcher (see the module's docstring for how a call ends)."""
+    import tempfile
     from pathlib import Path
 
     from coordination.backends import connect
-    from coordination.routing import stop_key
     from trainer import checkpoint
-    from trainer.launch import launch, wait_all
+    from trainer.launch import checkpoint_and_stop, launch
 
-    cfg = _campaign(config)
-    cfg.checkpoint_dir = checkpoint_dir
+    started = time.monotonic()
+    cfg = CampaignConfig(**config).validate()
+    cfg.checkpoint_dir = CHECKPOINTS
+    queue, store = connect(cfg.backend_spec("modal"))
+    ensure_setup(cfg, config, facts, queue, store)
     latest = checkpoint.latest(cfg.run_checkpoint_dir)
-    if latest is not None and not cfg.resume:  # a re-run of this input (preemption): carry on
-        print(f"run {cfg.run} has a checkpoint at step {latest.step}: resuming from it")
+    if latest is not None and not cfg.resume:  # a re-run of this input (preemption) or a continuation
+        print(f"run {cfg.run} has a checkpoint at step {latest.step}: resuming from it", flush=True)
         cfg.resume = True
-    backend = backend or {"kind": "modal", "run": cfg.run}
-    workdir = Path("/tmp/cellfeed") / cfg.run
-    train_cfg = cfg.train_config(backend, facts, log_path=str(workdir / "steps.jsonl"))
-    _, store = connect(backend)
-    stop_producers = spawn_producers() if spawn_producers is not None else _fleet(cfg, config, store)
+    fleet = Fleet(cfg, config, store)
+    workdir = Path(tempfile.gettempdir()) / "cellfeed" / cfg.run
+    train_cfg = cfg.train_config(cfg.backend_spec("modal"), facts, log_path=str(workdir / "steps.jsonl"))
+    ranks = []
     try:
-        codes = wait_all(launch(train_cfg, cfg.gpus, workdir, summary_path=str(workdir / "summary")), timeout=DAY)
-        if codes != [0] * cfg.gpus:
-            raise RuntimeError(f"trainer ranks exited {codes}; their output is in the function's logs")
-        if backend["kind"] == "modal":
-            checkpoints.commit()
-        return json.loads((workdir / "summary.rank0").read_text())
+        with interrupt_held():  # the ranks are all started, or none: a preemption cannot orphan one
+            ranks = launch(train_cfg, cfg.gpus, workdir, summary_path=str(workdir / "summary"))
+        watch(ranks, fleet, deadline=started + cfg.attempt_hours * 3600)
+    except KeyboardInterrupt:  # preempted: checkpoint, leave everything in place; Modal runs this input again
+        print("preempted: the ranks checkpoint; Modal runs this call again and it resumes", flush=True)
+        checkpoint_and_stop(ranks, timeout=PREEMPT_SAVE_S)
+        checkpoints.commit()
+        raise
+    except BaseException:  # a real failure ends the campaign
+        checkpoint_and_stop(ranks, timeout=0)
+        end_campaign(cfg, fleet, facts, store)
+        raise
+    checkpoints.commit()
+    summary = json.loads((workdir / "summary.rank0").read_text())
+    if not summary["complete"]:  # this call's time is up: a new call continues from the checkpoint
+        after = train.with_options(gpu=f"H100:{cfg.gpus}").spawn(config, facts)
+        print(f"train ran {cfg.attempt_hours:g} h: a new call {after.object_id} continues from the checkpoint",
+              flush=True)
+        return {**summary, "continued_as": after.object_id}
+    end_campaign(cfg, fleet, facts, store)
+    return summary
+
+
+@contextlib.contextmanager
+def interrupt_held():
+    """A SIGINT (Modal's preemption) that arrives inside the block is raised when it ends."""
+    got = []
+    previous = signal.signal(signal.SIGINT, lambda *_: got.append(True))
+    try:
+        yield
     finally:
-        store.put(stop_key(cfg.run), "stop")
-        stop_producers(STOP_GRACE_S)
-        if backend["kind"] == "modal":
-            from coordination.modal_backend import delete_run_backends
-
-            delete_run_backends(cfg.run, facts["epochs"])
+        signal.signal(signal.SIGINT, previous)
+        if got:
+            raise KeyboardInterrupt
 
 
-def _fleet(cfg, config: dict, store):
-    """The run's producer calls: those of an earlier attempt of this input while any still runs
-    (their ids are in the map), else a new fleet. Returns `stop(deadline_s)`."""
-    import json
+def ensure_setup(cfg: CampaignConfig, config: dict, facts: dict, queue, store) -> None:
+    """The setup's work is still there: every epoch's plan (a Dict entry expires after 7 days
+    unused: looking at it is a use) and the held-out set (a queue partition is cleared 24 h after
+    its last put; a preempted rank 0 may have taken it). Else `setup` runs again."""
+    from coordination.routing import EVAL_PARTITION, summary_key
 
-    from coordination.routing import fleet_key
+    missing = [e for e in range(facts["epochs"]) if summary_key(cfg.run, e) not in store]
+    held_out = queue.len(partition=EVAL_PARTITION) if facts["held_out_items"] else 0
+    if missing or held_out != facts["held_out_items"]:
+        print(f"the run's setup is incomplete ({len(missing)} epoch plans missing, held-out items "
+              f"{held_out} of {facts['held_out_items']}): running setup again", flush=True)
+        setup.remote(config)
 
-    calls = []
-    if not store.put(fleet_key(cfg.run), "[]", skip_if_exists=True):  # an earlier attempt spawned one
-        earlier = [modal.FunctionCall.from_id(i) for i in json.loads(store.get(fleet_key(cfg.run)) or "[]")]
-        calls = [c for c in earlier if _running(c)]
-        if calls:
-            print(f"reusing the {len(calls)} producers still running from an earlier attempt of this run")
-    if not calls:
-        calls = [produce.spawn(config, f"producer-{i}") for i in range(cfg.producers)]
-        store.put(fleet_key(cfg.run), json.dumps([c.object_id for c in calls]))
 
-    def stop(deadline_s: float) -> None:
-        import time
+def watch(ranks, fleet: "Fleet", deadline: float) -> None:
+    """Until the ranks exit: a failed rank or producer raises; at `deadline` the ranks are asked
+    to checkpoint and stop (the call then hands over to a new one)."""
+    from trainer.train import STOP_SIGNAL
 
+    asked, next_look = False, time.monotonic() + FLEET_CHECK_S
+    while True:
+        codes = [p.poll() for p in ranks]
+        if any(c not in (None, 0) for c in codes):
+            raise RuntimeError(f"trainer ranks exited {codes}; their output is in the function's logs")
+        if all(c == 0 for c in codes):
+            return
+        if not asked and time.monotonic() > deadline:
+            print("this call's time is nearly up: the ranks checkpoint and a new call continues", flush=True)
+            for p in ranks:
+                p.send_signal(STOP_SIGNAL)
+            asked = True
+        if time.monotonic() >= next_look:
+            fleet.check()
+            next_look = time.monotonic() + FLEET_CHECK_S
+        time.sleep(0.5)
+
+
+class Fleet:
+    """The run's producer calls, by name (`producer-<i>`), their ids kept in the run's map: those
+    of an earlier call of this run still running are reused, never doubled; a producer that
+    ended (its hours, or an idle hour) is replaced; one that failed all Modal's retries ends
+    the run."""
+
+    def __init__(self, cfg: CampaignConfig, config: dict, store):
+        from coordination.routing import fleet_key
+
+        self.cfg, self.config, self.store, self.key = cfg, config, store, fleet_key(cfg.run)
+        known = json.loads(store.get(self.key) or "{}")
+        self.calls = {}
+        for i in range(cfg.producers):
+            name = f"producer-{i}"
+            call = modal.FunctionCall.from_id(known[name]) if name in known else None
+            if call is not None and call_state(call)[0] == "running":
+                self.calls[name] = call
+        if self.calls:
+            print(f"reusing the {len(self.calls)} producers still running from an earlier call of this run", flush=True)
+        for i in range(cfg.producers):
+            if f"producer-{i}" not in self.calls:
+                self._spawn(f"producer-{i}")
+
+    def _spawn(self, name: str) -> None:
+        with interrupt_held():  # spawned and recorded, or neither: a re-run must not spawn it twice
+            self.calls[name] = produce.spawn(self.config, name)
+            self.store.put(self.key, json.dumps({n: c.object_id for n, c in self.calls.items()}))
+
+    def check(self) -> None:
+        from coordination.errors import CellfeedError
+
+        for name, call in list(self.calls.items()):
+            state, error = call_state(call)
+            if state == "failed":
+                last_line = (str(error).strip().splitlines() or [""])[-1]
+                raise CellfeedError(f"{name} failed {1 + PRODUCER_RETRIES} times, Modal's retries spent "
+                                    f"({type(error).__name__}: {last_line}); the run stops: mend the cause, "
+                                    "then run again with --resume")
+            if state == "ended":
+                print(f"{name} ended: a new call takes its place", flush=True)
+                self._spawn(name)
+
+    def stop(self, deadline_s: float) -> None:
+        """One deadline for all to return (they read the stop key), then cancel the rest."""
         deadline = time.monotonic() + deadline_s
-        for call in calls:
+        for call in self.calls.values():
             try:
                 call.get(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - still running past the deadline, or failed: cancel it
+            except TimeoutError:  # still running past the deadline (builtin TimeoutError: modal/_functions.py)
                 call.cancel()
+            except Exception:  # noqa: BLE001 - it failed: nothing to stop
+                pass
 
-    return stop
 
-
-def _running(call) -> bool:
-    """Whether a producer call is still running (it has no result yet)."""
+def call_state(call) -> tuple[str, BaseException | None]:
+    """("running" | "ended" | "failed", its error) of a function call, without waiting. Modal
+    raises the builtin TimeoutError while a call runs (not modal.exception.TimeoutError, whose
+    subclasses FunctionTimeoutError and OutputExpiredError mean it is over)."""
     try:
         call.get(timeout=0)
-    except modal.exception.TimeoutError:
-        return True
-    except Exception:  # noqa: BLE001 - it failed: not running
-        return False
-    return False
+    except TimeoutError:
+        return "running", None
+    except Exception as exc:  # noqa: BLE001 - its error, Modal's retries spent
+        return "failed", exc
+    return "ended", None
 
 
-@app.function(image=producer_image, secrets=[secret], cpu=2.0, memory=8192, timeout=3600)
+def end_campaign(cfg: CampaignConfig, fleet: Fleet, facts: dict, store) -> None:
+    """Only at the campaign's real end: stop the producers, delete the run's queue and dicts."""
+    from coordination.modal_backend import delete_run_backends
+    from coordination.routing import stop_key
+
+    store.put(stop_key(cfg.run), "stop")
+    fleet.stop(STOP_GRACE_S)
+    delete_run_backends(cfg.run, facts["epochs"])
+
+
+# ---- the functions
+
+@app.function(image=producer_image, secrets=[secret], cpu=2.0, memory=8192, timeout=DAY)  # many epochs' plans
 def setup(config: dict) -> dict:
     return setup_body(config)
 
 
-@app.function(image=producer_image, secrets=[secret], cpu=PRODUCER_CPU, memory=PRODUCER_MEMORY_MB, retries=3,
-              timeout=DAY)
+@app.function(image=producer_image, secrets=[secret], cpu=PRODUCER_CPU, memory=PRODUCER_MEMORY_MB,
+              retries=PRODUCER_RETRIES, timeout=DAY)
 def produce(config: dict, name: str) -> dict:
     return produce_body(config, name)
 
@@ -179,78 +293,32 @@ def train(config: dict, facts: dict) -> dict:
     return train_body(config, facts)
 
 
-def _describe_flags() -> None:
-    """modal 1.6's `modal run` turns a local entrypoint's signature into flags with no help text
-    and no defaults shown. Attach ours (`app.config.FLAG_HELP`, the same words as `cellfeed local
-    --help`) so `modal run app/modal_app.py --help` explains every flag. Only under the Modal CLI
-    (already imported then); elsewhere, and if Modal's builder changes, nothing happens."""
-    import sys
+# ---- the laptop's side
 
-    from app.config import FLAG_HELP
+def main(**flags) -> dict:
+    """Start (or, with --resume, continue) a pretraining campaign on Modal. The flags are
+    `cellfeed local`'s (described by `cellfeed local --help`; Modal 1.6's `modal run --help` can
+    show no help text), plus --attempt-hours."""
+    from coordination.errors import CellfeedError
 
-    modal_cli = sys.modules.get("modal.cli.run")
-    build = getattr(modal_cli, "_add_click_options", None)
-    if build is None or getattr(build, "describes_cellfeed", False):
-        return
-
-    def with_help(func, parameters):
-        func = build(func, parameters)
-        for option in getattr(func, "__click_params__", []):
-            if option.name in FLAG_HELP:
-                option.help = FLAG_HELP[option.name]
-                option.show_default = "default" not in option.help
-        return func
-
-    with_help.describes_cellfeed = True
-    modal_cli._add_click_options = with_help
-
-
-_describe_flags()
-
-
-@app.local_entrypoint()
-def main(
-    dataset: str,
-    producers: int = 16,
-    gpus: int = 8,
-    steps: int = 0,
-    epochs: int = 0,
-    batch_size: int = 240,
-    grad_accum: int = 1,
-    max_genes: int = 0,
-    preset: Literal["tiny", "scgpt", "base", "large"] = "scgpt",
-    tokenizer: Literal["scgpt", "geneformer-v1", "geneformer-v2", "geneformer"] = "scgpt",
-    n_bins: int = 51,
-    strategy: Literal["sequential", "mixture", "block", "random"] = "block",
-    block_size: int = 64,
-    fetch_factor: int = 64,
-    n_scanners: int = 8,
-    unit_cells: int = 1024,
-    subset_filter: str = "",
-    eval_filter: str = "",
-    eval_cells: int = 512,
-    eval_every: int = 100,
-    lr: float = 3e-4,
-    warmup_steps: int = 100,
-    checkpoint_every: int = 500,
-    keep_checkpoints: int = 2,
-    run: str = "",
-    resume: bool = False,
-    compile: bool = False,
-    seed: int = 0,
-):
-    """Start a pretraining campaign on Modal (every flag: `modal run app/modal_app.py --help`)."""
-    from dataclasses import asdict
-
-    from app.config import CampaignConfig
-
-    flags = dict(locals())
-    optional = {"steps", "epochs", "max_genes", "subset_filter", "eval_filter"}  # 0 / "": not given
-    cfg = CampaignConfig(**{k: (v or None) if k in optional else v for k, v in flags.items()}).validate()
+    cfg = CampaignConfig.from_flags(flags)
+    if cfg.gpus > MAX_GPUS:
+        raise CellfeedError(f"--gpus {cfg.gpus}: a Modal container has at most {MAX_GPUS} GPUs")
     config = asdict(cfg)
-    print(f"campaign {cfg.run}: {cfg.producers} producers -> {cfg.gpus} x H100, dataset {cfg.dataset}")
+    print(f"campaign {cfg.run}: {cfg.producers} producers -> {cfg.gpus} x H100, dataset {cfg.dataset}", flush=True)
     facts = setup.remote(config)
     print(f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units, "
-          f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s)")
+          f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s)", flush=True)
     summary = train.with_options(gpu=f"H100:{cfg.gpus}").remote(config, facts)
-    print(summary)
+    while "continued_as" in summary:  # Modal's 24 h: each call hands over to the next
+        print(f"train continues in call {summary['continued_as']} (a call ends at {DAY // 3600} h)", flush=True)
+        summary = modal.FunctionCall.from_id(summary["continued_as"]).get()
+    print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "audits") if k in summary}), flush=True)
+    return summary
+
+
+# `modal run` builds its options from the entrypoint's signature: here, one per campaign flag, with
+# the config's types and defaults, so the entrypoint cannot drift from `CampaignConfig`
+main.__signature__ = flags_signature(MODAL_FLAGS)
+main.__annotations__ = {p.name: p.annotation for p in main.__signature__.parameters.values()}
+main = app.local_entrypoint()(main)

@@ -27,7 +27,8 @@ import numpy as np
 from coordination.arrays import offsets_of, positions_in_ranges, ragged_arange
 from coordination.errors import CellfeedError
 from coordination.plan import DatasetGeometry, EpochPlan, PlanSummary, Sampling, WorkUnit
-from coordination.queues import Empty, Full, Map, MapGone, Queue, RequestTooLarge, request_batches
+from coordination.queues import (MAX_PARTITION_BYTES, MAX_PARTITION_ITEMS, Empty, Full, Map, MapGone, Queue,
+                                 RequestTooLarge, request_batches)
 from coordination.routing import (EVAL_PARTITION, EVENTS_PARTITION, TASKS_PARTITION, cell_rank, decode_task,
                                   encode_event, epoch_map_name, rank_partition, run_tag, stop_key, summary_key,
                                   unit_rank)
@@ -118,6 +119,14 @@ def select_cells(ds: Dataset, subset_filter: str | None = None, subset_ids=None,
         raise CellfeedError(f"{what} selects no cells{extra}; check the filter (`cellfeed inspect DATASET` lists "
                             "the obs columns and their values)")
     return selected
+
+
+def check_fits_partition(n_cells: int, n_items: int, n_bytes: int) -> None:
+    """A held-out set is read whole from one queue partition: refuse one that cannot fit."""
+    if n_items > MAX_PARTITION_ITEMS or n_bytes > MAX_PARTITION_BYTES:
+        raise CellfeedError(f"the held-out set ({n_cells:,} cells: {n_items:,} items, {n_bytes / 2**20:,.1f} MiB) does not "
+                            f"fit one queue partition ({MAX_PARTITION_ITEMS:,} items, {MAX_PARTITION_BYTES >> 20} MiB): "
+                            "lower --eval-cells")
 
 
 def filter_cells(ds: Dataset, expression: str, option: str) -> np.ndarray:
@@ -280,14 +289,17 @@ class Producer:
             self._full_wait_s = min(FULL_WAIT_MAX_S, self._full_wait_s * 2)
 
     def produce_held_out(self, cell_ids: np.ndarray, partition: str = EVAL_PARTITION) -> int:
-        """Tokenize a fixed set of cells (e.g. an evaluation split) into `partition`, once."""
+        """Tokenize a fixed set of cells (e.g. an evaluation split) into `partition`, once. It
+        must fit one partition (the trainer reads it whole): a larger set is refused before
+        anything is put. Returns the number of items put."""
         cell_ids = np.sort(np.asarray(cell_ids, dtype=np.int64))
         block = self.ds.read_cells(cell_ids, with_cell_ids=False)
         counts = np.diff(self.ds.cell_row_start)[cell_ids]
         items = self._tokenize_and_pack(cell_ids, offsets_of(counts)[:-1], counts, block, 0, 0,
                                         held_out_rng(self.config.seed))
+        check_fits_partition(len(cell_ids), len(items), sum(len(b) for b in items))
         self._put(items, partition)
-        return len(cell_ids)
+        return len(items)
 
     def read(self, epoch: int, unit_id: int) -> tuple[WorkUnit, RowBlock]:
         """A unit and its rows. Storage that does not answer is tried again (1 s, 2 s, 4 s, then 5 s
@@ -522,6 +534,11 @@ class Producer:
         if self._courier_error is not None:
             raise self._courier_error
         return self.stats
+
+    def stop(self) -> None:
+        """Ask a running loop to stop: `run` returns soon; units taken and not done are produced
+        again elsewhere (the driver re-issues them when their lease runs out)."""
+        self._stopping.set()
 
     @staticmethod
     def _first_done(ahead: deque) -> Future:

@@ -3,6 +3,7 @@ synthetic datasets."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -13,6 +14,36 @@ import scipy.sparse as sp
 
 TEST_DATA = Path(__file__).resolve().parent / "data"
 PBMC = TEST_DATA / "pbmc68k_reduced.h5ad"  # real data, with its provenance in tests/data/README.md
+
+
+def wait_for(condition, what: str, timeout: float = 120.0):
+    """Poll `condition` until it holds and return its value. The timeout only bounds a broken run
+    (the event is the check); it is generous for a busy 2-core machine."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@contextlib.contextmanager
+def fresh_import(module: str):
+    """`module` imported anew (with whatever `modal` this process has now) and forgotten after, so
+    other tests see their own import of it."""
+    import importlib
+    import sys
+
+    saved = sys.modules.pop(module, None)
+    try:
+        yield importlib.import_module(module)
+    finally:
+        sys.modules.pop(module, None)
+        if saved is not None:
+            sys.modules[module] = saved
 
 
 @pytest.fixture(scope="session")

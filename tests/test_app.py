@@ -1,28 +1,21 @@
-"""The two ways to run a campaign: `cellfeed local` end to end, and the Modal app — imported
-offline, its declared resources checked, and its function bodies run here against the memory
-and local backends (these are not Modal runs)."""
+"""The two ways to run a campaign: `cellfeed local` end to end, and the Modal app imported offline,
+its resources and flags checked (the whole Modal path runs on the emulator:
+tests/test_modal_campaign.py; none of these is a Modal run)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
-import threading
-from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from app.config import CampaignConfig
-from coordination.driver import Driver
 from coordination.errors import CellfeedError
-from coordination.local_backend import LocalMap, LocalQueue, ServerProcess
-from coordination.queues import MemoryMap, MemoryQueue
-from coordination.routing import rank_partition, stop_key
-from coordination.wire import unpack_item
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,26 +27,73 @@ def offline_env(tmp_path) -> dict:
 
 
 def test_modal_app_imports_offline_and_help_lists_every_flag(tmp_path):
+    """`modal run --help` (modal's own CLI, offline) lists one option per campaign flag: the
+    entrypoint's parameters are derived from CampaignConfig (Modal 1.6 shows no help text)."""
+    from app.config import MODAL_FLAGS
+
     env = offline_env(tmp_path)
     subprocess.run([sys.executable, "-c", "import app.modal_app"], cwd=ROOT, env=env, check=True, timeout=120)
     modal_cli = Path(sys.executable).with_name("modal")
     out = subprocess.run([str(modal_cli), "run", "app/modal_app.py", "--help"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    import inspect
-    import re
+    listed = set(re.findall(r"--([a-z][a-z0-9-]*)", out.stdout))
+    assert {name.replace("_", "-") for name in MODAL_FLAGS} <= listed, out.stdout
 
-    import app.modal_app as m
-    from app.config import FLAG_HELP
 
-    text = re.sub(r"-\s+", "-", " ".join(out.stdout.split()))  # unwrap click's columns (it wraps at hyphens too)
-    for name, param in inspect.signature(m.main.info.raw_f).parameters.items():
-        flag = "--" + name.replace("_", "-")
-        words = " ".join(FLAG_HELP[name].split())[:40]  # every flag has its description ...
-        assert re.search(re.escape(flag) + r"\b.{0,80}" + re.escape(words), text), (flag, words)
-        if "default" not in FLAG_HELP[name] and name != "dataset":  # ... and its default
-            shown = "no-" + flag[2:] if param.default is False else param.default
-            assert re.search(re.escape(words) + r".*?\[default: " + re.escape(str(shown)), text), flag
+def non_default_flags() -> dict:
+    """A value for every flag that is not its default (and is valid)."""
+    from dataclasses import MISSING, fields
+
+    from app.config import MODAL_FLAGS, flag_choices
+
+    choices, defaults = flag_choices(), {f.name: f.default for f in fields(CampaignConfig) if f.default is not MISSING}
+    strings = dict(dataset="s3://bucket/atlas", run="round-trip", subset_filter="plate != 'p1'",
+                   eval_filter="plate = 'p2'")
+    values = {}
+    for name in MODAL_FLAGS:
+        default = defaults.get(name)
+        if name in strings:
+            values[name] = strings[name]
+        elif name in choices:
+            values[name] = [c for c in choices[name] if c != default][-1]
+        elif isinstance(default, bool):
+            values[name] = True
+        elif isinstance(default, float):
+            values[name] = default / 2 if default else 5.0
+        else:  # ints and optional ints
+            values[name] = (default or 2) + 1
+    return values
+
+
+def test_every_flag_round_trips_through_modal_run_and_cellfeed_local():
+    """The same flags give the same CampaignConfig through `modal run`'s options (built by
+    modal's own CLI code from the entrypoint) and `cellfeed local`'s parser."""
+    from app.cli import build_parser
+    from app.config import CAMPAIGN_FLAGS
+    from cellfeed_testing.modal_emulator.run import command
+
+    values = non_default_flags()
+    args = [a for name, v in values.items() for a in (f"--{name.replace('_', '-')}", str(v))
+            if not isinstance(v, bool)] + [f"--{n}" for n, v in values.items() if v is True]
+    expected = CampaignConfig(**values).validate()
+    ctx = command("app/modal_app.py").make_context("modal run", list(args))
+    assert CampaignConfig.from_flags(ctx.params) == expected
+    local_args = args[: args.index("--attempt-hours")] + args[args.index("--attempt-hours") + 2:]
+    parsed = vars(build_parser().parse_args(["local", *local_args]))
+    assert CampaignConfig(**{k: parsed[k] for k in CAMPAIGN_FLAGS}).validate() == \
+        CampaignConfig(**{**values, "attempt_hours": CampaignConfig.attempt_hours}).validate()
+
+
+def test_modal_entrypoint_refuses_more_gpus_than_a_container_has_before_any_call(tmp_path):
+    from cellfeed_testing.modal_emulator import ModalEmulator
+
+    with ModalEmulator(tmp_path / "world") as world:
+        out = subprocess.run([sys.executable, "-m", "cellfeed_testing.modal_emulator.run", "app/modal_app.py",
+                              "--dataset", "s3://bucket/atlas", "--gpus", "9"], cwd=ROOT, env=world.env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "--gpus 9: a Modal container has at most 8 GPUs" in out.stderr
+        assert world.describe()["calls"] == []  # refused before setup ran
 
 
 def test_modal_functions_declare_their_resources():
@@ -79,69 +119,6 @@ def campaign_config(ds, **changes) -> CampaignConfig:
                 steps=6, warmup_steps=2, checkpoint_every=3, eval_filter="plate = 'plate14'", eval_cells=64,
                 eval_every=3, strategy="mixture", unit_cells=200)
     return CampaignConfig(**{**base, **changes}).validate()
-
-
-def test_modal_bodies_with_the_memory_backend(small_synth):
-    import app.modal_app as m
-
-    cfg = campaign_config(small_synth, eval_filter=None)
-    config = asdict(cfg)
-    queue, store = MemoryQueue(), MemoryMap()
-    facts = m.setup_body(config, queue, store)
-    assert facts["vocab_size"] == small_synth.n_genes + 4 and facts["cells_per_epoch"] == small_synth.n_cells
-    driver = Driver(queue, store, cfg.run, poll_s=0.05)
-    driver_thread = driver.start([0])
-    results = []
-    workers = [threading.Thread(target=lambda i=i: results.append(m.produce_body(config, f"p{i}", queue, store)))
-               for i in range(2)]
-    for w in workers:
-        w.start()
-    driver_thread.join(timeout=120)
-    store.put(stop_key(cfg.run), "stop")
-    for w in workers:
-        w.join(timeout=60)
-    cells = Counter()
-    for rank in range(cfg.gpus):
-        seen = set()
-        for data in queue.get_many(10**6, block=False, partition=rank_partition(rank)):
-            item = unpack_item(data)
-            if item.key not in seen:
-                seen.add(item.key)
-                cells.update(item.cell_ids.tolist())
-    assert cells == Counter(range(small_synth.n_cells)) and sum(r["cells"] for r in results) >= small_synth.n_cells
-
-
-def test_modal_train_body_runs_ranks_against_the_local_backend(small_synth, tmp_path):
-    import app.modal_app as m
-
-    cfg = campaign_config(small_synth, run="modal-body")
-    config = asdict(cfg)
-    server = ServerProcess()
-    try:
-        backend = {"kind": "local", "address": server.address}
-        facts = m.setup_body(config, LocalQueue(server.address), LocalMap(server.address))
-        assert facts["held_out_cells"] == 64
-
-        def spawn_producers():
-            threads = [threading.Thread(target=m.produce_body, args=(config, f"p{i}", LocalQueue(server.address),
-                                                                      LocalMap(server.address)), daemon=True)
-                       for i in range(cfg.producers)]
-            for t in threads:
-                t.start()
-            return lambda deadline_s: [t.join(timeout=deadline_s) for t in threads]
-
-        summary = m.train_body(config, facts, backend=backend, spawn_producers=spawn_producers,
-                               checkpoint_dir=str(tmp_path / "ckpt"))
-        # Modal re-runs a preempted train on the same input: it resumes from the checkpoint (here the
-        # last step, so nothing is left to train) instead of starting over at step 0
-        again = m.train_body(config, facts, backend=backend, spawn_producers=lambda: (lambda deadline_s: None),
-                             checkpoint_dir=str(tmp_path / "ckpt"))
-    finally:
-        server.close()
-    assert again["steps"] == 0
-    assert summary["steps"] == 6 and math.isfinite(summary["final_loss"])
-    assert [e["step"] for e in summary["eval"]] == [0, 3, 6]
-    assert (tmp_path / "ckpt" / "modal-body" / "latest").read_text().strip() == "step-00000006"
 
 
 def test_cellfeed_local_end_to_end(tmp_path):

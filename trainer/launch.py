@@ -10,8 +10,16 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from trainer.train import TrainConfig
+from trainer.train import STOP_SIGNAL, TrainConfig
 from coordination.local_backend import free_port
+
+
+def _hold_stop_signal() -> None:
+    """(in the child, before exec) Hold STOP_SIGNAL until the rank can act on it: a stop asked
+    while it still imports torch waits for its handler, instead of killing it."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {STOP_SIGNAL})
 
 
 def launch(cfg: TrainConfig, world_size: int, workdir: str | os.PathLike, summary_path: str | None = None,
@@ -34,7 +42,7 @@ def launch(cfg: TrainConfig, world_size: int, workdir: str | os.PathLike, summar
         # in a session of their own: a terminal's Ctrl-C reaches the launcher, which stops them (no orphans,
         # no tracebacks from every rank)
         procs.append(subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                      start_new_session=True))
+                                      start_new_session=True, preexec_fn=_hold_stop_signal))
     return procs
 
 
@@ -55,4 +63,26 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
             codes = [p.wait() for p in procs]
             break
         time.sleep(0.1)
+    return codes
+
+
+def checkpoint_and_stop(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """Ask every rank to checkpoint after its current step and exit (`trainer.train.STOP_SIGNAL`);
+    wait up to `timeout` seconds, then kill what is left. Exit codes (None: it had to be killed)."""
+    import time
+
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(STOP_SIGNAL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    codes = [p.poll() for p in procs]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
     return codes

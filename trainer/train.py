@@ -3,6 +3,10 @@
 Run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (torchrun, or
 `trainer.launch`): `python -m trainer.train --config config.json`. gloo on CPU, NCCL + bf16
 autocast on GPU, unchanged.
+
+SIGUSR2 asks a rank to checkpoint and stop (`trainer.launch.checkpoint_and_stop`: before a
+preempted container goes, or when a Modal call's day is nearly over). The request rides on the
+step's all-reduce, so every rank stops after the same step; the summary says `complete: false`.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -87,7 +92,13 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+STOP_SIGNAL = signal.SIGUSR2  # "checkpoint and stop after this step"
+
+
 def train(cfg: TrainConfig, queue=None, store=None) -> dict:
+    stop_asked = []  # set by STOP_SIGNAL; all-reduced with each step's counts so every rank stops together
+    signal.signal(STOP_SIGNAL, lambda *_: stop_asked.append(True))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {STOP_SIGNAL})  # held by the launcher until now
     rank, world, device = init_distributed()
     if queue is None:
         queue, store = connect(cfg.backend)
@@ -147,6 +158,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             eval_loss=tracker.evals[-1]["eval_loss"] if tracker.evals else None)
 
     audits: list[dict] = []
+    stopping = False
     try:
         while epoch < cfg.epochs and step < total_steps:
             summary = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
@@ -158,14 +170,15 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 # ---- one training step (gradients accumulate over `grad_accum` batches) ----------
                 if micro == 0:  # the step's totals, over all its batches (waits included)
                     started, waited, cells, lengths, masked = time.perf_counter() - batch.wait_s, 0.0, 0, [], 0
-                    totals = torch.zeros(3, device=device)
+                    totals = torch.zeros(4, device=device)
                 batch = batch.to(device)
                 generator = torch.Generator().manual_seed(mask_seed(cfg.seed, rank, step, micro))
                 sync = micro == cfg.grad_accum - 1
                 with autocast, (ddp.no_sync() if not sync else nullcontext()):
                     loss_sum, n_masked, correct = masked_loss(step_model, batch, cfg.mask_ratio, generator,
                                                               cfg.n_bins)
-                    counts = torch.stack([n_masked.float(), loss_sum.detach().float(), correct.float()])
+                    counts = torch.stack([n_masked.float(), loss_sum.detach().float(), correct.float(),
+                                          torch.tensor(float(bool(stop_asked)), device=device)])
                     dist.all_reduce(counts)  # global masked count: every position weighs the same
                     loss = loss_sum * world / counts[0].clamp(min=1)
                     if int(n_masked) == 0:  # an empty batch (this rank ran out first): zero gradients,
@@ -197,11 +210,12 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                     ready_cells=batches.ready_cells))
                 if held_out is not None and step % cfg.eval_every == 0:
                     tracker.note(step, evaluate(model, held_out, cfg, autocast))
-                if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == total_steps):
+                stopping = bool(totals[3] > 0)  # a rank was asked to stop: all stop after this step
+                if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == total_steps or stopping):
                     save()
-                if step >= total_steps:
+                if step >= total_steps or stopping:
                     break
-            if batches.step < batches.steps:  # stopped inside the epoch (the steps asked for are done)
+            if batches.step < batches.steps:  # stopped inside the epoch (the steps are done, or asked to stop)
                 break
             audits.append(audit_epoch(epoch, progress, summary, world, device))  # the epoch is complete
             if rank == 0:
@@ -209,7 +223,9 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             epoch += 1
             progress.next_epoch(epoch)
             done_before = [0] * world
-        if cfg.checkpoint_dir:
+            if stopping:
+                break
+        if cfg.checkpoint_dir and not stopping:  # (a stop saved at its step already)
             save()
     finally:
         stream.close()
@@ -219,6 +235,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             cells_log.close()
     summary = tracker.finish()
     summary["audits"] = audits
+    summary["complete"] = step >= total_steps or epoch >= cfg.epochs  # false: asked to stop before the end
     summary["resume_skipped_units"] = driver.stats.skipped_units if driver is not None else 0
     summary["units_reissued"] = driver.stats.reissued if driver is not None else 0  # their holders fell silent
     summary["params"] = model.n_params()

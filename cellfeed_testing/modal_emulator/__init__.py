@@ -96,6 +96,8 @@ class ModalEmulator:
         return self._call({"op": "clock.advance", "seconds": seconds})["now"]
 
     def close(self) -> None:
+        if self._saved_env:
+            client.uninstall()
         self.proc.terminate()
         try:
             self.proc.wait(timeout=20)

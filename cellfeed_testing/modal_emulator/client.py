@@ -34,21 +34,22 @@ class _Connection:
     def call(self, header: dict, values: list[bytes] = (), wait_s: float = 0.0):
         import modal.exception
 
-        sock = getattr(self._local, "sock", None)
+        address = os.environ.get("MODAL_EMULATOR")
+        if not address:
+            raise modal.exception.ConnectionError("MODAL_EMULATOR is not set: no emulator to talk to")
+        socks = self._local.__dict__.setdefault("socks", {})  # per thread, per emulator
+        sock = socks.get(address)
         if sock is None:
-            address = os.environ.get("MODAL_EMULATOR")
-            if not address:
-                raise modal.exception.ConnectionError("MODAL_EMULATOR is not set: no emulator to talk to")
             host, port = address.rsplit(":", 1)
             sock = socket.create_connection((host, int(port)), timeout=10)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._local.sock = sock
+            socks[address] = sock
         sock.settimeout(wait_s + 30)
         try:
             _send_frame(sock, 0, header, values)
             code, reply, out = _recv_frame(sock)
         except OSError as exc:
-            self._local.sock = None
+            socks.pop(address, None)
             sock.close()
             raise modal.exception.ConnectionError(f"lost the Modal emulator: {exc}") from None
         if code == OK:
@@ -413,11 +414,24 @@ class App:
         return wrap
 
 
+_EMULATED = {"Queue": Queue, "Dict": Dict, "App": App, "Function": Function, "FunctionCall": FunctionCall,
+             "Volume": Volume}
+_originals: dict = {}
+
+
 def install() -> None:
     """Put the emulated objects where `import modal` finds them (this process only)."""
     import modal
 
-    for name, obj in {"Queue": Queue, "Dict": Dict, "App": App, "Function": Function, "FunctionCall": FunctionCall,
-                      "Volume": Volume}.items():
+    for name, obj in _EMULATED.items():
+        _originals.setdefault(name, getattr(modal, name))
         setattr(modal, name, obj)
-    modal.is_emulated = True
+
+
+def uninstall() -> None:
+    """Give `modal` its own objects back (a test process that goes on with the real client)."""
+    import modal
+
+    for name, obj in _originals.items():
+        setattr(modal, name, obj)
+    _originals.clear()

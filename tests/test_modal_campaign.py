@@ -1,0 +1,176 @@
+"""The Modal path, whole, on the Modal emulator (not a Modal run): `modal run app/modal_app.py`'s
+entrypoint → setup → train (2 CPU ranks, gloo) → spawned producers → the end, with a preemption
+mid-epoch, one in the first minute (at Modal's 25 ms a call), a producer that keeps failing, and
+a campaign longer than Modal's 24 h limit on a call (on the emulator's fast clock)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cellfeed_testing.modal_emulator import ModalEmulator
+from tests.conftest import wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = "emu"
+
+
+@pytest.fixture(scope="module")
+def atlas(tmp_path_factory):
+    """1,500 cells in small fragments; plate14's cells are the held-out set."""
+    from producers.synth import SynthSpec, synthesize
+
+    out = tmp_path_factory.mktemp("modal-atlas") / "atlas"
+    return synthesize(str(out), SynthSpec(n_cells=1500, seed=3), rows_per_fragment=200_000, progress=False)
+
+
+def flags(atlas, **changes) -> list[str]:
+    base = dict(dataset=atlas.uri, run=RUN, producers=2, gpus=2, batch_size=16, max_genes=32, preset="tiny",
+                epochs=2, warmup_steps=2, checkpoint_every=4, eval_filter="plate = 'plate14'", eval_cells=64,
+                eval_every=10, strategy="block", block_size=16, fetch_factor=2)
+    out = []
+    for name, value in {**base, **changes}.items():
+        out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+def modal_run(world: ModalEmulator, args: list[str]) -> subprocess.Popen:
+    """`modal run app/modal_app.py ARGS` against the emulator, in a process of its own."""
+    return subprocess.Popen([sys.executable, "-m", "cellfeed_testing.modal_emulator.run", "app/modal_app.py", *args],
+                            cwd=ROOT, env=world.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def container_log(world: ModalEmulator, call_id: str, attempt: int) -> str:
+    return (world.root / "containers" / f"{call_id}-{attempt}" / "output.log").read_text(errors="replace")
+
+
+def steps_logged(world: ModalEmulator, call_id: str, attempt: int) -> int:
+    path = world.root / "containers" / f"{call_id}-{attempt}" / "tmp" / "cellfeed" / RUN / "steps.jsonl"
+    return sum(1 for line in path.read_text().splitlines() if '"loss"' in line) if path.exists() else 0
+
+
+def train_attempt(world: ModalEmulator, n: int = 0) -> dict | None:
+    """The running train call once its attempt `n` has started."""
+    calls = [c for c in world.calls("train") if c["status"] == "running" and len(c["attempts"]) > n]
+    return calls[0] if calls else None
+
+
+def check_campaign(world: ModalEmulator, out: str, *, epochs: int, producers: int) -> None:
+    """Every epoch audited once, exactly once; the run's queue and dicts gone; no call left
+    running; the fleet never doubled."""
+    trains = world.calls("train")
+    logs = "".join(container_log(world, c["id"], a) for c in trains for a in range(len(c["attempts"])))
+    audits = re.findall(r"epoch (\d+): ([\d,]+) cells trained, 0 missing, 0 duplicated", logs)
+    assert sorted(int(e) for e, _ in audits) == list(range(epochs)), logs[-3000:]
+    assert "failed its exactly-once audit" not in logs
+    world_now = world.describe()
+    assert world_now["queues"] == [] and world_now["dicts"] == []  # deleted at the end
+    assert not [c for c in world_now["calls"] if c["status"] in ("running", "pending")]
+    assert len(world.calls("produce")) == producers  # reused across attempts, never doubled
+    assert len(world.calls("setup")) == 1 and json.loads(out.strip().splitlines()[-1])["steps"] > 0
+
+
+def test_modal_run_whole_path_with_a_preemption_mid_epoch(atlas, tmp_path):
+    with ModalEmulator(tmp_path / "world", grace_s=30) as world:
+        proc = modal_run(world, flags(atlas))
+        call = wait_for(lambda: train_attempt(world), "train to start")
+        # the event: a checkpoint is written and training is past it (mid-epoch 0)
+        wait_for(lambda: steps_logged(world, call["id"], 0) >= 6 or proc.poll() is not None, "six steps")
+        world.preempt(call["id"])
+        wait_for(lambda: train_attempt(world, 1), "train's input to run again")
+        during = world.describe()
+        assert f"cellfeed-{RUN}" in during["queues"] and f"cellfeed-{RUN}" in during["dicts"]  # not cleaned up
+        code, out, err = finish(proc)
+        assert code == 0, err[-3000:]
+        (train,) = world.calls("train")
+        assert [a["outcome"] for a in train["attempts"]] == ["preempted", "success"]
+        first, again = container_log(world, train["id"], 0), container_log(world, train["id"], 1)
+        assert "preempted: the ranks checkpoint" in first and "Traceback" not in first.split("preempted")[0]
+        resumed = re.search(r"resumed from step (\d+) \(epoch (\d+), ([\d,]+) cells of it already trained\)", again)
+        assert resumed and int(resumed[1]) >= 6 and int(resumed[2]) == 0, again[-2000:]  # mid-epoch 0
+        assert "reusing the 2 producers still running" in again
+        check_campaign(world, out, epochs=2, producers=2)
+
+
+def test_modal_run_preempted_in_its_first_minute_at_modal_latency(atlas, tmp_path):
+    with ModalEmulator(tmp_path / "world", grace_s=30) as world:
+        proc = modal_run(world, flags(atlas, epochs=1, rpc_latency_ms=25))
+        call = wait_for(lambda: train_attempt(world), "train to start")
+        wait_for(lambda: len(world.calls("produce")) == 2, "the fleet to be spawned")
+        world.preempt(call["id"])  # before any step: nothing to checkpoint yet
+        code, out, err = finish(proc)
+        assert code == 0, err[-3000:]
+        (train,) = world.calls("train")
+        assert [a["outcome"] for a in train["attempts"]] == ["preempted", "success"]
+        assert "reusing the 2 producers still running" in container_log(world, train["id"], 1)
+        check_campaign(world, out, epochs=1, producers=2)
+
+
+def test_a_producer_that_keeps_failing_ends_the_run_in_one_line(atlas, tmp_path):
+    with ModalEmulator(tmp_path / "world", grace_s=10, retry_delay_s=0.2) as world:
+        world.fail("produce", times=100)  # every attempt of every producer
+        code, out, err = finish(modal_run(world, flags(atlas, epochs=1)))
+        assert code != 0
+        lines = [line for line in err.splitlines() if "Modal's retries spent" in line]
+        assert lines and re.search(r"producer-\d failed 4 times, Modal's retries spent \(RuntimeError: injected "
+                                   r"fault\); the run stops: mend the cause, then run again with --resume", lines[-1])
+        assert all(len(c["attempts"]) == 4 for c in world.calls("produce"))  # 1 + retries=3
+        described = world.describe()
+        assert described["queues"] == [] and described["dicts"] == []  # a real failure cleans up
+        assert not [c for c in described["calls"] if c["status"] in ("running", "pending")]
+
+
+def test_a_campaign_longer_than_a_call_continues_in_new_calls(atlas, tmp_path):
+    """Each train call hands over to a new one when its --attempt-hours are up (Modal ends a call
+    at 24 h). Here the hours are up at once, so every call trains one step (the event), saves and
+    hands over: an epoch of 3 steps spans 3 calls and is still trained exactly once; on the
+    emulator's clock a day is a minute, and no call reaches it."""
+    with ModalEmulator(tmp_path / "world", grace_s=10, clock_speed=24 * 60) as world:
+        code, out, err = finish(modal_run(world, flags(atlas, epochs=1, batch_size=256, attempt_hours=1e-6)))
+        assert code == 0, err[-3000:]
+        trains = world.calls("train")
+        assert len(trains) >= 3 and all(c["status"] == "success" for c in trains)
+        assert out.count("train continues in call") == len(trains) - 1
+        assert not [a for c in world.describe()["calls"] for a in c["attempts"] if a["outcome"] == "timeout"]
+        check_campaign(world, out, epochs=1, producers=2)
+
+
+def test_an_expired_setup_is_done_again(atlas, tmp_path):
+    """Modal clears a queue partition 24 h after its last put and a Dict entry after 7 days
+    unused: a train call that finds the held-out set or a plan gone runs `setup` again."""
+    from dataclasses import asdict
+
+    from app.config import CampaignConfig
+    from coordination.backends import connect
+    from coordination.routing import EVAL_PARTITION, summary_key
+    from tests.conftest import fresh_import
+
+    with ModalEmulator(tmp_path / "world") as world:
+        world.install()
+        with fresh_import("app.modal_app") as m:
+            cfg = CampaignConfig(dataset=atlas.uri, run="expiry", gpus=2, epochs=2, eval_filter="plate = 'plate14'",
+                                 eval_cells=64, max_genes=32).validate()
+            config = asdict(cfg)
+            facts = m.setup.remote(config)
+            queue, store = connect(cfg.backend_spec("modal"))
+            assert queue.len(partition=EVAL_PARTITION) == facts["held_out_items"] > 0
+            m.ensure_setup(cfg, config, facts, queue, store)
+            assert len(world.calls("setup")) == 1  # all there: nothing to do
+            world.advance(25 * 3600)
+            assert queue.len(partition=EVAL_PARTITION) == 0  # the held-out partition's day is over
+            m.ensure_setup(cfg, config, facts, queue, store)
+            assert len(world.calls("setup")) == 2 and queue.len(partition=EVAL_PARTITION) == facts["held_out_items"]
+            world.advance(8 * 24 * 3600)
+            assert summary_key(cfg.run, 1) not in store  # a week unused
+            m.ensure_setup(cfg, config, facts, queue, store)
+            assert len(world.calls("setup")) == 3 and all(summary_key(cfg.run, e) in store for e in range(2))
