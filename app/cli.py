@@ -12,10 +12,6 @@ from coordination.errors import CellfeedError
 ROWS_PER_FRAGMENT = 1 << 22
 
 
-def plural(n: int, word: str) -> str:
-    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text.replace("_", ""))
@@ -27,6 +23,7 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_synth(args) -> int:
+    from app.local import plural
     from producers.synth import SynthSpec, synthesize
 
     spec = SynthSpec(n_cells=args.cells, n_genes=args.genes, n_plates=args.plates, seed=args.seed)
@@ -38,6 +35,7 @@ def cmd_synth(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    from app.local import plural
     from producers.convert import convert
 
     *inputs, out = args.paths

@@ -17,7 +17,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.campaign import prepare
-from app.cli import plural
 from app.config import CampaignConfig
 from coordination.backends import connect
 from coordination.errors import CellfeedError
@@ -33,6 +32,10 @@ PRODUCER_RETRIES = 3  # as the Modal producer function's retries=3
 RESTART_BACKOFF_S = 1.0
 USER_ERROR_EXIT = 2  # a producer or rank that stopped on a CellfeedError (restarting it would not help)
 
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 def default_dataset(workdir: Path, cells: int, seed: int) -> str:
     """A small synthetic atlas (written once, reused by later runs in the same workdir)."""

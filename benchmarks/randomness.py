@@ -5,7 +5,7 @@ strategy:
 - the plate-label entropy of each batch (mean ± sd, beside batches drawn truly at random from
   the same cells, and beside scDataset's bounds for block sampling) and the index score (mean
   |i - j| over pairs of a batch's cells, i and j their positions in storage: 0 sequential,
-  1 uniform random); `trainer/sampling_quality.py` defines them;
+  1 uniform random); `cellfeed_testing/sampling_quality.py` defines them;
 - downstream parity (sequential, random, the defaults and scDataset's b=16 f=256): a linear
   probe of cell line and dose trained for one epoch on the stream, macro-F1 on a held-out plate,
   two seeds, and its convergence (`benchmarks/downstream.py`);
@@ -41,7 +41,7 @@ from coordination.plan import Sampling  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
 from producers.producer import label_codes, select_cells  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
-from trainer.sampling_quality import block_entropy_bounds, entropy_bits, index_score  # noqa: E402
+from cellfeed_testing.sampling_quality import block_entropy_bounds, entropy_bits, index_score  # noqa: E402
 
 BATCH = 64
 HELD_OUT = "plate = 'plate14'"  # the campaign's --eval-filter: never trained on; the probe's test set

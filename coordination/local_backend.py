@@ -32,13 +32,6 @@ CONNECT_TIMEOUT_S = 10.0
 REPLY_MARGIN_S = 30.0  # how much longer than the server-side wait a client waits for the reply
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for local servers and DDP rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     chunks, got = [], 0
     while got < n:

@@ -50,7 +50,7 @@ def fresh_import(module: str):
 def seaweed():
     """A real S3-compatible server (SeaweedFS) on 127.0.0.1 for the session; every request is
     authenticated."""
-    from producers.object_store import SeaweedServer
+    from cellfeed_testing.object_store import SeaweedServer
 
     server = SeaweedServer()
     yield server

@@ -10,7 +10,7 @@ import pytest
 
 from app.cli import main as cli
 from coordination.errors import CellfeedError
-from coordination.local_backend import free_port
+from coordination.net import free_port
 from producers.convert import convert
 from producers.dataset import open_dataset
 from producers.storage import S3Location, S3Settings
@@ -93,7 +93,7 @@ def test_bad_credentials_are_reported_without_the_secret(seaweed):
 
 
 def test_reads_through_a_latency_proxy_are_identical_and_pay_the_latency(s3, seaweed, tmp_path, monkeypatch):
-    from producers.object_store import S3Proxy
+    from cellfeed_testing.object_store import S3Proxy
 
     spec = SynthSpec(n_cells=300, n_genes=2000, n_plates=3, seed=9)
     local = synthesize(str(tmp_path / "atlas"), spec, rows_per_fragment=20_000, progress=False)
@@ -134,7 +134,7 @@ def test_producers_ride_out_an_s3_server_restart(tmp_path):
     from coordination.queues import MemoryMap, MemoryQueue
     from coordination.routing import TASKS_PARTITION, encode_task, epoch_map_name, rank_partition
     from coordination.wire import unpack_item
-    from producers.object_store import SeaweedServer
+    from cellfeed_testing.object_store import SeaweedServer
     from producers.producer import Producer, ProducerConfig
 
     with SeaweedServer() as server:

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from trainer.sampling_quality import block_entropy_bounds, entropy_bits, index_score, mean_pair_distance
+from cellfeed_testing.sampling_quality import block_entropy_bounds, entropy_bits, index_score, mean_pair_distance
 
 
 def test_mean_pair_distance_equals_brute_force():

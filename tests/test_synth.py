@@ -10,7 +10,7 @@ import scipy.sparse as sp
 from app.cli import main as cli
 from producers.dataset import open_dataset
 from producers.synth import SynthSpec, plate_sizes, synthesize
-from trainer.sampling_quality import entropy_bits
+from cellfeed_testing.sampling_quality import entropy_bits
 
 
 def test_plate_sizes_match_tahoe_shape():

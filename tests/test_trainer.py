@@ -175,7 +175,7 @@ def test_model_presets_masking_and_flops():
 @pytest.fixture
 def single_rank(monkeypatch):
     """This process as rank 0 of a world of 1 (torch.distributed reads these)."""
-    from coordination.local_backend import free_port
+    from coordination.net import free_port
 
     for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                         ("WORLD_SIZE", "1")):

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from trainer.train import STOP_SIGNAL, TrainConfig
-from coordination.local_backend import free_port
+from coordination.net import free_port
 
 
 def _hold_stop_signal() -> None:

@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 from coordination.errors import CellfeedError
-from coordination.local_backend import free_port
+from coordination.net import free_port
 
 ACCESS_KEY, SECRET_KEY, REGION = "cellfeed-test-key", "cellfeed-test-secret", "us-east-1"
 
