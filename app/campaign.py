@@ -4,7 +4,9 @@ map (the trainer's driver and consumers need only those) and produces the held-o
 
 from __future__ import annotations
 
-from coordination.plan import PlanSummary, publish_summary
+from dataclasses import dataclass
+
+from coordination.plan import PlanSummary, optimizer_steps, publish_summary
 from coordination.routing import EVAL_PARTITION, stop_key
 from coordination.errors import CellfeedError
 from coordination.tokens import vocab_size
@@ -21,7 +23,7 @@ def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
         if len(summaries) == MAX_EPOCHS:
             raise CellfeedError(f"--steps {cfg.steps} needs more than {MAX_EPOCHS:,} epochs of this dataset")
         summaries.append(PlanSummary.of(producer.plan(len(summaries)), cfg.gpus))
-        steps += summaries[-1].steps(cfg.batch_size) // cfg.grad_accum
+        steps += optimizer_steps(summaries[-1:], cfg.batch_size, cfg.grad_accum)
     if cfg.steps and steps < cfg.steps:
         raise CellfeedError(f"--steps {cfg.steps} is more than --epochs {cfg.epochs} hold ({steps} steps of "
                             f"{cfg.batch_size} cells per rank): raise --epochs, or leave it out to train as many "
@@ -29,7 +31,27 @@ def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
     return summaries
 
 
-def prepare(cfg, queue, store) -> dict:
+@dataclass(frozen=True)
+class SetupFacts:
+    """What the setup learnt, for the trainer and the status line (a dict across Modal calls)."""
+
+    n_genes: int
+    vocab_size: int
+    epochs: int
+    cells_per_epoch: int
+    units_per_epoch: int
+    units_total: int
+    steps_per_epoch: int
+    total_steps: int
+    held_out_cells: int
+    held_out_items: int  # what the eval partition holds when complete
+
+    @classmethod
+    def of(cls, facts: "SetupFacts | dict") -> "SetupFacts":
+        return facts if isinstance(facts, cls) else cls(**facts)
+
+
+def prepare(cfg, queue, store) -> SetupFacts:
     """Publish plans and the held-out set; returns what the trainer needs to know. Safe to run
     again on a run (a resume, or a campaign whose plans or held-out set expired): plans are the
     same, the held-out set is replaced, and a stop left by an earlier end is cleared."""
@@ -47,15 +69,10 @@ def prepare(cfg, queue, store) -> dict:
             raise CellfeedError(f"--eval-filter {cfg.eval_filter!r} matches no cells; check the filter "
                                 "(`cellfeed inspect DATASET` lists the obs columns and their values)")
         held_out, held_out_items = len(cells), producer.produce_held_out(cells)
-    return {
-        "n_genes": producer.ds.n_genes,
-        "vocab_size": vocab_size(producer.ds.n_genes),
-        "epochs": len(summaries),
-        "cells_per_epoch": summaries[0].n_cells,
-        "units_per_epoch": summaries[0].n_units,
-        "units_total": sum(s.n_units for s in summaries),
-        "steps_per_epoch": summaries[0].steps(cfg.batch_size) // cfg.grad_accum,
-        "total_steps": cfg.steps or sum(s.steps(cfg.batch_size) // cfg.grad_accum for s in summaries),
-        "held_out_cells": held_out,
-        "held_out_items": held_out_items,  # what the eval partition holds when complete
-    }
+    return SetupFacts(
+        n_genes=producer.ds.n_genes, vocab_size=vocab_size(producer.ds.n_genes), epochs=len(summaries),
+        cells_per_epoch=summaries[0].n_cells, units_per_epoch=summaries[0].n_units,
+        units_total=sum(s.n_units for s in summaries),
+        steps_per_epoch=optimizer_steps(summaries[:1], cfg.batch_size, cfg.grad_accum),
+        total_steps=cfg.steps or optimizer_steps(summaries, cfg.batch_size, cfg.grad_accum),
+        held_out_cells=held_out, held_out_items=held_out_items)

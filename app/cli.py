@@ -8,6 +8,7 @@ import sys
 import numpy as np
 
 from coordination.errors import CellfeedError
+from coordination.tokens import LAYOUTS
 
 ROWS_PER_FRAGMENT = 1 << 22
 
@@ -126,11 +127,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 # `cellfeed local` runs the tiny model on CPU: these defaults replace CampaignConfig's (made for 8 GPUs)
 LOCAL_DEFAULTS = dict(producers=2, gpus=2, batch_size=32, max_genes=256, preset="tiny", eval_every=20,
                       checkpoint_every=50, lr=3e-3, warmup_steps=10, eval_cells=512)
-LOCAL_HELP = {"max_genes": "genes per cell (default: 256, short for CPU; the tokenizers' own are scgpt 1024, "
-                           "geneformer-v1 2048, geneformer-v2 4094)",
-              "tokenizer": "scgpt (genes in rank order + expression bins), geneformer-v1 (no special tokens) or "
-                           "geneformer-v2 (CLS, genes, EOS; alias geneformer); geneformer needs `cellfeed stats` "
-                           "(default: scgpt)"}
+LOCAL_HELP = {"max_genes": "genes per cell (default: 256, short for CPU; the tokenizers' own are "
+                           + ", ".join(f"{n} {s.default_genes}" for n, s in LAYOUTS.items() if s.objective) + ")"}
+
+
 def add_campaign_flags(p: argparse.ArgumentParser) -> None:
     """The campaign's flags, help from `app.config.FLAG_HELP`, defaults of the local run."""
     from app.config import CAMPAIGN_FLAGS, FLAG_HELP, flag_choices, flag_defaults

@@ -11,9 +11,10 @@ from dataclasses import MISSING, dataclass, fields
 
 from coordination.errors import CellfeedError
 from coordination.plan import STRATEGIES, Sampling
+from coordination.presets import MODEL_PRESETS
 from coordination.tokens import LAYOUTS, layout
 
-PRESETS = ("tiny", "scgpt", "base", "large")
+PRESETS = tuple(MODEL_PRESETS)
 
 # Every campaign flag, described once: `cellfeed local --help` and `modal run app/modal_app.py --help`
 # both show these (field name -> help; the defaults come from CampaignConfig or the local run).
@@ -25,9 +26,10 @@ FLAG_HELP = {
                    "every --eval-every steps (default: no evaluation)",
     "eval_cells": "how many held-out cells to evaluate on (the first that match --eval-filter)",
     "eval_every": "evaluate on the held-out cells every N steps",
-    "tokenizer": "scgpt (genes in rank order + expression bins), geneformer-v1 (2,048 genes, no special tokens), "
-                 "geneformer-v2 (CLS + 4,094 genes + EOS; alias geneformer); geneformer needs `cellfeed stats`",
-    "max_genes": "genes per cell (default: the tokenizer's own: scgpt 1024, geneformer-v1 2048, geneformer-v2 4094)",
+    "tokenizer": "scgpt (genes in rank order + expression bins), geneformer-v1 (no special tokens) or "
+                 "geneformer-v2 (CLS, genes, EOS; alias geneformer); geneformer needs `cellfeed stats`",
+    "max_genes": "genes per cell (default: the tokenizer's own: "
+                 + ", ".join(f"{name} {spec.default_genes}" for name, spec in LAYOUTS.items() if spec.objective) + ")",
     "n_bins": "scgpt expression bins per cell",
     "strategy": "sampling: sequential, mixture (of scanners), block (shuffled blocks of cells) or random",
     "block_size": "block sampling: consecutive cells per block",
@@ -40,7 +42,7 @@ FLAG_HELP = {
     "grad_accum": "batches accumulated per optimizer step",
     "steps": "optimizer steps; alone, as many epochs as they need (default: --epochs through)",
     "epochs": "epochs (default: 1, or as many as --steps needs)",
-    "preset": "model preset: tiny (4M parameters), scgpt (51M, as published), base (133M), large (367M)",
+    "preset": "model preset: " + ", ".join(f"{name} ({p.note})" for name, p in MODEL_PRESETS.items()),
     "lr": "peak learning rate (AdamW, linear warm-up, cosine decay)",
     "warmup_steps": "learning-rate warm-up steps",
     "compile": "torch.compile the model",
@@ -72,7 +74,7 @@ class CampaignConfig:
     eval_cells: int = 512  # how many held-out cells (the first that match)
     eval_every: int = 100
     tokenizer: str = "scgpt"
-    max_genes: int | None = None  # None: the tokenizer's own length (scgpt 1024, geneformer-v1 2048, -v2 4094)
+    max_genes: int | None = None  # None: the tokenizer's own length (coordination.tokens.LAYOUTS)
     n_bins: int = 51
     strategy: str = "block"
     block_size: int = 64
@@ -112,8 +114,6 @@ class CampaignConfig:
             trainable = ", ".join(n for n, spec in LAYOUTS.items() if spec.objective)
             raise CellfeedError(f"--tokenizer {self.tokenizer}: the trainer learns from {trainable} tokens; raw values "
                                 "are for feeding other models (producers.producer.produce)")
-        if self.strategy not in STRATEGIES:
-            raise CellfeedError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if self.preset not in PRESETS:
             raise CellfeedError(f"unknown model preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         for name in ("producers", "gpus", "batch_size", "grad_accum", "checkpoint_every", "block_size", "fetch_factor",
@@ -141,9 +141,11 @@ class CampaignConfig:
             raise CellfeedError(f"unknown campaign settings: {', '.join(unknown)}")
         return cls(**flags).validate()
 
-    def backend_spec(self, kind: str, **where) -> dict:
+    def backend_spec(self, kind: str, **where):
         """How processes reach this run's queue and map (`coordination.backends.connect`)."""
-        return {"kind": kind, "run": self.run, "latency_ms": self.rpc_latency_ms, **where}
+        from coordination.backends import BackendSpec
+
+        return BackendSpec(kind=kind, run=self.run, latency_ms=self.rpc_latency_ms, **where)
 
     @property
     def run_checkpoint_dir(self) -> str:
@@ -169,20 +171,20 @@ class CampaignConfig:
                               label_column=self.label_column, subset_filter=self.subset_filter,
                               exclude_filter=self.eval_filter, idle_timeout_s=idle_timeout_s)
 
-    def train_config(self, backend: dict, facts: dict, **changes):
-        """The trainer's config; `facts` come from the setup step (`app.campaign.prepare`)."""
+    def train_config(self, backend, facts, **changes):
+        """The trainer's config; `facts` (`app.campaign.SetupFacts`) come from the setup step."""
         from trainer.train import TrainConfig
 
         spec = layout(self.tokenizer)
-        base = dict(run=self.run, backend=backend, vocab_size=facts["vocab_size"], preset=self.preset,
+        base = dict(run=self.run, backend=backend, vocab_size=facts.vocab_size, preset=self.preset,
                     objective=spec.objective, n_bins=self.n_bins,
                     batch_size=self.batch_size, grad_accum=self.grad_accum, lr=self.lr, warmup_steps=self.warmup_steps,
-                    max_steps=facts["total_steps"], epochs=facts["epochs"], seed=self.seed, compile=self.compile,
+                    max_steps=facts.total_steps, epochs=facts.epochs, seed=self.seed, compile=self.compile,
                     pad_to=spec.sequence_length(self.genes_per_cell),
                     checkpoint_dir=self.run_checkpoint_dir, checkpoint_every=self.checkpoint_every,
                     keep_checkpoints=self.keep_checkpoints,
-                    resume=self.resume, eval_every=self.eval_every if facts["held_out_cells"] else None,
-                    eval_cells=facts["held_out_cells"])
+                    resume=self.resume, eval_every=self.eval_every if facts.held_out_cells else None,
+                    eval_cells=facts.held_out_cells)
         return TrainConfig(**{**base, **changes})
 
 

@@ -110,16 +110,16 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
     workdir = Path(workdir) / cfg.run
     workdir.mkdir(parents=True, exist_ok=True)
     server = ServerProcess()
-    backend = {"kind": "local", "address": server.address, "latency_ms": cfg.rpc_latency_ms}
+    backend = cfg.backend_spec("local", address=server.address)
     queue, store = connect(backend)
     fleet, ranks = None, []
     try:
         facts = prepare(cfg, queue, store)
-        total_steps = facts["total_steps"]
-        print(f"campaign {cfg.run}: {facts['cells_per_epoch']:,} cells/epoch in {plural(facts['units_per_epoch'], 'unit')}, "
+        total_steps = facts.total_steps
+        print(f"campaign {cfg.run}: {facts.cells_per_epoch:,} cells/epoch in {plural(facts.units_per_epoch, 'unit')}, "
               f"{plural(cfg.producers, 'producer')}, {plural(cfg.gpus, 'rank')} (gloo, CPU), "
-              f"{plural(total_steps, 'step')} of {cfg.batch_size} cells per rank over {plural(facts['epochs'], 'epoch')}"
-              + (f", {facts['held_out_cells']:,} held-out cells" if facts["held_out_cells"] else ""), flush=True)
+              f"{plural(total_steps, 'step')} of {cfg.batch_size} cells per rank over {plural(facts.epochs, 'epoch')}"
+              + (f", {facts.held_out_cells:,} held-out cells" if facts.held_out_cells else ""), flush=True)
         config_path = workdir / "campaign.json"
         config_path.write_text(json.dumps(asdict(cfg)))
         fleet = ProducerFleet(config_path, server.address, cfg.producers, workdir)
@@ -142,7 +142,7 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
             due = time.monotonic() - printed >= STATUS_EVERY_S
             if due and not quiet and not (row and row["step"] >= total_steps):  # rank 0 prints the final table
                 print(status_line(cfg, queue, store, log, started, total_steps, fleet.names, fleet.procs,
-                                  facts["units_total"]), flush=True)
+                                  facts.units_total), flush=True)
                 printed = time.monotonic()
             time.sleep(CHECK_EVERY_S)
         codes = wait_all(ranks, timeout=60)
@@ -268,7 +268,7 @@ def _produce_main(config_path: str, address: str, name: str) -> None:
     from producers.producer import Producer
 
     cfg = CampaignConfig(**json.loads(Path(config_path).read_text()))
-    queue, store = connect({"kind": "local", "address": address, "latency_ms": cfg.rpc_latency_ms})
+    queue, store = connect(cfg.backend_spec("local", address=address))
     try:
         Producer(cfg.producer_config(), queue, store, name=name).run()
     except CellfeedError as exc:  # one line; bad data or settings exit with a code that says "do not retry"

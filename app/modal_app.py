@@ -79,7 +79,7 @@ def setup_body(config: dict) -> dict:
     from coordination.backends import connect
 
     cfg = CampaignConfig(**config).validate()
-    return prepare(cfg, *connect(cfg.backend_spec("modal")))
+    return asdict(prepare(cfg, *connect(cfg.backend_spec("modal"))))  # a dict: it crosses to the laptop
 
 
 def produce_body(config: dict, name: str) -> dict:
@@ -101,7 +101,7 @@ def produce_body(config: dict, name: str) -> dict:
             "seconds": dict(stats.seconds)}
 
 
-def train_body(config: dict, facts: dict) -> dict:
+def train_body(config: dict, facts: dict) -> dict:  # facts: app.campaign.SetupFacts as a dict
     """The GPU container's launcher (see the module's docstring for how a call ends)."""
     import tempfile
     from pathlib import Path
@@ -110,8 +110,10 @@ def train_body(config: dict, facts: dict) -> dict:
     from trainer import checkpoint
     from trainer.launch import checkpoint_and_stop, launch
 
+    from app.campaign import SetupFacts
+
     started = time.monotonic()
-    cfg = CampaignConfig(**config).validate()
+    cfg, facts = CampaignConfig(**config).validate(), SetupFacts.of(facts)
     cfg.checkpoint_dir = CHECKPOINTS
     queue, store = connect(cfg.backend_spec("modal"))
     ensure_setup(cfg, config, facts, queue, store)
@@ -139,7 +141,7 @@ def train_body(config: dict, facts: dict) -> dict:
     checkpoints.commit()
     summary = json.loads((workdir / "summary.rank0").read_text())
     if not summary["complete"]:  # this call's time is up: a new call continues from the checkpoint
-        after = train.with_options(gpu=f"H100:{cfg.gpus}").spawn(config, facts)
+        after = train.with_options(gpu=f"H100:{cfg.gpus}").spawn(config, asdict(facts))
         print(f"train ran {cfg.attempt_hours:g} h: a new call {after.object_id} continues from the checkpoint",
               flush=True)
         return {**summary, "continued_as": after.object_id}
@@ -160,17 +162,17 @@ def interrupt_held():
             raise KeyboardInterrupt
 
 
-def ensure_setup(cfg: CampaignConfig, config: dict, facts: dict, queue, store) -> None:
+def ensure_setup(cfg: CampaignConfig, config: dict, facts, queue, store) -> None:
     """The setup's work is still there: every epoch's plan (a Dict entry expires after 7 days
     unused: looking at it is a use) and the held-out set (a queue partition is cleared 24 h after
     its last put; a preempted rank 0 may have taken it). Else `setup` runs again."""
     from coordination.routing import EVAL_PARTITION, summary_key
 
-    missing = [e for e in range(facts["epochs"]) if summary_key(cfg.run, e) not in store]
-    held_out = queue.len(partition=EVAL_PARTITION) if facts["held_out_items"] else 0
-    if missing or held_out != facts["held_out_items"]:
+    missing = [e for e in range(facts.epochs) if summary_key(cfg.run, e) not in store]
+    held_out = queue.len(partition=EVAL_PARTITION) if facts.held_out_items else 0
+    if missing or held_out != facts.held_out_items:
         print(f"the run's setup is incomplete ({len(missing)} epoch plans missing, held-out items "
-              f"{held_out} of {facts['held_out_items']}): running setup again", flush=True)
+              f"{held_out} of {facts.held_out_items}): running setup again", flush=True)
         setup.remote(config)
 
 
@@ -264,14 +266,14 @@ def call_state(call) -> tuple[str, BaseException | None]:
     return "ended", None
 
 
-def end_campaign(cfg: CampaignConfig, fleet: Fleet, facts: dict, store) -> None:
+def end_campaign(cfg: CampaignConfig, fleet: Fleet, facts, store) -> None:
     """Only at the campaign's real end: stop the producers, delete the run's queue and dicts."""
     from coordination.modal_backend import delete_run_backends
     from coordination.routing import stop_key
 
     store.put(stop_key(cfg.run), "stop")
     fleet.stop(STOP_GRACE_S)
-    delete_run_backends(cfg.run, facts["epochs"])
+    delete_run_backends(cfg.run, facts.epochs)
 
 
 # ---- the functions
@@ -306,7 +308,7 @@ def main(**flags) -> dict:
         raise CellfeedError(f"--gpus {cfg.gpus}: a Modal container has at most {MAX_GPUS} GPUs")
     config = asdict(cfg)
     print(f"campaign {cfg.run}: {cfg.producers} producers -> {cfg.gpus} x H100, dataset {cfg.dataset}", flush=True)
-    facts = setup.remote(config)
+    facts = setup.remote(config)  # app.campaign.SetupFacts, as a dict
     print(f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units, "
           f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s)", flush=True)
     summary = train.with_options(gpu=f"H100:{cfg.gpus}").remote(config, facts)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from app.campaign import prepare  # noqa: E402
 from app.config import CampaignConfig  # noqa: E402
 from app.local import start_producers, stop_campaign  # noqa: E402
-from coordination.backends import connect  # noqa: E402
+from coordination.backends import BackendSpec, connect  # noqa: E402
 from coordination.driver import Driver  # noqa: E402
 from coordination.local_backend import ServerProcess  # noqa: E402
 from coordination.routing import rank_partition  # noqa: E402
@@ -39,7 +39,7 @@ def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> 
     cfg = CampaignConfig(dataset=dataset, run=f"scaling-{n_producers}", producers=n_producers, gpus=1,
                          batch_size=batch, max_genes=1024, preset="tiny", rpc_latency_ms=latency_ms).validate()
     server = ServerProcess()
-    queue, store = connect({"kind": "local", "address": server.address, "latency_ms": latency_ms})
+    queue, store = connect(BackendSpec("local", address=server.address, latency_ms=latency_ms))
     procs = []
     depth: list[tuple[float, int]] = []
     try:
@@ -53,7 +53,7 @@ def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> 
         done = threading.Event()
 
         def sample():
-            q, _ = connect({"kind": "local", "address": server.address})
+            q, _ = connect(BackendSpec("local", address=server.address))
             while not done.is_set():
                 depth.append((time.monotonic() - start, q.len(partition=rank_partition(0))))
                 time.sleep(0.25)
@@ -62,7 +62,7 @@ def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> 
         stream = ConsumerStream(queue, rank=0, world_size=1, run=cfg.run, batch_size=batch, pad_to=1025,
                                 no_data_timeout_s=300)
         cells, arrivals = 0, []
-        for b in stream.epoch(0, [facts["cells_per_epoch"]]):  # the no-op trainer
+        for b in stream.epoch(0, [facts.cells_per_epoch]):  # the no-op trainer
             cells += b.size
             arrivals.append((time.monotonic(), cells))
         end = time.monotonic()

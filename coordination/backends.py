@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from coordination.errors import CellfeedError
 
 
-def connect(spec: dict):
-    """(queue, map) for {"kind": "local", "address": "host:port"} or {"kind": "modal", "run": id}.
-    A spec with "latency_ms" > 0 costs every call that long (± 40%) more: Modal's round trips on
-    one machine, or on the Modal emulator."""
+@dataclass(frozen=True)
+class BackendSpec:
+    """Where a run's queue and map are: `local` (the queue server at `address`) or `modal`
+    (`cellfeed-<run>`); `memory` names the in-process shim (tests pass the objects themselves).
+    Every call costs `latency_ms` (± 40%) more: Modal's round trips on one machine, or on the
+    Modal emulator. Crosses process and Modal boundaries as a dict (`dataclasses.asdict`)."""
+
+    kind: str
+    run: str = ""
+    address: str = ""
+    latency_ms: float = 0.0
+    environment: str | None = None
+
+    @classmethod
+    def of(cls, spec: "BackendSpec | dict") -> "BackendSpec":
+        return spec if isinstance(spec, cls) else cls(**spec)
+
+
+def connect(spec: BackendSpec | dict):
+    """(queue, map) of a `BackendSpec` (or its dict)."""
     from coordination.latency import remote
 
-    kind = spec.get("kind")
-    if kind == "local":
+    spec = BackendSpec.of(spec)
+    if spec.kind == "local":
         from coordination.local_backend import LocalMap, LocalQueue
 
-        return remote(LocalQueue(spec["address"]), LocalMap(spec["address"]), spec.get("latency_ms", 0.0))
-    if kind == "modal":
+        return remote(LocalQueue(spec.address), LocalMap(spec.address), spec.latency_ms)
+    if spec.kind == "modal":
         from coordination.modal_backend import run_backends
 
-        return remote(*run_backends(spec["run"], spec.get("environment")), spec.get("latency_ms", 0.0))
-    raise CellfeedError(f"unknown backend {kind!r}: use 'local' or 'modal' (the memory backend lives in one process)")
+        return remote(*run_backends(spec.run, spec.environment), spec.latency_ms)
+    raise CellfeedError(f"unknown backend {spec.kind!r}: use 'local' or 'modal' (the memory backend lives in one process)")

@@ -26,7 +26,7 @@ import numpy as np
 
 from coordination.errors import CellfeedError
 from coordination.queues import Map
-from coordination.routing import summary_key
+from coordination.routing import cell_rank, summary_key, unit_rank
 from coordination.seeds import plan_key
 
 STRATEGIES = ("sequential", "mixture", "block", "random")
@@ -384,9 +384,9 @@ class EpochPlan:
 
     def cells_per_rank(self, world_size: int) -> np.ndarray:
         """Cells each rank receives: unit u's cells go to u mod W, a stitched cell c to c mod W."""
-        units = np.bincount(np.arange(self.n_units) % world_size, weights=self.unit_cell_counts,
+        units = np.bincount(unit_rank(np.arange(self.n_units), world_size), weights=self.unit_cell_counts,
                             minlength=world_size)
-        stitched = np.bincount(self.boundary_cells % world_size, minlength=world_size)
+        stitched = np.bincount(cell_rank(self.boundary_cells, world_size), minlength=world_size)
         return (units + stitched).astype(np.int64)
 
     def cell_hash_per_rank(self, world_size: int) -> list[int]:
@@ -399,17 +399,17 @@ class EpochPlan:
             slot = np.empty(self.n_blocks, dtype=np.int64)
             slot[self.block_order] = blocks  # where each block sits in the shuffled order
             sums = self._position_sums(blocks * bs, np.minimum((blocks + 1) * bs, n))
-            ranks = slot // self.blocks_per_unit % world_size
+            ranks = unit_rank(slot // self.blocks_per_unit, world_size)
             add, take = [], []  # no pieces: every block cell is whole
         else:
             chunks = np.array(self._chunks, dtype=np.int64).reshape(-1, 3)
             sums = self._position_sums(chunks[:, 1], chunks[:, 2])
-            ranks = self._chunk_unit % world_size
+            ranks = unit_rank(self._chunk_unit, world_size)
             pieces = np.repeat(self._straddlers, self._straddler_span)
             owned = self._straddler_owner >= 0
-            take = [(pieces, self._piece_unit % world_size)]  # a chunk counts each piece's cell once: not whole there
-            add = [(self._straddlers[owned], self._straddler_owner[owned] % world_size),
-                   (self.boundary_cells, self.boundary_cells % world_size)]  # whole in one unit / stitched
+            take = [(pieces, unit_rank(self._piece_unit, world_size))]  # a chunk counts a piece's cell once: not whole
+            add = [(self._straddlers[owned], unit_rank(self._straddler_owner[owned], world_size)),
+                   (self.boundary_cells, cell_rank(self.boundary_cells, world_size))]  # whole in one unit / stitched
         out = np.zeros(world_size, dtype=np.uint64)
         with np.errstate(over="ignore"):
             for r in range(world_size):
@@ -443,6 +443,12 @@ def steps_per_epoch(cells_per_rank: list[int], batch_size: int) -> int:
     """Batches every rank takes: the same number on all ranks (the largest rank's), so DDP
     agrees on the step count with no communication."""
     return -(-max(cells_per_rank) // batch_size)
+
+
+def optimizer_steps(summaries: list, batch_size: int, grad_accum: int = 1) -> int:
+    """Optimizer steps in these epochs (each epoch's batches, `grad_accum` to a step): the one
+    count the setup, the trainer and the status line use."""
+    return sum(s.steps(batch_size) // grad_accum for s in summaries)
 
 
 @dataclass

@@ -31,7 +31,9 @@ MAGIC = b"CFDI"
 VERSION = 1
 STITCHED, HAS_VALUES, HAS_LABELS = 1, 2, 4
 HEADER = struct.Struct("<4sHHQIQIIIIBBxxII")
-DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 3: np.dtype(np.uint32), 4: np.dtype(np.float32)}
+# dtype codes in item headers and stitching pieces (one numbering for every byte format cellfeed writes)
+DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 3: np.dtype(np.uint32), 4: np.dtype(np.float32),
+          5: np.dtype(np.int32)}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 _SEQ_OFFSET = 28  # seq and item count: the only header fields filled in after packing
 ZSTD_LEVEL = 3

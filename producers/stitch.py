@@ -18,10 +18,9 @@ import numpy as np
 
 from coordination.errors import CellfeedError
 from coordination.queues import Map
+from coordination.wire import DTYPE_CODES, DTYPES
 
-_PIECE = struct.Struct("<4sBBxxI")  # magic, gene dtype code, value dtype code, n rows
-_CODES = {1: np.dtype(np.uint16), 2: np.dtype(np.int32), 3: np.dtype(np.float32), 4: np.dtype(np.uint32)}
-_CODE_OF = {v: k for k, v in _CODES.items()}
+_PIECE = struct.Struct("<4sBBxxI")  # magic, gene dtype code, value dtype code (coordination.wire's), n rows
 
 
 def piece_key(cell: int, index: int) -> str:
@@ -34,15 +33,15 @@ def arrival_key(cell: int, slot: int) -> str:
 
 def encode_piece(genes: np.ndarray, values: np.ndarray) -> bytes:
     genes, values = np.ascontiguousarray(genes), np.ascontiguousarray(values)
-    return _PIECE.pack(b"CFDP", _CODE_OF[genes.dtype], _CODE_OF[values.dtype], len(genes)) \
+    return _PIECE.pack(b"CFDP", DTYPE_CODES[genes.dtype], DTYPE_CODES[values.dtype], len(genes)) \
         + genes.tobytes() + values.tobytes()
 
 
 def decode_piece(data: bytes) -> tuple[np.ndarray, np.ndarray]:
     magic, gcode, vcode, n = _PIECE.unpack_from(data)
-    if magic != b"CFDP" or gcode not in _CODES or vcode not in _CODES:
+    if magic != b"CFDP" or gcode not in DTYPES or vcode not in DTYPES:
         raise CellfeedError("corrupt boundary piece in the map")
-    g, v = _CODES[gcode], _CODES[vcode]
+    g, v = DTYPES[gcode], DTYPES[vcode]
     body = memoryview(data)[_PIECE.size:]
     if len(body) != n * (g.itemsize + v.itemsize):
         raise CellfeedError("truncated boundary piece in the map")

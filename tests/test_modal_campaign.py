@@ -150,6 +150,7 @@ def test_an_expired_setup_is_done_again(atlas, tmp_path):
     unused: a train call that finds the held-out set or a plan gone runs `setup` again."""
     from dataclasses import asdict
 
+    from app.campaign import SetupFacts
     from app.config import CampaignConfig
     from coordination.backends import connect
     from coordination.routing import EVAL_PARTITION, summary_key
@@ -161,15 +162,15 @@ def test_an_expired_setup_is_done_again(atlas, tmp_path):
             cfg = CampaignConfig(dataset=atlas.uri, run="expiry", gpus=2, epochs=2, eval_filter="plate = 'plate14'",
                                  eval_cells=64, max_genes=32).validate()
             config = asdict(cfg)
-            facts = m.setup.remote(config)
+            facts = SetupFacts(**m.setup.remote(config))
             queue, store = connect(cfg.backend_spec("modal"))
-            assert queue.len(partition=EVAL_PARTITION) == facts["held_out_items"] > 0
+            assert queue.len(partition=EVAL_PARTITION) == facts.held_out_items > 0
             m.ensure_setup(cfg, config, facts, queue, store)
             assert len(world.calls("setup")) == 1  # all there: nothing to do
             world.advance(25 * 3600)
             assert queue.len(partition=EVAL_PARTITION) == 0  # the held-out partition's day is over
             m.ensure_setup(cfg, config, facts, queue, store)
-            assert len(world.calls("setup")) == 2 and queue.len(partition=EVAL_PARTITION) == facts["held_out_items"]
+            assert len(world.calls("setup")) == 2 and queue.len(partition=EVAL_PARTITION) == facts.held_out_items
             world.advance(8 * 24 * 3600)
             assert summary_key(cfg.run, 1) not in store  # a week unused
             m.ensure_setup(cfg, config, facts, queue, store)

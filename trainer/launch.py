@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import asdict
@@ -12,14 +13,6 @@ from pathlib import Path
 
 from trainer.train import STOP_SIGNAL, TrainConfig
 from coordination.net import free_port
-
-
-def _hold_stop_signal() -> None:
-    """(in the child, before exec) Hold STOP_SIGNAL until the rank can act on it: a stop asked
-    while it still imports torch waits for its handler, instead of killing it."""
-    import signal
-
-    signal.pthread_sigmask(signal.SIG_BLOCK, {STOP_SIGNAL})
 
 
 def launch(cfg: TrainConfig, world_size: int, workdir: str | os.PathLike, summary_path: str | None = None,
@@ -41,8 +34,15 @@ def launch(cfg: TrainConfig, world_size: int, workdir: str | os.PathLike, summar
         out = open(workdir / f"rank{rank}.log", "w") if (log_ranks and rank > 0) else None
         # in a session of their own: a terminal's Ctrl-C reaches the launcher, which stops them (no orphans,
         # no tracebacks from every rank)
-        procs.append(subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                      start_new_session=True, preexec_fn=_hold_stop_signal))
+        # STOP_SIGNAL is held (blocked) in the child from its start until its handler is set: a stop
+        # asked while it still imports torch waits, instead of killing it (a child inherits the
+        # starting thread's signal mask; no preexec_fn, which would fork a process holding Lance)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {STOP_SIGNAL})
+        try:
+            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                          start_new_session=True))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
     return procs
 
 

@@ -16,15 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from coordination.presets import preset_shape
 from coordination.tokens import GENE_OFFSET, MASK
 
-PRESETS = {
-    # name: d_model, n_layers, n_heads, d_ff     (scgpt: the published 51M-parameter shape)
-    "tiny": dict(d_model=64, n_layers=2, n_heads=4, d_ff=128),
-    "scgpt": dict(d_model=512, n_layers=12, n_heads=8, d_ff=512),
-    "base": dict(d_model=768, n_layers=12, n_heads=12, d_ff=3072),
-    "large": dict(d_model=1024, n_layers=24, n_heads=16, d_ff=4096),
-}
 
 
 @dataclass(frozen=True)
@@ -40,9 +34,7 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str, vocab_size: int, n_bins: int = 51, objective: str = "bins") -> "ModelConfig":
-        if name not in PRESETS:
-            raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
-        return cls(vocab_size=vocab_size, n_bins=n_bins, objective=objective, **PRESETS[name])
+        return cls(vocab_size=vocab_size, n_bins=n_bins, objective=objective, **preset_shape(name))
 
 
 class Block(nn.Module):

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from coordination.backends import connect
+from coordination.backends import BackendSpec, connect
 from coordination.driver import Driver
 from coordination.errors import CellfeedError
-from coordination.plan import load_summary
+from coordination.plan import load_summary, optimizer_steps
 from coordination.routing import run_tag
 from coordination.seeds import mask_seed
 from coordination.wire import unpack_item
@@ -41,7 +41,7 @@ from trainer.stream import ConsumerStream
 @dataclass
 class TrainConfig:
     run: str
-    backend: dict  # {"kind": "local", "address": ...} or {"kind": "modal", "run": ...}
+    backend: BackendSpec  # where the run's queue and map are (a dict when read from JSON)
     vocab_size: int  # n_genes + 4
     preset: str = "tiny"
     objective: str = "bins"
@@ -68,6 +68,9 @@ class TrainConfig:
     eval_every: int | None = None  # masked-bin accuracy on the held-out set every N steps (rank 0)
     eval_cells: int = 0  # how many held-out cells the setup put in the "eval" partition
     progress_bar: bool = True
+
+    def __post_init__(self):
+        self.backend = BackendSpec.of(self.backend)
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -109,7 +112,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     step_model = torch.compile(ddp) if cfg.compile else ddp
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     summaries = {0: load_summary(store, cfg.run, 0)}
-    total_steps = cfg.max_steps or cfg.epochs * summaries[0].steps(cfg.batch_size) // cfg.grad_accum
+    total_steps = cfg.max_steps or optimizer_steps(
+        [summaries[0]] + [load_summary(store, cfg.run, e) for e in range(1, cfg.epochs)], cfg.batch_size, cfg.grad_accum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps))
 
     step, epoch, progress, done_before = 0, 0, checkpoint.RankProgress(), [0] * world

@@ -43,10 +43,13 @@ class ModalEmulator:
         path = os.pathsep.join([str(BOOT), str(ROOT), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         container_env = {**base, **(env or {}), "PYTHONPATH": path, "HOME": str(self.root),
                          "CELLFEED_CHECKPOINT_MOUNT": str(self.volume_dir)}
+        env_file = self.root / "container-env.json"  # a file, not argv: `ps` shows argv (secrets may be in env)
+        env_file.touch(mode=0o600)
+        env_file.write_text(json.dumps(container_env))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cellfeed_testing.modal_emulator.server", "--root", str(self.root),
              "--clock-speed", str(clock_speed), "--grace-s", str(grace_s), "--retry-delay-s", str(retry_delay_s),
-             "--env", json.dumps(container_env)],
+             "--env-file", str(env_file)],
             cwd=str(ROOT), env={**base, "PYTHONPATH": path}, stdout=subprocess.PIPE, text=True, start_new_session=True)
         line = self.proc.stdout.readline().strip()
         if not line.startswith("listening "):

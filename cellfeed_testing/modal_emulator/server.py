@@ -504,9 +504,10 @@ def main() -> None:
     parser.add_argument("--clock-speed", type=float, default=1.0)
     parser.add_argument("--grace-s", type=float, default=30.0)
     parser.add_argument("--retry-delay-s", type=float, default=1.0)
-    parser.add_argument("--env", required=True, help="JSON: the environment of function containers")
+    parser.add_argument("--env-file", required=True, help="JSON: the environment of function containers")
     args = parser.parse_args()
-    world = Emulated(Path(args.root), Clock(args.clock_speed), args.grace_s, args.retry_delay_s, json.loads(args.env))
+    env = json.loads(Path(args.env_file).read_text())
+    world = Emulated(Path(args.root), Clock(args.clock_speed), args.grace_s, args.retry_delay_s, env)
     server = Server(world)
     host, port = server.server_address[:2]
     world.env["MODAL_EMULATOR"] = f"{host}:{port}"
