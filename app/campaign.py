@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordination.plan import PlanSummary, optimizer_steps, publish_summary
+from coordination.summary import PlanSummary, optimizer_steps, publish_summary
 from coordination.routing import EVAL_PARTITION, stop_key
 from coordination.errors import CellfeedError
 from coordination.tokens import vocab_size

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from coordination.errors import CellfeedError
-from coordination.plan import PlanSummary, load_summary
+from coordination.summary import PlanSummary, load_summary
 from coordination.queues import Full, Map, Queue
 from coordination.routing import (EVENTS_PARTITION, TASKS_PARTITION, decode_event, encode_task, epoch_map_name,
                                   producers_key)

@@ -18,81 +18,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
 import numpy as np
 
+from coordination.audit import cell_hashes
 from coordination.errors import CellfeedError
-from coordination.queues import Map
-from coordination.routing import cell_rank, summary_key, unit_rank
+from coordination.feistel import FeistelPermutation
+from coordination.routing import cell_rank, unit_rank
 from coordination.seeds import plan_key
 
 STRATEGIES = ("sequential", "mixture", "block", "random")
-FEISTEL_ROUNDS = 6
-
-
-# ------------------------------------------------------------------------------ Feistel permutation
-
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a fast, well-mixing 64-bit hash (wrapping arithmetic)."""
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
-
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 HASH_CHUNK = 1 << 23  # positions hashed at a time when a plan computes its expected hashes
-
-
-def cell_hashes(cells) -> np.ndarray:
-    """Each cell id's 64-bit hash (splitmix64 of id + 1: no id hashes to 0)."""
-    with np.errstate(over="ignore"):
-        return _mix64((np.asarray(cells, dtype=np.int64).astype(np.uint64) + np.uint64(1)) * _GOLDEN)
-
-
-def cells_hash(cells) -> int:
-    """An order-independent hash of a multiset of cell ids: the sum of their hashes mod 2**64.
-    A rank's trained cells hash to the plan's value exactly when (but for a 2**-64 chance) they
-    are the planned cells, each once: a lost and a duplicated cell do not cancel."""
-    return int(cell_hashes(cells).sum(dtype=np.uint64))
-
-
-class FeistelPermutation:
-    """A pseudo-random bijection of range(n) in O(1) memory: a balanced Feistel network on the
-    smallest even bit width covering n, with cycle walking to stay inside [0, n)."""
-
-    def __init__(self, n: int, key: int, rounds: int = FEISTEL_ROUNDS):
-        if n < 1:
-            raise ValueError("a permutation needs n >= 1")
-        self.n = n
-        self.half = max(1, ((n - 1).bit_length() + 1) // 2)
-        self.mask = np.uint64((1 << self.half) - 1)
-        seq = np.random.SeedSequence(key & ((1 << 64) - 1))
-        self.round_keys = [np.uint64(k) for k in seq.generate_state(rounds, dtype=np.uint64)]
-
-    def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        h = np.uint64(self.half)
-        left, right = x >> h, x & self.mask
-        with np.errstate(over="ignore"):
-            for k in self.round_keys:
-                left, right = right, left ^ (_mix64(right ^ k) & self.mask)
-        return (left << h) | right
-
-    def __call__(self, index) -> np.ndarray:
-        x = np.atleast_1d(np.asarray(index, dtype=np.uint64))
-        if x.size and int(x.max()) >= self.n:
-            raise IndexError("index out of range")
-        y = self._encrypt(x)
-        outside = y >= np.uint64(self.n)
-        while outside.any():  # cycle walking: the orbit of an in-range x returns in range
-            y[outside] = self._encrypt(y[outside])
-            outside = y >= np.uint64(self.n)
-        return y.astype(np.int64)
 
 
 # --------------------------------------------------------------------------------------- inputs
@@ -436,75 +374,5 @@ class EpochPlan:
             return prefix[np.searchsorted(points, stops)] - prefix[np.searchsorted(points, starts)]
 
 
-# ------------------------------------------------------------------ the plan contract (both halves)
-
-
-def steps_per_epoch(cells_per_rank: list[int], batch_size: int) -> int:
-    """Batches every rank takes: the same number on all ranks (the largest rank's), so DDP
-    agrees on the step count with no communication."""
-    return -(-max(cells_per_rank) // batch_size)
-
-
-def optimizer_steps(summaries: list, batch_size: int, grad_accum: int = 1) -> int:
-    """Optimizer steps in these epochs (each epoch's batches, `grad_accum` to a step): the one
-    count the setup, the trainer and the status line use."""
-    return sum(s.steps(batch_size) // grad_accum for s in summaries)
-
-
-@dataclass
-class PlanSummary:
-    """What consumers and the driver need of an epoch plan (JSON, well under 1 MiB for Tahoe)."""
-
-    epoch: int
-    plan_id: str
-    n_units: int
-    n_cells: int
-    world_size: int
-    cells_per_rank: list[int]
-    boundary_cells: list[int] = field(default_factory=list)
-    boundary_piece_counts: list[int] = field(default_factory=list)
-    cell_hash_per_rank: list[int] = field(default_factory=list)  # `cells_hash` per rank; empty: not audited
-    boundary_piece_units: list[int] = field(default_factory=list)  # the unit of each boundary piece, cell by cell
-
-    @classmethod
-    def of(cls, plan, world_size: int) -> "PlanSummary":
-        return cls(plan.epoch, plan.plan_id, plan.n_units, plan.n_cells, world_size,
-                   plan.cells_per_rank(world_size).tolist(), plan.boundary_cells.tolist(),
-                   plan.boundary_piece_counts.tolist(), plan.cell_hash_per_rank(world_size),
-                   plan.boundary_piece_units.tolist())
-
-    def units_to_skip(self, done_units: set[int], trained_boundary_cells: set[int]) -> set[int]:
-        """On resume: the units that need not be produced again -- those whose items were all
-        trained on, less any holding a piece of a boundary cell not trained yet (stitching it
-        needs every piece offered again)."""
-        needed, at = set(), 0
-        for cell, count in zip(self.boundary_cells, self.boundary_piece_counts):
-            if cell not in trained_boundary_cells:
-                needed.update(self.boundary_piece_units[at:at + count])
-            at += count
-        return set(done_units) - needed
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "PlanSummary":
-        return cls(**json.loads(data))
-
-    def steps(self, batch_size: int) -> int:
-        return steps_per_epoch(self.cells_per_rank, batch_size)
-
-
-def publish_summary(store: Map, run: str, summary: PlanSummary) -> None:
-    store.put(summary_key(run, summary.epoch), summary.to_bytes())
-
-
-def load_summary(store: Map, run: str, epoch: int, timeout_s: float = 60.0) -> PlanSummary:
-    """The epoch's summary, waiting up to `timeout_s` for the setup to publish it."""
-    deadline = time.monotonic() + timeout_s
-    while (data := store.get(summary_key(run, epoch))) is None:
-        if time.monotonic() > deadline:
-            raise CellfeedError(f"no plan published for epoch {epoch} of run {run!r} after {timeout_s:.0f}s: "
-                                "did the campaign's setup step run?")
-        time.sleep(0.1)
-    return PlanSummary.from_bytes(data)
+# callers that still import these from here (tests, benchmarks) until they move to coordination.summary
+from coordination.summary import PlanSummary, load_summary, publish_summary  # noqa: E402,F401

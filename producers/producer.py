@@ -26,7 +26,8 @@ import numpy as np
 
 from coordination.arrays import offsets_of, positions_in_ranges, ragged_arange
 from coordination.errors import CellfeedError
-from coordination.plan import DatasetGeometry, EpochPlan, PlanSummary, Sampling, WorkUnit
+from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit
+from coordination.summary import PlanSummary
 from coordination.queues import (MAX_PARTITION_BYTES, MAX_PARTITION_ITEMS, Empty, Full, Map, MapGone, Queue,
                                  RequestTooLarge, request_batches)
 from coordination.routing import (EVAL_PARTITION, EVENTS_PARTITION, TASKS_PARTITION, cell_rank, decode_task,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from coordination.driver import Driver
-from coordination.plan import PlanSummary, publish_summary
+from coordination.summary import PlanSummary, publish_summary
 from coordination.errors import CellfeedError
 from coordination.plan import Sampling
 from coordination.latency import with_latency

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordination.errors import CellfeedError
-from coordination.plan import DatasetGeometry, EpochPlan, FeistelPermutation, Sampling
+from coordination.feistel import FeistelPermutation
+from coordination.plan import DatasetGeometry, EpochPlan, Sampling
 
 PRIMES = [5, 7, 13, 97, 1009, 65_537, 999_983]
 
@@ -181,7 +182,7 @@ def test_expected_cell_hash_per_rank_equals_the_units_cells(strategy, subset, mo
     selection, streaming) equals the hash of the cells each rank's units and stitched cells
     actually hold; a lost or an extra cell changes it."""
     import coordination.plan as plan_module
-    from coordination.plan import cells_hash
+    from coordination.audit import cells_hash
 
     monkeypatch.setattr(plan_module, "HASH_CHUNK", 97)  # many streaming chunks
     geometry = synthetic_geometry(7, 3000, 900, empty_every=11)  # straddlers and empty cells

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from coordination.errors import CellfeedError
-from coordination.plan import cells_hash
+from coordination.audit import cells_hash
 
 
 def _key(k) -> tuple:
@@ -34,7 +34,7 @@ class RankProgress:
     trained: int = 0
     consumed: set = field(default_factory=set)  # item keys whose every cell was trained on
     partial: dict = field(default_factory=dict)  # item key -> cell ids trained so far
-    cells_hash: int | None = 0  # `coordination.plan.cells_hash` of the cells trained (None: unknown, not audited)
+    cells_hash: int | None = 0  # `coordination.audit.cells_hash` of the cells trained (None: unknown, not audited)
     unit_items: dict = field(default_factory=dict)  # unit -> how many items it has (seen complete ones)
     plan_id: str = ""  # the epoch's plan (a resume must find the same)
 

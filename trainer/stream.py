@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from coordination.plan import steps_per_epoch
+from coordination.summary import steps_per_epoch
 from coordination.errors import CellfeedError
 from coordination.queues import Empty, Queue
 from coordination.routing import rank_partition, run_tag

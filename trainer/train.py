@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from coordination.backends import BackendSpec, connect
 from coordination.driver import Driver
 from coordination.errors import CellfeedError
-from coordination.plan import load_summary, optimizer_steps
+from coordination.summary import load_summary, optimizer_steps
 from coordination.routing import run_tag
 from coordination.seeds import mask_seed
 from coordination.wire import unpack_item
@@ -288,7 +288,7 @@ def check_resume(saved: checkpoint.Checkpoint, cfg: TrainConfig, model, store) -
 
 def audit_epoch(epoch: int, progress: checkpoint.RankProgress, summary, world: int, device) -> dict:
     """The end-of-epoch exactly-once check, on every rank: each rank's trained-cell count and the
-    order-independent hash of their ids (`coordination.plan.cells_hash`, kept in checkpoints
+    order-independent hash of their ids (`coordination.audit.cells_hash`, kept in checkpoints
     across restarts) against the plan's. Raises, naming the rank, when cells were lost or
     duplicated; cheap at any scale (one all-gather of three numbers per rank)."""
     h = progress.cells_hash
