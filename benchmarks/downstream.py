@@ -54,8 +54,9 @@ def pipeline_epoch(ds, sampling: Sampling, *, seed: int = 0, batch_size: int = 6
         held_cells = filter_cells(ds, held_out_filter, "--eval-filter")
         producer.produce_held_out(held_cells)
         n_held = len(held_cells)
-        held = load_held_out(queue, TrainConfig(run=run, backend={}, vocab_size=vocab_size(ds.n_genes), batch_size=512,
-                                                eval_cells=n_held, no_data_timeout_s=120), torch.device("cpu"))
+        held = load_held_out(queue, TrainConfig(run=run, backend={"kind": "memory"}, vocab_size=vocab_size(ds.n_genes),
+                                                batch_size=512, eval_cells=n_held, no_data_timeout_s=120),
+                             torch.device("cpu"))
     driver = Driver(queue, store, run, poll_s=0.05)
     driver.start([0])
     worker = threading.Thread(target=producer.run, daemon=True)
