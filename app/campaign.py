@@ -10,7 +10,8 @@ from coordination.summary import PlanSummary, optimizer_steps, publish_summary
 from coordination.routing import EVAL_PARTITION, stop_key
 from coordination.errors import CellfeedError
 from coordination.tokens import vocab_size
-from producers.producer import Producer, filter_cells
+from producers.producer import Producer
+from producers.selection import filter_cells
 
 MAX_EPOCHS = 10_000  # a step budget needing more epochs than this is surely a mistake
 

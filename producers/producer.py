@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordination.arrays import offsets_of, positions_in_ranges, ragged_arange
+from coordination.arrays import offsets_of, positions_in_ranges
 from coordination.errors import CellfeedError
 from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit
 from coordination.summary import PlanSummary
@@ -34,11 +34,11 @@ from coordination.routing import (EVAL_PARTITION, EVENTS_PARTITION, TASKS_PARTIT
                                   encode_event, epoch_map_name, rank_partition, run_tag, stop_key, summary_key,
                                   unit_rank)
 from coordination.seeds import cell_rng, held_out_rng, unit_rng
-from coordination.wire import number_items, pack_cells
-from producers.dataset import Dataset, RowBlock, StorageUnavailable, error_text, open_dataset
+from producers.dataset import Dataset, RowBlock, StorageUnavailable, open_dataset
 from producers.storage import LocalLocation
 from producers.gene_stats import load_gene_medians
-from producers.ranking import CellRows
+from producers.items import cells_to_items
+from producers.selection import label_codes, select_cells
 from producers.stitch import offer_piece
 from producers.tokenizers import make_tokenizer, needs_gene_medians
 
@@ -48,7 +48,6 @@ HEARTBEAT_S = 3.0  # how often a producer says what it holds (the driver re-issu
 OUTBOX_JOBS = 16  # jobs (a unit's items, a done event) the courier may be behind the loop
 MAX_READ_AHEAD = 16  # units read ahead at most
 READ_AHEAD_BYTES = 512 << 20  # rows held by the units read ahead at most (a b=16 f=256 unit holds ~100 MB)
-CHUNK_CELLS = 256  # cells tokenized at once: their rows (~0.4M at 1,600 genes per cell) fit in cache
 
 
 class Stopped(Exception):
@@ -97,56 +96,12 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def select_cells(ds: Dataset, subset_filter: str | None = None, subset_ids=None, exclude_filter: str | None = None,
-                 *, option: str = "--subset-filter") -> np.ndarray | None:
-    """The selected cell ids (None = all cells): an obs filter and/or an id list, less the cells
-    that `exclude_filter` matches (a held-out split is never trained on). `option` names the
-    filter in errors."""
-    if subset_filter is None and subset_ids is None and exclude_filter is None:
-        return None
-    selected = np.arange(ds.n_cells, dtype=np.int64)
-    if subset_filter is not None:
-        selected = filter_cells(ds, subset_filter, option)
-    if subset_ids is not None:
-        ids = np.unique(np.asarray(subset_ids, dtype=np.int64))
-        if len(ids) and (ids[0] < 0 or ids[-1] >= ds.n_cells):
-            raise CellfeedError(f"subset ids must lie in 0..{ds.n_cells - 1}")
-        selected = np.intersect1d(selected, ids)
-    if exclude_filter is not None:
-        selected = np.setdiff1d(selected, filter_cells(ds, exclude_filter, "--eval-filter"), assume_unique=True)
-    if len(selected) == 0:
-        what = f"{option} {subset_filter!r}" if subset_filter is not None else "the cell subset"
-        extra = f" once the --eval-filter {exclude_filter!r} cells are held out" if exclude_filter is not None else ""
-        raise CellfeedError(f"{what} selects no cells{extra}; check the filter (`cellfeed inspect DATASET` lists "
-                            "the obs columns and their values)")
-    return selected
-
-
 def check_fits_partition(n_cells: int, n_items: int, n_bytes: int) -> None:
     """A held-out set is read whole from one queue partition: refuse one that cannot fit."""
     if n_items > MAX_PARTITION_ITEMS or n_bytes > MAX_PARTITION_BYTES:
         raise CellfeedError(f"the held-out set ({n_cells:,} cells: {n_items:,} items, {n_bytes / 2**20:,.1f} MiB) does not "
                             f"fit one queue partition ({MAX_PARTITION_ITEMS:,} items, {MAX_PARTITION_BYTES >> 20} MiB): "
                             "lower --eval-cells")
-
-
-def filter_cells(ds: Dataset, expression: str, option: str) -> np.ndarray:
-    """Sorted ids of the cells whose obs match a Lance SQL filter; `option` names it in errors."""
-    try:
-        table = ds.cells.to_table(columns=["cell_integer_id"], filter=expression)
-    except Exception as exc:  # noqa: BLE001 - Lance reports filter syntax/column errors
-        text = error_text(exc)
-        hint = "" if "Valid fields" in text else f" (obs columns: {', '.join(ds.obs_columns)})"
-        raise CellfeedError(f"bad {option} {expression!r}: {text}{hint}") from None
-    return np.sort(table.column(0).to_numpy().astype(np.int64))
-
-
-def label_codes(ds: Dataset, column: str) -> tuple[np.ndarray, list[str]]:
-    """Per-cell int32 codes of an obs column, and the label names they index."""
-    import pyarrow.compute as pc
-
-    encoded = pc.dictionary_encode(ds.obs([column]).column(0)).combine_chunks()
-    return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int32), encoded.dictionary.to_pylist()
 
 
 @dataclass
@@ -357,36 +312,13 @@ class Producer:
 
     def _tokenize_and_pack(self, cells: np.ndarray, first: np.ndarray, counts: np.ndarray, block: RowBlock,
                            epoch: int, key_id: int, rng: np.random.Generator, stitched: bool = False) -> list[bytes]:
-        """Items of `cells` (in this order; cell i's rows are block[first[i]:first[i] + counts[i]]).
-
-        Worked in chunks of a few hundred cells, on `threads` threads: a chunk's rows fit in cache
-        (one sort of a whole unit's rows is several times slower per row), and NumPy, the sort
-        and zstd release the GIL. Chunks hold whole items, so the items are the same as if the
-        unit were packed at once; each chunk draws from its own child of the unit's generator."""
-        cfg = self.config
-        size = cfg.cells_per_item * max(1, CHUNK_CELLS // cfg.cells_per_item)
-        bounds = list(range(0, len(cells), size))
-        rngs = rng.spawn(len(bounds))
-
-        def chunk(i: int) -> tuple[list[bytearray], float, float]:
-            t0 = time.perf_counter()
-            sel = slice(bounds[i], bounds[i] + size)
-            at = ragged_arange(first[sel], first[sel] + counts[sel])
-            rows = CellRows(cells[sel], offsets_of(counts[sel]), block.gene[at], block.value[at])
-            tokens = self.tokenizer(rows, rngs[i])
-            t1 = time.perf_counter()
-            labels = None if self.labels is None else self.labels[rows.cell_ids]
-            packed = pack_cells(tokens, epoch=epoch, key_id=key_id, run_tag=self.tag, stitched=stitched,
-                                labels=labels, cells_per_item=cfg.cells_per_item)
-            return packed, t1 - t0, time.perf_counter() - t1
-
-        jobs = map(chunk, range(len(bounds))) if len(bounds) == 1 else self._workers.map(chunk, range(len(bounds)))
-        packed = []
-        for part, tokenize_s, pack_s in jobs:
-            packed += part
-            self.stats.seconds["tokenize"] += tokenize_s
-            self.stats.seconds["pack"] += pack_s
-        return number_items(packed)
+        """`cells_to_items` with this producer's tokenizer, labels, run and worker threads."""
+        items, tokenize_s, pack_s = cells_to_items(
+            cells, first, counts, block, self.tokenizer, epoch=epoch, key_id=key_id, run_tag=self.tag, rng=rng,
+            cells_per_item=self.config.cells_per_item, labels=self.labels, stitched=stitched, pool=self._workers)
+        self.stats.seconds["tokenize"] += tokenize_s
+        self.stats.seconds["pack"] += pack_s
+        return items
 
     def _check_plan(self, epoch: int) -> None:
         """Once per epoch: this producer's plan is the one the campaign published (same dataset
@@ -576,3 +508,7 @@ class Producer:
 def produce(config: ProducerConfig, queue: Queue, store: Map, max_units: int | None = None) -> ProducerStats:
     """Entry point for a producer process or Modal function."""
     return Producer(config, queue, store).run(max_units)
+
+
+# callers that still import these from here (tests, benchmarks) until they move to producers.selection
+from producers.selection import filter_cells  # noqa: E402,F401

@@ -9,7 +9,7 @@ import torch
 
 from benchmarks.downstream import LinearProbe, macro_f1, parity_codes, pipeline_epoch, train_probe
 from coordination.plan import Sampling
-from producers.producer import label_codes
+from producers.selection import label_codes
 from producers.synth import SynthSpec, synthesize
 
 HELD_OUT = "plate = 'plate14'"

@@ -110,12 +110,12 @@ def test_unit_output_is_identical_every_time(small_synth):
 def test_chunked_threaded_tokenizing_equals_one_pass(small_synth, monkeypatch, tokenizer):
     """A unit tokenized in chunks on several threads gives exactly the items of tokenizing all its
     cells at once and packing them (item boundaries included)."""
-    import producers.producer as producer_module
+    import producers.items as items_module
     from coordination.seeds import unit_rng
     from coordination.wire import pack_items
     from producers.ranking import CellRows
 
-    monkeypatch.setattr(producer_module, "CHUNK_CELLS", 40)  # several chunks of 2 items each
+    monkeypatch.setattr(items_module, "CHUNK_CELLS", 40)  # several chunks of 2 items each
     sampling = Sampling("block", block_size=16, fetch_factor=8, batch_size=32, min_units=1)
     config = ProducerConfig(dataset=small_synth.uri, run="chunks", world_size=1, max_genes=48,
                             cells_per_item=20, tokenizer=tokenizer, sampling=sampling, threads=3)
