@@ -116,31 +116,9 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         [summaries[0]] + [load_summary(store, cfg.run, e) for e in range(1, cfg.epochs)], cfg.batch_size, cfg.grad_accum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps))
 
-    step, epoch, progress, done_before = 0, 0, checkpoint.RankProgress(), [0] * world
     saved = checkpoint.load(cfg.checkpoint_dir, world, device) if cfg.resume and cfg.checkpoint_dir else None
-    if saved is not None:
-        check_resume(saved, cfg, model, store)
-        model.load_state_dict(saved.state["model"])
-        optimizer.load_state_dict(saved.state["optimizer"])
-        scheduler.load_state_dict(saved.state["scheduler"])
-        step, epoch, progress = saved.step, saved.epoch, saved.ranks[rank]
-        done_before = [r.trained for r in saved.ranks]
-        if rank == 0:
-            print(f"resumed from step {step} (epoch {epoch}, {sum(done_before):,} cells of it already trained)")
-    elif cfg.resume and rank == 0:
-        print(f"no checkpoint in {cfg.checkpoint_dir}: starting at step 0")
-    driver = None
-    if rank == 0 and cfg.run_driver:
-        skip = set()
-        if saved is not None and epoch < cfg.epochs:  # units trained through are not produced again
-            resumed = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
-            skip = resumed.units_to_skip(set().union(*(r.done_units() for r in saved.ranks)),
-                                         set().union(*(r.trained_stitched() for r in saved.ranks)))
-            print(f"{len(skip):,} of epoch {epoch}'s {resumed.n_units:,} units were trained through and are not "
-                  "produced again")
-        driver = Driver(queue, store, cfg.run)
-        driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if saved is not None else None,
-                     skip_units=skip)
+    step, epoch, progress, done_before = restore(saved, cfg, rank, world, model, optimizer, scheduler, store)
+    driver = start_driver(cfg, queue, store, saved, epoch) if rank == 0 and cfg.run_driver else None
     stream = ConsumerStream(queue, rank=rank, world_size=world, run=cfg.run, batch_size=cfg.batch_size,
                             pad_to=cfg.pad_to, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
                             no_data_timeout_s=cfg.no_data_timeout_s, consumed=progress.consumed,
@@ -246,6 +224,38 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     summary["final_params_checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
     return summary
 
+
+
+def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, scheduler, store):
+    """(step, epoch, this rank's progress, every rank's cells trained in the epoch): a checkpoint's,
+    its weights and optimizer state loaded, or a fresh start."""
+    if saved is None:
+        if cfg.resume and rank == 0:
+            print(f"no checkpoint in {cfg.checkpoint_dir}: starting at step 0")
+        return 0, 0, checkpoint.RankProgress(), [0] * world
+    check_resume(saved, cfg, model, store)
+    model.load_state_dict(saved.state["model"])
+    optimizer.load_state_dict(saved.state["optimizer"])
+    scheduler.load_state_dict(saved.state["scheduler"])
+    done_before = [r.trained for r in saved.ranks]
+    if rank == 0:
+        print(f"resumed from step {saved.step} (epoch {saved.epoch}, {sum(done_before):,} cells of it already trained)")
+    return saved.step, saved.epoch, saved.ranks[rank], done_before
+
+
+def start_driver(cfg: TrainConfig, queue, store, saved, epoch: int) -> Driver:
+    """Rank 0 drives the epochs from `epoch` on; on resume, units trained through are not produced
+    again (`PlanSummary.units_to_skip`)."""
+    skip = set()
+    if saved is not None and epoch < cfg.epochs:
+        resumed = load_summary(store, cfg.run, epoch)
+        skip = resumed.units_to_skip(set().union(*(r.done_units() for r in saved.ranks)),
+                                     set().union(*(r.trained_stitched() for r in saved.ranks)))
+        print(f"{len(skip):,} of epoch {epoch}'s {resumed.n_units:,} units were trained through and are not "
+              "produced again")
+    driver = Driver(queue, store, cfg.run)
+    driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if saved is not None else None, skip_units=skip)
+    return driver
 
 def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
     """The fixed evaluation batches: every held-out item, popped once (bounded wait)."""
