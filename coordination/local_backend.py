@@ -83,35 +83,43 @@ def _decode_value(data: bytes):
 # ----------------------------------------------------------------------------------------- server
 
 
+def serve_frames(sock: socket.socket, answer) -> None:
+    """Answer request frames on one connection until it closes: `answer(op, header, values)`
+    returns the reply's (code, header, values); an error it raises is code ERROR."""
+    while True:
+        try:
+            op, h, values = _recv_frame(sock)
+        except (ConnectionError, OSError):
+            return
+        try:
+            code, header, out = answer(op, h, values)
+        except Exception as exc:  # noqa: BLE001 - sent back to the caller
+            code, header, out = ERROR, {"message": f"{type(exc).__name__}: {exc}"}, []
+        try:
+            _send_frame(sock, code, header, out)
+        except OSError:
+            return
+
+
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        queue: MemoryQueue = self.server.queue
-        store: MemoryMap = self.server.store
-        while True:
-            try:
-                op, h, values = _recv_frame(self.request)
-            except (ConnectionError, OSError):
-                return
-            try:
-                code, header, out = self._dispatch(op, h, values, queue, store)
-            except Full as exc:
-                code, header, out = FULL, {"message": str(exc)}, []
-            except Empty:
-                code, header, out = EMPTY, {}, []
-            except ItemTooLarge as exc:
-                code, header, out = TOO_LARGE, {"message": str(exc)}, []
-            except RequestTooLarge as exc:
-                code, header, out = REQUEST_TOO_LARGE, {"message": str(exc)}, []
-            except KeyError:
-                code, header, out = MISSING, {}, []
-            except MapGone as exc:
-                code, header, out = GONE, {"message": str(exc)}, []
-            except Exception as exc:  # noqa: BLE001 - sent back to the caller
-                code, header, out = ERROR, {"message": f"{type(exc).__name__}: {exc}"}, []
-            try:
-                _send_frame(self.request, code, header, out)
-            except OSError:
-                return
+        serve_frames(self.request, self.answer)
+
+    def answer(self, op: int, h: dict, values: list[bytes]):
+        try:
+            return self._dispatch(op, h, values, self.server.queue, self.server.store)
+        except Full as exc:
+            return FULL, {"message": str(exc)}, []
+        except Empty:
+            return EMPTY, {}, []
+        except ItemTooLarge as exc:
+            return TOO_LARGE, {"message": str(exc)}, []
+        except RequestTooLarge as exc:
+            return REQUEST_TOO_LARGE, {"message": str(exc)}, []
+        except KeyError:
+            return MISSING, {}, []
+        except MapGone as exc:
+            return GONE, {"message": str(exc)}, []
 
     @staticmethod
     def _dispatch(op, h, values, queue, store):

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordination.local_backend import _recv_frame, _send_frame
+from coordination.local_backend import serve_frames
 
 from cellfeed_testing.modal_emulator.limits import (DICT_ENTRY_TTL_S, ERROR, INVALID, MAX_GPUS, MAX_ITEM_BYTES, MAX_PARTITION_BYTES,
                                            MAX_PARTITION_ITEMS, MAX_REQUEST_BYTES, NOT_FOUND, OK, PARTITION_TTL_S, FULL,
@@ -419,22 +419,15 @@ def kill_tree(pid: int) -> None:
 
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        world: Emulated = self.server.world
-        while True:
-            try:
-                op, h, values = _recv_frame(self.request)
-            except (ConnectionError, OSError):
-                return
-            try:
-                code, header, out = OK, *self.dispatch(world, op, h, values)
-            except Rejected as exc:
-                code, header, out = exc.code, {"message": str(exc)}, []
-            except Exception as exc:  # noqa: BLE001 - returned to the caller
-                code, header, out = ERROR, {"message": f"{type(exc).__name__}: {exc}"}, []
-            try:
-                _send_frame(self.request, code, header, out)
-            except OSError:
-                return
+        serve_frames(self.request, self.answer)
+
+    def answer(self, op: int, h: dict, values: list[bytes]):
+        try:
+            return (OK, *self.dispatch(self.server.world, op, h, values))
+        except Rejected as exc:
+            return exc.code, {"message": str(exc)}, []
+        except Exception as exc:  # noqa: BLE001 - the emulator's own codes (limits.py), not the local backend's
+            return ERROR, {"message": f"{type(exc).__name__}: {exc}"}, []
 
     @staticmethod
     def dispatch(w: Emulated, op: int, h: dict, values: list[bytes]):
