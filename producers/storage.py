@@ -8,6 +8,22 @@ S3 settings come from the environment, never from code: AWS_ENDPOINT_URL (Tigris
 a local test server), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN and
 AWS_REGION (or AWS_DEFAULT_REGION). Plain-http endpoints are allowed. Keys never appear in
 errors or logs.
+
+How long an S3 request may take and how it is retried is set here once, for Lance's reads and
+writes (its object_store client) and the small requests made here (boto3) alike: the constants
+below, each overridable in the environment:
+
+    CELLFEED_S3_CONNECT_TIMEOUT_S   5   a store that accepts no connection in this long is down
+    CELLFEED_S3_REQUEST_TIMEOUT_S  30   a whole request, a large GET's body included
+    CELLFEED_S3_RETRIES             3   tries again per request, quickly (0.1 s, doubling)
+
+A request is retried for at most twice its timeout; beyond that the caller decides (a producer
+tries a unit's read again 1 s, 2 s, 4 s, then 5 s apart for minutes), so an object store that
+restarts is used again within seconds of answering. Lance also slows its requests when they fail
+after retries, taking any such failure (an outage too) for throttling: halving its request rate
+every second, down to 1 request/s, and requests queued at that rate keep their waits once the
+store is back (in tests/test_s3.py a 15 s restart kept reads waiting up to 100 s). Its floor is
+raised to MIN_REQUEST_RATE, which still backs off from a store that really throttles.
 """
 
 from __future__ import annotations
@@ -19,6 +35,24 @@ from pathlib import Path
 
 from coordination.errors import CellfeedError
 
+CONNECT_TIMEOUT_S = 5.0  # CELLFEED_S3_CONNECT_TIMEOUT_S
+REQUEST_TIMEOUT_S = 30.0  # CELLFEED_S3_REQUEST_TIMEOUT_S
+RETRIES = 3  # CELLFEED_S3_RETRIES
+MIN_REQUEST_RATE = 100  # requests/s: the floor of Lance's throttle (see the module's docstring)
+
+
+def _env_number(env, name: str, default: float, kind=float):
+    text = env.get(name)
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = -1
+    if value < 0 or (kind is float and value == 0):
+        raise CellfeedError(f"{name}={text!r}: expected a {'positive number' if kind is float else 'count'}")
+    return value
+
 
 @dataclass(frozen=True)
 class S3Settings:
@@ -27,6 +61,9 @@ class S3Settings:
     access_key_id: str | None = None
     secret_access_key: str | None = field(default=None, repr=False)
     session_token: str | None = field(default=None, repr=False)
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+    retries: int = RETRIES
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> "S3Settings":
@@ -37,11 +74,22 @@ class S3Settings:
             access_key_id=env.get("AWS_ACCESS_KEY_ID") or None,
             secret_access_key=env.get("AWS_SECRET_ACCESS_KEY") or None,
             session_token=env.get("AWS_SESSION_TOKEN") or None,
+            connect_timeout_s=_env_number(env, "CELLFEED_S3_CONNECT_TIMEOUT_S", CONNECT_TIMEOUT_S),
+            request_timeout_s=_env_number(env, "CELLFEED_S3_REQUEST_TIMEOUT_S", REQUEST_TIMEOUT_S),
+            retries=_env_number(env, "CELLFEED_S3_RETRIES", RETRIES, int),
         )
+
+    @property
+    def retry_window_s(self) -> float:
+        """How long one request is retried before the caller hears of the failure."""
+        return 2 * self.request_timeout_s
 
     def lance_options(self) -> dict[str, str]:
         """Lance/object_store `storage_options` for these settings."""
-        opts = {"aws_region": self.region}
+        opts = {"aws_region": self.region, "connect_timeout": f"{round(self.connect_timeout_s * 1000)}ms",
+                "timeout": f"{round(self.request_timeout_s * 1000)}ms", "client_max_retries": str(self.retries),
+                "client_retry_timeout": str(max(1, round(self.retry_window_s))),
+                "lance_aimd_min_rate": str(MIN_REQUEST_RATE)}
         if self.endpoint:
             opts["aws_endpoint"] = self.endpoint
             if self.endpoint.startswith("http://"):
@@ -135,7 +183,8 @@ class S3Location(Location):
                 aws_access_key_id=s.access_key_id,
                 aws_secret_access_key=s.secret_access_key,
                 aws_session_token=s.session_token,
-                config=Config(connect_timeout=5, read_timeout=60, retries={"max_attempts": 3}),
+                config=Config(connect_timeout=s.connect_timeout_s, read_timeout=s.request_timeout_s,
+                              retries={"max_attempts": s.retries}),
             )
         return self._client
 
