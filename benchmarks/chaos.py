@@ -13,8 +13,11 @@ Fault kinds:
 
     python benchmarks/chaos.py            # 10 faults over a 20-epoch campaign
     python benchmarks/chaos.py --quick    # 6 faults over 12 epochs, within 3 minutes on 2 cores
+    python benchmarks/chaos.py --tiny     # a kill and a pause over 2 epochs of 400 cells (the test suite's)
 
-Ends with one JSON line of the figures.
+Ends with one JSON line of the figures. Exits 1 (one line on stderr) when a campaign did not finish
+(or timed out), a planned fault was not injected, a cell was lost or duplicated, or a figure is
+missing. The tiny run has no stall: a stall lasts 4 s past the lease (16 s in all) by construction.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._checks import check_figures, fail  # noqa: E402
 from coordination.driver import LEASE_S  # noqa: E402
 
 KINDS = ("kill", "stall", "pause")
@@ -56,6 +60,7 @@ class Outcome:
     faults: list = field(default_factory=list)  # what was done: (at_s, kind, processes hit)
     stdout: str = ""
     stderr: str = ""
+    timed_out: bool = False
 
 
 def fault_plan(seed: int, n_faults: int, span_s: float, kinds=KINDS, pause_s: float = 4.0) -> list[Fault]:
@@ -141,13 +146,15 @@ def run_campaign(dataset: str, workdir: Path, run: str, *, epochs: int, producer
 
     injector = threading.Thread(target=inject, daemon=True)
     injector.start()
+    timed_out = False
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        timed_out = True
         proc.kill()
         out, err = proc.communicate()
     injector.join(timeout=60)
-    return Outcome(proc.returncode, time.monotonic() - start, done, out, err)
+    return Outcome(proc.returncode, time.monotonic() - start, done, out, err, timed_out)
 
 
 def trained_per_epoch(run_dir: Path) -> dict[int, Counter]:
@@ -180,21 +187,35 @@ def cells_per_unit(stdout: str) -> float:
     return cells / int(words[1].split()[0].replace(",", ""))
 
 
+def training_s(run_dir: Path) -> float:
+    """Seconds the run trained after its first step (the faults' clock): its later steps' times,
+    waits included, from the step log."""
+    rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
+    return sum(row["step_s"] for row in rows if "step_s" in row) - rows[0].get("step_s", 0.0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="6 faults over a 12-epoch campaign (under 3 minutes)")
-    parser.add_argument("--faults", type=int, default=None, help="faults to inject (default 10; 6 quick)")
-    parser.add_argument("--epochs", type=int, default=None, help="campaign epochs (default 20; 12 quick)")
-    parser.add_argument("--cells", type=int, default=3000, help="cells of the synthetic atlas (default 3,000)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a kill and a pause over a 2-epoch campaign of 400 cells (the test suite's)")
+    parser.add_argument("--faults", type=int, default=None, help="faults to inject (default 10; 6 quick; 2 tiny)")
+    parser.add_argument("--epochs", type=int, default=None, help="campaign epochs (default 20; 12 quick; 2 tiny)")
+    parser.add_argument("--cells", type=int, default=None, help="cells of the synthetic atlas (default 3,000; 400 tiny)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault plan")
     parser.add_argument("--rpc-latency-ms", type=float, default=25.0,
                         help="every queue/map call costs this many ms, as on Modal (default 25): production then "
                              "spans the campaign, so faults land on producers mid-unit, not on idle ones")
-    parser.add_argument("--pause-s", type=float, default=4.0,
-                        help="how long the trainer is paused (its wall time is added to the run's by construction)")
+    parser.add_argument("--pause-s", type=float, default=None,
+                        help="how long the trainer is paused (its wall time is added to the run's by construction; "
+                             "default 4; 1 tiny)")
     args = parser.parse_args()
-    n_faults = args.faults or (6 if args.quick else 10)
-    epochs = args.epochs or (12 if args.quick else 20)
+    n_faults = args.faults or (2 if args.tiny else 6 if args.quick else 10)
+    epochs = args.epochs or (2 if args.tiny else 12 if args.quick else 20)
+    args.cells = args.cells or (400 if args.tiny else 3000)
+    args.pause_s = args.pause_s if args.pause_s is not None else 1.0 if args.tiny else 4.0
+    kinds = ("kill", "pause") if args.tiny else KINDS
+    timeout_s = 180.0 if args.tiny else 600.0
 
     from producers.synth import SynthSpec, synthesize
 
@@ -205,16 +226,22 @@ def main() -> None:
     expected = Counter(range(args.cells))
 
     latency = ["--rpc-latency-ms", str(args.rpc_latency_ms)]
-    calm = run_campaign(dataset, work, "calm", epochs=epochs, extra=latency)
+    calm = run_campaign(dataset, work, "calm", epochs=epochs, extra=latency, timeout_s=timeout_s)
     if calm.returncode != 0:
-        sys.exit(f"the campaign without faults failed:\n{calm.stderr[-2000:]}")
-    span = max(10.0, 0.6 * calm.wall_s)
-    plan = fault_plan(args.seed, n_faults, span, pause_s=args.pause_s)
-    chaos = run_campaign(dataset, work, "chaos", epochs=epochs, faults=plan, seed=args.seed, extra=latency)
+        print(calm.stderr[-2000:], file=sys.stderr)
+        fail(f"the campaign without faults {'timed out' if calm.timed_out else 'failed'} (exit {calm.returncode})")
+    # faults land within the first `span` s of training: the tiny campaign trains for seconds only
+    span = 0.5 * training_s(work / "calm") if args.tiny else max(10.0, 0.6 * calm.wall_s)
+    plan = fault_plan(args.seed, n_faults, span, kinds=kinds, pause_s=args.pause_s)
+    chaos = run_campaign(dataset, work, "chaos", epochs=epochs, faults=plan, seed=args.seed, extra=latency,
+                         timeout_s=timeout_s)
     checked, lost, duplicated = lost_and_duplicated(trained_per_epoch(work / "chaos"), expected, epochs)
     restarts = sum(1 for line in chaos.stdout.splitlines() if "restarting it" in line)
-    reissued = json.loads((work / "chaos" / "summary.rank0").read_text()).get("units_reissued", 0)
-    reproduced = round(reissued * cells_per_unit(chaos.stdout))  # made again: units whose holder fell silent
+    summary = work / "chaos" / "summary.rank0"
+    reissued = json.loads(summary.read_text()).get("units_reissued", 0) if summary.exists() else None
+    per_unit = cells_per_unit(chaos.stdout)
+    # made again: units whose holder fell silent
+    reproduced = round(reissued * per_unit) if reissued is not None and per_unit else None
 
     print(f"\ncampaign: {args.cells:,} cells x {epochs} epochs, 3 producers, 2 ranks, {args.rpc_latency_ms:.0f} ms a "
           f"queue/map call; machine: {platform.machine()}, {os.cpu_count()} cores")
@@ -226,16 +253,28 @@ def main() -> None:
     print(f"run finished: {'yes' if chaos.returncode == 0 else f'no (exit {chaos.returncode})'}; "
           f"producer restarts: {restarts}")
     print(f"cells checked {checked:,} ({epochs} epochs): lost {lost}, duplicated {duplicated}; "
-          f"{reissued} units issued again (~{reproduced:,} cells produced again)")
+          f"{reissued} units issued again (~{reproduced if reproduced is None else f'{reproduced:,}'} cells produced "
+          "again)")
     print(f"wall: {chaos.wall_s:.1f}s with faults, {calm.wall_s:.1f}s without ({chaos.wall_s / calm.wall_s:.2f}x)")
     if chaos.returncode != 0:
         print(chaos.stderr[-2000:])
-    print(json.dumps({"faults_injected": len(chaos.faults), "fault_kinds": dict(Counter(k for _, k, _ in chaos.faults)),
-                      "cells_checked": checked, "cells_lost": lost, "cells_duplicated": duplicated,
-                      "completed": chaos.returncode == 0, "producer_restarts": restarts,
-                      "units_reissued": reissued, "cells_reproduced": reproduced,
-                      "overhead_ratio": round(chaos.wall_s / calm.wall_s, 3), "wall_s": round(chaos.wall_s, 1),
-                      "calm_wall_s": round(calm.wall_s, 1), "machine": f"{platform.machine()}, {os.cpu_count()} cores"}))
+    figures = {"faults_injected": len(chaos.faults), "fault_kinds": dict(Counter(k for _, k, _ in chaos.faults)),
+               "cells_checked": checked, "cells_lost": lost, "cells_duplicated": duplicated,
+               "completed": chaos.returncode == 0, "producer_restarts": restarts,
+               "units_reissued": reissued, "cells_reproduced": reproduced,
+               "overhead_ratio": round(chaos.wall_s / calm.wall_s, 3), "wall_s": round(chaos.wall_s, 1),
+               "calm_wall_s": round(calm.wall_s, 1), "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+    print(json.dumps(figures))
+    if chaos.returncode != 0:
+        fail(f"the campaign with faults {'timed out' if chaos.timed_out else 'failed'} (exit {chaos.returncode})")
+    if len(chaos.faults) < len(plan):
+        fail(f"{len(chaos.faults)} of the {len(plan)} planned faults were injected (the campaign ended before the "
+             f"rest, or found no process to hit): {[f.kind for f in plan]} planned over {span:.1f}s")
+    if lost or duplicated or checked != epochs * args.cells:
+        fail(f"{lost:,} cells lost and {duplicated:,} duplicated over {epochs} epochs ({checked:,} checked)")
+    if per_unit == 0.0:
+        fail("the campaign's first line (\"N cells/epoch in U units\") is missing: no cells_reproduced")
+    check_figures(figures)
 
 
 if __name__ == "__main__":

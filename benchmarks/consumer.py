@@ -4,8 +4,10 @@ latency. Target: >= 10x the ~4,000 cells/s an H100 trains a 51M-parameter scGPT 
 
     python benchmarks/consumer.py            # 60k cells per measurement
     python benchmarks/consumer.py --quick    # 12k cells, under a minute
+    python benchmarks/consumer.py --tiny     # 2k cells: seconds (the test suite's)
 
-Ends with one JSON line of the figures.
+Ends with one JSON line of the figures. Exits 1 (one line on stderr) when a measurement consumed
+fewer cells than it fed or a figure is missing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._checks import check_figures, fail  # noqa: E402
 from coordination.local_backend import LocalMap, LocalQueue, ServerProcess  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
 from coordination.latency import remote  # noqa: E402
@@ -36,8 +39,8 @@ from trainer.stream import ConsumerStream  # noqa: E402
 TARGET = 40_000
 
 
-def make_items(n_cells: int) -> list[bytes]:
-    path = cached_atlas(20_000)
+def make_items(n_cells: int, atlas_cells: int = 20_000) -> list[bytes]:
+    path = cached_atlas(atlas_cells)
     ds = open_dataset(path)
     queue = MemoryQueue(max_items=10**9, max_bytes=1 << 62)
     config = ProducerConfig(dataset=path, run="bench", max_genes=1024, world_size=1,
@@ -96,11 +99,12 @@ def round_trip_us(queue, n: int = 300) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="a 2k-cell atlas, once each: seconds (the test suite's)")
     parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
                         help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
     args = parser.parse_args()
-    n_cells = 12_000 if args.quick else 60_000
-    items, per_rep, reps = make_items(n_cells)
+    n_cells = 2_000 if args.tiny else 12_000 if args.quick else 60_000
+    items, per_rep, reps = make_items(n_cells, 2_000 if args.tiny else 20_000)
     server = ServerProcess()
     try:
         backends = {"memory": lambda: remote(MemoryQueue(), MemoryMap(), args.rpc_latency_ms)[0],
@@ -109,7 +113,11 @@ def main() -> None:
         for name, make in backends.items():
             for batch in (64, 240):
                 results[(name, batch)] = consume(make(), items, per_rep, reps, batch)
-        latency = {"memory": round_trip_us(MemoryQueue()), "local": round_trip_us(LocalQueue(server.address))}
+                if results[(name, batch)]["cells"] != reps * per_rep:
+                    fail(f"the {name} backend at batch {batch} consumed {results[(name, batch)]['cells']:,} of the "
+                         f"{reps * per_rep:,} cells fed")
+        trips = 30 if args.tiny else 300
+        latency = {"memory": round_trip_us(MemoryQueue(), trips), "local": round_trip_us(LocalQueue(server.address), trips)}
         LocalMap(server.address).keys()
     finally:
         server.close()
@@ -127,6 +135,7 @@ def main() -> None:
                     "round_trip_us_local": round(latency["local"], 1),
                     "machine": f"{platform.machine()}, {os.cpu_count()} cores"})
     print(json.dumps(figures))
+    check_figures(figures)
 
 
 if __name__ == "__main__":

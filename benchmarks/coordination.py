@@ -14,6 +14,11 @@ its unit's re-issue, the gap between epochs, time to the first batch, and the se
 start-up seconds / peak RSS at 100M cells (each in a fresh process).
 
     python benchmarks/coordination.py [--quick] [--producers 64] [--rate 1000] [--latency-ms 25]
+    python benchmarks/coordination.py --tiny   # the test suite's: 4 producers, 2 x 16 units, probes at 200k cells
+
+Ends with one JSON line of the figures. Exits 1 (one line on stderr) when the simulation did not
+deliver every cell, the full-partition phase took none, or a figure is missing (the re-issue
+after the death included: the tiny run lasts past the driver's lease for it).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._checks import check_figures, fail  # noqa: E402
 from coordination.driver import Driver  # noqa: E402
 from coordination.latency import with_latency  # noqa: E402
 from coordination.plan import DatasetGeometry, EpochPlan, PlanSummary, Sampling, publish_summary  # noqa: E402
@@ -293,7 +299,8 @@ print(json.dumps({{"seconds": time.perf_counter() - t, "index_s": t_index, "n_un
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
-        raise RuntimeError(out.stderr[-2000:])
+        print(out.stderr[-2000:], file=sys.stderr)
+        fail(f"the {what} start-up probe ({strategy}, {n_cells:,} cells) failed (exit {out.returncode})")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -339,16 +346,20 @@ stop.set()
 print(json.dumps({{"seconds": time.perf_counter() - t, "units": summary.n_units, "passes": stats.passes,
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
 """
-    for code in (make, drive):
+    for step, code in (("the plan's summary", make), ("the driver", drive)):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
         if out.returncode != 0:
-            raise RuntimeError(out.stderr[-2000:])
+            print(out.stderr[-2000:], file=sys.stderr)
+            fail(f"the driver probe ({n_cells:,} cells) failed making {step} (exit {out.returncode})")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller run at the same latency (under a minute)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the smallest run that still sees a re-issue: 4 producers, 2 x 16 units, 3 s of the "
+                             "full-partition phase, start-up probes at 200k cells (the test suite's)")
     parser.add_argument("--producers", type=int, default=64, help="simulated producers (default: 64)")
     parser.add_argument("--rate", type=float, default=1000.0, help="cells/s of one producer (default: 1000)")
     parser.add_argument("--units", type=int, default=2000, help="units per simulated epoch window (default: 2000)")
@@ -364,6 +375,10 @@ def main() -> None:
     if args.quick:  # a smaller simulation at the same latency; the start-up probes stay at 100M cells
         args.producers, args.units, args.max_seconds = min(args.producers, 32), min(args.units, 300), 35.0
         args.spin_seconds = min(args.spin_seconds, 20.0)
+    if args.tiny:  # the producers must still be busy when one dies (at 5 s), the run outlasts the lease
+        args.producers, args.units, args.max_seconds = min(args.producers, 4), min(args.units, 16), 60.0
+        args.spin_seconds = min(args.spin_seconds, 3.0)
+        args.startup_cells = min(args.startup_cells, 200_000)
     t = time.perf_counter()
     geometry = tahoe_geometry(max(2_000_000, 2 * args.units * 1024))  # room for the simulated windows' units
     plans = {e: EpochPlan(geometry, replace(SAMPLING), seed=0, epoch=e) for e in range(args.epochs)}
@@ -391,15 +406,15 @@ def main() -> None:
                                                    "before this one's last)" if sim["epoch_overlap_s"] else "")),
         ("driver pass", f"{sim['driver_pass_s']} s"),
         ("re-issue after a death", f"{sim['reissue_s']} s ({sim['reissued']} re-issued)"),
-        (f"setup at {args.startup_cells / 1e6:.0f}M cells", f"{setup['seconds']:.1f} s, {setup['rss_mb']:,.0f} MB RSS"),
-        (f"driver, one epoch at {args.startup_cells / 1e6:.0f}M", f"{driven['units']:,} units in {driven['seconds']:.1f} s "
+        (f"setup at {args.startup_cells / 1e6:g}M cells", f"{setup['seconds']:.1f} s, {setup['rss_mb']:,.0f} MB RSS"),
+        (f"driver, one epoch at {args.startup_cells / 1e6:g}M", f"{driven['units']:,} units in {driven['seconds']:.1f} s "
                                                           f"({driven['passes']:,} passes), {driven['rss_mb']:,.0f} MB RSS"),
         ("full partition: bytes sent / taken", f"{spin['full_partition_bytes_sent_per_delivered']} "
                                                 f"({spin['put_requests']:,} puts, {spin['puts_refused_full']:,} refused full)"),
         ("full partition: producer calls / 1k", f"{spin['full_partition_calls_per_1k_cells']} "
                                                 f"(producers {spin['producers']} x {spin['producer_rate']:,.0f} cells/s, "
                                                 f"trainer {spin['trainer_rate']:,.0f} cells/s, {spin['seconds']:.0f} s)"),
-    ] + [(f"producer start at {args.startup_cells / 1e6:.0f}M, {s}", f"{r['seconds']:.1f} s, {r['rss_mb']:,.0f} MB RSS, "
+    ] + [(f"producer start at {args.startup_cells / 1e6:g}M, {s}", f"{r['seconds']:.1f} s, {r['rss_mb']:,.0f} MB RSS, "
           f"{r['n_units']:,} units") for s, r in starts.items()]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
@@ -407,21 +422,22 @@ def main() -> None:
     print("calls per 1,000 cells by kind:")
     for k, v in sim["calls_by_kind_per_1k"].items():
         print(f"  {k:<24} {v}")
-    print(json.dumps({**sim, "full_partition": spin,
-                      "full_partition_bytes_sent_per_delivered": spin["full_partition_bytes_sent_per_delivered"],
-                      "full_partition_calls_per_1k_cells": spin["full_partition_calls_per_1k_cells"],
-                      "producer_start_s_100m": round(start["seconds"], 2),
-                      "producer_start_rss_mb_100m": round(start["rss_mb"]), "setup_s_100m": round(setup["seconds"], 2),
-                      "driver_epoch_s_100m": round(driven["seconds"], 2), "driver_rss_mb_100m": round(driven["rss_mb"]),
-                      "producer_start_100m_by_strategy": {s: {"seconds": round(r["seconds"], 2), "rss_mb": round(r["rss_mb"])}
-                                                          for s, r in starts.items()},
-                      "setup_rss_mb_100m": round(setup["rss_mb"]), "startup_cells": args.startup_cells,
-                      "latency_ms": args.latency_ms, "jitter_ms": args.jitter_ms, "producers": args.producers,
-                      "rate": args.rate}))
+    figures = {**sim, "full_partition": spin,
+               "full_partition_bytes_sent_per_delivered": spin["full_partition_bytes_sent_per_delivered"],
+               "full_partition_calls_per_1k_cells": spin["full_partition_calls_per_1k_cells"],
+               "producer_start_s_100m": round(start["seconds"], 2),
+               "producer_start_rss_mb_100m": round(start["rss_mb"]), "setup_s_100m": round(setup["seconds"], 2),
+               "driver_epoch_s_100m": round(driven["seconds"], 2), "driver_rss_mb_100m": round(driven["rss_mb"]),
+               "producer_start_100m_by_strategy": {s: {"seconds": round(r["seconds"], 2), "rss_mb": round(r["rss_mb"])}
+                                                   for s, r in starts.items()},
+               "setup_rss_mb_100m": round(setup["rss_mb"]), "startup_cells": args.startup_cells,
+               "latency_ms": args.latency_ms, "jitter_ms": args.jitter_ms, "producers": args.producers,
+               "rate": args.rate}
+    print(json.dumps(figures))
     if not sim["finished"] or spin["accepted_cells"] == 0:  # a benchmark that did not do its work fails
-        print(f"coordination benchmark did not finish: simulation finished={sim['finished']}, "
-              f"full-partition phase took {spin['accepted_cells']:,} cells", file=sys.stderr)
-        sys.exit(1)
+        fail(f"did not finish: the simulation delivered {sim['cells']:,} of {sim['expected_cells']:,} cells "
+             f"in {sim['seconds']}s, the full-partition phase took {spin['accepted_cells']:,} cells")
+    check_figures(figures, allow_none=("epoch_gap_s",) if args.epochs == 1 else ())  # (one epoch: no gap)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ queue depth over time as a PNG.
 
     python benchmarks/local_scaling.py            # a 200k-cell atlas, one epoch each
     python benchmarks/local_scaling.py --quick    # a 20k-cell atlas
+    python benchmarks/local_scaling.py --tiny     # a 3k-cell atlas, the PNG in a temp dir (the test suite's)
 
-Ends with one JSON line of the figures. Needs matplotlib for the PNG (`pip install -e .[bench]`).
+Ends with one JSON line of the figures. Needs matplotlib for the PNG (`pip install -e ".[bench]"`),
+checked before it starts; `--no-png` does without. Exits 1 (one line on stderr) when the consumer
+got fewer cells than the epoch holds or a figure is missing.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.campaign import prepare  # noqa: E402
+from benchmarks._checks import check_figures, fail, require  # noqa: E402
 from app.config import CampaignConfig  # noqa: E402
 from app.local import start_producers, stop_campaign  # noqa: E402
 from coordination.backends import BackendSpec, connect  # noqa: E402
@@ -68,9 +72,13 @@ def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> 
         end = time.monotonic()
         done.set()
         stream.close()
+        if cells != facts.cells_per_epoch:
+            fail(f"{n_producers} producer(s): the consumer got {cells:,} of the epoch's {facts.cells_per_epoch:,} cells")
         # steady state: the rate between 10% and 90% of the epoch delivered (start-up excluded)
         t10 = next(t for t, c in arrivals if c >= 0.1 * cells)
         t90 = next(t for t, c in arrivals if c >= 0.9 * cells)
+        if t90 <= t10:
+            fail(f"{n_producers} producer(s): no steady rate (10% and 90% of the epoch arrived at once)")
         return {"cells": cells, "cells_per_s": cells / (end - start),
                 "steady_cells_per_s": 0.8 * cells / max(t90 - t10, 1e-9),
                 "wait_s": stream.stats.wait_s, "seconds": end - start, "depth": depth}
@@ -81,11 +89,18 @@ def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="a 3k-cell atlas, the PNG in a temp dir (the test suite's)")
     parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
                         help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
-    parser.add_argument("--png", default=str(ROOT / "benchmarks" / "local_scaling.png"))
+    parser.add_argument("--png", default=None,
+                        help="where to draw the queue depth (default benchmarks/local_scaling.png; --tiny: a temp dir)")
+    parser.add_argument("--no-png", action="store_true", help="no PNG (and no need for matplotlib)")
     args = parser.parse_args()
-    n_cells = 20_000 if args.quick else 200_000
+    if not args.no_png:
+        require({"matplotlib": "the queue-depth PNG"}, hint=", or --no-png")
+        args.png = args.png or (str(Path(tempfile.mkdtemp(prefix="cellfeed-scaling-")) / "local_scaling.png")
+                                if args.tiny else str(ROOT / "benchmarks" / "local_scaling.png"))
+    n_cells = 3_000 if args.tiny else 20_000 if args.quick else 200_000
     path = cached_atlas(n_cells)
     results = {n: run(path, n, batch=240, latency_ms=args.rpc_latency_ms) for n in (1, 2)}
     print(f"\nlocal campaign, {n_cells:,}-cell atlas, scGPT tokens (1024 genes), one no-op consumer rank, batch 240; "
@@ -95,7 +110,7 @@ def main() -> None:
     for n, r in results.items():
         print(f"{n:>9}{r['cells_per_s']:>10,.0f}{r['steady_cells_per_s']:>10,.0f}{r['seconds']:>9.1f}"
               f"{r['wait_s']:>10.1f}{max((d for _, d in r['depth']), default=0):>10}")
-    try:
+    if not args.no_png:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -111,13 +126,13 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(args.png, dpi=120)
         print(f"queue depth plot: {args.png}")
-    except ImportError:
-        print("matplotlib not installed: no PNG (pip install -e .[bench])")
-    print(json.dumps({"local_cells_per_s_1_producer": round(results[1]["cells_per_s"]),
-                      "local_cells_per_s_2_producers": round(results[2]["cells_per_s"]),
-                      "local_steady_cells_per_s_1_producer": round(results[1]["steady_cells_per_s"]),
-                      "local_steady_cells_per_s_2_producers": round(results[2]["steady_cells_per_s"]),
-                      "machine": f"{platform.machine()}, {os.cpu_count()} cores"}))
+    figures = {"local_cells_per_s_1_producer": round(results[1]["cells_per_s"]),
+               "local_cells_per_s_2_producers": round(results[2]["cells_per_s"]),
+               "local_steady_cells_per_s_1_producer": round(results[1]["steady_cells_per_s"]),
+               "local_steady_cells_per_s_2_producers": round(results[2]["steady_cells_per_s"]),
+               "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+    print(json.dumps(figures))
+    check_figures(figures)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ producer's start-up time. Rates are steady rates: the wait for a producer's firs
 
     python benchmarks/object_store.py            # 100k-cell atlas, >= 60k cells and 4 units per setting
     python benchmarks/object_store.py --quick    # >= 6k cells and 3 units per setting, about a minute
+    python benchmarks/object_store.py --tiny     # 6k-cell atlas, >= 500 cells and 2 units: seconds (tests)
 
-Ends with one JSON line of the figures.
+Ends with one JSON line of the figures. Exits 1 (one line on stderr) when a producer made fewer
+cells than its units hold, the proxied store saw no request, or a figure is missing.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._checks import check_figures, fail  # noqa: E402
 from benchmarks.producer import STRATEGIES, run_config  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
@@ -101,9 +104,11 @@ def pct(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=">= 6k cells and 3 units per setting")
-    parser.add_argument("--cells", type=int, default=None, help="atlas size (default 100,000)")
+    parser.add_argument("--tiny", action="store_true", help="a 6k-cell atlas, >= 500 cells and 2 units per setting")
+    parser.add_argument("--cells", type=int, default=None, help="atlas size (default 100,000; 6,000 tiny)")
     parser.add_argument("--budget", type=int, default=None,
-                        help="cells per setting, at least 4 units (3 quick) (default 60,000; 6,000 quick)")
+                        help="cells per setting, at least 4 units (3 quick, 2 tiny) (default 60,000; 6,000 quick; "
+                             "500 tiny)")
     parser.add_argument("--latency-ms", type=float, default=30.0, help="proxy: time to first byte (default 30)")
     parser.add_argument("--jitter-ms", type=float, default=10.0, help="proxy: ± uniform jitter (default 10)")
     parser.add_argument("--bandwidth-mbps", type=float, default=800.0,
@@ -113,9 +118,9 @@ def main() -> None:
                         help="let the producer, the server and the proxy share all cores (default: the producer "
                              "on CPU 0, the server and the proxy on the others, as if the store were remote)")
     args = parser.parse_args()
-    n_cells = args.cells or 100_000  # a b=16 f=256 unit is 16,384 cells: fewer give too few units
-    budget = args.budget or (6_000 if args.quick else 60_000)
-    min_units = 3 if args.quick else 4
+    n_cells = args.cells or (6_000 if args.tiny else 100_000)  # a b=16 f=256 unit is 16,384 cells: fewer give
+    budget = args.budget or (500 if args.tiny else 6_000 if args.quick else 60_000)  # too few units
+    min_units = 2 if args.tiny else 3 if args.quick else 4
     strategies = args.strategies.split(",")
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
@@ -141,12 +146,14 @@ def main() -> None:
                       "s3_30ms": (uri, S3Settings(endpoint=proxy.endpoint, **keys))}
             opened = {name: open_dataset(u, settings) for name, (u, settings) in stores.items()}
             startup = {name: start_up_s(u, settings) for name, (u, settings) in stores.items()}
-            run_config(opened["local"], "scgpt", 1024, STRATEGIES["block"], 4000)  # warm-up, not reported
+            run_config(opened["local"], "scgpt", 1024, STRATEGIES["block"], min(4000, budget))  # warm-up, not reported
             for strategy in strategies:
                 for name, ds in opened.items():  # the three stores back to back, per strategy
                     requests_before, server_cpu = proxy.requests, server.cpu_seconds()
                     r = run_config(ds, "scgpt", 1024, STRATEGIES[strategy], budget, min_units=min_units)
                     r["http_requests"] = proxy.requests - requests_before if name == "s3_30ms" else None
+                    if name == "s3_30ms" and not r["http_requests"]:
+                        fail(f"{strategy} on the proxied store: no request reached the proxy")
                     r["server_cpu_s"] = server.cpu_seconds() - server_cpu
                     results[(strategy, name)] = r
         finally:
@@ -163,8 +170,9 @@ def main() -> None:
         local = results[(strategy, "local")]["cells_per_s"]
         cells = max(1, r["cells"])
         direct = results[(strategy, "s3")]["cells_per_s"]
+        over_s3 = f"{r['cells_per_s'] / direct:.2f}" if name == "s3_30ms" else ""  # only the proxied row
         print(f"{strategy:<11}{name:<9}{r['cells_per_s']:>9,.0f}{r['cells_per_s'] / local:>8.2f}"
-              f"{r['cells_per_s'] / direct if name == 's3_30ms' else float('nan'):>6.2f}"
+              f"{over_s3:>6}"
               f"{r['gets'] / cells * 1000:>8.0f}{r['bytes_read'] / cells:>8,.0f}"
               f"{r['bytes_read'] / max(1, r['rows'] * ROW_BYTES):>7.2f}"
               f"{pct(r['unit_read_s'], 50) * 1e3:>9.0f}{pct(r['unit_read_s'], 99) * 1e3:>7.0f}"
@@ -176,7 +184,7 @@ def main() -> None:
           f"(Lance counted {sum(r['gets'] for r in proxied):,} reads)")
 
     def rate(strategy: str, store: str) -> float:
-        return results[(strategy, store)]["cells_per_s"] if (strategy, store) in results else float("nan")
+        return results[(strategy, store)]["cells_per_s"]
 
     figures = {f"{n}_{s}_cells_per_s": round(r["cells_per_s"]) for (s, n), r in results.items()}
     figures.update({f"s3_30ms_over_local_{s}": round(rate(s, "s3_30ms") / rate(s, "local"), 3) for s in strategies})
@@ -190,15 +198,18 @@ def main() -> None:
     figures.update({f"read_amplification_{s}": round(results[(s, "local")]["bytes_read"] /
                                                      max(1, results[(s, "local")]["rows"] * ROW_BYTES), 3)
                     for s in strategies})
+    if "block" in strategies:  # (figures of strategies --strategies left out are not made up)
+        figures.update({"local_block_cells_per_s": round(rate("block", "local")),
+                        "s3_30ms_block_cells_per_s": round(rate("block", "s3_30ms"))})
+    for s in ("block16", "block"):
+        if s in strategies and "sequential" in strategies:
+            figures[f"{s}_over_sequential_local"] = round(rate(s, "local") / rate("sequential", "local"), 3)
     figures.update({
-        "local_block_cells_per_s": round(rate("block", "local")),
-        "s3_30ms_block_cells_per_s": round(rate("block", "s3_30ms")),
-        "block16_over_sequential_local": round(rate("block16", "local") / rate("sequential", "local"), 3),
-        "block_over_sequential_local": round(rate("block", "local") / rate("sequential", "local"), 3),
         "startup_s": {k: round(v, 2) for k, v in startup.items()},
         "latency_ms": args.latency_ms, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
     })
     print(json.dumps(figures))
+    check_figures(figures)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ the same loop reading from S3.
 
     python benchmarks/producer.py            # 200k-cell atlas, ~40k cells per configuration
     python benchmarks/producer.py --quick    # 20k-cell atlas, under a minute
+    python benchmarks/producer.py --tiny     # 5k-cell atlas, 500 cells per configuration: seconds (tests)
 
-Ends with one JSON line of the figures.
+Ends with one JSON line of the figures. Exits 1 (one line on stderr) when a producer made fewer
+cells than its units hold or a figure is missing.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._checks import check_figures, fail  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
 from coordination.latency import remote  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import TASKS_PARTITION, encode_task  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
 from producers.gene_stats import compute_gene_medians, load_gene_medians, store_gene_stats  # noqa: E402
-from producers.producer import CHUNK_CELLS, Producer, ProducerConfig  # noqa: E402
+from producers.items import CHUNK_CELLS  # noqa: E402
+from producers.producer import Producer, ProducerConfig  # noqa: E402
 from coordination.arrays import offsets_of  # noqa: E402
 from producers.ranking import CellRows, rank_order  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
@@ -72,6 +76,9 @@ def run_config(ds, tokenizer: str, max_genes: int, sampling: Sampling, cell_budg
     seconds = time.perf_counter() - start
     io = ds.expression.io_stats_incremental()
     stats = producer.stats
+    if stats.cells != cells:
+        fail(f"{sampling.strategy} producer ({tokenizer}, {max_genes} genes, {ds.uri}) made {stats.cells:,} of the "
+             f"{cells:,} cells of its {len(units)} units")
     rows = sum(plan.unit(u).n_rows for u in units)
     # ranking alone, on the same cells in the producer's chunks (outside the timed run): the
     # share of "tokenize" it takes
@@ -126,14 +133,16 @@ def floor_cells_per_s(ds, units, plan_sampling) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="5k-cell atlas, 500 cells a configuration (tests)")
     parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
                         help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
     parser.add_argument("--dataset", help="an existing dataset (default: synthesize one in a temp dir)")
-    parser.add_argument("--cells", type=int, default=None, help="atlas size (default 200,000; 20,000 quick)")
-    parser.add_argument("--budget", type=int, default=None, help="cells per configuration (default 40k; 4k quick)")
+    parser.add_argument("--cells", type=int, default=None, help="atlas size (default 200,000; 20,000 quick; 5,000 tiny)")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="cells per configuration (default 40k; 4k quick; 500 tiny)")
     args = parser.parse_args()
-    n_cells = args.cells or (20_000 if args.quick else 200_000)
-    budget = args.budget or (4_000 if args.quick else 40_000)
+    n_cells = args.cells or (5_000 if args.tiny else 20_000 if args.quick else 200_000)
+    budget = args.budget or (500 if args.tiny else 4_000 if args.quick else 40_000)
     path = args.dataset or cached_atlas(n_cells)
     ds = open_dataset(path)
     if load_gene_medians(ds) is None:
@@ -174,6 +183,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
     })
     print(json.dumps(figures))
+    check_figures(figures)
 
 
 if __name__ == "__main__":

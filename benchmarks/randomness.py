@@ -13,19 +13,25 @@ strategy:
 
     python benchmarks/randomness.py            # 200k-cell atlas (14 plates), batch 64, 20 settings
     python benchmarks/randomness.py --quick    # 15k-cell atlas, the 5 parity settings, one seed (a minute)
+    python benchmarks/randomness.py --tiny     # as --quick on 1.5k cells x 5k genes, the PNGs in a temp dir (tests)
 
 Every epoch holds out plate14 (the probe's test plate), so batches come from 13 plates stored in
 order: sequential batches see one plate (entropy ~0 bits), truly random batches of 64 most of
-them. Draws two PNGs (score vs throughput; macro-F1 vs cells seen) and ends with one JSON line.
+them. Draws two PNGs (score vs throughput; macro-F1 vs cells seen: matplotlib, checked before it
+starts; `--no-png` does without) and ends with one JSON line. Needs scikit-learn for macro-F1 (both
+from `pip install -e ".[bench]"`). Exits 1 (one line on stderr) when a figure is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,13 +40,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._checks import check_figures, require  # noqa: E402
 from benchmarks.downstream import (  # noqa: E402
     EVAL_POINTS, LABELS, MAX_GENES, ProbeRun, parity_codes, pipeline_epoch, train_probe)
 from benchmarks.producer import run_config  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
 from producers.producer import label_codes, select_cells  # noqa: E402
-from producers.synth import cached_atlas  # noqa: E402
+from producers.synth import SynthSpec, cached_atlas, synthesize  # noqa: E402
 from cellfeed_testing.sampling_quality import block_entropy_bounds, entropy_bits, index_score  # noqa: E402
 
 BATCH = 64
@@ -108,19 +115,36 @@ def throughput_ratio(ds, a: Sampling, b: Sampling, budget: int, repeats: int = 3
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a 15k-cell atlas, the 5 parity settings, one seed (a minute)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="as --quick on an atlas of 1.5k cells and 5k genes (the probe's steps cost its vocabulary), "
+                             "one throughput pair, a 512-cell buffer, the PNGs in a temp dir (the test suite's)")
     parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
                         help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
-    parser.add_argument("--buffer", type=int, default=4096, help="consumer mixing buffer in cells (4096)")
+    parser.add_argument("--buffer", type=int, default=None,
+                        help="consumer mixing buffer in cells (4096; 512 tiny: less than the tiny atlas)")
     parser.add_argument("--budget", type=int, default=None,
-                        help="cells per setting for the throughput (default 40,000; 2,000 quick)")
-    parser.add_argument("--png", default=str(ROOT / "benchmarks" / "randomness.png"),
-                        help="where to draw score vs throughput (default benchmarks/randomness.png); the "
-                             "convergence plot goes beside it (randomness_convergence.png)")
+                        help="cells per setting for the throughput (default 40,000; 2,000 quick; 500 tiny)")
+    parser.add_argument("--png", default=None,
+                        help="where to draw score vs throughput (default benchmarks/randomness.png; --tiny: a temp "
+                             "dir); the convergence plot goes beside it (randomness_convergence.png)")
+    parser.add_argument("--no-png", action="store_true", help="no PNGs (and no need for matplotlib)")
     args = parser.parse_args()
-    n_cells = 15_000 if args.quick else 200_000
-    budget = args.budget or (2_000 if args.quick else 40_000)
+    require({"sklearn": "the probe's macro-F1", **({} if args.no_png else {"matplotlib": "the PNGs"})},
+            hint="" if args.no_png else " (or --no-png for no PNGs)")
+    if not args.no_png:
+        args.png = args.png or (str(Path(tempfile.mkdtemp(prefix="cellfeed-randomness-")) / "randomness.png")
+                                if args.tiny else str(ROOT / "benchmarks" / "randomness.png"))
+    args.quick = args.quick or args.tiny  # the quick sweep, smaller
+    args.buffer = args.buffer or (512 if args.tiny else 4096)
+    n_cells = 1_500 if args.tiny else 15_000 if args.quick else 200_000
+    budget = args.budget or (500 if args.tiny else 2_000 if args.quick else 40_000)
     seeds = SEEDS[:1] if args.quick else SEEDS
-    ds = open_dataset(cached_atlas(n_cells))
+    if args.tiny:  # 5,000 genes: each step of the probe costs its whole vocabulary
+        work = tempfile.mkdtemp(prefix="cellfeed-randomness-")
+        atexit.register(shutil.rmtree, work, True)
+        ds = synthesize(str(Path(work) / "atlas"), SynthSpec(n_cells=n_cells, n_genes=5000, seed=0), progress=False)
+    else:
+        ds = open_dataset(cached_atlas(n_cells))
     plates = label_codes(ds, "plate")[0]
     trained = select_cells(ds, exclude_filter=HELD_OUT)  # the cells a producer streams
     order = np.random.default_rng(0).permutation(len(trained))
@@ -159,8 +183,8 @@ def main() -> None:
         figures[f"{key_of(name)}_cells_per_s"] = round(speed)
     figures["mixture_index_score"] = figures[f"{key_of(DEFAULTS['mixture'])}_index_score"]
     figures["mixture_vs_sequential_throughput"] = round(
-        throughput_ratio(ds, rows[DEFAULTS["mixture"]][4], rows["sequential"][4], budget), 3)
-    print(f"{DEFAULTS['mixture']} / sequential producer throughput, median of 3 back-to-back pairs: "
+        throughput_ratio(ds, rows[DEFAULTS["mixture"]][4], rows["sequential"][4], budget, 1 if args.tiny else 3), 3)
+    print(f"{DEFAULTS['mixture']} / sequential producer throughput, median of {1 if args.tiny else 3} back-to-back pairs: "
           f"{figures['mixture_vs_sequential_throughput']:.3f}")
     for name in ("block b=16 f=256", DEFAULTS["block"]):
         figures[f"{key_of(name)}_minus_random_bits"] = round(rows[name][0] - reference, 4)
@@ -178,11 +202,16 @@ def main() -> None:
             short = "block" if name == DEFAULTS["block"] else "mixture" if name == DEFAULTS["mixture"] else key_of(name)
             figures[f"f1{suffix}_{short}"] = round(float(np.mean(f1)), 4)
         print(f"{name:<20}{cells}")
-    draw(rows, reference, args.png)
-    convergence_png = str(Path(args.png).with_name(Path(args.png).stem + "_convergence.png"))
-    draw_convergence(probes, convergence_png)
-    print(f"score vs throughput: {args.png}; macro-F1 vs cells seen: {convergence_png}")
+    expected = {f"f1{'' if label == LABELS[0] else '_' + label}_{short}" for label in LABELS
+                for short in ("block", "mixture") + tuple(key_of(n) for n in PARITY if n not in DEFAULTS.values())}
+    figures.update({key: None for key in sorted(expected - figures.keys())})  # (shown missing, then failed)
+    if not args.no_png:
+        draw(rows, reference, args.png)
+        convergence_png = str(Path(args.png).with_name(Path(args.png).stem + "_convergence.png"))
+        draw_convergence(probes, convergence_png)
+        print(f"score vs throughput: {args.png}; macro-F1 vs cells seen: {convergence_png}")
     print(json.dumps(figures))
+    check_figures(figures)
 
 
 def draw(rows: dict, reference: float, png: str) -> None:

@@ -4,8 +4,11 @@ queue that a feeder thread keeps full of scGPT items (random genes, 1024 per cel
 
     python benchmarks/train_step.py --quick                      # CPU: tiny preset, batch 16
     python benchmarks/train_step.py --preset scgpt --batch 240   # on an H100/H200: the goal is MFU >= 40%
+    python benchmarks/train_step.py --tiny                       # the test suite's: 6 steps, batch 8, 256 genes
 
-Ends with one JSON line: device, preset, cells_per_s, mfu, dataloader_wait_ms_median, ...
+Ends with one JSON line: device, preset, cells_per_s, mfu, dataloader_wait_ms_median, ... Exits 1
+(one line on stderr) when it trained fewer steps than asked or a figure is missing (MFU on a GPU
+with no bf16 peak in trainer/metrics.py: on a CPU it is n/a by design).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from coordination.queues import Full, MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import rank_partition, run_tag  # noqa: E402
 from coordination.wire import pack_items  # noqa: E402
 from producers.tokenizers import Tokens  # noqa: E402
+from benchmarks._checks import check_figures, fail  # noqa: E402
+from coordination.net import free_port  # noqa: E402
 from trainer.train import TrainConfig, train  # noqa: E402
 
 N_GENES = 62_710
@@ -50,20 +55,23 @@ def random_items(n_cells: int, max_genes: int, epoch: int, seed: int) -> list[by
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tiny", action="store_true",
+                        help="6 steps of the tiny preset, batch 8, 256 genes: seconds (the test suite's)")
     parser.add_argument("--preset", default=None, help="tiny (CPU default) or scgpt (GPU default), base, large")
     parser.add_argument("--batch", type=int, default=None, help="cells per step (CPU 16, GPU 240)")
     parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
                         help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
-    parser.add_argument("--max-genes", type=int, default=1024)
+    parser.add_argument("--max-genes", type=int, default=None, help="genes per cell (default 1024; 256 tiny)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    preset = args.preset or ("scgpt" if cuda else "tiny")
-    batch = args.batch or (240 if cuda else 16)
-    steps = args.steps or (12 if args.quick else 40)
+    preset = args.preset or ("tiny" if args.tiny or not cuda else "scgpt")
+    batch = args.batch or (8 if args.tiny else 240 if cuda else 16)
+    steps = args.steps or (6 if args.tiny else 12 if args.quick else 40)
+    args.max_genes = args.max_genes or (256 if args.tiny else 1024)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29511")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))  # (a fixed port collides with another run's)
     queue, store = remote(MemoryQueue(), MemoryMap(), args.rpc_latency_ms)
     n_cells = steps * batch
     publish_summary(store, "bench", PlanSummary(0, "bench", 1, n_cells, 1, [n_cells]))
@@ -85,9 +93,12 @@ def main() -> None:
     feeder.start()
     cfg = TrainConfig(run="bench", backend={"kind": "memory"}, vocab_size=N_GENES + 4, preset=preset,
                       batch_size=batch, warmup_steps=3, max_steps=steps, run_driver=False, compile=args.compile,
-                      pad_to=args.max_genes + 1, buffer_cells=4 * batch, progress_bar=not args.quick)
+                      pad_to=args.max_genes + 1, buffer_cells=4 * batch,
+                      progress_bar=not (args.quick or args.tiny))
     summary = train(cfg, queue=queue, store=store)
     stop.set()
+    if summary["steps"] < steps:
+        fail(f"trained {summary['steps']} of {steps} steps")
     device = torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)"
     mfu = summary.get("median_mfu")
     figures = {
@@ -102,6 +113,7 @@ def main() -> None:
           f"MFU {'n/a (no bf16 peak for this device)' if mfu is None else f'{mfu:.1%}'}, "
           f"dataloader wait median {figures['dataloader_wait_ms_median']} ms")
     print(json.dumps(figures))
+    check_figures(figures, allow_none=() if cuda else ("mfu",))  # no bf16 peak for a CPU: MFU is n/a
 
 
 if __name__ == "__main__":

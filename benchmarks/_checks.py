@@ -1,0 +1,58 @@
+"""What every benchmark does at its two ends, so that none can rot into printing a table that
+looks fine: its optional packages (the `bench` extra) are checked before any work starts, and a
+run that did not finish its work, or lacks a figure it reports (None, NaN, infinite), exits 1
+with one line on stderr that says what is missing. Not a benchmark: the others import it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+BENCH_EXTRA = 'pip install -e ".[bench]"'
+PIP_NAMES = {"sklearn": "scikit-learn"}  # import name -> the package pip installs
+
+
+def script() -> str:
+    return f"benchmarks/{Path(sys.argv[0]).name}"
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr naming the benchmark and what is missing; exit status 1."""
+    print(f"{script()}: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def require(packages: dict[str, str], hint: str = "") -> None:
+    """Before any work: each import name in `packages` (-> what it is needed for) is installed,
+    else fail naming the packages and the extra that brings them (`hint`: another way out)."""
+    missing = [(name, why) for name, why in packages.items() if importlib.util.find_spec(name) is None]
+    if missing:
+        names = " and ".join(f"{PIP_NAMES.get(n, n)} (for {why})" for n, why in missing)
+        fail(f"needs {names}: {BENCH_EXTRA}{hint}")
+
+
+def missing_figures(figures: dict, allow_none: tuple[str, ...] = (), prefix: str = "") -> list[str]:
+    """Keys (dotted when nested) of the figures that are None, NaN or infinite; `allow_none`:
+    keys that may be None by design (a figure that does not apply to this run)."""
+    out = []
+    for key, value in figures.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out += missing_figures(value, allow_none, f"{name}.")
+        elif value is None:
+            if name not in allow_none:
+                out.append(name)
+        elif isinstance(value, float) and not math.isfinite(value):
+            out.append(name)
+    return out
+
+
+def check_figures(figures: dict, allow_none: tuple[str, ...] = ()) -> None:
+    """Fail when a figure that will be (or was) printed is missing."""
+    missing = missing_figures(figures, allow_none)
+    if missing:
+        fail(f"figures missing (None, NaN or infinite): {', '.join(missing)}")
