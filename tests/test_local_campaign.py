@@ -6,8 +6,9 @@ a small real dataset gives every producer and rank work."""
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from benchmarks.chaos import trained_per_epoch
-from tests.conftest import PBMC
+from tests.conftest import PBMC, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = "plate = 'plate14'"
@@ -40,6 +41,29 @@ def counts_atlas(tmp_path_factory):
 def local(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "app.cli", "local", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def start_local(args: list[str], **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "app.cli", "local", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def interrupt(proc: subprocess.Popen) -> None:
+    """If the campaign still runs (a failed check), Ctrl-C it: it stops its own children."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
+def training_began(proc: subprocess.Popen, steps: Path) -> None:
+    """Wait until the campaign logged its first step (producers are mid-campaign then)."""
+    wait_for(lambda: proc.poll() is not None or (steps.exists() and steps.read_text().strip()),
+             "the campaign's first step", timeout=300)  # 300: torch and gloo start slowly on a busy machine
+    assert proc.poll() is None, "the campaign ended before its first step was seen: " + proc.communicate()[1][-2000:]
 
 
 
@@ -185,26 +209,17 @@ def test_status_line_shows_queue_tasks_and_producer_states():
 
 
 def test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact(counts_atlas, tmp_path):
-    import signal
-    import time
-
     run_dir = tmp_path / "kill"  # 8 epochs: the campaign runs on well after the kill (the restart is seen)
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "local", "--dataset", counts_atlas.uri, "--workdir",
-                             str(tmp_path), "--run", "kill", "--producers", "2", "--gpus", "2", "--max-genes", "24",
-                             "--batch-size", "16", "--epochs", "8", "--rpc-latency-ms", "20", "--audit-cells",
-                             "--quiet"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    killed, deadline = None, time.monotonic() + 120
-    while killed is None and time.monotonic() < deadline and proc.poll() is None:
-        steps = run_dir / "steps.jsonl"
-        if steps.exists() and steps.read_text().strip():  # training has begun: producers are mid-campaign
-            found = subprocess.run(["pgrep", "-f", r"app\.local --produce .*--name producer-0$"], capture_output=True,
-                                   text=True).stdout.split()
-            if found:
-                killed = int(found[0])
-                os.kill(killed, signal.SIGKILL)
-        time.sleep(0.05)
-    out, err = proc.communicate(timeout=400)
-    assert killed is not None, "the producer to kill was not found"
+    proc = start_local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--run", "kill", "--producers", "2",
+                        "--gpus", "2", "--max-genes", "24", "--batch-size", "16", "--epochs", "8", "--rpc-latency-ms",
+                        "20", "--audit-cells", "--quiet"])
+    try:
+        training_began(proc, run_dir / "steps.jsonl")
+        producer = wait_for(lambda: child_named(proc.pid, "producer-0"), "the campaign's producer-0")
+        os.kill(producer, signal.SIGKILL)  # our campaign's own child: its pid stays reserved until the campaign reaps it
+        out, err = proc.communicate(timeout=400)  # bounds a broken run only
+    finally:
+        interrupt(proc)
     assert proc.returncode == 0, out[-2000:] + err[-2000:]
     assert "producer-0 exited with code -9: restarting it in 1s (1 of 3 restarts)" in out
     epochs = trained_per_epoch(run_dir)
@@ -214,30 +229,81 @@ def test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact(counts_at
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["main-process", "process-group"])
 def test_ctrl_c_stops_every_child_with_one_line(counts_atlas, tmp_path, to_group):
-    import signal
-    import time
-
-    def servers() -> set[str]:
-        return set(subprocess.run(["pgrep", "-f", "-m", "coordination.local_backend"], capture_output=True,
-                                  text=True).stdout.split())
-
-    before = servers()
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "local", "--dataset", counts_atlas.uri, "--workdir",
-                             str(tmp_path), "--run", "ctrlc", "--epochs", "20", "--max-genes", "24", "--quiet"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own group, as a terminal's foreground job
-    steps, deadline = tmp_path / "ctrlc" / "steps.jsonl", time.monotonic() + 120
-    while not (steps.exists() and steps.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert proc.poll() is None, "the campaign ended before it could be interrupted"
-    if to_group:  # Ctrl-C in a terminal: SIGINT to the foreground process group
-        os.killpg(proc.pid, signal.SIGINT)
-    else:  # SIGINT to the main process alone
-        proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    proc = start_local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--run", "ctrlc", "--epochs", "20",
+                        "--max-genes", "24", "--quiet"],
+                       start_new_session=True)  # its own group, as a terminal's foreground job
+    try:
+        training_began(proc, tmp_path / "ctrlc" / "steps.jsonl")
+        started = {pid: started_at(pid) for pid in descendants(proc.pid)}  # what this campaign started, no other's
+        kinds = " ".join(" ".join(cmdline(pid)) for pid in started)
+        assert all(k in kinds for k in ("coordination.local_backend", "app.local --produce", "trainer.train")), kinds
+        if to_group:  # Ctrl-C in a terminal: SIGINT to the foreground process group
+            os.killpg(proc.pid, signal.SIGINT)
+        else:  # SIGINT to the main process alone
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        interrupt(proc)
     assert proc.returncode == 130
     assert err.strip().splitlines()[-1] == "cellfeed: interrupted" and "Traceback" not in err, err[-2000:]
-    time.sleep(0.5)
-    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
-    assert left == [], "producer or rank processes outlived the campaign"
-    assert servers() <= before, "the queue server outlived the campaign"
+    # the campaign killed (or stopped) each before exiting; a SIGKILLed process is gone moments later. 30 s only
+    # bounds a process that outlived the campaign (that fails the test)
+    wait_for(lambda: not [pid for pid, at in started.items() if running(pid, at)],
+             "the queue server, producers and ranks to be gone after the campaign", timeout=30)
+
+
+# --------------------------------------------------- this test's own processes, from /proc (Linux)
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started that are still there (each thread's /proc/PID/task/TID/children)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            out += [int(c) for c in task.read_text().split()]
+        except OSError:  # the thread ended
+            pass
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], children(pid)
+    while todo:
+        out.append(todo.pop())
+        todo += children(out[-1])
+    return out
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def child_named(pid: int, name: str) -> int | None:
+    """The pid of `pid`'s child started as a producer `--name name`, if one runs."""
+    for child in children(pid):
+        args = cmdline(child)
+        if "--produce" in args and args[-2:] == ["--name", name]:
+            return child
+    return None
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def started_at(pid: int) -> str | None:
+    """The process's start time (clock ticks after boot): with the pid, names one process for good."""
+    fields = _stat(pid)
+    return fields[19] if fields else None
+
+
+def running(pid: int, at: str | None) -> bool:
+    """Whether the process `pid` that started at `at` still runs (not gone, not a zombie)."""
+    fields = _stat(pid)
+    return bool(fields) and fields[19] == at and fields[0] not in ("Z", "X")
