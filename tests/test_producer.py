@@ -17,6 +17,7 @@ from coordination.routing import (EVENTS_PARTITION, TASKS_PARTITION, decode_even
 from coordination.wire import unpack_item
 from producers.producer import Producer, ProducerConfig, label_codes
 from producers.tokenizers import CLS
+from tests.conftest import wait_for
 from tests.test_tokenizers import reference_bins
 
 WORLD = 2
@@ -331,23 +332,43 @@ def test_gene_medians_and_geneformer_producer(tmp_path, capsys):
             np.testing.assert_array_equal(it.tokens[it.offsets[0]:it.offsets[1]], want)
 
 def test_a_stop_is_noticed_within_seconds_while_blocked_on_a_full_partition(small_synth):
-    import time
-
+    from coordination.queues import Full
     from coordination.routing import stop_key
 
-    queue, store = MemoryQueue(max_items=100), MemoryMap()  # the trainer consumes nothing: backpressure
+    class WatchedQueue(MemoryQueue):
+        """Counts, per partition, the puts refused as full and the lengths looked at since."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.refused, self.looks_since_refused = {}, {}
+
+        def put_many(self, values, block=True, timeout=None, *, partition=None):
+            try:
+                super().put_many(values, block, timeout, partition=partition)
+            except Full:
+                self.refused[partition] = self.refused.get(partition, 0) + 1
+                self.looks_since_refused[partition] = 0
+                raise
+
+        def len(self, *, partition=None, total=False):
+            if partition in self.looks_since_refused:
+                self.looks_since_refused[partition] += 1
+            return super().len(partition=partition, total=total)
+
+    queue, store = WatchedQueue(max_items=100), MemoryMap()  # the trainer consumes nothing: backpressure
     config = ProducerConfig(dataset=small_synth.uri, run="stop", world_size=1, max_genes=8, cells_per_item=1,
                             sampling=Sampling("sequential", unit_cells=300), heartbeat_s=0.5, idle_timeout_s=60)
     producer = Producer(config, queue, store, dataset=small_synth)
     enqueue_epoch(queue, producer, 0)
     thread = threading.Thread(target=producer.run)
     thread.start()
-    deadline = time.monotonic() + 30
-    while queue.len(partition=rank_partition(0)) < 100 - 32 and time.monotonic() < deadline:  # puts go 32 at a time
-        time.sleep(0.05)
-    time.sleep(1.0)  # blocked on the full partition by now
-    assert thread.is_alive()
+    # blocked: a put to the full partition was refused and the producer has looked at its length again since
+    # (the look that marks it full, then its waits for room)
+    wait_for(lambda: queue.looks_since_refused.get(rank_partition(0), 0) >= 3 or not thread.is_alive(),
+             "the producer waiting for room in its full partition", timeout=60)
+    assert thread.is_alive() and queue.len(partition=rank_partition(0)) > 100 - 32  # puts go 32 at a time
     store.put(stop_key("stop"), "stop")
-    stopped = time.monotonic()
+    # a heartbeat (0.5 s) and a back-off (2 s at most) apart; the bound separates noticing the stop from never
+    # noticing it (put_timeout_s is 600 s, idle_timeout_s 60 s), generously for a busy machine
     thread.join(timeout=30)
-    assert not thread.is_alive() and time.monotonic() - stopped < 5.0
+    assert not thread.is_alive()

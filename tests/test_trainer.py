@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from coordination.tokens import CLS, EOS
 from trainer.model import CellTransformer, ModelConfig, mask_positions, masked_loss, train_flops
 from trainer.stream import Batch
 from trainer.train import TrainConfig
+from tests.conftest import wait_for
 
 WORLD = 2
 BATCH = 32
@@ -119,11 +119,10 @@ def test_sigkill_mid_epoch_then_resume_trains_every_cell_once(small_synth, tmp_p
         first = campaign.train_config(tmp_path / "a", cells_log=str(tmp_path / "a" / "cells"), buffer_cells=160)
         procs = launch(first, WORLD, tmp_path / "a")
         latest = tmp_path / "a" / "ckpt" / "latest"
-        deadline = time.monotonic() + 300
-        while not (latest.exists() and latest.read_text().strip() >= "step-00000020"):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-            time.sleep(0.05)
-        for p in procs:
+        wait_for(lambda: (latest.exists() and latest.read_text().strip() >= "step-00000020")
+                 or any(p.poll() is not None for p in procs), "a checkpoint at step 20", timeout=300)
+        assert all(p.poll() is None for p in procs), "a rank ended before its checkpoint at step 20"
+        for p in procs:  # the ranks this test launched
             os.kill(p.pid, signal.SIGKILL)  # a real crash: no clean-up, no final checkpoint
         for p in procs:
             p.wait()
