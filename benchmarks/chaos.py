@@ -13,7 +13,7 @@ Fault kinds:
 
     python benchmarks/chaos.py            # 10 faults over a 20-epoch campaign
     python benchmarks/chaos.py --quick    # 6 faults over 12 epochs, within 3 minutes on 2 cores
-    python benchmarks/chaos.py --tiny     # a kill and a pause over 2 epochs of 400 cells (the test suite's)
+    python benchmarks/chaos.py --tiny     # a kill and a pause over 3 epochs of 400 cells (the test suite's)
 
 Ends with one JSON line of the figures. Exits 1 (one line on stderr) when a campaign did not finish
 (or timed out), a planned fault was not injected, a cell was lost or duplicated, or a figure is
@@ -198,9 +198,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="6 faults over a 12-epoch campaign (under 3 minutes)")
     parser.add_argument("--tiny", action="store_true",
-                        help="a kill and a pause over a 2-epoch campaign of 400 cells (the test suite's)")
+                        help="a kill and a pause over a 3-epoch campaign of 400 cells (the test suite's)")
     parser.add_argument("--faults", type=int, default=None, help="faults to inject (default 10; 6 quick; 2 tiny)")
-    parser.add_argument("--epochs", type=int, default=None, help="campaign epochs (default 20; 12 quick; 2 tiny)")
+    parser.add_argument("--epochs", type=int, default=None, help="campaign epochs (default 20; 12 quick; 3 tiny)")
     parser.add_argument("--cells", type=int, default=None, help="cells of the synthetic atlas (default 3,000; 400 tiny)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault plan")
     parser.add_argument("--rpc-latency-ms", type=float, default=25.0,
@@ -211,7 +211,7 @@ def main() -> None:
                              "default 4; 1 tiny)")
     args = parser.parse_args()
     n_faults = args.faults or (2 if args.tiny else 6 if args.quick else 10)
-    epochs = args.epochs or (2 if args.tiny else 12 if args.quick else 20)
+    epochs = args.epochs or (3 if args.tiny else 12 if args.quick else 20)
     args.cells = args.cells or (400 if args.tiny else 3000)
     args.pause_s = args.pause_s if args.pause_s is not None else 1.0 if args.tiny else 4.0
     kinds = ("kill", "pause") if args.tiny else KINDS
@@ -230,8 +230,9 @@ def main() -> None:
     if calm.returncode != 0:
         print(calm.stderr[-2000:], file=sys.stderr)
         fail(f"the campaign without faults {'timed out' if calm.timed_out else 'failed'} (exit {calm.returncode})")
-    # faults land within the first `span` s of training: the tiny campaign trains for seconds only
-    span = 0.5 * training_s(work / "calm") if args.tiny else max(10.0, 0.6 * calm.wall_s)
+    # faults land within the first `span` s of training; the tiny campaign trains for a few seconds only, its
+    # faults land within the first third of that (the run with faults may train faster than the calm one)
+    span = 0.4 * training_s(work / "calm") if args.tiny else max(10.0, 0.6 * calm.wall_s)
     plan = fault_plan(args.seed, n_faults, span, kinds=kinds, pause_s=args.pause_s)
     chaos = run_campaign(dataset, work, "chaos", epochs=epochs, faults=plan, seed=args.seed, extra=latency,
                          timeout_s=timeout_s)

@@ -366,19 +366,23 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2, help="simulated epochs (default: 2)")
     parser.add_argument("--latency-ms", type=float, default=25.0, help="per-call latency (default: 25)")
     parser.add_argument("--jitter-ms", type=float, default=10.0, help="per-call jitter (default: 10)")
-    parser.add_argument("--max-seconds", type=float, default=600.0, help="stop the simulation after this long")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="stop the simulation after this long (default 600; 35 quick; 60 tiny)")
     parser.add_argument("--spin-seconds", type=float, default=60.0,
                         help="length of the full-partition phase on the Modal emulator (default: 60; --quick: 20)")
     parser.add_argument("--startup-cells", type=int, default=TAHOE_CELLS,
                         help="cells of the geometry for the setup/start-up probes (default: 100M)")
     args = parser.parse_args()
     if args.quick:  # a smaller simulation at the same latency; the start-up probes stay at 100M cells
-        args.producers, args.units, args.max_seconds = min(args.producers, 32), min(args.units, 300), 35.0
+        args.producers, args.units = min(args.producers, 32), min(args.units, 300)
+        args.max_seconds = args.max_seconds or 35.0
         args.spin_seconds = min(args.spin_seconds, 20.0)
     if args.tiny:  # the producers must still be busy when one dies (at 5 s), the run outlasts the lease
-        args.producers, args.units, args.max_seconds = min(args.producers, 4), min(args.units, 16), 60.0
+        args.producers, args.units = min(args.producers, 4), min(args.units, 16)
+        args.max_seconds = args.max_seconds or 60.0
         args.spin_seconds = min(args.spin_seconds, 3.0)
         args.startup_cells = min(args.startup_cells, 200_000)
+    args.max_seconds = args.max_seconds or 600.0
     t = time.perf_counter()
     geometry = tahoe_geometry(max(2_000_000, 2 * args.units * 1024))  # room for the simulated windows' units
     plans = {e: EpochPlan(geometry, replace(SAMPLING), seed=0, epoch=e) for e in range(args.epochs)}

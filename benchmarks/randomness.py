@@ -129,9 +129,9 @@ def main() -> None:
                              "dir); the convergence plot goes beside it (randomness_convergence.png)")
     parser.add_argument("--no-png", action="store_true", help="no PNGs (and no need for matplotlib)")
     args = parser.parse_args()
-    require({"sklearn": "the probe's macro-F1", **({} if args.no_png else {"matplotlib": "the PNGs"})},
-            hint="" if args.no_png else " (or --no-png for no PNGs)")
+    require({"sklearn": "the probe's macro-F1"})
     if not args.no_png:
+        require({"matplotlib": "the PNGs"}, hint=", or --no-png")
         args.png = args.png or (str(Path(tempfile.mkdtemp(prefix="cellfeed-randomness-")) / "randomness.png")
                                 if args.tiny else str(ROOT / "benchmarks" / "randomness.png"))
     args.quick = args.quick or args.tiny  # the quick sweep, smaller

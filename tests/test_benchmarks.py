@@ -1,0 +1,169 @@
+"""Every benchmark in benchmarks/ still runs: its `--tiny` mode (the same code path at the smallest
+sensible scale, seconds each) exits 0 and ends with its JSON line, whose key figures are present
+and finite. A benchmark that did not finish, or lacks a figure, exits 1 with one line on stderr
+(benchmarks/_checks.py); one that needs an optional package says so before doing any work.
+(`benchmarks/downstream.py` is the probe that randomness.py runs, not a benchmark of its own.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks._checks import missing_figures
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300  # generous: a tiny run takes seconds, a busy 2-core machine several times that
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None  # the `bench` extra, not `test`
+
+
+def run_benchmark(name: str, *args: str, code: str | None = None) -> subprocess.CompletedProcess:
+    """`python benchmarks/<name>.py args` from the repository root (or `code` standing in for the
+    interpreter's entry, with the same argv)."""
+    command = [sys.executable, f"benchmarks/{name}.py", *args] if code is None else \
+        [sys.executable, "-c", code, f"benchmarks/{name}.py", *args]
+    start = time.monotonic()
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    out.wall_s = time.monotonic() - start
+    return out
+
+
+def figures_of(out: subprocess.CompletedProcess) -> dict:
+    """The benchmark's JSON line (its last line that is a JSON object), after a clean exit."""
+    assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no JSON line in the output:\n{out.stdout[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def finite(*values) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+
+
+def png_args(tmp_path: Path, name: str) -> list[str]:
+    """Draw into tmp_path when matplotlib is here (never over the repository's figures), else --no-png."""
+    return ["--png", str(tmp_path / f"{name}.png")] if HAVE_MATPLOTLIB else ["--no-png"]
+
+
+def test_train_step():
+    figures = figures_of(run_benchmark("train_step", "--tiny"))
+    assert figures["steps"] == 6 and figures["preset"] == "tiny" and figures["batch"] == 8
+    assert finite(figures["cells_per_s"], figures["median_step_ms"], figures["tokens_per_s"])
+    assert figures["cells_per_s"] > 0
+    assert figures["mfu"] is None or finite(figures["mfu"])  # n/a on a CPU
+
+
+def test_consumer():
+    figures = figures_of(run_benchmark("consumer", "--tiny"))
+    for key in ("consumer_cells_per_s_batch64", "consumer_cells_per_s_batch240",
+                "consumer_cells_per_s_batch64_local", "consumer_cells_per_s_batch240_local"):
+        assert finite(figures[key]) and figures[key] > 0, key
+    assert finite(figures["round_trip_us_memory"], figures["round_trip_us_local"])
+
+
+def test_convert():
+    figures = figures_of(run_benchmark("convert", "--tiny"))
+    assert figures["cells"] == 500 and figures["nonzeros"] > 500
+    assert finite(figures["convert_cells_per_s"], figures["synth_cells_per_s"], figures["convert_peak_rss_mb"])
+    assert figures["convert_cells_per_s"] > 0 and figures["synth_cells_per_s"] > 0
+
+
+def test_producer():
+    figures = figures_of(run_benchmark("producer", "--tiny"))
+    for key in ("scgpt_1024_sequential_cells_per_s", "scgpt_1024_block_cells_per_s", "scgpt_1024_random_cells_per_s",
+                "geneformer_1024_block_cells_per_s", "raw_2048_block_cells_per_s", "floor_cells_per_s"):
+        assert finite(figures[key]) and figures[key] > 0, key
+    assert finite(figures["pipeline_over_floor"]) and figures["scgpt_1024_block_bytes_per_cell"] > 0
+
+
+def test_object_store():
+    """Local disk, a real S3 server (SeaweedFS) and that server behind a latency proxy."""
+    figures = figures_of(run_benchmark("object_store", "--tiny"))
+    for strategy in ("sequential", "mixture", "block", "block16", "random"):
+        for store in ("local", "s3", "s3_30ms"):
+            assert finite(figures[f"{store}_{strategy}_cells_per_s"]) and figures[f"{store}_{strategy}_cells_per_s"] > 0
+        assert finite(figures[f"s3_30ms_over_local_{strategy}"], figures[f"gets_per_1k_cells_{strategy}"],
+                      figures[f"read_amplification_{strategy}"])
+    assert finite(figures["block_over_sequential_local"], figures["block16_over_sequential_local"])
+    assert set(figures["startup_s"]) == {"local", "s3", "s3_30ms"}
+
+
+def test_local_scaling(tmp_path):
+    figures = figures_of(run_benchmark("local_scaling", "--tiny", *png_args(tmp_path, "scaling")))
+    for key in ("local_cells_per_s_1_producer", "local_cells_per_s_2_producers",
+                "local_steady_cells_per_s_1_producer", "local_steady_cells_per_s_2_producers"):
+        assert finite(figures[key]) and figures[key] > 0, key
+    assert (tmp_path / "scaling.png").exists() == HAVE_MATPLOTLIB
+
+
+def test_randomness(tmp_path):
+    """The sampling sweep and the downstream probe (benchmarks/downstream.py) on the quick settings."""
+    figures = figures_of(run_benchmark("randomness", "--tiny", *png_args(tmp_path, "randomness")))
+    assert 0 < figures["true_random_plate_entropy"] <= math.log2(14)
+    for setting in ("sequential", "random", "mixture_n8", "block_b16_f256", "block_b64_f240"):
+        assert finite(figures[f"{setting}_plate_entropy"], figures[f"{setting}_index_score"])
+        assert figures[f"{setting}_cells_per_s"] > 0
+    for short in ("sequential", "random", "mixture", "block_b16_f256", "block"):  # macro-F1, two labels
+        assert 0 <= figures[f"f1_{short}"] <= 1 and 0 <= figures[f"f1_dose_{short}"] <= 1, short
+    assert finite(figures["mixture_vs_sequential_throughput"])
+    if HAVE_MATPLOTLIB:
+        assert (tmp_path / "randomness.png").exists() and (tmp_path / "randomness_convergence.png").exists()
+
+
+def test_coordination():
+    """The simulation at Modal's latency (a producer dies: its unit is re-issued after the lease),
+    the full-partition phase on the Modal emulator, the start-up and driver probes."""
+    figures = figures_of(run_benchmark("coordination", "--tiny"))
+    assert figures["finished"] and figures["cells"] == figures["expected_cells"] > 0
+    assert figures["reissued"] >= 1 and finite(figures["reissue_s"])
+    assert finite(figures["efficiency"], figures["calls_per_1k_cells"], figures["epoch_gap_s"],
+                  figures["driver_pass_s"], figures["first_batch_s"])
+    assert figures["full_partition"]["accepted_cells"] > 0
+    assert finite(figures["full_partition_bytes_sent_per_delivered"], figures["full_partition_calls_per_1k_cells"])
+    assert figures["startup_cells"] == 200_000
+    assert finite(figures["setup_s_100m"], figures["producer_start_s_100m"], figures["driver_epoch_s_100m"])
+
+
+def test_chaos():
+    """A real local campaign, a producer SIGKILLed and the trainer SIGSTOPped: nothing lost."""
+    figures = figures_of(run_benchmark("chaos", "--tiny"))
+    assert figures["completed"] and figures["faults_injected"] == 2
+    assert figures["fault_kinds"] == {"kill": 1, "pause": 1}
+    assert (figures["cells_checked"], figures["cells_lost"], figures["cells_duplicated"]) == (3 * 400, 0, 0)
+    assert figures["producer_restarts"] >= 1
+    assert finite(figures["overhead_ratio"], figures["wall_s"], figures["calm_wall_s"])
+
+
+def test_a_simulation_that_does_not_finish_exits_1_in_one_line():
+    """The coordination simulation cut off before its producer's unit is re-issued."""
+    out = run_benchmark("coordination", "--tiny", "--max-seconds", "2")
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("benchmarks/coordination.py: did not finish: "
+                                                           "the simulation delivered ")
+
+
+@pytest.mark.parametrize("name, package, pip_name", [("randomness", "matplotlib", "matplotlib"),
+                                                     ("randomness", "sklearn", "scikit-learn"),
+                                                     ("local_scaling", "matplotlib", "matplotlib")])
+def test_a_missing_optional_package_fails_before_any_work(name, package, pip_name):
+    """With the package hidden, the benchmark stops at once, in one line naming it and the extra."""
+    hide = (f"import runpy, sys; sys.modules[{package!r}] = None; sys.argv = sys.argv[1:]; "
+            f"runpy.run_path(sys.argv[0], run_name='__main__')")
+    out = run_benchmark(name, "--tiny", code=hide)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"benchmarks/{name}.py: needs {pip_name} (for ") and 'pip install -e ".[bench]"' in last
+    assert out.stdout == ""  # nothing was computed
+    if package == "matplotlib":
+        assert "--no-png" in last
+
+
+def test_missing_figures_are_found_nested_and_none_only_where_allowed():
+    figures = {"a": 1.0, "b": float("nan"), "c": None, "d": {"e": float("inf"), "f": 2}, "g": "text", "h": None}
+    assert missing_figures(figures, allow_none=("h",)) == ["b", "c", "d.e"]
