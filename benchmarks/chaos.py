@@ -1,5 +1,7 @@
 """Faults, injected into a real local campaign (`cellfeed local`: a queue server, producer
-processes, DDP ranks), by real signals, at seeded moments; then every epoch's trained cells
+processes, DDP ranks), by real signals, at seeded points of its training (a fault fires once the
+ranks have logged its step: progress, not seconds, so each lands however fast the machine is, and
+only on the campaign's own processes); then every epoch's trained cells
 (`--audit-cells`) are checked against the training set: lost, duplicated. The same campaign
 runs once without faults, for the overhead.
 
@@ -48,38 +50,73 @@ KINDS = ("kill", "stall", "pause")
 
 @dataclass
 class Fault:
-    at_s: float  # seconds after training began
+    at_step: int  # fires once the ranks have logged this many training steps
     kind: str
-    seconds: float = 0.0  # how long a stall or pause lasts
+    seconds: float = 0.0  # how long a stall or pause lasts (a stall outlasting the lease is the fault itself)
 
 
 @dataclass
 class Outcome:
     returncode: int
     wall_s: float
-    faults: list = field(default_factory=list)  # what was done: (at_s, kind, processes hit)
+    faults: list = field(default_factory=list)  # what was done: (at step, kind, processes hit)
     stdout: str = ""
     stderr: str = ""
     timed_out: bool = False
 
 
-def fault_plan(seed: int, n_faults: int, span_s: float, kinds=KINDS, pause_s: float = 4.0) -> list[Fault]:
-    """Seeded faults spread over the first `span_s` seconds of training: at least one of each
+def fault_plan(seed: int, n_faults: int, span_steps: int, kinds=KINDS, pause_s: float = 4.0) -> list[Fault]:
+    """Seeded faults spread over the first `span_steps` training steps: at least one of each
     kind, the rest kills; a stall lasts past the lease (16 s), a pause `pause_s`."""
     rng = random.Random(seed)
     chosen = list(kinds) + ["kill"] * max(0, n_faults - len(kinds))
     rng.shuffle(chosen)
-    gap = span_s / (len(chosen) + 1)
+    gap = span_steps / (len(chosen) + 1)
     plan = []
     for i, kind in enumerate(chosen[:n_faults]):
         seconds = LEASE_S + 4 if kind == "stall" else pause_s if kind == "pause" else 0.0
-        plan.append(Fault(round(gap * (i + 1) + rng.uniform(-gap / 3, gap / 3), 2), kind, seconds))
-    return sorted(plan, key=lambda f: f.at_s)
+        plan.append(Fault(max(1, round(gap * (i + 1) + rng.uniform(-gap / 3, gap / 3))), kind, seconds))
+    return sorted(plan, key=lambda f: f.at_step)
 
 
-def _pids(pattern: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out if int(p) != os.getpid()]
+def children(pid: int) -> list[tuple[int, list[str]]]:
+    """The processes `pid` started that are still there, with their command lines (Linux: each
+    thread's /proc/PID/task/TID/children). A campaign's own queue server, producers and ranks: no
+    other process on the machine is ever signalled. A child's pid stays its own until `pid` reaps it."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            pids = [int(c) for c in task.read_text().split()]
+        except OSError:  # the thread ended
+            continue
+        out += [(child, cmdline(child)) for child in pids]
+    return out
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def steps_logged(log: Path, offset: int, step: int) -> tuple[int, int]:
+    """(offset, step) after reading the step log's complete lines from `offset`: the last step a
+    rank logged (evaluation rows carry no loss)."""
+    try:
+        with log.open("rb") as f:
+            if f.seek(0, os.SEEK_END) < offset:  # a new log (the campaign replaces an old one)
+                offset, step = 0, 0
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return offset, step
+    complete = data[: data.rfind(b"\n") + 1]
+    for line in complete.splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            step = max(step, row["step"])
+    return offset + len(complete), step
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -93,8 +130,8 @@ def _signal(pids: list[int], sig: int) -> None:
 def run_campaign(dataset: str, workdir: Path, run: str, *, epochs: int, producers: int = 3, gpus: int = 2,
                  faults: list[Fault] = (), extra: list[str] = (), timeout_s: float = 600.0,
                  seed: int = 0) -> Outcome:
-    """`cellfeed local` with `--audit-cells`, the faults applied by a thread at their moments
-    (counted from the first trained step)."""
+    """`cellfeed local` with `--audit-cells`, each fault applied once the ranks have logged its step,
+    to this campaign's own children."""
     args = [sys.executable, "-m", "app.cli", "local", "--dataset", dataset, "--workdir", str(workdir), "--run", run,
             "--producers", str(producers), "--gpus", str(gpus), "--epochs", str(epochs), "--max-genes", "24",
             "--batch-size", "16", "--audit-cells", "--quiet", *extra]
@@ -103,26 +140,21 @@ def run_campaign(dataset: str, workdir: Path, run: str, *, epochs: int, producer
     done: list = []
     stopped: set[int] = set()
     rng = random.Random(seed)
-    producer_of = rf"app\.local --produce {workdir}/{run}/.* --name producer-"
-    ranks_of = rf"trainer\.train --config {workdir}/{run}/"
-
     lock = threading.Lock()
 
-    def apply(fault: Fault, began: float) -> None:
-        while proc.poll() is None and time.monotonic() - began < fault.at_s:
-            time.sleep(0.05)
+    def apply(fault: Fault, at: int) -> None:
         if proc.poll() is not None:
             return
         with lock:  # one target at a time: a producer stalled by one fault is not picked by another
+            mine = children(proc.pid)
             if fault.kind == "pause":
-                targets = _pids(ranks_of)
+                targets = [pid for pid, argv in mine if "trainer.train" in argv]
             else:
-                found = [p for p in _pids(producer_of) if p not in stopped]
+                found = [pid for pid, argv in mine if "--produce" in argv and pid not in stopped]
                 targets = [rng.choice(found)] if found else []
             stopped.update(targets if fault.kind != "kill" else [])
         if not targets:
             return
-        at = round(time.monotonic() - began, 1)
         if fault.kind == "kill":
             _signal(targets, signal.SIGKILL)
         else:
@@ -133,14 +165,15 @@ def run_campaign(dataset: str, workdir: Path, run: str, *, epochs: int, producer
         with lock:
             done.append((at, fault.kind, len(targets)))
 
-    def inject() -> None:  # each fault at its own moment, from the first trained step
-        steps = workdir / run / "steps.jsonl"
-        while proc.poll() is None and not (steps.exists() and steps.read_text().strip()):
-            time.sleep(0.05)
-        began = time.monotonic()
-        threads = [threading.Thread(target=apply, args=(f, began), daemon=True) for f in faults]
-        for t in threads:
-            t.start()
+    def inject() -> None:  # each fault once its step is logged (a stall or pause runs on in its own thread)
+        log, offset, step = workdir / run / "steps.jsonl", 0, 0
+        pending, threads = sorted(faults, key=lambda f: f.at_step), []
+        while pending and proc.poll() is None:
+            offset, step = steps_logged(log, offset, step)
+            while pending and step >= pending[0].at_step:
+                threads.append(threading.Thread(target=apply, args=(pending.pop(0), step), daemon=True))
+                threads[-1].start()
+            time.sleep(0.05)  # how often the step log is read
         for t in threads:
             t.join()
 
@@ -187,11 +220,9 @@ def cells_per_unit(stdout: str) -> float:
     return cells / int(words[1].split()[0].replace(",", ""))
 
 
-def training_s(run_dir: Path) -> float:
-    """Seconds the run trained after its first step (the faults' clock): its later steps' times,
-    waits included, from the step log."""
-    rows = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
-    return sum(row["step_s"] for row in rows if "step_s" in row) - rows[0].get("step_s", 0.0)
+def training_steps(run_dir: Path) -> int:
+    """The steps the run trained (the faults' clock), from its step log."""
+    return steps_logged(run_dir / "steps.jsonl", 0, 0)[1]
 
 
 def main() -> None:
@@ -230,9 +261,8 @@ def main() -> None:
     if calm.returncode != 0:
         print(calm.stderr[-2000:], file=sys.stderr)
         fail(f"the campaign without faults {'timed out' if calm.timed_out else 'failed'} (exit {calm.returncode})")
-    # faults land within the first `span` s of training; the tiny campaign trains for a few seconds only, its
-    # faults land within the first third of that (the run with faults may train faster than the calm one)
-    span = 0.4 * training_s(work / "calm") if args.tiny else max(10.0, 0.6 * calm.wall_s)
+    # faults land within the first `span` steps of training: the same campaign with faults trains as many steps
+    span = round((0.4 if args.tiny else 0.6) * training_steps(work / "calm"))
     plan = fault_plan(args.seed, n_faults, span, kinds=kinds, pause_s=args.pause_s)
     chaos = run_campaign(dataset, work, "chaos", epochs=epochs, faults=plan, seed=args.seed, extra=latency,
                          timeout_s=timeout_s)
@@ -246,11 +276,11 @@ def main() -> None:
 
     print(f"\ncampaign: {args.cells:,} cells x {epochs} epochs, 3 producers, 2 ranks, {args.rpc_latency_ms:.0f} ms a "
           f"queue/map call; machine: {platform.machine()}, {os.cpu_count()} cores")
-    print(f"{'at s':>6}  fault")
+    print(f"{'at step':>7}  fault")
     for at, kind, n in sorted(chaos.faults):
         what = {"kill": "SIGKILL a producer", "stall": f"SIGSTOP a producer for {LEASE_S + 4:.0f}s (past its lease)",
                 "pause": f"SIGSTOP {n} trainer ranks for {args.pause_s:.0f}s"}[kind]
-        print(f"{at:>6.1f}  {what}")
+        print(f"{at:>7}  {what}")
     print(f"run finished: {'yes' if chaos.returncode == 0 else f'no (exit {chaos.returncode})'}; "
           f"producer restarts: {restarts}")
     print(f"cells checked {checked:,} ({epochs} epochs): lost {lost}, duplicated {duplicated}; "
@@ -270,7 +300,7 @@ def main() -> None:
         fail(f"the campaign with faults {'timed out' if chaos.timed_out else 'failed'} (exit {chaos.returncode})")
     if len(chaos.faults) < len(plan):
         fail(f"{len(chaos.faults)} of the {len(plan)} planned faults were injected (the campaign ended before the "
-             f"rest, or found no process to hit): {[f.kind for f in plan]} planned over {span:.1f}s")
+             f"rest, or found no process to hit): {[f.kind for f in plan]} planned over {span} steps")
     if lost or duplicated or checked != epochs * args.cells:
         fail(f"{lost:,} cells lost and {duplicated:,} duplicated over {epochs} epochs ({checked:,} checked)")
     if per_unit == 0.0:

@@ -26,8 +26,10 @@ def chaos_atlas(tmp_path_factory):
 def test_producers_killed_and_stalled_and_trainer_paused_lose_and_duplicate_nothing(chaos_atlas, tmp_path):
     dataset, n_cells = chaos_atlas
     stall = LEASE_S + 4  # past the lease: the unit is re-issued, the stalled producer later sends duplicates
-    faults = [Fault(0.5, "kill"), Fault(2.0, "stall", stall), Fault(3.0, "kill"), Fault(5.0, "pause", stall),
-              Fault(24.0, "kill")]
+    # at training steps (of 940: 20 epochs of 47), whatever the machine's speed: four in epoch 0, one in epoch 4,
+    # long after the stall and the pause ended (the ranks log no step while paused)
+    faults = [Fault(2, "kill"), Fault(8, "stall", stall), Fault(12, "kill"), Fault(20, "pause", stall),
+              Fault(200, "kill")]
     # at Modal's 25 ms a call production spans the campaign, so the faults hit producers mid-unit
     out = run_campaign(dataset, tmp_path, "chaos", epochs=20, producers=3, faults=faults, timeout_s=420,
                        extra=["--rpc-latency-ms", "25"])

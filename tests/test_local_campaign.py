@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.chaos import trained_per_epoch
+from benchmarks.chaos import children, cmdline, trained_per_epoch
 from tests.conftest import PBMC, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,36 +255,17 @@ def test_ctrl_c_stops_every_child_with_one_line(counts_atlas, tmp_path, to_group
 # --------------------------------------------------- this test's own processes, from /proc (Linux)
 
 
-def children(pid: int) -> list[int]:
-    """The processes `pid` started that are still there (each thread's /proc/PID/task/TID/children)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            out += [int(c) for c in task.read_text().split()]
-        except OSError:  # the thread ended
-            pass
-    return out
-
-
 def descendants(pid: int) -> list[int]:
-    out, todo = [], children(pid)
+    out, todo = [], [child for child, _ in children(pid)]
     while todo:
         out.append(todo.pop())
-        todo += children(out[-1])
+        todo += [child for child, _ in children(out[-1])]
     return out
-
-
-def cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
-    except OSError:
-        return []
 
 
 def child_named(pid: int, name: str) -> int | None:
     """The pid of `pid`'s child started as a producer `--name name`, if one runs."""
-    for child in children(pid):
-        args = cmdline(child)
+    for child, args in children(pid):
         if "--produce" in args and args[-2:] == ["--name", name]:
             return child
     return None
