@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -306,6 +307,8 @@ def main() -> None:
     if per_unit == 0.0:
         fail("the campaign's first line (\"N cells/epoch in U units\") is missing: no cells_reproduced")
     check_figures(figures)
+    if args.tiny:  # (the test suite's: its atlas and runs are not kept; a failed run's are)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
