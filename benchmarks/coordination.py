@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -261,6 +262,7 @@ def full_partition_phase(*, seconds: float, latency_ms: float, jitter_ms: float,
             t.join(timeout=10)
     finally:
         emulator.close()
+        shutil.rmtree(root, ignore_errors=True)
         WORLD = world_before
     accepted_cells = stats.get("put_ok_items", 0) * CELLS_PER_ITEM
     producer_calls = calls.get("queue.put_many.items", 0) + calls.get("queue.len.items", 0)

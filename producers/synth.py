@@ -20,6 +20,7 @@ so memory is bounded by a chunk and the output depends only on the seed and the 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 
@@ -241,5 +242,12 @@ def cached_atlas(n_cells: int, seed: int = 0) -> str:
     VERSION), so an atlas of an older generator is never reused."""
     path = os.path.join(tempfile.gettempdir(), f"cellfeed-bench-atlas-{n_cells}-s{seed}-v{VERSION}")
     if not os.path.exists(os.path.join(path, "config.json")):
-        synthesize(path, SynthSpec(n_cells=n_cells, seed=seed), overwrite=True)
+        # built beside it and renamed into place: two processes asking at once never see half an atlas
+        staging = tempfile.mkdtemp(prefix=os.path.basename(path) + ".building-", dir=os.path.dirname(path))
+        synthesize(os.path.join(staging, "atlas"), SynthSpec(n_cells=n_cells, seed=seed), progress=False)
+        try:
+            os.rename(os.path.join(staging, "atlas"), path)
+        except OSError:  # another process got there first: its atlas is the same
+            pass
+        shutil.rmtree(staging, ignore_errors=True)
     return path

@@ -12,6 +12,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from tests.conftest import wait_for
+
 from coordination.driver import Driver
 from coordination.summary import PlanSummary, publish_summary
 from coordination.errors import CellfeedError
@@ -153,13 +155,11 @@ def test_driver_reissues_expired_leases(small_synth):
     driver = Driver(queue, store, "lease", lease_s=0.2, poll_s=0.05, stall_timeout_s=30)
     thread = driver.start([0])
     # a producer takes a task and dies with it (never says it holds it, never reports it done)
-    deadline = time.monotonic() + 30
-    while queue.len(partition=TASKS_PARTITION) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: queue.len(partition=TASKS_PARTITION) > 0, "the driver to issue tasks")
     taken = producer._take_and_read()
-    died_at = time.monotonic()
     assert taken is not None
     Producer(config, queue, store, dataset=small_synth).run()  # a healthy producer does the rest
     thread.join(timeout=60)
+    # the unit the dead producer took was issued again, and the epoch completed (how soon after the
+    # death is a figure of benchmarks/coordination.py, not a test's)
     assert driver.error is None and driver.stats.reissued >= 1 and driver.stats.epochs == 1
-    assert driver.stats.first_reissue_at - died_at < 0.2 + 5.0  # one lease after the death, not much more

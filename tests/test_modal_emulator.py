@@ -7,7 +7,6 @@ from __future__ import annotations
 import builtins
 import queue as stdlib_queue
 import threading
-import time
 
 import pytest
 
@@ -51,18 +50,16 @@ def test_puts_follow_modals_retry_rule_on_a_full_partition(world):  # S5, S7
     q = modal.Queue.from_name("sem-full", create_if_missing=True)
     for _ in range(5):
         q.put_many([b"x"] * 1000, partition="p")
-    t = time.monotonic()
+    refused = lambda: world.describe()["stats"]["p"].get("put_full", 0)  # noqa: E731 - puts the server refused
     with pytest.raises(stdlib_queue.Full):
-        q.put(b"y", block=True, timeout=1.5, partition="p")  # under ~2.1 s: refused at once
-    assert time.monotonic() - t < 0.5
+        q.put(b"y", block=True, timeout=1.5, partition="p")  # under ~2.1 s: refused after one try
+    assert refused() == 1
     with pytest.raises(stdlib_queue.Full):
         q.put(b"y", block=False, partition="p")
-    t = time.monotonic()
+    assert refused() == 2
     with pytest.raises(stdlib_queue.Full):
         q.put(b"y", block=True, timeout=3.0, partition="p")  # tries at 0, 0.1, 0.3, 0.7 s, then gives up
-    assert 0.6 < time.monotonic() - t < 1.5
-    puts = world.describe()["stats"]["p"]
-    assert puts["put_full"] == 1 + 1 + 4 and q.len(partition="p") == 5000
+    assert refused() == 2 + 4 and q.len(partition="p") == 5000
 
 
 def test_gets_block_return_and_raise_as_modals(world):  # S10
