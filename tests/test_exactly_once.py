@@ -6,7 +6,6 @@ steps. Bad items and missing producers end in clear errors, never hangs."""
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 
 import numpy as np
