@@ -1,7 +1,7 @@
 """The Modal path, whole, on the Modal emulator (not a Modal run): `modal run app/modal_app.py`'s
-entrypoint → setup → train (2 CPU ranks, gloo) → spawned producers → the end, with a preemption
-mid-epoch, one in the first minute (at Modal's 25 ms a call), a producer that keeps failing, and
-a campaign longer than Modal's 24 h limit on a call (on the emulator's fast clock)."""
+entrypoint → setup → train (2 CPU ranks, gloo) → spawned producers → the end, preempted in its
+first minute and again mid-epoch (at Modal's 25 ms a call), with a producer that keeps failing,
+and as a campaign longer than Modal's limit on a call (on the emulator's fast clock)."""
 
 from __future__ import annotations
 
@@ -80,40 +80,31 @@ def check_campaign(world: ModalEmulator, out: str, *, epochs: int, producers: in
     assert len(world.calls("setup")) == 1 and json.loads(out.strip().splitlines()[-1])["steps"] > 0
 
 
-def test_modal_run_whole_path_with_a_preemption_mid_epoch(atlas, tmp_path):
+def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_mid_epoch(atlas, tmp_path):
+    """At Modal's 25 ms a call: `train` is preempted as soon as its fleet is spawned (nothing to
+    checkpoint yet), and its re-run is preempted again once training is past a checkpoint
+    (mid-epoch 0). Each re-run resumes with the same queue, plans and producers."""
     with ModalEmulator(tmp_path / "world", grace_s=30) as world:
-        proc = modal_run(world, flags(atlas))
+        proc = modal_run(world, flags(atlas, rpc_latency_ms=25))
         call = wait_for(lambda: train_attempt(world), "train to start")
-        # the event: a checkpoint is written and training is past it (mid-epoch 0)
-        wait_for(lambda: steps_logged(world, call["id"], 0) >= 6 or proc.poll() is not None, "six steps")
-        world.preempt(call["id"])
+        wait_for(lambda: len(world.calls("produce")) == 2, "the fleet to be spawned")
+        world.preempt(call["id"])  # in its first minute
         wait_for(lambda: train_attempt(world, 1), "train's input to run again")
         during = world.describe()
         assert f"cellfeed-{RUN}" in during["queues"] and f"cellfeed-{RUN}" in during["dicts"]  # not cleaned up
+        # the event: a checkpoint is written (every 4 steps) and training is past it
+        wait_for(lambda: steps_logged(world, call["id"], 1) >= 6 or proc.poll() is not None, "six steps")
+        world.preempt(call["id"])
         code, out, err = finish(proc)
         assert code == 0, err[-3000:]
         (train,) = world.calls("train")
-        assert [a["outcome"] for a in train["attempts"]] == ["preempted", "success"]
-        first, again = container_log(world, train["id"], 0), container_log(world, train["id"], 1)
-        assert "preempted: the ranks checkpoint" in first and "Traceback" not in first.split("preempted")[0]
-        resumed = re.search(r"resumed from step (\d+) \(epoch (\d+), ([\d,]+) cells of it already trained\)", again)
-        assert resumed and int(resumed[1]) >= 6 and int(resumed[2]) == 0, again[-2000:]  # mid-epoch 0
-        assert "reusing the 2 producers still running" in again
+        assert [a["outcome"] for a in train["attempts"]] == ["preempted", "preempted", "success"]
+        logs = [container_log(world, train["id"], a) for a in range(3)]
+        assert all("reusing the 2 producers still running" in log for log in logs[1:])
+        assert "preempted: the ranks checkpoint" in logs[1]
+        resumed = re.search(r"resumed from step (\d+) \(epoch (\d+), ([\d,]+) cells of it already trained\)", logs[2])
+        assert resumed and int(resumed[1]) >= 6 and int(resumed[2]) == 0, logs[2][-2000:]  # mid-epoch 0
         check_campaign(world, out, epochs=2, producers=2)
-
-
-def test_modal_run_preempted_in_its_first_minute_at_modal_latency(atlas, tmp_path):
-    with ModalEmulator(tmp_path / "world", grace_s=30) as world:
-        proc = modal_run(world, flags(atlas, epochs=1, rpc_latency_ms=25))
-        call = wait_for(lambda: train_attempt(world), "train to start")
-        wait_for(lambda: len(world.calls("produce")) == 2, "the fleet to be spawned")
-        world.preempt(call["id"])  # before any step: nothing to checkpoint yet
-        code, out, err = finish(proc)
-        assert code == 0, err[-3000:]
-        (train,) = world.calls("train")
-        assert [a["outcome"] for a in train["attempts"]] == ["preempted", "success"]
-        assert "reusing the 2 producers still running" in container_log(world, train["id"], 1)
-        check_campaign(world, out, epochs=1, producers=2)
 
 
 def test_a_producer_that_keeps_failing_ends_the_run_in_one_line(atlas, tmp_path):
