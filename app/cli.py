@@ -24,7 +24,7 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_synth(args) -> int:
-    from app.local import plural
+    from app.status import plural
     from producers.synth import SynthSpec, synthesize
 
     spec = SynthSpec(n_cells=args.cells, n_genes=args.genes, n_plates=args.plates, seed=args.seed)
@@ -36,7 +36,7 @@ def cmd_synth(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from app.local import plural
+    from app.status import plural
     from producers.convert import convert
 
     *inputs, out = args.paths
@@ -76,7 +76,8 @@ def cmd_local(args) -> int:
     from pathlib import Path
 
     from app.config import CampaignConfig
-    from app.local import default_dataset, describe_resume, place_checkpoints, print_summary, run_local
+    from app.local import default_dataset, describe_resume, place_checkpoints, run_local
+    from app.status import print_summary
     from coordination.tokens import layout
 
     workdir = Path(args.workdir)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from app.campaign import prepare  # noqa: E402
 from benchmarks._checks import check_figures, fail, require  # noqa: E402
 from app.config import CampaignConfig  # noqa: E402
-from app.local import start_producers, stop_campaign  # noqa: E402
+from app.fleet import start_producer, stop_campaign  # noqa: E402
 from coordination.backends import BackendSpec, connect  # noqa: E402
 from coordination.driver import Driver  # noqa: E402
 from coordination.local_backend import ServerProcess  # noqa: E402
@@ -50,7 +50,7 @@ def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> 
         facts = prepare(cfg, queue, store)
         config_path = Path(tempfile.mkdtemp()) / "campaign.json"
         config_path.write_text(json.dumps(asdict(cfg)))
-        procs = start_producers(config_path, server.address, n_producers)
+        procs = [start_producer(config_path, server.address, f"producer-{i}") for i in range(n_producers)]
         driver = Driver(queue, store, cfg.run, poll_s=0.1)
         driver.start([0])
         start = time.monotonic()

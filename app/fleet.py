@@ -1,0 +1,107 @@
+"""A local campaign's producer processes: started, restarted when one dies (as Modal retries a
+producer call), stopped at the end; and the producer process itself (`python -m app.fleet`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from app.config import CampaignConfig
+from coordination.backends import connect
+from coordination.errors import CellfeedError
+from coordination.local_backend import ServerProcess
+from coordination.routing import stop_key
+
+STOP_GRACE_S = 10.0  # how long producers together get to stop at the end before being killed
+PRODUCER_RETRIES = 3  # as the Modal producer function's retries=3
+RESTART_BACKOFF_S = 1.0
+USER_ERROR_EXIT = 2  # a producer or rank that stopped on a CellfeedError (restarting it would not help)
+
+
+def start_producer(config_path: Path, address: str, name: str) -> subprocess.Popen:
+    """A producer process for the campaign config at `config_path`."""
+    return subprocess.Popen([sys.executable, "-m", "app.fleet", "--produce", str(config_path), "--address", address,
+                             "--name", name], start_new_session=True)  # a terminal's Ctrl-C reaches only the campaign
+
+
+class ProducerFleet:
+    """The local producers, restarted when one dies, as Modal retries a producer call (`retries`
+    times each, after RESTART_BACKOFF_S, doubling). Nothing is lost meanwhile: the driver re-issues
+    the dead producer's unit once it falls silent, and consumers drop any duplicate."""
+
+    def __init__(self, config_path: Path, address: str, n: int, workdir: Path, retries: int = PRODUCER_RETRIES):
+        self.config_path, self.address, self.workdir, self.retries = config_path, address, workdir, retries
+        self.names = [f"producer-{i}" for i in range(n)]
+        self.procs = [start_producer(config_path, address, name) for name in self.names]
+        self.restarts = [0] * n
+        self._due: list[float | None] = [None] * n  # when a dead producer is started again
+
+    def check(self) -> None:
+        """Restart the producers that died; raise once one has died more than `retries` times."""
+        now = time.monotonic()
+        for i, (name, proc) in enumerate(zip(self.names, self.procs)):
+            code = proc.poll()
+            if code in (None, 0):
+                continue
+            if code == USER_ERROR_EXIT:  # a damaged or changed dataset does not mend on a restart
+                raise CellfeedError(f"{name} stopped on the error above; the campaign stops (checkpoints are in "
+                                    f"{self.workdir.parent})")
+            if self.restarts[i] >= self.retries:
+                raise CellfeedError(f"{name} died {self.restarts[i] + 1} times (last exit code {code}); the campaign "
+                                    f"stops (its output is above; checkpoints are in {self.workdir.parent})")
+            if self._due[i] is None:
+                wait = RESTART_BACKOFF_S * 2 ** self.restarts[i]
+                self._due[i] = now + wait
+                print(f"{name} exited with code {code}: restarting it in {wait:.0f}s "
+                      f"({self.restarts[i] + 1} of {self.retries} restarts)", flush=True)
+            elif now >= self._due[i]:
+                self.procs[i] = start_producer(self.config_path, self.address, name)
+                self.restarts[i] += 1
+                self._due[i] = None
+
+
+def stop_campaign(store, run: str, producers: list[subprocess.Popen], server: ServerProcess) -> None:
+    """Signal the producers to stop, give them a moment to finish, then stop the queue server."""
+    try:
+        store.put(stop_key(run), "stop")
+    except CellfeedError:
+        pass  # the server is already gone
+    deadline = time.monotonic() + STOP_GRACE_S  # one deadline for all (they notice the stop within seconds)
+    for p in producers:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    server.close()
+
+
+def _produce_main(config_path: str, address: str, name: str) -> None:
+    from producers.dataset import StorageUnavailable
+    from producers.producer import Producer
+
+    cfg = CampaignConfig(**json.loads(Path(config_path).read_text()))
+    queue, store = connect(cfg.backend_spec("local", address=address))
+    try:
+        Producer(cfg.producer_config(), queue, store, name=name).run()
+    except CellfeedError as exc:  # one line; bad data or settings exit with a code that says "do not retry"
+        print(f"cellfeed: error: {name}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1 if isinstance(exc, StorageUnavailable) else USER_ERROR_EXIT)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="A local campaign's producer process (started by `cellfeed local`).")
+    parser.add_argument("--produce", required=True, help="campaign config JSON")
+    parser.add_argument("--address", required=True, help="the local queue server")
+    parser.add_argument("--name", required=True)
+    args = parser.parse_args()
+    try:
+        _produce_main(args.produce, args.address, args.name)
+    except CellfeedError as exc:
+        print(f"cellfeed producer: error: {exc}", file=sys.stderr)
+        sys.exit(2)
