@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 from coordination.errors import CellfeedError
-from coordination.tokens import LAYOUTS
+from app.config import DEFAULT_LENGTHS
 
 ROWS_PER_FRAGMENT = 1 << 22
 
@@ -128,8 +128,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 # `cellfeed local` runs the tiny model on CPU: these defaults replace CampaignConfig's (made for 8 GPUs)
 LOCAL_DEFAULTS = dict(producers=2, gpus=2, batch_size=32, max_genes=256, preset="tiny", eval_every=20,
                       checkpoint_every=50, lr=3e-3, warmup_steps=10, eval_cells=512)
-LOCAL_HELP = {"max_genes": "genes per cell (default: 256, short for CPU; the tokenizers' own are "
-                           + ", ".join(f"{n} {s.default_genes}" for n, s in LAYOUTS.items() if s.objective) + ")"}
+LOCAL_HELP = {"max_genes": f"genes per cell (default: 256, short for CPU; the tokenizers' own are "
+                           f"{', '.join(DEFAULT_LENGTHS)})"}
 
 
 def add_campaign_flags(p: argparse.ArgumentParser) -> None:

@@ -16,6 +16,9 @@ from coordination.tokens import LAYOUTS, layout
 
 PRESETS = tuple(MODEL_PRESETS)
 
+# the trainable tokenizers' own genes per cell, as help text says them ("scgpt 1024", ...)
+DEFAULT_LENGTHS = tuple(f"{name} {spec.default_genes}" for name, spec in LAYOUTS.items() if spec.objective)
+
 # Every campaign flag, described once: `cellfeed local --help` and `modal run app/modal_app.py --help`
 # both show these (field name -> help; the defaults come from CampaignConfig or the local run).
 FLAG_HELP = {
@@ -28,8 +31,7 @@ FLAG_HELP = {
     "eval_every": "evaluate on the held-out cells every N steps",
     "tokenizer": "scgpt (genes in rank order + expression bins), geneformer-v1 (no special tokens) or "
                  "geneformer-v2 (CLS, genes, EOS; alias geneformer); geneformer needs `cellfeed stats`",
-    "max_genes": "genes per cell (default: the tokenizer's own: "
-                 + ", ".join(f"{name} {spec.default_genes}" for name, spec in LAYOUTS.items() if spec.objective) + ")",
+    "max_genes": f"genes per cell (default: the tokenizer's own: {', '.join(DEFAULT_LENGTHS)})",
     "n_bins": "scgpt expression bins per cell",
     "strategy": "sampling: sequential, mixture (of scanners), block (shuffled blocks of cells) or random",
     "block_size": "block sampling: consecutive cells per block",
