@@ -179,7 +179,7 @@ def ensure_setup(cfg: CampaignConfig, config: dict, facts, queue, store) -> None
 def watch(ranks, fleet: "Fleet", deadline: float) -> None:
     """Until the ranks exit: a failed rank or producer raises; at `deadline` the ranks are asked
     to checkpoint and stop (the call then hands over to a new one)."""
-    from trainer.train import STOP_SIGNAL
+    from trainer.launch import ask_to_stop
 
     asked, next_look = False, time.monotonic() + FLEET_CHECK_S
     while True:
@@ -190,8 +190,7 @@ def watch(ranks, fleet: "Fleet", deadline: float) -> None:
             return
         if not asked and time.monotonic() > deadline:
             print("this call's time is nearly up: the ranks checkpoint and a new call continues", flush=True)
-            for p in ranks:
-                p.send_signal(STOP_SIGNAL)
+            ask_to_stop(ranks)
             asked = True
         if time.monotonic() >= next_look:
             fleet.check()

@@ -66,17 +66,22 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
     return codes
 
 
-def checkpoint_and_stop(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    """Ask every rank to checkpoint after its current step and exit (`trainer.train.STOP_SIGNAL`);
-    wait up to `timeout` seconds, then kill what is left. Exit codes (None: it had to be killed)."""
-    import time
-
+def ask_to_stop(procs: list[subprocess.Popen]) -> None:
+    """Ask every running rank to checkpoint after its current step and exit (`trainer.train.STOP_SIGNAL`)."""
     for p in procs:
         if p.poll() is None:
             try:
                 p.send_signal(STOP_SIGNAL)
             except ProcessLookupError:
                 pass
+
+
+def checkpoint_and_stop(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """`ask_to_stop`, wait up to `timeout` seconds, then kill what is left. Exit codes (None: it
+    had to be killed)."""
+    import time
+
+    ask_to_stop(procs)
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.1)
