@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._checks import check_figures, fail  # noqa: E402
 from coordination.driver import Driver  # noqa: E402
 from coordination.latency import with_latency  # noqa: E402
-from coordination.plan import DatasetGeometry, EpochPlan, PlanSummary, Sampling, publish_summary  # noqa: E402
+from coordination.plan import DatasetGeometry, EpochPlan, Sampling  # noqa: E402
+from coordination.summary import PlanSummary, publish_summary  # noqa: E402
 from coordination.queues import Empty, MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import TASKS_PARTITION, rank_partition, run_tag, unit_rank  # noqa: E402
 from coordination.wire import HEADER, MAGIC, VERSION  # noqa: E402
@@ -285,7 +286,7 @@ sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 t = time.perf_counter()
 from dataclasses import replace
 from benchmarks.coordination import SAMPLING, WORLD, tahoe_geometry
-from coordination.plan import PlanSummary
+from coordination.summary import PlanSummary
 from coordination.plan import EpochPlan
 geometry = tahoe_geometry({n_cells})
 t_index = time.perf_counter() - t
@@ -319,14 +320,15 @@ def driver_probe(n_cells: int) -> dict:
 import sys
 sys.path.insert(0, {root!r})
 from benchmarks.coordination import SAMPLING, WORLD, tahoe_geometry
-from coordination.plan import EpochPlan, PlanSummary
+from coordination.plan import EpochPlan
+from coordination.summary import PlanSummary
 open({str(summary_path)!r}, "wb").write(PlanSummary.of(EpochPlan(tahoe_geometry({n_cells}), SAMPLING, 0, 0), WORLD).to_bytes())
 """
     drive = f"""
 import json, resource, sys, threading, time
 sys.path.insert(0, {root!r})
 from coordination.driver import Driver
-from coordination.plan import PlanSummary, publish_summary
+from coordination.summary import PlanSummary, publish_summary
 from coordination.queues import Empty, MemoryMap, MemoryQueue
 from coordination.routing import EVENTS_PARTITION, TASKS_PARTITION, decode_task, encode_event
 summary = PlanSummary.from_bytes(open({str(summary_path)!r}, "rb").read())

@@ -20,11 +20,13 @@ import torch
 
 from coordination.driver import Driver
 from coordination.latency import remote
-from coordination.plan import PlanSummary, Sampling, publish_summary
+from coordination.plan import Sampling
+from coordination.summary import PlanSummary, publish_summary
 from coordination.queues import MemoryMap, MemoryQueue
 from coordination.routing import stop_key
 from coordination.tokens import PAD, vocab_size
-from producers.producer import Producer, ProducerConfig, filter_cells, label_codes
+from producers.producer import Producer, ProducerConfig
+from producers.selection import filter_cells, label_codes
 from trainer.stream import Batch, ConsumerStream
 from trainer.train import TrainConfig, load_held_out
 

@@ -46,7 +46,7 @@ from benchmarks.downstream import (  # noqa: E402
 from benchmarks.producer import run_config  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
-from producers.producer import label_codes, select_cells  # noqa: E402
+from producers.selection import label_codes, select_cells  # noqa: E402
 from producers.synth import SynthSpec, cached_atlas, synthesize  # noqa: E402
 from cellfeed_testing.sampling_quality import block_entropy_bounds, entropy_bits, index_score  # noqa: E402
 

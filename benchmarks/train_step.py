@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from coordination.plan import PlanSummary, publish_summary  # noqa: E402
+from coordination.summary import PlanSummary, publish_summary  # noqa: E402
 from coordination.latency import remote  # noqa: E402
 from coordination.queues import Full, MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import rank_partition, run_tag  # noqa: E402

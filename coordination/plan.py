@@ -372,7 +372,3 @@ class EpochPlan:
                 prefix[a:b] = carry + running[points[a:b] - lo - 1]
                 carry = carry + running[-1]
             return prefix[np.searchsorted(points, stops)] - prefix[np.searchsorted(points, starts)]
-
-
-# callers that still import these from here (tests, benchmarks) until they move to coordination.summary
-from coordination.summary import PlanSummary, load_summary, publish_summary  # noqa: E402,F401

@@ -508,7 +508,3 @@ class Producer:
 def produce(config: ProducerConfig, queue: Queue, store: Map, max_units: int | None = None) -> ProducerStats:
     """Entry point for a producer process or Modal function."""
     return Producer(config, queue, store).run(max_units)
-
-
-# callers that still import these from here (tests, benchmarks) until they move to producers.selection
-from producers.selection import filter_cells  # noqa: E402,F401

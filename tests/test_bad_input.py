@@ -19,7 +19,8 @@ import pytest
 
 from benchmarks.chaos import trained_per_epoch
 from coordination.errors import CellfeedError
-from coordination.plan import PlanSummary, Sampling, publish_summary
+from coordination.plan import Sampling
+from coordination.summary import PlanSummary, publish_summary
 from coordination.queues import MemoryMap, MemoryQueue
 from coordination.routing import TASKS_PARTITION, encode_task, epoch_map_name
 from producers.dataset import open_dataset

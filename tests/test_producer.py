@@ -15,7 +15,8 @@ from coordination.queues import MemoryMap, MemoryQueue
 from coordination.routing import (EVENTS_PARTITION, TASKS_PARTITION, decode_event, decode_task, encode_task, epoch_map_name,
                                   rank_partition, run_tag)
 from coordination.wire import unpack_item
-from producers.producer import Producer, ProducerConfig, label_codes
+from producers.producer import Producer, ProducerConfig
+from producers.selection import label_codes
 from producers.tokenizers import CLS
 from tests.conftest import wait_for
 from tests.test_tokenizers import reference_bins

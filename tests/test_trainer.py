@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from coordination.errors import CellfeedError
-from coordination.plan import PlanSummary, publish_summary
+from coordination.summary import PlanSummary, publish_summary
 from coordination.local_backend import LocalMap, LocalQueue, ServerProcess
 from coordination.plan import Sampling
 from coordination.routing import stop_key
