@@ -111,14 +111,13 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     step_model = torch.compile(ddp) if cfg.compile else ddp
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    summaries = {0: load_summary(store, cfg.run, 0)}
-    total_steps = cfg.max_steps or optimizer_steps(
-        [summaries[0]] + [load_summary(store, cfg.run, e) for e in range(1, cfg.epochs)], cfg.batch_size, cfg.grad_accum)
+    summaries = {e: load_summary(store, cfg.run, e) for e in range(1 if cfg.max_steps else cfg.epochs)}
+    total_steps = cfg.max_steps or optimizer_steps(list(summaries.values()), cfg.batch_size, cfg.grad_accum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps))
 
     saved = checkpoint.load(cfg.checkpoint_dir, world, device) if cfg.resume and cfg.checkpoint_dir else None
     step, epoch, progress, done_before = restore(saved, cfg, rank, world, model, optimizer, scheduler, store)
-    driver = start_driver(cfg, queue, store, saved, epoch) if rank == 0 and cfg.run_driver else None
+    driver = start_driver(cfg, queue, store, saved, epoch, summaries) if rank == 0 and cfg.run_driver else None
     stream = ConsumerStream(queue, rank=rank, world_size=world, run=cfg.run, batch_size=cfg.batch_size,
                             pad_to=cfg.pad_to, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
                             no_data_timeout_s=cfg.no_data_timeout_s, consumed=progress.consumed,
@@ -243,12 +242,15 @@ def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, sc
     return saved.step, saved.epoch, saved.ranks[rank], done_before
 
 
-def start_driver(cfg: TrainConfig, queue, store, saved, epoch: int) -> Driver:
+def start_driver(cfg: TrainConfig, queue, store, saved, epoch: int, summaries: dict) -> Driver:
     """Rank 0 drives the epochs from `epoch` on; on resume, units trained through are not produced
-    again (`PlanSummary.units_to_skip`)."""
+    again (`PlanSummary.units_to_skip`). `summaries`: the epochs' plan summaries read so far (the
+    resumed epoch's is added, for the loop)."""
     skip = set()
     if saved is not None and epoch < cfg.epochs:
-        resumed = load_summary(store, cfg.run, epoch)
+        if epoch not in summaries:
+            summaries[epoch] = load_summary(store, cfg.run, epoch)
+        resumed = summaries[epoch]
         skip = resumed.units_to_skip(set().union(*(r.done_units() for r in saved.ranks)),
                                      set().union(*(r.trained_stitched() for r in saved.ranks)))
         print(f"{len(skip):,} of epoch {epoch}'s {resumed.n_units:,} units were trained through and are not "
