@@ -5,13 +5,17 @@ map (the trainer's driver and consumers need only those) and produces the held-o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 
 from coordination.summary import PlanSummary, optimizer_steps, publish_summary
 from coordination.routing import EVAL_PARTITION, stop_key
 from coordination.errors import CellfeedError
-from coordination.tokens import vocab_size
+from coordination.vocab import publish_vocab
 from producers.producer import Producer
 from producers.selection import filter_cells
+from producers.sources import check_coverage
 
 MAX_EPOCHS = 10_000  # a step budget needing more epochs than this is surely a mistake
 
@@ -36,8 +40,12 @@ def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
 class SetupFacts:
     """What the setup learnt, for the trainer and the status line (a dict across Modal calls)."""
 
-    n_genes: int
+    n_genes: int  # genes in the vocabulary
     vocab_size: int
+    pad_token: int
+    mask_token: int
+    special_tokens: tuple
+    vocab_fingerprint: str
     epochs: int
     cells_per_epoch: int
     units_per_epoch: int
@@ -46,34 +54,61 @@ class SetupFacts:
     total_steps: int
     held_out_cells: int
     held_out_items: int  # what the eval partition holds when complete
+    sources: tuple = ()  # per source: name, cells per epoch, coverage line
 
     @classmethod
     def of(cls, facts: "SetupFacts | dict") -> "SetupFacts":
         return facts if isinstance(facts, cls) else cls(**facts)
 
 
-def prepare(cfg, queue, store) -> SetupFacts:
-    """Publish plans and the held-out set; returns what the trainer needs to know. Safe to run
-    again on a run (a resume, or a campaign whose plans or held-out set expired): plans are the
-    same, the held-out set is replaced, and a stop left by an earlier end is cleared."""
+def prepare(cfg, queue, store, vocab_path=None) -> SetupFacts:
+    """Publish the vocabulary, plans and the held-out set; returns what the trainer needs to know.
+    Safe to run again on a run (a resume, or a campaign whose plans or held-out set expired):
+    plans are the same, the held-out set is replaced, and a stop left by an earlier end is
+    cleared. Every source's genes are checked against the vocabulary first (`check_coverage`);
+    `vocab_path`: where to write the vocabulary (the run folder)."""
     producer = Producer(cfg.producer_config(), queue, store)
+    vocab = producer.vocab
+    coverage = check_coverage(producer.sources, vocab)
     summaries = plan_epochs(cfg, producer)
     store.pop(stop_key(cfg.run), None)
+    publish_vocab(store, cfg.run, vocab)
+    if vocab_path is not None:
+        Path(vocab_path).write_text(vocab.to_json())
     for summary in summaries:
         publish_summary(store, cfg.run, summary)
     held_out, held_out_items = 0, 0
     while queue.get_many(1000, block=False, partition=EVAL_PARTITION):  # an earlier copy: replaced, not doubled
         pass
-    if cfg.eval_filter:
-        cells = filter_cells(producer.ds, cfg.eval_filter, "--eval-filter")[: cfg.eval_cells]
-        if len(cells) == 0:
-            raise CellfeedError(f"--eval-filter {cfg.eval_filter!r} matches no cells; check the filter "
-                                "(`cellfeed inspect DATASET` lists the obs columns and their values)")
+    cells = held_out_cells(producer, cfg.eval_cells)
+    if cells is not None:
         held_out, held_out_items = len(cells), producer.produce_held_out(cells)
+    quotas = producer.quotas if producer.quotas is not None else [summaries[0].n_cells]
     return SetupFacts(
-        n_genes=producer.ds.n_genes, vocab_size=vocab_size(producer.ds.n_genes), epochs=len(summaries),
+        n_genes=vocab.n_genes, vocab_size=vocab.size, pad_token=vocab.pad, mask_token=vocab.mask,
+        special_tokens=vocab.special_ids, vocab_fingerprint=vocab.fingerprint, epochs=len(summaries),
         cells_per_epoch=summaries[0].n_cells, units_per_epoch=summaries[0].n_units,
         units_total=sum(s.n_units for s in summaries),
         steps_per_epoch=optimizer_steps(summaries[:1], cfg.batch_size, cfg.grad_accum),
         total_steps=cfg.steps or optimizer_steps(summaries, cfg.batch_size, cfg.grad_accum),
-        held_out_cells=held_out, held_out_items=held_out_items)
+        held_out_cells=held_out, held_out_items=held_out_items,
+        sources=tuple((s.spec.name, int(q), c.line()) for s, q, c in zip(producer.sources, quotas, coverage)))
+
+
+def held_out_cells(producer: Producer, n: int):
+    """The held-out cells (global ids): the first that match each source's eval filter, `n` in
+    all, split among the sources by weight; None when no source has one."""
+    from coordination.corpus import quotas
+
+    filtered = [s for s in producer.sources if s.spec.eval_filter]
+    if not filtered:
+        return None
+    shares = quotas([s.spec.weight for s in filtered], n)
+    cells = []
+    for s, k in zip(filtered, shares):
+        mine = filter_cells(s.ds, s.spec.eval_filter, "--eval-filter")
+        if len(mine) == 0:
+            raise CellfeedError(f"--eval-filter {s.spec.eval_filter!r} matches no cells of {s.spec.name}; check the "
+                                "filter (`cellfeed inspect DATASET` lists the obs columns and their values)")
+        cells.append(mine[:k] + s.offset)
+    return np.concatenate(cells)

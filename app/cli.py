@@ -51,11 +51,37 @@ def cmd_convert(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    if args.dataset.endswith(".toml"):
+        print(describe_corpus(args.dataset))
+        return 0
     from producers.dataset import open_dataset
 
     ds = open_dataset(args.dataset)
     print(describe(ds, n_values=args.values))
     return 0
+
+
+def describe_corpus(path: str) -> str:
+    """Per source of a corpus file: cells, genes in the vocabulary, non-zeros kept, quota per epoch."""
+    from coordination.corpus import CorpusSpec, quotas
+    from producers.sources import attach_vocab, campaign_vocab, coverage, open_sources
+
+    spec = CorpusSpec.read(path)
+    sources = open_sources(spec)
+    vocab = campaign_vocab(spec, sources)
+    attach_vocab(sources, vocab)
+    size = spec.epoch_cells or sum(s.n_selected for s in sources)
+    shares = quotas([s.spec.weight for s in sources], size)
+    lines = [f"corpus      {path}: {len(sources)} sources, {size:,} cells per epoch",
+             f"vocabulary  {vocab.origin}: {vocab.n_genes:,} genes, {vocab.size:,} token ids",
+             f"{'source':<16} {'weight':>6} {'cells':>12} {'selected':>12} {'genes matched':>18} "
+             f"{'non-zeros kept':>14} {'per epoch':>12} {'passes':>7}"]
+    for s, q in zip(sources, shares):
+        c = coverage(s)
+        lines.append(f"{s.spec.name:<16} {s.spec.weight:>6g} {s.ds.n_cells:>12,} {s.n_selected:>12,} "
+                     f"{f'{c.genes_matched:,} / {c.genes:,}':>18} {c.nonzeros_kept:>14.1%} {int(q):>12,} "
+                     f"{q / max(1, s.n_selected):>7.2f}")
+    return "\n".join(lines)
 
 
 def cmd_stats(args) -> int:
@@ -82,11 +108,16 @@ def cmd_local(args) -> int:
 
     workdir = Path(args.workdir)
     fields = {k: v for k, v in vars(args).items() if k in CampaignConfig.__dataclass_fields__ and v is not None}
-    cfg = CampaignConfig(**{**fields, "dataset": args.dataset or "(synthesized)"})
+    for name in ("corpus", "vocabulary", "gene_medians"):  # producer processes may run elsewhere: absolute
+        if fields.get(name):
+            fields[name] = str(Path(fields[name]).resolve())
+    synthesized = not args.dataset and not args.corpus
+    cfg = CampaignConfig(**{**fields, "dataset": "(synthesized)" if synthesized else args.dataset or ""})
     place_checkpoints(cfg, workdir)
     if cfg.resume:  # nothing to resume: say so before any work (synthesizing a dataset included)
         describe_resume(cfg)
-    cfg.dataset = args.dataset or default_dataset(workdir, args.cells, args.seed)
+    if synthesized:
+        cfg.dataset = default_dataset(workdir, args.cells, args.seed)
     summary = run_local(cfg, workdir, quiet=args.quiet, audit_cells=args.audit_cells)
     print_summary(summary, workdir / cfg.run, layout(cfg.tokenizer).objective)
     return 0
@@ -214,8 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no live status line")
     p.set_defaults(func=cmd_local)
 
-    p = command("inspect", "summarise a dataset: shape, fragments, straddling cells, obs columns")
-    p.add_argument("dataset", help="a local path or s3://bucket/prefix")
+    p = command("inspect", "summarise a dataset (shape, fragments, straddling cells, obs columns) or a corpus file "
+                "(per source: cells, genes matched, non-zeros kept, quota per epoch)")
+    p.add_argument("dataset", help="a local path or s3://bucket/prefix, or a corpus file (.toml)")
     p.add_argument("--values", type=int, default=3, help="example values per obs column")
     p.set_defaults(func=cmd_inspect)
     return parser

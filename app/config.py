@@ -23,6 +23,12 @@ DEFAULT_LENGTHS = tuple(f"{name} {spec.default_genes}" for name, spec in LAYOUTS
 # both show these (field name -> help; the defaults come from CampaignConfig or the local run).
 FLAG_HELP = {
     "dataset": "the dataset: a local path or s3://bucket/prefix (S3 settings from AWS_* variables)",
+    "corpus": "instead of --dataset: a corpus file (TOML) of several datasets with weights, each with its own "
+              "filters, trained over one gene vocabulary (README, \"Pretraining on a corpus\")",
+    "vocabulary": "a gene vocabulary file: scGPT's vocab.json, Geneformer's token dictionary (.pkl, read without "
+                  "running code) or JSON (default: built from the dataset(s), written to the run folder)",
+    "gene_column": "the var column whose values name genes in the vocabulary, e.g. feature_name for symbols",
+    "gene_medians": "geneformer over a corpus: Geneformer's gene median dictionary (.pkl or JSON, identifier -> median)",
     "run": "run name: names the queue, the map and the checkpoints; --resume continues it (default: a timestamp)",
     "subset_filter": "training cells as an obs filter in Lance SQL, e.g. \"plate != 'plate14'\" (default: all cells)",
     "eval_filter": "held-out cells as an obs filter, e.g. \"plate = 'plate14'\": never trained on, evaluated "
@@ -59,7 +65,7 @@ FLAG_HELP = {
 }
 
 # The flags of `cellfeed local` and of `modal run app/modal_app.py`, in the order --help lists them.
-CAMPAIGN_FLAGS = ("dataset", "run", "tokenizer", "max_genes", "n_bins", "strategy", "block_size", "fetch_factor",
+CAMPAIGN_FLAGS = ("dataset", "corpus", "vocabulary", "gene_column", "gene_medians", "run", "tokenizer", "max_genes", "n_bins", "strategy", "block_size", "fetch_factor",
                   "n_scanners", "unit_cells", "subset_filter", "eval_filter", "eval_cells", "eval_every", "producers",
                   "gpus", "batch_size", "grad_accum", "steps", "epochs", "preset", "lr", "warmup_steps",
                   "checkpoint_every", "keep_checkpoints", "resume", "seed", "rpc_latency_ms")
@@ -69,7 +75,11 @@ MAX_ATTEMPT_HOURS = 23.0  # an hour short of Modal's 24 h limit on a call: time 
 
 @dataclass
 class CampaignConfig:
-    dataset: str  # local path or s3://bucket/prefix (S3 settings from the environment / a Modal Secret)
+    dataset: str = ""  # local path or s3://bucket/prefix (S3 settings from the environment / a Modal Secret)
+    corpus: str | None = None  # instead of dataset: a corpus file (TOML, `coordination.corpus.CorpusSpec`)
+    vocabulary: str | None = None  # a gene vocabulary file; None: built from the sources
+    gene_column: str = "gene_id"
+    gene_medians: str | None = None
     run: str = ""  # names the queue/map (cellfeed-<run>) and checkpoints; default: a timestamp
     subset_filter: str | None = None  # the training split as an obs filter, e.g. "plate != 'plate14'"
     eval_filter: str | None = None  # a held-out split to evaluate on (never trained on), e.g. "plate = 'plate14'"
@@ -108,8 +118,10 @@ class CampaignConfig:
             self.run = time.strftime("run-%Y%m%d-%H%M%S")
 
     def validate(self) -> "CampaignConfig":
-        if not self.dataset:
-            raise CellfeedError("give a dataset: a local path or s3://bucket/prefix")
+        if bool(self.dataset) == bool(self.corpus):
+            raise CellfeedError("give a dataset (a local path or s3://bucket/prefix) or a --corpus file, one of them")
+        if self.corpus and (self.subset_filter or self.eval_filter):
+            raise CellfeedError("with --corpus, give each source's subset_filter / eval_filter in the corpus file")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,40}", self.run):
             raise CellfeedError(f"run name {self.run!r}: use 1-41 letters, digits, '.', '_' or '-'")
         if layout(self.tokenizer).objective is None:
@@ -167,7 +179,9 @@ class CampaignConfig:
         from producers.producer import ProducerConfig
 
         params = {"n_bins": self.n_bins} if self.tokenizer == "scgpt" else {}
-        return ProducerConfig(dataset=self.dataset, run=self.run, seed=self.seed, sampling=self.sampling,
+        return ProducerConfig(dataset=self.dataset, corpus=self.corpus, vocabulary=self.vocabulary,
+                              gene_column=self.gene_column, gene_medians=self.gene_medians,
+                              run=self.run, seed=self.seed, sampling=self.sampling,
                               tokenizer=self.tokenizer, max_genes=self.genes_per_cell, tokenizer_params=params,
                               world_size=self.gpus, cells_per_item=self.cells_per_item,
                               label_column=self.label_column, subset_filter=self.subset_filter,
@@ -178,7 +192,9 @@ class CampaignConfig:
         from trainer.train import TrainConfig
 
         spec = layout(self.tokenizer)
-        base = dict(run=self.run, backend=backend, vocab_size=facts.vocab_size, preset=self.preset,
+        base = dict(run=self.run, backend=backend, vocab_size=facts.vocab_size, pad_token=facts.pad_token,
+                    mask_token=facts.mask_token, special_tokens=facts.special_tokens,
+                    vocab_fingerprint=facts.vocab_fingerprint, preset=self.preset,
                     objective=spec.objective, n_bins=self.n_bins,
                     batch_size=self.batch_size, grad_accum=self.grad_accum, lr=self.lr, warmup_steps=self.warmup_steps,
                     max_steps=facts.total_steps, epochs=facts.epochs, seed=self.seed, compile=self.compile,

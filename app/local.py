@@ -57,8 +57,13 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
     queue, store = connect(backend)
     fleet, ranks = None, []
     try:
-        facts = prepare(cfg, queue, store)
+        facts = prepare(cfg, queue, store, vocab_path=workdir / "vocab.json")
         total_steps = facts.total_steps
+        if cfg.corpus:
+            print(f"corpus {cfg.corpus}: {len(facts.sources)} sources; vocabulary {facts.n_genes:,} genes "
+                  f"({workdir / 'vocab.json'})")
+            for name, cells, line in facts.sources:
+                print(f"  {cells:>10,} cells per epoch from {line}")
         print(f"campaign {cfg.run}: {facts.cells_per_epoch:,} cells/epoch in {plural(facts.units_per_epoch, 'unit')}, "
               f"{plural(cfg.producers, 'producer')}, {plural(cfg.gpus, 'rank')} (gloo, CPU), "
               f"{plural(total_steps, 'step')} of {cfg.batch_size} cells per rank over {plural(facts.epochs, 'epoch')}"

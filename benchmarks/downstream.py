@@ -24,7 +24,7 @@ from coordination.plan import Sampling
 from coordination.summary import PlanSummary, publish_summary
 from coordination.queues import MemoryMap, MemoryQueue
 from coordination.routing import stop_key
-from coordination.tokens import PAD, vocab_size
+from coordination.tokens import GENE_OFFSET, PAD
 from producers.producer import Producer, ProducerConfig
 from producers.selection import filter_cells, label_codes
 from trainer.stream import Batch, ConsumerStream
@@ -56,7 +56,7 @@ def pipeline_epoch(ds, sampling: Sampling, *, seed: int = 0, batch_size: int = 6
         held_cells = filter_cells(ds, held_out_filter, "--eval-filter")
         producer.produce_held_out(held_cells)
         n_held = len(held_cells)
-        held = load_held_out(queue, TrainConfig(run=run, backend={"kind": "memory"}, vocab_size=vocab_size(ds.n_genes),
+        held = load_held_out(queue, TrainConfig(run=run, backend={"kind": "memory"}, vocab_size=ds.n_genes + GENE_OFFSET,
                                                 batch_size=512, eval_cells=n_held, no_data_timeout_s=120),
                              torch.device("cpu"))
     driver = Driver(queue, store, run, poll_s=0.05)
@@ -144,4 +144,4 @@ def parity_codes(ds) -> tuple[dict[str, np.ndarray], list[int], int]:
     for label in LABELS:
         codes[label], names = label_codes(ds, label)
         n_classes.append(len(names))
-    return codes, n_classes, vocab_size(ds.n_genes)
+    return codes, n_classes, ds.n_genes + GENE_OFFSET  # the built vocabulary of one dataset

@@ -83,3 +83,8 @@ def fleet_key(run: str) -> str:
 def producers_key(run: str) -> str:
     """Every producer's running totals and when it was last heard (the driver publishes them)."""
     return f"{run}/producers"
+
+
+def vocab_key(run: str) -> str:
+    """Where the setup publishes the campaign's gene vocabulary."""
+    return f"{run}/vocab"

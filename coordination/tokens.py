@@ -1,7 +1,10 @@
 """The token layout, shared by the tokenizers (producers), the consumer stream and the model (trainer).
 
-Ids: PAD 0, CLS 1, EOS 2, MASK 3, gene g -> g + GENE_OFFSET. A tokenizer's `Layout` says which
-special tokens frame a cell, how many genes it keeps by default, and what rides beside the tokens:
+Token ids come from the campaign's gene vocabulary (`coordination.vocab`). The vocabulary built
+from a corpus (the default) numbers PAD 0, CLS 1, EOS 2, MASK 3 and gene g of a one-dataset run
+g + GENE_OFFSET; a vocabulary read from a file (scGPT's, Geneformer's) has its own ids. A
+tokenizer's `Layout` says which special tokens frame a cell (by role: "cls", "eos"), how many
+genes it keeps by default, and what rides beside the tokens:
 
 | tokenizer       | a cell's tokens                         | default genes | values beside tokens |
 |-----------------|-----------------------------------------|---------------|----------------------|
@@ -21,15 +24,15 @@ from dataclasses import dataclass
 
 from coordination.errors import CellfeedError
 
-PAD, CLS, EOS, MASK = 0, 1, 2, 3
+PAD, CLS, EOS, MASK = 0, 1, 2, 3  # in the vocabulary built from a corpus (`GeneVocab.build`)
 GENE_OFFSET = 4
 
 
 @dataclass(frozen=True)
 class Layout:
     name: str
-    head: int | None  # token before the genes (CLS) or None
-    tail: int | None  # token after the genes (EOS) or None
+    head: str | None  # the role of the token before the genes ("cls") or None
+    tail: str | None  # the role of the token after the genes ("eos") or None
     default_genes: int
     values: str | None  # "bins", "raw" or None: what the `values` stream beside the tokens holds
 
@@ -44,9 +47,9 @@ class Layout:
 
 
 LAYOUTS = {
-    "scgpt": Layout("scgpt", CLS, None, 1024, "bins"),
+    "scgpt": Layout("scgpt", "cls", None, 1024, "bins"),
     "geneformer-v1": Layout("geneformer-v1", None, None, 2048, None),
-    "geneformer-v2": Layout("geneformer-v2", CLS, EOS, 4094, None),
+    "geneformer-v2": Layout("geneformer-v2", "cls", "eos", 4094, None),
     "raw": Layout("raw", None, None, 1024, "raw"),
 }
 ALIASES = {"geneformer": "geneformer-v2"}
@@ -59,7 +62,3 @@ def layout(tokenizer: str) -> Layout:
     if name not in LAYOUTS:
         raise CellfeedError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZER_NAMES)}")
     return LAYOUTS[name]
-
-
-def vocab_size(n_genes: int) -> int:
-    return n_genes + GENE_OFFSET

@@ -51,3 +51,19 @@ def cells_to_items(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, blo
         packed += part
         tokenize_s, pack_s = tokenize_s + t, pack_s + p
     return number_items(packed), tokenize_s, pack_s
+
+
+def map_genes(block: RowBlock, first: np.ndarray, counts: np.ndarray,
+              gene_tokens: np.ndarray) -> tuple[RowBlock, np.ndarray, np.ndarray]:
+    """Cells' rows with gene ids replaced by token ids (`gene_tokens[gene]`, -1: outside the
+    vocabulary) and the rows of genes outside dropped, as scGPT and Geneformer drop them before
+    ranking and binning. Returns the new rows (cell i's at first'[i]:first'[i] + counts'[i])."""
+    at = ragged_arange(first, first + counts)
+    tokens = gene_tokens[block.gene[at]]
+    values = block.value[at]
+    new_first = offsets_of(counts)[:-1]
+    if len(tokens) and tokens.min() < 0:
+        keep = tokens >= 0
+        counts = np.bincount(np.repeat(np.arange(len(counts)), counts)[keep], minlength=len(counts)).astype(np.int64)
+        tokens, values, new_first = tokens[keep], values[keep], offsets_of(counts)[:-1]
+    return RowBlock(None, tokens, values), new_first, counts

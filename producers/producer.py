@@ -26,6 +26,7 @@ import numpy as np
 
 from coordination.arrays import offsets_of, positions_in_ranges
 from coordination.errors import CellfeedError
+from coordination.corpus import CorpusPlan, CorpusSpec, CorpusUnit, quotas
 from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit
 from coordination.summary import PlanSummary
 from coordination.queues import (MAX_PARTITION_BYTES, MAX_PARTITION_ITEMS, Empty, Full, Map, MapGone, Queue,
@@ -34,11 +35,12 @@ from coordination.routing import (EVAL_PARTITION, EVENTS_PARTITION, TASKS_PARTIT
                                   encode_event, epoch_map_name, rank_partition, run_tag, stop_key, summary_key,
                                   unit_rank)
 from coordination.seeds import cell_rng, held_out_rng, unit_rng
-from producers.dataset import Dataset, RowBlock, StorageUnavailable, open_dataset
+from coordination.vocab import GeneVocab, published_vocab
+from producers.dataset import Dataset, RowBlock, StorageUnavailable
 from producers.storage import LocalLocation
-from producers.gene_stats import load_gene_medians
-from producers.items import cells_to_items
-from producers.selection import label_codes, select_cells
+from producers.items import cells_to_items, map_genes
+from producers.selection import label_codes
+from producers.sources import attach_vocab, campaign_vocab, open_sources, token_medians
 from producers.stitch import offer_piece
 from producers.tokenizers import make_tokenizer, needs_gene_medians
 
@@ -56,9 +58,13 @@ class Stopped(Exception):
 
 @dataclass(frozen=True)
 class ProducerConfig:
-    dataset: str
+    dataset: str  # one dataset ("" with a corpus)
     run: str
     seed: int = 0
+    corpus: str | None = None  # a corpus file (TOML, `coordination.corpus.CorpusSpec`) instead of one dataset
+    vocabulary: str | None = None  # a gene vocabulary file; None: built from the sources (or the corpus file's)
+    gene_column: str = "gene_id"  # the var column naming genes in the vocabulary
+    gene_medians: str | None = None  # geneformer: a median dictionary (identifier -> median) over the corpus
     sampling: Sampling = field(default_factory=Sampling)
     tokenizer: str = "scgpt"
     max_genes: int | None = None  # None: the tokenizer's own length (coordination.tokens)
@@ -76,8 +82,21 @@ class ProducerConfig:
     put_timeout_s: float = 600.0
     idle_timeout_s: float = 10.0
 
+    def corpus_spec(self) -> CorpusSpec:
+        """The campaign's sources: the corpus file's, or the one dataset as a corpus of one."""
+        if self.corpus:
+            spec = CorpusSpec.read(self.corpus)
+            if self.vocabulary:  # a vocabulary given on the command line wins over the file's
+                spec = CorpusSpec(spec.sources, self.vocabulary, spec.gene_column, spec.epoch_cells, spec.path)
+            return spec
+        return CorpusSpec.single(self.dataset, self.subset_filter, self.exclude_filter, self.gene_column,
+                                 self.vocabulary)
+
     def validate(self) -> "ProducerConfig":
         self.sampling.validate()
+        if self.corpus and (self.subset_filter or self.exclude_filter or self.subset_ids or self.label_column):
+            raise CellfeedError("with a corpus, give each source's subset_filter / eval_filter in the corpus file "
+                                "(labels and id lists are for one dataset)")
         if self.world_size < 1:
             raise CellfeedError(f"world_size must be >= 1, got {self.world_size}")
         if self.threads is not None and self.threads < 1:
@@ -126,21 +145,32 @@ class Producer:
     """Turns work units into items on the queue; all setup and validation happens here, up front."""
 
     def __init__(self, config: ProducerConfig, queue: Queue, store: Map, dataset: Dataset | None = None,
-                 name: str | None = None):
+                 name: str | None = None, vocab: GeneVocab | None = None):
         self.config = config.validate()
         self.queue, self.store = queue, store
-        self.ds = dataset or open_dataset(config.dataset)
+        self.spec = config.corpus_spec()
+        self.sources = open_sources(self.spec, subset_ids=config.subset_ids,
+                                    datasets={config.dataset: dataset} if dataset is not None else None)
+        self.ds = self.sources[0].ds
+        # the setup's vocabulary once published (the same, built or read the same way, before)
+        self.vocab = vocab or published_vocab(store, config.run) or campaign_vocab(self.spec, self.sources)
+        attach_vocab(self.sources, self.vocab)
+        counts = all(s.ds.is_counts for s in self.sources)
         medians = None
-        if needs_gene_medians(config.tokenizer) and self.ds.is_counts:
-            medians = load_gene_medians(self.ds)
+        if needs_gene_medians(config.tokenizer) and counts:
+            medians = token_medians(self.sources, self.vocab, config.gene_medians)
             if medians is None:
-                raise CellfeedError(f"--tokenizer {config.tokenizer} needs Geneformer's gene medians, which "
-                                    f"{self.ds.uri} does not have yet: run `cellfeed stats {self.ds.uri}` once")
-        self.tokenizer = make_tokenizer(config.tokenizer, self.ds.n_genes, max_genes=config.max_genes,
-                                        values_are_counts=self.ds.is_counts, gene_medians=medians,
-                                        **config.tokenizer_params)
+                fix = (f"run `cellfeed stats {self.ds.uri}` once" if len(self.sources) == 1 else
+                       "give Geneformer's median dictionary (gene_median_dictionary.pkl or JSON) with --gene-medians")
+                raise CellfeedError(f"--tokenizer {config.tokenizer} needs Geneformer's gene medians: {fix}")
+        self.tokenizer = make_tokenizer(config.tokenizer, self.vocab, max_genes=config.max_genes,
+                                        values_are_counts=counts, gene_medians=medians, **config.tokenizer_params)
         self.geometry = DatasetGeometry.of(self.ds)
-        self.subset = select_cells(self.ds, config.subset_filter, config.subset_ids, config.exclude_filter)
+        self.subset = self.sources[0].selection
+        self.quotas = None
+        if config.corpus:  # each source's cells per epoch
+            size = self.spec.epoch_cells or sum(s.n_selected for s in self.sources)
+            self.quotas = quotas([s.spec.weight for s in self.sources], size)
         self.labels = label_codes(self.ds, config.label_column)[0] if config.label_column else None
         self.tag = run_tag(config.run)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -169,13 +199,15 @@ class Producer:
         self._full_wait_s = FULL_WAIT_MIN_S  # how long to wait before looking again at a full partition
         self._full_at: dict[str, int] = {}  # partitions that refused a put -> their length then (the courier's)
 
-    def plan(self, epoch: int) -> EpochPlan:
+    def plan(self, epoch: int) -> EpochPlan | CorpusPlan:
         """The epoch's plan, cached for this and the previous epoch (the read-ahead may cross)."""
         with self._plan_lock:
             if epoch not in self._plans:
                 self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
-                self._plans[epoch] = EpochPlan(self.geometry, self.config.sampling, self.config.seed, epoch,
-                                               self.subset)
+                cfg = self.config
+                self._plans[epoch] = \
+                    CorpusPlan([s.planned() for s in self.sources], self.quotas, cfg.sampling, cfg.seed, epoch) \
+                    if self.quotas is not None else EpochPlan(self.geometry, cfg.sampling, cfg.seed, epoch, self.subset)
             return self._plans[epoch]
 
     # ---- one unit
@@ -245,26 +277,35 @@ class Producer:
             self._full_wait_s = min(FULL_WAIT_MAX_S, self._full_wait_s * 2)
 
     def produce_held_out(self, cell_ids: np.ndarray, partition: str = EVAL_PARTITION) -> int:
-        """Tokenize a fixed set of cells (e.g. an evaluation split) into `partition`, once. It
-        must fit one partition (the trainer reads it whole): a larger set is refused before
-        anything is put. Returns the number of items put."""
+        """Tokenize a fixed set of cells (global ids, e.g. an evaluation split) into `partition`,
+        once. It must fit one partition (the trainer reads it whole): a larger set is refused
+        before anything is put. Returns the number of items put."""
         cell_ids = np.sort(np.asarray(cell_ids, dtype=np.int64))
-        block = self.ds.read_cells(cell_ids, with_cell_ids=False)
-        counts = np.diff(self.ds.cell_row_start)[cell_ids]
-        items = self._tokenize_and_pack(cell_ids, offsets_of(counts)[:-1], counts, block, 0, 0,
-                                        held_out_rng(self.config.seed))
+        parts = []
+        for s, src in enumerate(self.sources):
+            local = cell_ids[(cell_ids >= src.offset) & (cell_ids < src.offset + src.ds.n_cells)] - src.offset
+            if len(local):
+                block = src.ds.read_cells(local, with_cell_ids=False)
+                counts = np.diff(src.ds.cell_row_start)[local]
+                parts.append((s, local, offsets_of(counts)[:-1], counts, block))
+        cells, first, counts, block = self._mapped(parts)
+        items = self._tokenize_and_pack(cells, first, counts, block, 0, 0, held_out_rng(self.config.seed))
         check_fits_partition(len(cell_ids), len(items), sum(len(b) for b in items))
         self._put(items, partition)
         return len(items)
 
-    def read(self, epoch: int, unit_id: int) -> tuple[WorkUnit, RowBlock]:
-        """A unit and its rows. Storage that does not answer is tried again (1 s, 2 s, 4 s, then 5 s
-        apart, for `read_retry_s`): an object store restarting mid-epoch costs time, not the run.
-        The unit stays held meanwhile (the courier's heartbeats name it)."""
+    def read(self, epoch: int, unit_id: int) -> tuple[WorkUnit | CorpusUnit, RowBlock | list[RowBlock]]:
+        """A unit and its rows (a corpus unit: per source it draws from). Storage that does not
+        answer is tried again (1 s, 2 s, 4 s, then 5 s apart, for `read_retry_s`): an object store
+        restarting mid-epoch costs time, not the run. The unit stays held meanwhile (the courier's
+        heartbeats name it)."""
         unit = self.plan(epoch).unit(unit_id)
         deadline, pause = time.monotonic() + self.config.read_retry_s, 1.0
         while True:
             try:
+                if isinstance(unit, CorpusUnit):
+                    return unit, [self.sources[s].ds.read_row_ranges(ranges, with_cell_ids=False)
+                                  for s, _, ranges in unit.parts]
                 return unit, self.ds.read_row_ranges(unit.ranges, with_cell_ids=False)
             except StorageUnavailable:
                 if time.monotonic() + pause > deadline or self._stopping.is_set():
@@ -272,7 +313,27 @@ class Producer:
                 time.sleep(pause)
                 pause = min(2 * pause, 5.0)
 
-    def process(self, epoch: int, unit_id: int, rows: tuple[WorkUnit, RowBlock] | None = None) -> None:
+    def _mapped(self, parts) -> tuple[np.ndarray, np.ndarray, np.ndarray, RowBlock]:
+        """Cells of several sources as one block of token rows: `parts` holds (source, local
+        cells, their first rows and row counts in `block`, block); returns global cell ids, first
+        rows, row counts and the block, genes mapped through each source's vocabulary lookup."""
+        cells, firsts, counts, genes, values, at = [], [], [], [], [], 0
+        for s, local, first, count, block in parts:
+            src = self.sources[s]
+            mapped, first, count = map_genes(block, first, count, src.gene_tokens)
+            cells.append(local + src.offset)
+            firsts.append(first + at)
+            counts.append(count)
+            genes.append(mapped.gene)
+            values.append(mapped.value)
+            at += len(mapped.gene)
+        if not parts:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty, RowBlock(None, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32))
+        return (np.concatenate(cells), np.concatenate(firsts), np.concatenate(counts),
+                RowBlock(None, np.concatenate(genes), np.concatenate(values)))
+
+    def process(self, epoch: int, unit_id: int, rows: tuple | None = None) -> None:
         """Produce every item of one unit (and any boundary cell it completes); `rows`: the unit
         and its rows if already read (the loop reads ahead), else they are read here."""
         cfg = self.config
@@ -280,15 +341,27 @@ class Producer:
         unit, block = rows if rows is not None else self.read(epoch, unit_id)
         self.stats.add_time("read", t)
         rng = unit_rng(cfg.seed, epoch, unit_id)
-        cells = unit.cells[rng.permutation(len(unit.cells))]  # whole cells, shuffled
-        if len(cells):
+        if isinstance(unit, CorpusUnit):
+            parts = []
+            for (s, local, ranges), source_block in zip(unit.parts, block):
+                starts = self.sources[s].ds.cell_row_start
+                parts.append((s, local, positions_in_ranges(ranges, starts[local]),
+                              starts[local + 1] - starts[local], source_block))
+        else:
             starts = self.geometry.cell_row_start
-            first = positions_in_ranges(unit.ranges, starts[cells])  # each cell's rows, contiguous in the block
-            items = self._tokenize_and_pack(cells, first, starts[cells + 1] - starts[cells], block, epoch, unit_id,
-                                            rng)
+            local = unit.cells  # whole cells; boundary pieces below
+            parts = [(0, local, positions_in_ranges(unit.ranges, starts[local]), starts[local + 1] - starts[local],
+                      block)] if len(local) else []
+        cells, first, counts, mapped = self._mapped(parts)
+        if len(cells):
+            order = rng.permutation(len(cells))  # whole cells (of every source), shuffled
+            items = self._tokenize_and_pack(cells[order], first[order], counts[order], mapped, epoch, unit_id, rng)
             self._put(items, rank_partition(unit_rank(unit_id, cfg.world_size)))
             self.stats.cells += len(cells)
-        # boundary pieces: stitch through the map; the last arrival emits the cell
+        if isinstance(unit, CorpusUnit):
+            self.stats.units += 1
+            return
+        # boundary pieces (one dataset's scanner plans): stitch through the map; the last arrival emits the cell
         piece_at = positions_in_ranges(unit.ranges, unit.piece_rows[:, 0]) if len(unit.pieces) else []
         for p, (cell, index, count) in enumerate(zip(unit.pieces.tolist(), unit.piece_index.tolist(),
                                                      unit.piece_count.tolist())):
@@ -303,16 +376,19 @@ class Producer:
             self.stats.add_time("stitch", t)
             if whole_cell is not None:
                 genes, values = whole_cell
-                items = self._tokenize_and_pack(np.array([cell]), np.array([0]), np.array([len(genes)]),
-                                                RowBlock(None, genes, values), epoch, cell, cell_rng(cfg.seed, epoch, cell),
-                                                stitched=True)
+                n = np.array([len(genes)])
+                cells, first, counts, mapped = self._mapped([(0, np.array([cell]), np.array([0]), n,
+                                                              RowBlock(None, genes, values))])
+                items = self._tokenize_and_pack(cells, first, counts, mapped, epoch, cell,
+                                                cell_rng(cfg.seed, epoch, cell), stitched=True)
                 self._put(items, rank_partition(cell_rank(cell, cfg.world_size)))
                 self.stats.cells += 1
         self.stats.units += 1
 
     def _tokenize_and_pack(self, cells: np.ndarray, first: np.ndarray, counts: np.ndarray, block: RowBlock,
                            epoch: int, key_id: int, rng: np.random.Generator, stitched: bool = False) -> list[bytes]:
-        """`cells_to_items` with this producer's tokenizer, labels, run and worker threads."""
+        """`cells_to_items` (rows already in token ids: `_mapped`) with this producer's tokenizer,
+        labels, run and worker threads."""
         items, tokenize_s, pack_s = cells_to_items(
             cells, first, counts, block, self.tokenizer, epoch=epoch, key_id=key_id, run_tag=self.tag, rng=rng,
             cells_per_item=self.config.cells_per_item, labels=self.labels, stitched=stitched, pool=self._workers)
@@ -453,7 +529,8 @@ class Producer:
                 t = time.perf_counter()
                 self.process(epoch, unit, rows)
                 self._unit_work_s.append(time.perf_counter() - t)
-                self._unit_bytes = rows[1].gene.nbytes + rows[1].value.nbytes
+                blocks = rows[1] if isinstance(rows[1], list) else [rows[1]]
+                self._unit_bytes = sum(b.gene.nbytes + b.value.nbytes for b in blocks)
                 self._post(("done", (epoch, unit)))
             self._post(("end",))
             finished = True

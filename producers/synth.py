@@ -209,8 +209,12 @@ def iter_chunks(spec: SynthSpec):
         yield _chunk(spec, model, plate_of, start, min(start + CHUNK_CELLS, spec.n_cells), index)
 
 
-def gene_table(spec: SynthSpec) -> pa.Table:
-    return pa.table({"gene_id": pa.array([f"ENSG{g:011d}" for g in range(spec.n_genes)])})
+def gene_table(spec: SynthSpec, gene_ids=None) -> pa.Table:
+    """var: Ensembl-like ids ENSG00000000000.., or `gene_ids` (another atlas's gene set and order)."""
+    ids = [f"ENSG{g:011d}" for g in range(spec.n_genes)] if gene_ids is None else [str(g) for g in gene_ids]
+    if len(ids) != spec.n_genes or len(set(ids)) != len(ids):
+        raise CellfeedError(f"gene_ids must be {spec.n_genes:,} distinct identifiers, got {len(ids):,}")
+    return pa.table({"gene_id": pa.array(ids)})
 
 
 def synthesize(
@@ -221,9 +225,12 @@ def synthesize(
     overwrite: bool = False,
     progress: bool = True,
     settings=None,
+    gene_ids=None,
 ) -> Dataset:
-    """Write a synthetic atlas to `out` (local path or s3://); returns the opened dataset."""
+    """Write a synthetic atlas to `out` (local path or s3://); returns the opened dataset.
+    `gene_ids`: the var identifiers of its genes (default ENSG00000000000..)."""
     spec.validate()
+    var = gene_table(spec, gene_ids)
     writer = DatasetWriter(
         out, n_genes=spec.n_genes, value_type=pa.uint16(), rows_per_fragment=rows_per_fragment,
         overwrite=overwrite, settings=settings,
@@ -234,7 +241,7 @@ def synthesize(
             bar.update(obs.num_rows)
         sizes = plate_sizes(spec.n_cells, spec.n_plates).tolist()
         meta = {"synthetic": {"version": VERSION, "seed": spec.seed, "n_plates": spec.n_plates, "plate_sizes": sizes}}
-        return writer.commit(gene_table(spec), meta)
+        return writer.commit(var, meta)
 
 
 def cached_atlas(n_cells: int, seed: int = 0) -> str:

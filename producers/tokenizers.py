@@ -1,7 +1,10 @@
 """Tokenizers: whole cells (`CellRows`) → ragged token sequences (`Tokens`), by name.
 
-Token ids and each tokenizer's layout (special tokens, default length) are defined once, in
-`coordination.tokens`.
+A tokenizer's input rows already carry token ids in `genes`: the producer maps each source's
+genes through the vocabulary and drops those outside it first (`producers.items.map_genes`), as
+scGPT and Geneformer do, so ranking ties ("gene ascending") go by token id, the same in every
+source. Each tokenizer's layout (special tokens by role, default length) is defined once, in
+`coordination.tokens`; the special tokens' ids come from the vocabulary (`coordination.vocab`).
 
 - `scgpt`: [CLS] g1..gn, genes in rank order (value descending, gene ascending) or, with
   gene_selection="random", a seeded random subset; a parallel `values` stream holds each gene's
@@ -9,7 +12,7 @@ Token ids and each tokenizer's layout (special tokens, default length) are defin
   CLS.
 - `geneformer-v1` / `geneformer-v2` (alias `geneformer`): rank value encoding: counts / cell
   total * 10,000 / the gene's non-zero median of those normalised values over the dataset
-  (`gene_stats`), ranked descending (ties: lower gene id first); V1 is g1..gn (2,048 genes), V2
+  (`gene_stats`, indexed by token id), ranked descending (ties: lower gene id first); V1 is g1..gn (2,048 genes), V2
   is [CLS] g1..gn [EOS] (4,094 genes). Needs integer counts and the medians.
 - `raw`: the cell's non-zero genes in gene order with their raw values (float32), no ranking,
   at most `max_genes`.
@@ -23,7 +26,8 @@ import numpy as np
 
 from coordination.arrays import offsets_of
 from coordination.errors import CellfeedError
-from coordination.tokens import CLS, GENE_OFFSET, Layout, layout
+from coordination.tokens import Layout, layout
+from coordination.vocab import GeneVocab
 from producers.ranking import CellRows, gene_order, quantile_bins, random_order, rank_order, truncate
 
 
@@ -41,22 +45,22 @@ class Tokens:
         return len(self.cell_ids)
 
 
-def _token_dtype(n_genes: int):
-    return np.uint16 if n_genes + GENE_OFFSET <= np.iinfo(np.uint16).max else np.uint32
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
 
-def _with_specials(rows: CellRows, n_genes: int, head: int | None, tail: int | None,
+def _with_specials(rows: CellRows, vocab_size: int, head: int | None, tail: int | None,
                    values: np.ndarray | None = None, value_fill=0) -> Tokens:
     """Gene tokens of each cell framed by optional head/tail tokens (values get `value_fill` there)."""
     counts = rows.counts
     extra = (head is not None) + (tail is not None)
     offsets = offsets_of(counts + extra)
-    dtype = _token_dtype(n_genes)
+    dtype = token_dtype(vocab_size)
     tokens = np.empty(offsets[-1], dtype=dtype)
     out_values = None if values is None else np.full(offsets[-1], value_fill, dtype=values.dtype)
     gene_pos = np.arange(len(rows.genes)) - np.repeat(rows.offsets[:-1], counts) \
         + np.repeat(offsets[:-1], counts) + (head is not None)
-    tokens[gene_pos] = rows.genes.astype(dtype) + GENE_OFFSET
+    tokens[gene_pos] = rows.genes
     if head is not None:
         tokens[offsets[:-1]] = head
     if tail is not None:
@@ -70,13 +74,13 @@ class ScGPTTokenizer:
     name = "scgpt"
     needs_counts = False
 
-    def __init__(self, n_genes: int, max_genes: int = 1024, n_bins: int = 51, gene_selection: str = "top",
+    def __init__(self, vocab: GeneVocab, max_genes: int, n_bins: int = 51, gene_selection: str = "top",
                  seed: int = 0):
         if n_bins < 3:
             raise CellfeedError(f"n_bins must be >= 3, got {n_bins}")
         if gene_selection not in ("top", "random"):
             raise CellfeedError(f"gene_selection must be 'top' or 'random', got {gene_selection!r}")
-        self.n_genes, self.max_genes, self.n_bins = n_genes, max_genes, n_bins
+        self.vocab_size, self.cls, self.max_genes, self.n_bins = vocab.size, vocab.special("cls"), max_genes, n_bins
         self.gene_selection, self.seed = gene_selection, seed
 
     def __call__(self, rows: CellRows, rng: np.random.Generator | None = None) -> Tokens:
@@ -86,29 +90,30 @@ class ScGPTTokenizer:
             within = np.arange(len(chosen.genes)) - np.repeat(chosen.offsets[:-1], chosen.counts)
             positions = np.repeat(ranked.offsets[:-1], chosen.counts) + within
             bins = quantile_bins(ranked, self.n_bins, positions)
-            return _with_specials(chosen, self.n_genes, CLS, None, bins)
+            return _with_specials(chosen, self.vocab_size, self.cls, None, bins)
         # random subset: bin every non-zero (bins depend on the whole cell), then pick at random
         bins = quantile_bins(ranked, self.n_bins, np.arange(len(ranked.genes)))
         with_bins = CellRows(ranked.cell_ids, ranked.offsets, ranked.genes, bins)
         chosen = truncate(random_order(with_bins, rng or np.random.default_rng(self.seed)), self.max_genes)
-        return _with_specials(chosen, self.n_genes, CLS, None, chosen.values)
+        return _with_specials(chosen, self.vocab_size, self.cls, None, chosen.values)
 
 
 class GeneformerTokenizer:
     name = "geneformer"
     needs_counts = True
 
-    def __init__(self, n_genes: int, gene_medians: np.ndarray | None, max_genes: int = 4094,
-                 layout: Layout = layout("geneformer-v2")):
+    def __init__(self, vocab: GeneVocab, gene_medians: np.ndarray | None, max_genes: int, layout: Layout):
         if gene_medians is None:
             raise CellfeedError(
                 "the geneformer tokenizer needs each gene's non-zero median of normalised counts: "
                 "run `cellfeed stats DATASET` once"
             )
         medians = np.asarray(gene_medians, dtype=np.float64)
-        if medians.shape != (n_genes,):
-            raise CellfeedError(f"gene_medians has shape {medians.shape}, expected ({n_genes},)")
-        self.n_genes, self.max_genes, self.layout = n_genes, max_genes, layout
+        if medians.shape != (vocab.size,):
+            raise CellfeedError(f"gene_medians has shape {medians.shape}, expected ({vocab.size},): one per token id")
+        self.vocab_size, self.max_genes, self.layout = vocab.size, max_genes, layout
+        self.head = None if layout.head is None else vocab.special(layout.head)
+        self.tail = None if layout.tail is None else vocab.special(layout.tail)
         self.medians = np.where(medians > 0, medians, 1.0)
 
     def __call__(self, rows: CellRows, rng=None) -> Tokens:
@@ -117,19 +122,19 @@ class GeneformerTokenizer:
         totals = np.where(rows.counts > 0, totals, 1.0)
         score = rows.values.astype(np.float64) / np.repeat(totals, rows.counts) * 10_000.0 / self.medians[rows.genes]
         chosen = truncate(rank_order(rows, score), self.max_genes)
-        return _with_specials(chosen, self.n_genes, self.layout.head, self.layout.tail)
+        return _with_specials(chosen, self.vocab_size, self.head, self.tail)
 
 
 class RawTokenizer:
     name = "raw"
     needs_counts = False
 
-    def __init__(self, n_genes: int, max_genes: int = 1024):
-        self.n_genes, self.max_genes = n_genes, max_genes
+    def __init__(self, vocab: GeneVocab, max_genes: int):
+        self.vocab_size, self.max_genes = vocab.size, max_genes
 
     def __call__(self, rows: CellRows, rng=None) -> Tokens:
         chosen = truncate(gene_order(rows), self.max_genes)
-        return _with_specials(chosen, self.n_genes, None, None, chosen.values.astype(np.float32))
+        return _with_specials(chosen, self.vocab_size, None, None, chosen.values.astype(np.float32))
 
 
 TOKENIZERS = {"scgpt": ScGPTTokenizer, "geneformer-v1": GeneformerTokenizer, "geneformer-v2": GeneformerTokenizer,
@@ -140,10 +145,11 @@ def needs_gene_medians(name: str) -> bool:
     return TOKENIZERS[layout(name).name] is GeneformerTokenizer
 
 
-def make_tokenizer(name: str, n_genes: int, *, max_genes: int | None = None, values_are_counts: bool = True,
+def make_tokenizer(name: str, vocab: GeneVocab, *, max_genes: int | None = None, values_are_counts: bool = True,
                    gene_medians: np.ndarray | None = None, **params):
-    """A tokenizer by name (see `coordination.tokens` for names and layouts), validated before any
-    work starts. `max_genes` None: the layout's default length."""
+    """A tokenizer by name (see `coordination.tokens` for names and layouts) over a vocabulary,
+    validated before any work starts. `max_genes` None: the layout's default length;
+    `gene_medians`: geneformer's, one per token id."""
     spec = layout(name)
     max_genes = spec.default_genes if max_genes is None else max_genes
     if max_genes < 1:
@@ -155,5 +161,5 @@ def make_tokenizer(name: str, n_genes: int, *, max_genes: int | None = None, val
             "matrix (`cellfeed convert IN.h5ad OUT --layer raw.X`, or a counts layer), or use --tokenizer scgpt"
         )
     if cls is GeneformerTokenizer:
-        return cls(n_genes, gene_medians, max_genes=max_genes, layout=spec)
-    return cls(n_genes, max_genes=max_genes, **params)
+        return cls(vocab, gene_medians, max_genes=max_genes, layout=spec)
+    return cls(vocab, max_genes=max_genes, **params)

@@ -117,3 +117,17 @@ def small_synth(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("synth") / "atlas"
     return synthesize(str(out), SynthSpec(n_cells=3000, seed=7), rows_per_fragment=250_000, progress=False)
+
+
+@pytest.fixture(scope="session")
+def pbmc_raw(tmp_path_factory):
+    """The real PBMC file's raw.X (log-normalised, gene symbols) as a dataset, with the AnnData."""
+    import anndata as ad
+
+    from producers.convert import convert
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        adata = ad.read_h5ad(PBMC)
+    out = tmp_path_factory.mktemp("pbmc") / "raw"
+    return convert([str(PBMC)], str(out), layer="raw.X", rows_per_fragment=20_000, progress=False), adata

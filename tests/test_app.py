@@ -49,9 +49,12 @@ def non_default_flags() -> dict:
 
     choices, defaults = flag_choices(), {f.name: f.default for f in fields(CampaignConfig) if f.default is not MISSING}
     strings = dict(dataset="s3://bucket/atlas", run="round-trip", subset_filter="plate != 'p1'",
-                   eval_filter="plate = 'p2'")
+                   eval_filter="plate = 'p2'", vocabulary="/v/vocab.json", gene_column="feature_name",
+                   gene_medians="/v/medians.pkl")
     values = {}
     for name in MODAL_FLAGS:
+        if name == "corpus":  # replaces --dataset (and the filters): its own round trip in the test
+            continue
         default = defaults.get(name)
         if name in strings:
             values[name] = strings[name]
@@ -83,6 +86,10 @@ def test_every_flag_round_trips_through_modal_run_and_cellfeed_local():
     parsed = vars(build_parser().parse_args(["local", *local_args]))
     assert CampaignConfig(**{k: parsed[k] for k in CAMPAIGN_FLAGS}).validate() == \
         CampaignConfig(**{**values, "attempt_hours": CampaignConfig.attempt_hours}).validate()
+    corpus_args = ["--corpus", "/c/corpus.toml", "--run", "c"]
+    ctx = command("app/modal_app.py").make_context("modal run", list(corpus_args))
+    parsed = vars(build_parser().parse_args(["local", *corpus_args]))
+    assert CampaignConfig.from_flags(ctx.params).corpus == parsed["corpus"] == "/c/corpus.toml"
 
 
 def test_modal_entrypoint_refuses_more_gpus_than_a_container_has_before_any_call(tmp_path):

@@ -17,7 +17,7 @@ from coordination.routing import (EVENTS_PARTITION, TASKS_PARTITION, decode_even
 from coordination.wire import unpack_item
 from producers.producer import Producer, ProducerConfig
 from producers.selection import label_codes
-from producers.tokenizers import CLS
+from coordination.tokens import CLS
 from tests.conftest import wait_for
 from tests.test_tokenizers import reference_bins
 
@@ -132,7 +132,7 @@ def test_chunked_threaded_tokenizing_equals_one_pass(small_synth, monkeypatch, t
     cells = unit.cells[unit_rng(0, 0, 2).permutation(len(unit.cells))]  # the one-pass reference
     block = small_synth.read_cells(cells)
     rows = CellRows(cells, np.concatenate([[0], np.cumsum(np.diff(small_synth.cell_row_start)[cells])]),
-                    block.gene, block.value)
+                    block.gene.astype(np.int64) + 4, block.value)  # the built vocabulary: gene g is token g + 4
     expected = pack_items(producer.tokenizer(rows, None), epoch=0, key_id=2, run_tag=run_tag("chunks"),
                           cells_per_item=20)
     assert got == expected

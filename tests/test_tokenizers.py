@@ -8,7 +8,19 @@ import pytest
 from coordination.errors import CellfeedError
 from producers.ranking import CellRows, gene_order, rank_order, truncate
 from coordination.tokens import CLS, EOS, layout
+from coordination.vocab import GeneVocab
 from producers.tokenizers import make_tokenizer
+
+VOCAB = GeneVocab.build([[f"G{g}" for g in range(3000)]])  # gene g -> token g + 4, as a one-dataset run's
+
+
+def tokenizer(name, medians=None, **params):
+    """A tokenizer over `VOCAB`, fed rows of raw gene ids (mapped to tokens as the producer maps
+    them first: `producers.items.map_genes`); `medians` per gene, as `cellfeed stats` stores them."""
+    per_token = None if medians is None else np.concatenate([np.ones(4), medians])
+    tok = make_tokenizer(name, VOCAB, gene_medians=per_token, **params)
+    return lambda rows, rng=None: tok(CellRows(rows.cell_ids, rows.offsets, rows.genes.astype(np.int64) + 4,
+                                               rows.values), rng)
 
 
 def random_cells(seed: int, n_cells: int = 60, n_genes: int = 3000, floats: bool = False) -> CellRows:
@@ -56,7 +68,7 @@ def reference_bins(values: np.ndarray, n_bins: int) -> np.ndarray:
 @pytest.mark.parametrize("max_genes", [1, 7, 64, 1024])
 def test_scgpt_matches_reference(seed, max_genes, floats):
     rows = random_cells(seed, floats=floats)
-    tok = make_tokenizer("scgpt", 3000, max_genes=max_genes, n_bins=51)(rows)
+    tok = tokenizer("scgpt", max_genes=max_genes, n_bins=51)(rows)
     np.testing.assert_array_equal(tok.cell_ids, rows.cell_ids)
     for i, (genes, values) in enumerate(per_cell(rows)):
         order = sorted(range(len(genes)), key=lambda j: (-float(values[j]), genes[j]))[:max_genes]
@@ -70,7 +82,7 @@ def test_scgpt_matches_reference(seed, max_genes, floats):
 
 def test_scgpt_random_selection_is_a_seeded_subset_with_the_same_bins():
     rows = random_cells(5)
-    tok = make_tokenizer("scgpt", 3000, max_genes=32, gene_selection="random")
+    tok = tokenizer("scgpt", max_genes=32, gene_selection="random")
     a, b = tok(rows, np.random.default_rng(1)), tok(rows, np.random.default_rng(1))
     c = tok(rows, np.random.default_rng(2))
     np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -92,7 +104,7 @@ def test_geneformer_matches_reference(seed, max_genes, version):
     rows = random_cells(seed)
     medians = np.random.default_rng(seed).uniform(0.5, 4.0, size=3000)
     medians[::7] = np.round(medians[::7])  # ties in the normalised value
-    tok = make_tokenizer(version, 3000, max_genes=max_genes, gene_medians=medians)(rows)
+    tok = tokenizer(version, medians, max_genes=max_genes)(rows)
     n = max_genes or {"geneformer-v1": 2048, "geneformer-v2": 4094}[version]
     for i, (genes, values) in enumerate(per_cell(rows)):
         total = float(values.astype(np.float64).sum())
@@ -108,8 +120,8 @@ def test_geneformer_matches_reference(seed, max_genes, version):
 def test_geneformer_alias_is_v2():
     rows = random_cells(1)
     medians = np.ones(3000)
-    a = make_tokenizer("geneformer", 3000, gene_medians=medians)(rows)
-    b = make_tokenizer("geneformer-v2", 3000, gene_medians=medians)(rows)
+    a = tokenizer("geneformer", medians)(rows)
+    b = tokenizer("geneformer-v2", medians)(rows)
     np.testing.assert_array_equal(a.tokens, b.tokens)
 
 
@@ -124,7 +136,7 @@ def test_raw_matches_reference(floats, as_stored):
         order = order[:offsets[-1]]
         rows = CellRows(rows.cell_ids, offsets, rows.genes[order], rows.values[order])
         assert rows.counts[0] == 0 and gene_order(rows) is rows
-    tok = make_tokenizer("raw", 3000, max_genes=50)(rows)
+    tok = tokenizer("raw", max_genes=50)(rows)
     for i, (genes, values) in enumerate(per_cell(rows)):
         order = np.argsort(genes, kind="stable")[:50]
         np.testing.assert_array_equal(tokens_of(tok, i), genes[order] + 4)
@@ -161,13 +173,15 @@ def test_rank_by_score_equals_lexsort_with_exact_and_one_ulp_ties(seed):
 
 
 def test_bad_tokenizer_settings_fail_before_work():
+    small = GeneVocab.build([[f"G{g}" for g in range(10)]])
     with pytest.raises(CellfeedError, match="unknown tokenizer"):
-        make_tokenizer("bert", 10)
+        make_tokenizer("bert", small)
     with pytest.raises(CellfeedError, match="max_genes must be >= 1"):
-        make_tokenizer("scgpt", 10, max_genes=0)
+        make_tokenizer("scgpt", small, max_genes=0)
     with pytest.raises(CellfeedError, match="needs integer counts.*--tokenizer scgpt"):
-        make_tokenizer("geneformer", 10, values_are_counts=False, gene_medians=np.ones(10))
+        make_tokenizer("geneformer", small, values_are_counts=False,
+                       gene_medians=np.ones(small.size))
     with pytest.raises(CellfeedError, match="cellfeed stats"):
-        make_tokenizer("geneformer", 10)
+        make_tokenizer("geneformer", small)
     with pytest.raises(CellfeedError, match="gene_selection"):
-        make_tokenizer("scgpt", 10, gene_selection="best")
+        make_tokenizer("scgpt", small, gene_selection="best")

@@ -17,13 +17,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from coordination.presets import preset_shape
-from coordination.tokens import GENE_OFFSET, MASK
+from coordination.tokens import CLS, EOS, MASK, PAD
 
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int  # n_genes + 4 special tokens
+    vocab_size: int  # the gene vocabulary's size (`coordination.vocab.GeneVocab.size`)
     n_bins: int = 51
     d_model: int = 512
     n_layers: int = 12
@@ -31,10 +31,13 @@ class ModelConfig:
     d_ff: int = 512
     dropout: float = 0.0
     objective: str = "bins"  # "bins": predict masked expression bins; "genes": predict masked gene ids
+    pad_token: int = PAD  # the vocabulary's special tokens (a vocabulary file has its own ids)
+    mask_token: int = MASK
+    special_tokens: tuple[int, ...] = (PAD, CLS, EOS, MASK)
 
     @classmethod
-    def preset(cls, name: str, vocab_size: int, n_bins: int = 51, objective: str = "bins") -> "ModelConfig":
-        return cls(vocab_size=vocab_size, n_bins=n_bins, objective=objective, **preset_shape(name))
+    def preset(cls, name: str, vocab_size: int, n_bins: int = 51, objective: str = "bins", **tokens) -> "ModelConfig":
+        return cls(vocab_size=vocab_size, n_bins=n_bins, objective=objective, **preset_shape(name), **tokens)
 
 
 class Block(nn.Module):
@@ -60,7 +63,7 @@ class CellTransformer(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.config = c
-        self.gene = nn.Embedding(c.vocab_size, c.d_model, padding_idx=0)
+        self.gene = nn.Embedding(c.vocab_size, c.d_model, padding_idx=c.pad_token)
         # + the "masked" bin; only when bins are an input (a parameter without gradient breaks DDP)
         self.bin = nn.Embedding(c.n_bins + 1, c.d_model) if c.objective == "bins" else None
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
@@ -100,10 +103,11 @@ class CellTransformer(nn.Module):
 
 
 def mask_positions(tokens: torch.Tensor, attention_mask: torch.Tensor, ratio: float,
-                   generator: torch.Generator) -> torch.Tensor:
+                   generator: torch.Generator, special_tokens=(PAD, CLS, EOS, MASK)) -> torch.Tensor:
     """A `ratio` of each cell's gene positions (never a special token, never padding), at random."""
     scores = torch.rand(attention_mask.shape, generator=generator, device="cpu").to(attention_mask.device)
-    candidates = attention_mask & (tokens >= GENE_OFFSET)
+    specials = torch.tensor(special_tokens, dtype=tokens.dtype, device=tokens.device)
+    candidates = attention_mask & ~torch.isin(tokens, specials)
     n = candidates.sum(dim=1, keepdim=True)
     k = (n.float() * ratio).round().clamp(min=1).minimum(n)
     scores = scores.masked_fill(~candidates, 2.0)
@@ -111,14 +115,17 @@ def mask_positions(tokens: torch.Tensor, attention_mask: torch.Tensor, ratio: fl
     return candidates & (rank < k)
 
 
-def masked_loss(model: nn.Module, batch, ratio: float, generator: torch.Generator, n_bins: int):
-    """(sum of cross-entropy over masked positions, their count, correct predictions)."""
-    masked = mask_positions(batch.tokens, batch.attention_mask, ratio, generator)
+def masked_loss(model: nn.Module, batch, ratio: float, generator: torch.Generator, n_bins: int,
+                config: ModelConfig | None = None):
+    """(sum of cross-entropy over masked positions, their count, correct predictions); `config`
+    names the special tokens (default: the built vocabulary's)."""
+    config = config or getattr(getattr(model, "module", model), "config", None) or ModelConfig(0)
+    masked = mask_positions(batch.tokens, batch.attention_mask, ratio, generator, config.special_tokens)
     if batch.values is not None:  # hide the bin, predict it
         logits = model(batch.tokens, batch.values.masked_fill(masked, n_bins), batch.attention_mask, masked)
         target = batch.values[masked]
     else:  # hide the gene, predict it
-        logits = model(batch.tokens.masked_fill(masked, MASK), None, batch.attention_mask, masked)
+        logits = model(batch.tokens.masked_fill(masked, config.mask_token), None, batch.attention_mask, masked)
         target = batch.tokens[masked]
     loss_sum = F.cross_entropy(logits.float(), target, reduction="sum")
     correct = (logits.argmax(dim=-1) == target).sum()

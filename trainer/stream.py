@@ -64,7 +64,7 @@ class StreamStats:
 
 class ConsumerStream:
     def __init__(self, queue: Queue, *, rank: int, world_size: int, run: str, batch_size: int,
-                 pad_to: int | None = None, buffer_cells: int = 4096, seed: int = 0,
+                 pad_to: int | None = None, pad_token: int = PAD, buffer_cells: int = 4096, seed: int = 0,
                  no_data_timeout_s: float = 600.0, poll_s: float = 1.0, fetch_items: int = 32,
                  consumed: set | None = None, trained_cells: dict | None = None, pin_memory: bool | None = None,
                  check=None):
@@ -74,6 +74,7 @@ class ConsumerStream:
         self.partition = rank_partition(rank)
         self.tag = run_tag(run)
         self.batch_size, self.pad_to, self.buffer_cells = batch_size, pad_to, buffer_cells
+        self.pad_token = pad_token
         self.seed, self.no_data_timeout_s, self.poll_s, self.fetch_items = seed, no_data_timeout_s, poll_s, fetch_items
         self.consumed = set(consumed or ())  # keys fully trained on (from a checkpoint)
         self.trained_cells = {k: set(v) for k, v in (trained_cells or {}).items()}  # partially trained items
@@ -216,7 +217,7 @@ class EpochIterator:
         for i in sorted(picks.tolist(), reverse=True):  # swap-remove
             self.buffer[i] = self.buffer[-1]
             self.buffer.pop()
-        batch = _collate(chosen, s.pad_to, s.pin_memory)
+        batch = _collate(chosen, s.pad_to, s.pin_memory, s.pad_token)
         for item, i in chosen:
             self.remaining[item.key] -= 1
             if self.remaining[item.key] == 0:
@@ -233,11 +234,11 @@ class EpochIterator:
         return batch
 
 
-def _collate(chosen: list[tuple[Item, int]], pad_to: int | None, pin: bool) -> Batch:
+def _collate(chosen: list[tuple[Item, int]], pad_to: int | None, pin: bool, pad_token: int = PAD) -> Batch:
     lengths = [int(item.offsets[i + 1] - item.offsets[i]) for item, i in chosen]
     width = pad_to or max(lengths, default=1)
     n = len(chosen)
-    tokens = np.full((n, width), PAD, dtype=np.int64)
+    tokens = np.full((n, width), pad_token, dtype=np.int64)
     has_values = bool(chosen) and chosen[0][0].values is not None
     values = np.zeros((n, width), dtype=np.float32 if has_values and chosen[0][0].values.dtype == np.float32
                       else np.int64) if has_values else None
@@ -260,7 +261,7 @@ def _collate(chosen: list[tuple[Item, int]], pad_to: int | None, pin: bool) -> B
     return Batch(*tensors)
 
 
-def collate_items(items: list[Item], batch_size: int, pad_to: int | None = None) -> list[Batch]:
+def collate_items(items: list[Item], batch_size: int, pad_to: int | None = None, pad_token: int = PAD) -> list[Batch]:
     """Every cell of `items`, in order, as batches (a fixed evaluation set)."""
     cells = [(item, i) for item in items for i in range(item.n_cells)]
-    return [_collate(cells[a:a + batch_size], pad_to, False) for a in range(0, len(cells), batch_size)]
+    return [_collate(cells[a:a + batch_size], pad_to, False, pad_token) for a in range(0, len(cells), batch_size)]

@@ -31,6 +31,7 @@ from coordination.errors import CellfeedError
 from coordination.summary import load_summary, optimizer_steps
 from coordination.routing import run_tag
 from coordination.seeds import mask_seed
+from coordination.tokens import CLS, EOS, MASK, PAD
 from coordination.wire import unpack_item
 from trainer import checkpoint
 from trainer.metrics import StepMetrics, Tracker, peak_flops
@@ -42,7 +43,7 @@ from trainer.stream import ConsumerStream
 class TrainConfig:
     run: str
     backend: BackendSpec  # where the run's queue and map are (a dict when read from JSON)
-    vocab_size: int  # n_genes + 4
+    vocab_size: int  # the gene vocabulary's size (`coordination.vocab.GeneVocab`)
     preset: str = "tiny"
     objective: str = "bins"
     n_bins: int = 51
@@ -68,6 +69,10 @@ class TrainConfig:
     eval_every: int | None = None  # masked-bin accuracy on the held-out set every N steps (rank 0)
     eval_cells: int = 0  # how many held-out cells the setup put in the "eval" partition
     progress_bar: bool = True
+    pad_token: int = PAD  # the vocabulary's special tokens
+    mask_token: int = MASK
+    special_tokens: tuple = (PAD, CLS, EOS, MASK)
+    vocab_fingerprint: str = ""  # checkpoints record it: a resume under another vocabulary is refused
 
     def __post_init__(self):
         self.backend = BackendSpec.of(self.backend)
@@ -106,7 +111,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     if queue is None:
         queue, store = connect(cfg.backend)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model_cfg = ModelConfig.preset(cfg.preset, cfg.vocab_size, cfg.n_bins, cfg.objective)
+    model_cfg = ModelConfig.preset(cfg.preset, cfg.vocab_size, cfg.n_bins, cfg.objective, pad_token=cfg.pad_token,
+                                   mask_token=cfg.mask_token, special_tokens=tuple(cfg.special_tokens))
     model = CellTransformer(model_cfg).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     step_model = torch.compile(ddp) if cfg.compile else ddp
@@ -119,7 +125,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     step, epoch, progress, done_before = restore(saved, cfg, rank, world, model, optimizer, scheduler, store)
     driver = start_driver(cfg, queue, store, saved, epoch, summaries) if rank == 0 and cfg.run_driver else None
     stream = ConsumerStream(queue, rank=rank, world_size=world, run=cfg.run, batch_size=cfg.batch_size,
-                            pad_to=cfg.pad_to, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
+                            pad_to=cfg.pad_to, pad_token=cfg.pad_token, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
                             no_data_timeout_s=cfg.no_data_timeout_s, consumed=progress.consumed,
                             trained_cells=progress.partial, check=driver.check if driver else None)
     cells_log = open(f"{cfg.cells_log}.rank{rank}.jsonl", "a") if cfg.cells_log else None
@@ -157,7 +163,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 sync = micro == cfg.grad_accum - 1
                 with autocast, (ddp.no_sync() if not sync else nullcontext()):
                     loss_sum, n_masked, correct = masked_loss(step_model, batch, cfg.mask_ratio, generator,
-                                                              cfg.n_bins)
+                                                              cfg.n_bins, model.config)
                     counts = torch.stack([n_masked.float(), loss_sum.detach().float(), correct.float(),
                                           torch.tensor(float(bool(stop_asked)), device=device)])
                     dist.all_reduce(counts)  # global masked count: every position weighs the same
@@ -275,12 +281,17 @@ def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
         items += [unpack_item(b, run_tag=run_tag(cfg.run)) for b in got]
     for batch in request_batches(raw):  # put back: a re-run of this trainer (preemption) reads them too
         queue.put_many(batch, partition=EVAL_PARTITION)
-    return [b.to(device) for b in collate_items(items, cfg.batch_size, cfg.pad_to)]
+    return [b.to(device) for b in collate_items(items, cfg.batch_size, cfg.pad_to, cfg.pad_token)]
 
 
 def check_resume(saved: checkpoint.Checkpoint, cfg: TrainConfig, model, store) -> None:
     """A resume continues the same run: the checkpoint's epoch must have the plan it was trained
     on (same dataset, sampling, seed, splits, ranks), and its weights must fit this model."""
+    theirs_vocab = json.loads(saved.state.get("config", "{}")).get("vocab_fingerprint", "")
+    if theirs_vocab and cfg.vocab_fingerprint and theirs_vocab != cfg.vocab_fingerprint:
+        raise CellfeedError(f"--resume: the checkpoint at step {saved.step} was trained on another gene vocabulary "
+                            f"({theirs_vocab}, this campaign's {cfg.vocab_fingerprint}): its token ids mean other genes; "
+                            "resume with the run's own --vocabulary and sources, or start a new --run")
     trained_on = saved.ranks[0].plan_id
     if trained_on and saved.epoch < cfg.epochs:
         now = load_summary(store, cfg.run, saved.epoch).plan_id
@@ -336,7 +347,7 @@ def evaluate(model, batches: list, cfg: TrainConfig, autocast) -> dict:
     totals = torch.zeros(3)
     for batch in batches:
         with autocast:
-            loss_sum, n, correct = masked_loss(model, batch, cfg.mask_ratio, generator, cfg.n_bins)
+            loss_sum, n, correct = masked_loss(model, batch, cfg.mask_ratio, generator, cfg.n_bins, model.config)
         totals += torch.tensor([float(loss_sum), float(n), float(correct)])
     model.train()
     return {"eval_loss": round(float(totals[0] / totals[1].clamp(min=1)), 5),

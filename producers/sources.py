@@ -1,0 +1,128 @@
+"""A campaign's sources opened for reading: each dataset of a corpus (or the one dataset), its
+selected cells, where its global cell ids start, and its genes' token ids under the campaign's
+vocabulary (a lookup array built once), with the coverage checks run at setup."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordination.corpus import CorpusSource, CorpusSpec, SourceSpec
+from coordination.errors import CellfeedError
+from coordination.plan import DatasetGeometry
+from coordination.vocab import MIN_MATCHED_SHARE, GeneVocab
+from producers.dataset import Dataset, open_dataset
+from producers.gene_stats import load_gene_medians
+from producers.selection import select_cells
+
+COVERAGE_SAMPLE_ROWS = 1 << 20  # non-zeros read to measure the share the vocabulary keeps
+
+
+@dataclass
+class Source:
+    spec: SourceSpec
+    ds: Dataset
+    gene_column: str
+    identifiers: list[str] = field(repr=False)
+    selection: np.ndarray | None = field(default=None, repr=False)
+    offset: int = 0
+    gene_tokens: np.ndarray | None = field(default=None, repr=False)  # int32[n_genes]: token id or -1
+
+    @property
+    def n_selected(self) -> int:
+        return self.ds.n_cells if self.selection is None else len(self.selection)
+
+    def planned(self) -> CorpusSource:
+        return CorpusSource(DatasetGeometry.of(self.ds), self.selection, self.offset)
+
+
+def gene_identifiers(ds: Dataset, column: str, source: str) -> list[str]:
+    columns = ds.var().column_names
+    if column not in columns:
+        raise CellfeedError(f"source {source!r} ({ds.uri}) has no gene column {column!r}; its var columns: "
+                            f"{', '.join(columns)} (choose one with gene_column)")
+    return [str(g) for g in ds.var([column]).column(0).to_pylist()]
+
+
+def open_sources(spec: CorpusSpec, *, subset_ids=None, datasets: dict | None = None) -> list[Source]:
+    """Each source opened, its training cells selected (its held-out cells taken out), ids placed."""
+    sources, offset = [], 0
+    for s in spec.sources:
+        ds = (datasets or {}).get(s.dataset) or open_dataset(s.dataset)
+        column = spec.gene_column_of(s)
+        selection = select_cells(ds, s.subset_filter, subset_ids if len(spec.sources) == 1 else None, s.eval_filter)
+        sources.append(Source(s, ds, column, gene_identifiers(ds, column, s.name), selection, offset))
+        offset += ds.n_cells
+    return sources
+
+
+def campaign_vocab(spec: CorpusSpec, sources: list[Source]) -> GeneVocab:
+    """The vocabulary file's, or the one built from the sources' identifiers."""
+    return GeneVocab.read(spec.vocabulary) if spec.vocabulary else GeneVocab.build(s.identifiers for s in sources)
+
+
+def attach_vocab(sources: list[Source], vocab: GeneVocab) -> None:
+    for s in sources:
+        s.gene_tokens = vocab.lookup(s.identifiers).astype(np.int32)
+
+
+@dataclass(frozen=True)
+class Coverage:
+    source: str
+    genes: int
+    genes_matched: int
+    nonzeros_kept: float  # share of a sample of non-zeros whose gene is in the vocabulary
+
+    def line(self) -> str:
+        return (f"{self.source}: {self.genes_matched:,} of {self.genes:,} genes in the vocabulary, "
+                f"{self.nonzeros_kept:.1%} of non-zeros kept")
+
+
+def coverage(source: Source) -> Coverage:
+    rows = source.ds.read_rows(0, min(source.ds.n_rows, COVERAGE_SAMPLE_ROWS))
+    matched = source.gene_tokens >= 0
+    kept = float(matched[rows.gene].mean()) if len(rows.gene) else float(matched.mean())
+    return Coverage(source.spec.name, len(matched), int(matched.sum()), kept)
+
+
+def check_coverage(sources: list[Source], vocab: GeneVocab, threshold: float = MIN_MATCHED_SHARE) -> list[Coverage]:
+    """Each source's coverage; a source whose kept non-zeros fall under `threshold` fails in one
+    line that shows an identifier from each side and the option to change."""
+    out = []
+    for s in sources:
+        c = coverage(s)
+        if c.nonzeros_kept < threshold:
+            theirs = next((g for g, t in zip(s.identifiers, s.gene_tokens) if t < 0), "?")
+            ours = next((g for g in vocab.ids if not g.startswith("<")), "?")
+            others = [c for c in s.ds.var().column_names if c != s.gene_column]
+            raise CellfeedError(
+                f"source {s.spec.name!r}: only {c.nonzeros_kept:.1%} of its non-zeros ({c.genes_matched:,} of "
+                f"{c.genes:,} genes) are in the vocabulary ({vocab.origin}) -- its {s.gene_column} reads like "
+                f"{theirs!r}, the vocabulary like {ours!r}: name the var column that matches with gene_column"
+                + (f" (its columns: {', '.join(others)})" if others else ""))
+        out.append(c)
+    return out
+
+
+def token_medians(sources: list[Source], vocab: GeneVocab, median_file: str | None = None) -> np.ndarray | None:
+    """Geneformer's gene medians indexed by token id: read from a median dictionary (identifier ->
+    median, Geneformer's pickle or JSON), or a one-source campaign's `cellfeed stats` mapped
+    through its genes' tokens. None when neither is there."""
+    from coordination.vocab import read_mapping
+
+    out = np.zeros(vocab.size)
+    if median_file:
+        mapping = read_mapping(median_file, "gene median dictionary")
+        ids = vocab.lookup(list(mapping))
+        vals = np.array([float(v) for v in mapping.values()])
+        out[ids[ids >= 0]] = vals[ids >= 0]
+        return out
+    if len(sources) != 1:
+        return None  # medians over a whole corpus: give Geneformer's median dictionary
+    medians = load_gene_medians(sources[0].ds) if sources[0].ds.is_counts else None
+    if medians is None:
+        return None
+    inside = sources[0].gene_tokens >= 0
+    out[sources[0].gene_tokens[inside]] = medians[inside]
+    return out

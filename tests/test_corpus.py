@@ -1,0 +1,259 @@
+"""Pretraining on a corpus: the gene vocabulary (files read safely, scGPT's and Geneformer's
+layouts, coverage checks), exact per-source epochs (quotas, every cell once before any twice,
+whole passes of small sources), and tokens on real data equal to an independent computation of
+scGPT's and Geneformer's rules."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordination.audit import cells_hash
+from coordination.corpus import CorpusPlan, CorpusSource, CorpusSpec, quotas, source_of
+from coordination.errors import CellfeedError
+from coordination.plan import DatasetGeometry, Sampling
+from coordination.queues import MemoryMap, MemoryQueue
+from coordination.routing import EVAL_PARTITION
+from coordination.vocab import GeneVocab, published_vocab
+from coordination.wire import unpack_item
+from producers.producer import Producer, ProducerConfig
+
+TEST_DATA = Path(__file__).parent / "data"
+SCGPT_VOCAB = TEST_DATA / "scgpt_default_gene_vocab.json"
+
+
+def geometry(n_cells: int, seed: int, fragments: int = 3) -> DatasetGeometry:
+    rng = np.random.default_rng(seed)
+    starts = np.concatenate([[0], np.cumsum(rng.integers(1, 5, size=n_cells))]).astype(np.int64)
+    edges = np.linspace(0, starts[-1], fragments + 1).astype(np.int64)
+    return DatasetGeometry(f"g{seed}", starts, edges)
+
+
+# ------------------------------------------------------------------------------------- quotas
+
+
+def test_quotas_add_up_by_largest_remainder():
+    assert quotas([0.6, 0.3, 0.1], 1000).tolist() == [600, 300, 100]
+    assert quotas([1, 1, 1], 10).tolist() == [4, 3, 3]  # the remainder to the earlier source
+    assert quotas([0.6, 0.3, 0.1], 7).sum() == 7
+    assert quotas([2, 1], 1).tolist() == [1, 0]
+
+
+# ----------------------------------------------------------------------------- epoch semantics
+
+
+@pytest.mark.parametrize("strategy", ["block", "random", "sequential", "mixture"])
+def test_corpus_epochs_give_exact_quotas_and_every_cell_once_before_any_twice(strategy):
+    sizes = (900, 400, 70)
+    subset = np.sort(np.random.default_rng(5).choice(400, size=300, replace=False))  # source 1: a filter
+    sources = [CorpusSource(geometry(sizes[0], 0), None, 0),
+               CorpusSource(geometry(sizes[1], 1), subset, sizes[0]),
+               CorpusSource(geometry(sizes[2], 2), None, sizes[0] + sizes[1])]
+    selected = [900, 300, 70]
+    q = quotas([0.6, 0.3, 0.1], 1000)  # 600 of 900, 300 of 300, 100 of 70 (a pass and 30 of the next)
+    sampling = Sampling(strategy, unit_cells=16, n_scanners=2, block_size=8, fetch_factor=2, batch_size=16)
+    streams = [[], [], []]
+    for epoch in range(3):
+        plan = CorpusPlan(sources, q, sampling, seed=7, epoch=epoch)
+        per_source = [[], [], []]
+        for u in range(plan.n_units):
+            unit = plan.unit(u)
+            for s, cells, ranges in unit.parts:
+                assert len(np.unique(cells)) == len(cells)  # a unit never holds a cell twice
+                starts = sources[s].geometry.cell_row_start
+                assert (ranges[:, 1] - ranges[:, 0]).sum() == (starts[cells + 1] - starts[cells]).sum()
+                per_source[s].append(cells)
+        got = [np.concatenate(p) for p in per_source]
+        assert [len(g) for g in got] == q.tolist()  # exact quotas
+        assert plan.unit_cell_counts.sum() == plan.n_cells == 1000
+        assert plan.cells_per_rank(3).sum() == 1000
+        everything = np.concatenate([g + src.offset for g, src in zip(got, sources)])
+        assert sum(plan.cell_hash_per_rank(3)) % 2**64 == cells_hash(everything)  # the audit's plan
+        assert source_of(everything, [s.offset for s in sources]).tolist() == \
+            [0] * q[0] + [1] * q[1] + [2] * q[2]
+        for s in range(3):
+            streams[s].append(np.concatenate([plan.unit_cells(u, s) for u in range(plan.n_units)]))
+    # each source's stream over the epochs: whole passes, each a permutation of its selection
+    for s, chosen in enumerate([np.arange(900), subset, np.arange(70)]):
+        stream = np.concatenate(streams[s])
+        for k in range(len(stream) // selected[s]):
+            np.testing.assert_array_equal(np.sort(stream[k * selected[s]:(k + 1) * selected[s]]), chosen)
+        tail = stream[len(stream) // selected[s] * selected[s]:]
+        assert len(np.unique(tail)) == len(tail) and set(tail) <= set(chosen.tolist())
+    # the large source continues where it stopped: epochs 0 and 1 hold 1,200 of its 900 cells,
+    # so every cell came once (900) before 300 came twice
+    first_two = np.concatenate(streams[0][:2])
+    assert len(np.unique(first_two[:900])) == 900
+    # the 70-cell source runs its passes in different orders
+    assert not np.array_equal(streams[2][0][:70], streams[2][1][30:100])
+
+
+def test_units_mix_sources_in_proportion():
+    sources = [CorpusSource(geometry(6000, 0), None, 0), CorpusSource(geometry(3000, 1), None, 6000),
+               CorpusSource(geometry(1000, 2), None, 9000)]
+    plan = CorpusPlan(sources, quotas([0.6, 0.3, 0.1], 10_000), Sampling("block", block_size=16, fetch_factor=2,
+                                                                          batch_size=64), seed=0, epoch=0)
+    shares = plan.unit_source_counts / plan.unit_cell_counts[:, None]
+    assert plan.n_units >= 64
+    assert np.abs(shares - [0.6, 0.3, 0.1]).max() < 0.05  # each unit holds every source, by weight
+
+
+def test_a_plan_is_a_pure_function_of_seed_and_epoch():
+    sources = [CorpusSource(geometry(500, 0), None, 0), CorpusSource(geometry(50, 1), None, 500)]
+    q = quotas([0.5, 0.5], 400)
+    a, b = (CorpusPlan(sources, q, Sampling("block", block_size=4), seed=3, epoch=2) for _ in range(2))
+    assert a.plan_id == b.plan_id
+    assert all(np.array_equal(a.unit_cells(u, 1), b.unit_cells(u, 1)) for u in range(a.n_units))
+    assert CorpusPlan(sources, q, Sampling("block", block_size=4), seed=4, epoch=2).plan_id != a.plan_id
+
+
+def test_corpus_file_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "c.toml"
+    bad.write_text('[[source]]\nname = "a"\n')
+    with pytest.raises(CellfeedError, match=r"\[\[source\]\] 1 has no dataset"):
+        CorpusSpec.read(bad)
+    bad.write_text('[[source]]\ndataset = "x"\nweight = 0\n')
+    with pytest.raises(CellfeedError, match="weights must be > 0"):
+        CorpusSpec.read(bad)
+    bad.write_text('[[source]]\ndataset = "x"\nwieght = 1\n')
+    with pytest.raises(CellfeedError, match="unknown setting 'wieght'"):
+        CorpusSpec.read(bad)
+    bad.write_text('epoch_cels = 3\n[[source]]\ndataset = "x"\n')
+    with pytest.raises(CellfeedError, match="unknown setting 'epoch_cels'"):
+        CorpusSpec.read(bad)
+    bad.write_text("[[source]\n")
+    with pytest.raises(CellfeedError, match="not valid TOML"):
+        CorpusSpec.read(bad)
+    bad.write_text('vocabulary = "v.json"\n[[source]]\ndataset = "d"\nweight = 2\n')
+    spec = CorpusSpec.read(bad)  # paths relative to the corpus file
+    assert spec.vocabulary == str(tmp_path / "v.json") and spec.sources[0].dataset == str(tmp_path / "d")
+
+
+# ---------------------------------------------------------------------------------- vocabulary
+
+
+def test_scgpt_vocabulary_gets_its_specials_appended_as_scgpt_does():
+    vocab = GeneVocab.read(SCGPT_VOCAB)
+    raw = json.loads(SCGPT_VOCAB.read_text())
+    assert len(raw) == 48_292 and max(raw.values()) == 48_291
+    # scGPT: GeneVocab.from_file, then append_token("<pad>"), ("<cls>"), ("<eoc>"): ids after the highest
+    assert (vocab.pad, vocab.special("cls"), vocab.special("eos"), vocab.mask) == (48_292, 48_293, 48_294, 48_295)
+    assert vocab.ids["<eoc>"] == 48_294 and vocab.size == 48_296 and vocab.n_genes == 48_292
+    assert vocab.lookup(["TP53", "not-a-gene", "CD3E"]).tolist() == [raw["TP53"], -1, raw["CD3E"]]
+    assert GeneVocab.from_json(vocab.to_json()).fingerprint == vocab.fingerprint
+
+
+def test_geneformer_pickles_are_read_without_running_code(tmp_path):
+    tokens = {"<pad>": 0, "<mask>": 1, "<cls>": 2, "<eos>": 3, "ENSG00000141510": 4, "ENSG00000105329": 5}
+    (tmp_path / "token_dictionary.pkl").write_bytes(pickle.dumps(tokens))
+    vocab = GeneVocab.read(tmp_path / "token_dictionary.pkl")
+    assert (vocab.pad, vocab.mask, vocab.special("cls"), vocab.special("eos")) == (0, 1, 2, 3)
+    medians = {"ENSG00000141510": np.float64(1.5), "ENSG00000105329": np.float32(2.25)}  # numpy scalars, as stored
+    (tmp_path / "medians.pkl").write_bytes(pickle.dumps(medians))
+    from coordination.vocab import read_mapping
+
+    assert read_mapping(tmp_path / "medians.pkl", "medians") == {"ENSG00000141510": 1.5, "ENSG00000105329": 2.25}
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("owned",))
+
+    (tmp_path / "evil.pkl").write_bytes(pickle.dumps({"ENSG1": Evil()}))
+    with pytest.raises(CellfeedError, match=r"not a plain pickled dict \(refusing builtins.print"):
+        GeneVocab.read(tmp_path / "evil.pkl")
+    (tmp_path / "array.pkl").write_bytes(pickle.dumps({"ENSG1": np.arange(3)}))
+    with pytest.raises(CellfeedError, match="refusing numpy"):
+        GeneVocab.read(tmp_path / "array.pkl")
+    (tmp_path / "v.json").write_text('{"A": 0, "B": "x"}')
+    with pytest.raises(CellfeedError, match="'B' maps to 'x', not a token id"):
+        GeneVocab.read(tmp_path / "v.json")
+
+
+# -------------------------------------------------------------------- tokens on real data
+
+
+def reference_bins(values: np.ndarray, n_bins: int) -> np.ndarray:
+    """scGPT's binning of one cell's non-zeros (np.quantile edges, np.digitize, ties at the midpoint)."""
+    edges = np.quantile(values, np.linspace(0, 1, n_bins - 1))
+    return np.ceil((np.digitize(values, edges) + np.digitize(values, edges, right=True)) / 2).astype(np.int64)
+
+
+def every_cell(producer: Producer, n_cells: int) -> dict:
+    """Every cell's (tokens, values) as the producer makes them (through the held-out path: all cells, once)."""
+    queue = MemoryQueue()
+    producer.queue = queue
+    producer.produce_held_out(np.arange(n_cells))
+    out = {}
+    for data in queue.get_many(10**6, block=False, partition=EVAL_PARTITION):
+        item = unpack_item(data)
+        for i, cell in enumerate(item.cell_ids.tolist()):
+            a, b = item.offsets[i], item.offsets[i + 1]
+            out[cell] = (item.tokens[a:b].astype(np.int64), None if item.values is None else item.values[a:b])
+    return out
+
+
+def test_pbmc_with_scgpt_vocabulary_equals_scgpt_rule_cell_by_cell(pbmc_raw):
+    ds, adata = pbmc_raw
+    vocab = GeneVocab.read(SCGPT_VOCAB)
+    config = ProducerConfig(dataset=ds.uri, run="pbmc", vocabulary=str(SCGPT_VOCAB), max_genes=200, threads=1)
+    producer = Producer(config, MemoryQueue(), MemoryMap(), dataset=ds)
+    got = every_cell(producer, ds.n_cells)
+    x = adata.raw.X.tocsr()
+    symbols = list(adata.raw.var_names)
+    ids = {g: vocab.ids[g] for g in symbols if g in vocab.ids}
+    assert 600 < len(ids) < len(symbols)  # most PBMC symbols are in scGPT's vocabulary, not all
+    for cell in range(ds.n_cells):
+        row = x.getrow(cell)
+        kept = [(float(v), ids[symbols[g]]) for g, v in zip(row.indices, row.data) if v != 0 and symbols[g] in ids]
+        values = np.array([v for v, _ in kept], dtype=np.float32)
+        bins = dict(zip([t for _, t in kept], reference_bins(values, 51))) if kept else {}
+        ranked = sorted(kept, key=lambda vt: (-vt[0], vt[1]))[:200]  # value descending, token ascending
+        tokens, got_bins = got[cell]
+        np.testing.assert_array_equal(tokens, [vocab.special("cls")] + [t for _, t in ranked])
+        np.testing.assert_array_equal(got_bins, [0] + [bins[t] for _, t in ranked])
+    assert published_vocab(MemoryMap(), "pbmc") is None  # nothing published by a bare producer
+
+
+def test_geneformer_with_an_ensembl_dictionary_equals_its_rule(small_synth, tmp_path):
+    ds = small_synth
+    genes = [str(g) for g in ds.var(["gene_id"]).column(0).to_pylist()]
+    rng = np.random.default_rng(0)
+    inside = [g for g in genes if rng.random() < 0.8]  # a fifth of the atlas's genes unknown to the dictionary
+    order = rng.permutation(len(inside))
+    tokens = {"<pad>": 0, "<mask>": 1, "<cls>": 2, "<eos>": 3} | {inside[i]: 4 + int(order[i]) for i in range(len(inside))}
+    medians = {g: np.float64(rng.uniform(0.5, 4.0)) for g in inside}
+    (tmp_path / "token_dictionary.pkl").write_bytes(pickle.dumps(tokens))
+    (tmp_path / "gene_median_dictionary.pkl").write_bytes(pickle.dumps(medians))
+    config = ProducerConfig(dataset=ds.uri, run="gf", tokenizer="geneformer-v2", max_genes=64, threads=1,
+                            vocabulary=str(tmp_path / "token_dictionary.pkl"),
+                            gene_medians=str(tmp_path / "gene_median_dictionary.pkl"))
+    producer = Producer(config, MemoryQueue(), MemoryMap(), dataset=ds)
+    n = 300
+    got = every_cell(producer, n)
+    block = ds.read_cells(np.arange(n))
+    for cell in range(n):
+        mine = block.cell == cell
+        pairs = [(genes[g], float(v)) for g, v in zip(block.gene[mine], block.value[mine]) if genes[g] in tokens]
+        total = sum(v for _, v in pairs)
+        score = [(-(v / total * 10_000 / medians[g]), tokens[g]) for g, v in pairs]
+        expected = [2] + [t for _, t in sorted(score)[:64]] + [3]
+        np.testing.assert_array_equal(got[cell][0], expected)
+
+
+def test_a_source_outside_the_vocabulary_fails_in_one_line_with_both_sides(small_synth):
+    from producers.sources import attach_vocab, check_coverage, open_sources
+
+    spec = CorpusSpec.single(small_synth.uri, vocabulary=str(SCGPT_VOCAB))
+    sources = open_sources(spec, datasets={small_synth.uri: small_synth})
+    vocab = GeneVocab.read(SCGPT_VOCAB)
+    attach_vocab(sources, vocab)
+    with pytest.raises(CellfeedError) as err:
+        check_coverage(sources, vocab)
+    text = str(err.value)
+    assert "\n" not in text and "0.0% of its non-zeros" in text and "'ENSG00000000000'" in text
+    assert "'ZZZ3'" in text and "gene_column" in text
