@@ -131,3 +131,42 @@ def pbmc_raw(tmp_path_factory):
         adata = ad.read_h5ad(PBMC)
     out = tmp_path_factory.mktemp("pbmc") / "raw"
     return convert([str(PBMC)], str(out), layer="raw.X", rows_per_fragment=20_000, progress=False), adata
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory, pbmc_raw):
+    """A three-source corpus file: a synthetic atlas (1,200 cells, Ensembl-like ids), a second
+    (500 cells) whose genes overlap the first's by ~70% and are stored in another order, and the
+    real PBMC file (700 cells, gene symbols); weights 0.6 / 0.3 / 0.1 over the default epoch of
+    2,400 cells: quotas 1,440 / 720 / 240, so the two synthetic sources repeat within an epoch and
+    PBMC continues across epochs. Returns (path, each source's first global cell id, quotas)."""
+    from producers.synth import SynthSpec, synthesize
+
+    root = tmp_path_factory.mktemp("corpus")
+    first = synthesize(str(root / "atlas_a"), SynthSpec(n_cells=1200, n_genes=800, n_plates=3, seed=11),
+                       rows_per_fragment=200_000, progress=False)
+    ids = [str(g) for g in first.var(["gene_id"]).column(0).to_pylist()]
+    rng = np.random.default_rng(12)
+    shared = list(rng.choice(ids, size=560, replace=False))  # 70% of the first atlas's genes
+    second_ids = list(rng.permutation(shared + [f"ENSG9{g:010d}" for g in range(240)]))  # + new ones, reordered
+    synthesize(str(root / "atlas_b"), SynthSpec(n_cells=500, n_genes=800, n_plates=2, seed=13),
+               rows_per_fragment=100_000, progress=False, gene_ids=second_ids)
+    pbmc, _ = pbmc_raw
+    path = root / "corpus.toml"
+    path.write_text(f'''# three atlases over one vocabulary built from their genes
+[[source]]
+name = "atlas_a"
+dataset = "atlas_a"
+weight = 0.6
+
+[[source]]
+name = "atlas_b"
+dataset = "atlas_b"
+weight = 0.3
+
+[[source]]
+name = "pbmc"
+dataset = "{pbmc.uri}"
+weight = 0.1
+''')
+    return str(path), [0, 1200, 1700], (1440, 720, 240)

@@ -257,3 +257,46 @@ def test_a_source_outside_the_vocabulary_fails_in_one_line_with_both_sides(small
     text = str(err.value)
     assert "\n" not in text and "0.0% of its non-zeros" in text and "'ENSG00000000000'" in text
     assert "'ZZZ3'" in text and "gene_column" in text
+
+
+# ------------------------------------------------------------------------------ a whole campaign
+
+
+def test_cellfeed_local_trains_a_corpus_as_planned_per_source_in_every_epoch(corpus, tmp_path):
+    import subprocess
+    import sys
+
+    from benchmarks.chaos import trained_per_epoch
+    from coordination.corpus import source_of
+
+    path, offsets, quotas_ = corpus
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "app.cli", "local", "--corpus", path, "--workdir", str(tmp_path),
+                          "--run", "mix", "--epochs", "2", "--max-genes", "32", "--batch-size", "32",
+                          "--audit-cells", "--quiet"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "corpus " in out.stdout and "1,440 cells per epoch from atlas_a: 800 of 800 genes" in out.stdout
+    assert "240 cells per epoch from pbmc: 765 of 765 genes in the vocabulary, 100.0% of non-zeros kept" in out.stdout
+    vocab = GeneVocab.from_json((tmp_path / "mix" / "vocab.json").read_text())
+    assert vocab.n_genes == 800 + 240 + 765  # the union: atlas_b adds its 240 new genes
+    planner = Producer(ProducerConfig(dataset="", corpus=path, run="mix", world_size=2), MemoryQueue(), MemoryMap())
+    trained = trained_per_epoch(tmp_path / "mix")
+    for epoch in range(2):
+        plan = planner.plan(epoch)
+        planned = Counter(np.concatenate([plan.unit_cells(u, s) + offsets[s] for u in range(plan.n_units)
+                                          for s in range(3)]).tolist())
+        assert trained[epoch] == planned, epoch  # exactly the plan, a repeated cell as often as planned
+        per_source = np.bincount(source_of(list(trained[epoch].elements()), offsets), minlength=3)
+        assert per_source.tolist() == list(quotas_)
+    # pbmc (700 cells, 240 an epoch) continues: epoch 1 draws cells epoch 0 did not
+    pbmc = [set(c for c in trained[e] if c >= offsets[2]) for e in range(2)]
+    assert not pbmc[0] & pbmc[1]
+    assert out.stdout.count("0 missing, 0 duplicated (of 2,400 planned") == 2
+
+
+def test_inspect_a_corpus_shows_each_source(corpus):
+    from app.cli import describe_corpus
+
+    text = describe_corpus(corpus[0])
+    assert "3 sources, 2,400 cells per epoch" in text
+    assert "atlas_b" in text and "800 / 800" in text and "1,440" in text and "0.34" in text  # pbmc: 240 / 700 a pass

@@ -36,13 +36,15 @@ class Campaign:
     """Server + published plans + producer threads, as the local campaign sets them up."""
 
     def __init__(self, ds, run: str, epochs: int, producers: int = 2, subset_filter=None, held_out=None,
-                 sampling: Sampling = Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH)):
+                 sampling: Sampling = Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
+                 corpus: str | None = None):
         self.server = ServerProcess()
         self.run = run
-        config = ProducerConfig(dataset=ds.uri, run=run, world_size=WORLD, max_genes=24, cells_per_item=40,
-                                sampling=sampling,
+        config = ProducerConfig(dataset="" if corpus else ds.uri, corpus=corpus, run=run, world_size=WORLD,
+                                max_genes=24, cells_per_item=40, sampling=sampling,
                                 idle_timeout_s=300, subset_filter=subset_filter)
         first = Producer(config, LocalQueue(self.server.address), LocalMap(self.server.address), dataset=ds)
+        self.plans = [first.plan(e) for e in range(epochs)]
         if held_out is not None:
             first.produce_held_out(held_out)
         self.summaries = [PlanSummary.of(first.plan(e), WORLD) for e in range(epochs)]
@@ -114,6 +116,39 @@ def test_sigkill_mid_epoch_then_resume_trains_every_cell_once(small_synth, tmp_p
     runs, units trained through are not produced again (with sequential units, those holding a
     piece of a boundary cell not trained yet are), and the epoch passes its audit."""
     campaign = Campaign(small_synth, "resume", epochs=1, sampling=sampling)
+    before, after, summary = kill_mid_epoch_and_resume(campaign, tmp_path)
+    assert before + after == Counter(range(small_synth.n_cells))  # no loss, no duplicate
+    assert 0 < summary["resume_skipped_units"] < campaign.summaries[0].n_units
+    (audit,) = summary["audits"]
+    assert audit["audited"] and audit["cells"] == small_synth.n_cells and audit["missing"] == 0
+    if sampling.strategy == "sequential":
+        assert len(campaign.summaries[0].boundary_cells) > 0
+
+
+def test_a_corpus_killed_mid_epoch_and_resumed_trains_every_planned_cell_as_planned(corpus, tmp_path):
+    """A three-source corpus (sources repeated within the epoch and sources continued across
+    epochs), all ranks killed mid-epoch: the two runs together train the planned multiset exactly,
+    each source its quota."""
+    from coordination.corpus import source_of
+
+    path, offsets, quotas = corpus
+    campaign = Campaign(None, "corpus", epochs=1, corpus=path)
+    plan = campaign.plans[0]
+    planned = Counter(np.concatenate([plan.unit_cells(u, s) + offsets[s] for u in range(plan.n_units)
+                                      for s in range(len(offsets))]).tolist())
+    assert max(planned.values()) == 2  # a small source's cells come twice in this epoch
+    before, after, summary = kill_mid_epoch_and_resume(campaign, tmp_path)
+    trained = before + after
+    assert trained == planned  # each planned cell as often as planned: no loss, no duplicate
+    per_source = np.bincount(source_of(list(trained.elements()), offsets), minlength=len(offsets))
+    assert per_source.tolist() == list(quotas)
+    (audit,) = summary["audits"]
+    assert audit["audited"] and audit["cells"] == sum(quotas) and audit["missing"] == 0
+
+
+def kill_mid_epoch_and_resume(campaign: Campaign, tmp_path: Path) -> tuple[Counter, Counter, dict]:
+    """SIGKILL both ranks after their checkpoint at step 20, resume: (cells trained before the
+    checkpoint, cells trained by the resumed run, the resumed run's summary)."""
     try:
         # a mixing buffer far smaller than the epoch (as at scale), so units complete before the crash
         first = campaign.train_config(tmp_path / "a", cells_log=str(tmp_path / "a" / "cells"), buffer_cells=160)
@@ -138,13 +173,7 @@ def test_sigkill_mid_epoch_then_resume_trains_every_cell_once(small_synth, tmp_p
     before = read_cells(tmp_path / "a" / "cells", max_step=committed)  # what the checkpoint holds
     after = read_cells(tmp_path / "b" / "cells")
     assert sum(before.values()) > 0 and sum(after.values()) > 0
-    assert before + after == Counter(range(small_synth.n_cells))  # no loss, no duplicate
-    summary = json.loads((tmp_path / "b" / "summary.rank0").read_text())
-    assert 0 < summary["resume_skipped_units"] < campaign.summaries[0].n_units
-    (audit,) = summary["audits"]
-    assert audit["audited"] and audit["cells"] == small_synth.n_cells and audit["missing"] == 0
-    if sampling.strategy == "sequential":
-        assert len(campaign.summaries[0].boundary_cells) > 0
+    return before, after, json.loads((tmp_path / "b" / "summary.rank0").read_text())
 
 
 def test_model_presets_masking_and_flops():
