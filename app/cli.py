@@ -88,6 +88,8 @@ def cmd_stats(args) -> int:
     from producers.dataset import open_dataset
     from producers.gene_stats import compute_gene_medians, store_gene_stats
 
+    if args.dataset.endswith(".toml"):
+        return corpus_stats(args)
     ds = open_dataset(args.dataset)
     medians = compute_gene_medians(ds, progress=not args.quiet)
     store_gene_stats(ds, medians)
@@ -95,6 +97,33 @@ def cmd_stats(args) -> int:
     typical = float(np.median(medians[expressed])) if expressed.any() else 0.0
     print(f"stored the non-zero medians of normalised counts (x / cell total * 10,000) of {int(expressed.sum()):,} "
           f"expressed genes (of {ds.n_genes:,}) in {ds.uri}/gene_stats.lance; median of medians {typical:.3g}")
+    return 0
+
+
+def corpus_stats(args) -> int:
+    """Geneformer's medians over a whole corpus, per vocabulary gene, as a median dictionary
+    (JSON, identifier -> median) for `--gene-medians`."""
+    import json
+    from pathlib import Path
+
+    from coordination.corpus import CorpusSpec
+    from producers.gene_stats import compute_gene_medians
+    from producers.sources import attach_vocab, campaign_vocab, open_sources
+
+    if not args.out:
+        raise CellfeedError("over a corpus, give --out FILE.json: the median dictionary to write (then train with "
+                            "--gene-medians FILE.json)")
+    spec = CorpusSpec.read(args.dataset)
+    sources = open_sources(spec)
+    vocab = campaign_vocab(spec, sources)
+    attach_vocab(sources, vocab)
+    medians = compute_gene_medians([(s.ds, s.gene_tokens) for s in sources], progress=not args.quiet,
+                                   n_out=vocab.size)
+    names = {i: g for g, i in vocab.ids.items()}
+    out = {names[i]: float(m) for i, m in enumerate(medians) if m > 0 and i in names}
+    Path(args.out).write_text(json.dumps(out))
+    print(f"wrote the non-zero medians of normalised counts of {len(out):,} expressed vocabulary genes over "
+          f"{len(sources)} sources to {args.out} (use it with --gene-medians)")
     return 0
 
 
@@ -229,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("stats", "compute and store Geneformer's gene medians (the geneformer tokenizers need them)",
                 description="Compute each gene's non-zero median of normalised counts (x / cell total * 10,000), "
                 "exactly, in a few streaming passes, and store them with the dataset.")
-    p.add_argument("dataset", help="a local path or s3://bucket/prefix")
+    p.add_argument("dataset", help="a local path or s3://bucket/prefix, or a corpus file (.toml): medians per "
+                   "vocabulary gene over every source, written to --out")
+    p.add_argument("--out", default=None, help="with a corpus: the median dictionary (JSON) to write")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_stats)
 

@@ -56,16 +56,27 @@ def normalized_values(ds: Dataset, chunk_rows: int = CHUNK_ROWS, progress: bool 
             bar.update(len(values))
 
 
-def compute_gene_medians(ds: Dataset, progress: bool = True, collect_limit: int = COLLECT_LIMIT,
-                         chunk_rows: int = CHUNK_ROWS) -> np.ndarray:
-    """Each gene's non-zero median of depth-normalised counts (Geneformer's), exactly."""
-    if not ds.is_counts:
-        raise CellfeedError("gene medians are for integer counts; this dataset stores float values "
-                            "(convert a counts matrix, e.g. `cellfeed convert IN.h5ad OUT --layer raw.X`)")
-    g = ds.n_genes
+def compute_gene_medians(ds: Dataset | list, progress: bool = True, collect_limit: int = COLLECT_LIMIT,
+                         chunk_rows: int = CHUNK_ROWS, n_out: int | None = None) -> np.ndarray:
+    """Each gene's non-zero median of depth-normalised counts (Geneformer's), exactly. `ds`: one
+    dataset (medians per gene id), or a corpus as [(dataset, gene -> token id or -1)] (medians per
+    token id, `n_out` of them, over every source's cells; a cell is normalised by its whole total)."""
+    parts = ds if isinstance(ds, list) else [(ds, None)]
+    for one, _ in parts:
+        if not one.is_counts:
+            raise CellfeedError(f"gene medians are for integer counts; {one.uri} stores float values "
+                                "(convert a counts matrix, e.g. `cellfeed convert IN.h5ad OUT --layer raw.X`)")
+    g = n_out if n_out is not None else parts[0][0].n_genes
 
     def chunks(desc):
-        return normalized_values(ds, chunk_rows, progress, desc)
+        for one, tokens in parts:
+            for genes, values in normalized_values(one, chunk_rows, progress, desc):
+                if tokens is None:
+                    yield genes, values
+                else:
+                    mapped = tokens[genes].astype(np.int64)
+                    inside = mapped >= 0
+                    yield mapped[inside], values[inside]
 
     # pass 1: exponents (no prefix yet), one histogram serves both middle ranks
     hist = np.zeros(g * EXPONENT_BUCKETS, dtype=np.int64)

@@ -26,10 +26,11 @@ CHUNK_CELLS = 256  # cells tokenized at once: their rows (~0.4M at 1,600 genes p
 
 def cells_to_items(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, block: RowBlock, tokenizer, *,
                    epoch: int, key_id: int, run_tag: int, rng: np.random.Generator, cells_per_item: int,
-                   labels: np.ndarray | None = None, stitched: bool = False,
+                   labels: np.ndarray | None = None, stitched: bool = False, totals: np.ndarray | None = None,
                    pool: Executor | None = None) -> tuple[list[bytes], float, float]:
-    """Items of `cells`, in this order (cell i's rows are block[first[i]:first[i] + counts[i]]),
-    and the seconds spent tokenizing and packing (summed over threads)."""
+    """Items of `cells`, in this order (cell i's rows are block[first[i]:first[i] + counts[i]];
+    `totals[i]` its total before genes outside the vocabulary were dropped), and the seconds
+    spent tokenizing and packing (summed over threads)."""
     size = cells_per_item * max(1, CHUNK_CELLS // cells_per_item)
     bounds = list(range(0, len(cells), size))
     rngs = rng.spawn(len(bounds))
@@ -38,7 +39,8 @@ def cells_to_items(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, blo
         t0 = time.perf_counter()
         sel = slice(bounds[i], bounds[i] + size)
         at = ragged_arange(first[sel], first[sel] + counts[sel])
-        rows = CellRows(cells[sel], offsets_of(counts[sel]), block.gene[at], block.value[at])
+        rows = CellRows(cells[sel], offsets_of(counts[sel]), block.gene[at], block.value[at],
+                        None if totals is None else totals[sel])
         tokens = tokenizer(rows, rngs[i])
         t1 = time.perf_counter()
         packed = pack_cells(tokens, epoch=epoch, key_id=key_id, run_tag=run_tag, stitched=stitched,
@@ -54,16 +56,21 @@ def cells_to_items(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, blo
 
 
 def map_genes(block: RowBlock, first: np.ndarray, counts: np.ndarray,
-              gene_tokens: np.ndarray) -> tuple[RowBlock, np.ndarray, np.ndarray]:
+              gene_tokens: np.ndarray) -> tuple[RowBlock, np.ndarray, np.ndarray, np.ndarray | None]:
     """Cells' rows with gene ids replaced by token ids (`gene_tokens[gene]`, -1: outside the
     vocabulary) and the rows of genes outside dropped, as scGPT and Geneformer drop them before
-    ranking and binning. Returns the new rows (cell i's at first'[i]:first'[i] + counts'[i])."""
+    ranking and binning. Returns the new rows (cell i's at first'[i]:first'[i] + counts'[i]) and,
+    when rows were dropped, each cell's total over all its rows (Geneformer divides by the
+    cell's whole count, its `n_counts`; None: nothing dropped, the rows' sum is the total)."""
     at = ragged_arange(first, first + counts)
     tokens = gene_tokens[block.gene[at]]
     values = block.value[at]
     new_first = offsets_of(counts)[:-1]
+    totals = None
     if len(tokens) and tokens.min() < 0:
         keep = tokens >= 0
-        counts = np.bincount(np.repeat(np.arange(len(counts)), counts)[keep], minlength=len(counts)).astype(np.int64)
+        cell = np.repeat(np.arange(len(counts)), counts)
+        totals = np.bincount(cell, weights=values, minlength=len(counts))
+        counts = np.bincount(cell[keep], minlength=len(counts)).astype(np.int64)
         tokens, values, new_first = tokens[keep], values[keep], offsets_of(counts)[:-1]
-    return RowBlock(None, tokens, values), new_first, counts
+    return RowBlock(None, tokens, values), new_first, counts, totals

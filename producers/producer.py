@@ -288,8 +288,9 @@ class Producer:
                 block = src.ds.read_cells(local, with_cell_ids=False)
                 counts = np.diff(src.ds.cell_row_start)[local]
                 parts.append((s, local, offsets_of(counts)[:-1], counts, block))
-        cells, first, counts, block = self._mapped(parts)
-        items = self._tokenize_and_pack(cells, first, counts, block, 0, 0, held_out_rng(self.config.seed))
+        cells, first, counts, block, totals = self._mapped(parts)
+        items = self._tokenize_and_pack(cells, first, counts, block, 0, 0, held_out_rng(self.config.seed),
+                                        totals=totals)
         check_fits_partition(len(cell_ids), len(items), sum(len(b) for b in items))
         self._put(items, partition)
         return len(items)
@@ -313,25 +314,32 @@ class Producer:
                 time.sleep(pause)
                 pause = min(2 * pause, 5.0)
 
-    def _mapped(self, parts) -> tuple[np.ndarray, np.ndarray, np.ndarray, RowBlock]:
+    def _mapped(self, parts) -> tuple[np.ndarray, np.ndarray, np.ndarray, RowBlock, np.ndarray | None]:
         """Cells of several sources as one block of token rows: `parts` holds (source, local
         cells, their first rows and row counts in `block`, block); returns global cell ids, first
-        rows, row counts and the block, genes mapped through each source's vocabulary lookup."""
-        cells, firsts, counts, genes, values, at = [], [], [], [], [], 0
+        rows, row counts, the block (genes mapped through each source's vocabulary lookup) and
+        the cells' whole totals where genes outside the vocabulary were dropped (else None)."""
+        cells, firsts, counts, genes, values, totals, at = [], [], [], [], [], [], 0
         for s, local, first, count, block in parts:
             src = self.sources[s]
-            mapped, first, count = map_genes(block, first, count, src.gene_tokens)
+            mapped, first, count, total = map_genes(block, first, count, src.gene_tokens)
             cells.append(local + src.offset)
             firsts.append(first + at)
             counts.append(count)
             genes.append(mapped.gene)
             values.append(mapped.value)
+            totals.append(total)
             at += len(mapped.gene)
         if not parts:
             empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty, RowBlock(None, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32))
+            return empty, empty, empty, RowBlock(None, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32)), None
+        whole = None
+        if any(t is not None for t in totals):  # some genes were dropped: every cell's whole total
+            whole = np.concatenate([t if t is not None else
+                                    np.bincount(np.repeat(np.arange(len(c)), c), weights=v, minlength=len(c))
+                                    for t, v, c in zip(totals, values, counts)])
         return (np.concatenate(cells), np.concatenate(firsts), np.concatenate(counts),
-                RowBlock(None, np.concatenate(genes), np.concatenate(values)))
+                RowBlock(None, np.concatenate(genes), np.concatenate(values)), whole)
 
     def process(self, epoch: int, unit_id: int, rows: tuple | None = None) -> None:
         """Produce every item of one unit (and any boundary cell it completes); `rows`: the unit
@@ -352,10 +360,11 @@ class Producer:
             local = unit.cells  # whole cells; boundary pieces below
             parts = [(0, local, positions_in_ranges(unit.ranges, starts[local]), starts[local + 1] - starts[local],
                       block)] if len(local) else []
-        cells, first, counts, mapped = self._mapped(parts)
+        cells, first, counts, mapped, totals = self._mapped(parts)
         if len(cells):
             order = rng.permutation(len(cells))  # whole cells (of every source), shuffled
-            items = self._tokenize_and_pack(cells[order], first[order], counts[order], mapped, epoch, unit_id, rng)
+            items = self._tokenize_and_pack(cells[order], first[order], counts[order], mapped, epoch, unit_id, rng,
+                                            totals=None if totals is None else totals[order])
             self._put(items, rank_partition(unit_rank(unit_id, cfg.world_size)))
             self.stats.cells += len(cells)
         if isinstance(unit, CorpusUnit):
@@ -377,21 +386,23 @@ class Producer:
             if whole_cell is not None:
                 genes, values = whole_cell
                 n = np.array([len(genes)])
-                cells, first, counts, mapped = self._mapped([(0, np.array([cell]), np.array([0]), n,
-                                                              RowBlock(None, genes, values))])
+                cells, first, counts, mapped, totals = self._mapped([(0, np.array([cell]), np.array([0]), n,
+                                                                      RowBlock(None, genes, values))])
                 items = self._tokenize_and_pack(cells, first, counts, mapped, epoch, cell,
-                                                cell_rng(cfg.seed, epoch, cell), stitched=True)
+                                                cell_rng(cfg.seed, epoch, cell), stitched=True, totals=totals)
                 self._put(items, rank_partition(cell_rank(cell, cfg.world_size)))
                 self.stats.cells += 1
         self.stats.units += 1
 
     def _tokenize_and_pack(self, cells: np.ndarray, first: np.ndarray, counts: np.ndarray, block: RowBlock,
-                           epoch: int, key_id: int, rng: np.random.Generator, stitched: bool = False) -> list[bytes]:
+                           epoch: int, key_id: int, rng: np.random.Generator, stitched: bool = False,
+                           totals: np.ndarray | None = None) -> list[bytes]:
         """`cells_to_items` (rows already in token ids: `_mapped`) with this producer's tokenizer,
         labels, run and worker threads."""
         items, tokenize_s, pack_s = cells_to_items(
             cells, first, counts, block, self.tokenizer, epoch=epoch, key_id=key_id, run_tag=self.tag, rng=rng,
-            cells_per_item=self.config.cells_per_item, labels=self.labels, stitched=stitched, pool=self._workers)
+            cells_per_item=self.config.cells_per_item, labels=self.labels, stitched=stitched, totals=totals,
+            pool=self._workers)
         self.stats.seconds["tokenize"] += tokenize_s
         self.stats.seconds["pack"] += pack_s
         return items

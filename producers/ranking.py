@@ -23,6 +23,9 @@ class CellRows:
     offsets: np.ndarray  # int64[n + 1]
     genes: np.ndarray
     values: np.ndarray
+    # each cell's total over all its genes, those outside the vocabulary included (Geneformer
+    # normalises by it); None: the sum of the rows here
+    totals: np.ndarray | None = None
 
     @property
     def n_cells(self) -> int:

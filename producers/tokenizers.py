@@ -11,7 +11,7 @@ source. Each tokenizer's layout (special tokens by role, default length) is defi
   expression bin (1..n_bins-1, by the cell's own quantiles, see `ranking.quantile_bins`), 0 under
   CLS.
 - `geneformer-v1` / `geneformer-v2` (alias `geneformer`): rank value encoding: counts / cell
-  total * 10,000 / the gene's non-zero median of those normalised values over the dataset
+  total (over all its genes, those outside the vocabulary included, as Geneformer's n_counts) * 10,000 / the gene's non-zero median of those normalised values over the dataset
   (`gene_stats`, indexed by token id), ranked descending (ties: lower gene id first); V1 is g1..gn (2,048 genes), V2
   is [CLS] g1..gn [EOS] (4,094 genes). Needs integer counts and the medians.
 - `raw`: the cell's non-zero genes in gene order with their raw values (float32), no ranking,
@@ -117,9 +117,13 @@ class GeneformerTokenizer:
         self.medians = np.where(medians > 0, medians, 1.0)
 
     def __call__(self, rows: CellRows, rng=None) -> Tokens:
-        totals = np.add.reduceat(rows.values.astype(np.float64), rows.offsets[:-1]) if len(rows.values) else \
-            np.zeros(rows.n_cells)
-        totals = np.where(rows.counts > 0, totals, 1.0)
+        if rows.totals is not None:  # the cells' whole counts: genes outside the vocabulary included
+            totals = rows.totals.astype(np.float64)
+        elif len(rows.values):
+            totals = np.add.reduceat(rows.values.astype(np.float64), rows.offsets[:-1])
+        else:
+            totals = np.zeros(rows.n_cells)
+        totals = np.where(totals > 0, totals, 1.0)
         score = rows.values.astype(np.float64) / np.repeat(totals, rows.counts) * 10_000.0 / self.medians[rows.genes]
         chosen = truncate(rank_order(rows, score), self.max_genes)
         return _with_specials(chosen, self.vocab_size, self.head, self.tail)

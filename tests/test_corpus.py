@@ -238,8 +238,8 @@ def test_geneformer_with_an_ensembl_dictionary_equals_its_rule(small_synth, tmp_
     block = ds.read_cells(np.arange(n))
     for cell in range(n):
         mine = block.cell == cell
+        total = float(block.value[mine].astype(np.float64).sum())  # n_counts: all the cell's genes
         pairs = [(genes[g], float(v)) for g, v in zip(block.gene[mine], block.value[mine]) if genes[g] in tokens]
-        total = sum(v for _, v in pairs)
         score = [(-(v / total * 10_000 / medians[g]), tokens[g]) for g, v in pairs]
         expected = [2] + [t for _, t in sorted(score)[:64]] + [3]
         np.testing.assert_array_equal(got[cell][0], expected)
@@ -300,3 +300,31 @@ def test_inspect_a_corpus_shows_each_source(corpus):
     text = describe_corpus(corpus[0])
     assert "3 sources, 2,400 cells per epoch" in text
     assert "atlas_b" in text and "800 / 800" in text and "1,440" in text and "0.34" in text  # pbmc: 240 / 700 a pass
+
+
+def test_cellfeed_stats_over_a_corpus_gives_each_vocabulary_genes_median_over_every_source(corpus, tmp_path):
+    """Geneformer's medians over two count atlases whose genes overlap in another order, against
+    np.median of every normalised value of each identifier, pooled across the sources."""
+    from app.cli import main as cli
+    from producers.dataset import open_dataset
+
+    root = Path(corpus[0]).parent
+    two = tmp_path / "two.toml"
+    two.write_text(f'[[source]]\ndataset = "{root / "atlas_a"}"\n\n[[source]]\ndataset = "{root / "atlas_b"}"\n')
+    assert cli(["stats", str(two), "--out", str(tmp_path / "medians.json"), "--quiet"]) == 0
+    got = json.loads((tmp_path / "medians.json").read_text())
+    pooled: dict[str, list] = {}
+    for name in ("atlas_a", "atlas_b"):
+        ds = open_dataset(str(root / name))
+        ids = ds.var(["gene_id"]).column(0).to_pylist()
+        block = ds.read_rows(0, ds.n_rows)
+        values = block.value.astype(np.float64)
+        totals = np.bincount(block.cell, weights=values)
+        norm = values / totals[block.cell] * 10_000.0
+        order = np.argsort(block.gene, kind="stable")
+        bounds = np.searchsorted(block.gene[order], np.arange(ds.n_genes + 1))
+        for g in range(ds.n_genes):
+            pooled.setdefault(ids[g], []).append(norm[order[bounds[g]:bounds[g + 1]]])
+    expected = {g: float(np.median(np.concatenate(v))) for g, v in pooled.items() if sum(map(len, v))}
+    assert got.keys() == expected.keys() and len(got) > 1000  # the union: 800 + 240 new genes
+    assert all(got[g] == expected[g] for g in expected)  # exact
