@@ -36,6 +36,7 @@ from coordination.errors import CellfeedError
 # cellfeed's roles for special tokens -> the names a vocabulary may give them, preferred first
 SPECIAL_NAMES = {"pad": ("<pad>",), "cls": ("<cls>",), "eos": ("<eos>", "<eoc>"), "mask": ("<mask>",)}
 APPENDED_NAMES = {"pad": "<pad>", "cls": "<cls>", "eos": "<eoc>", "mask": "<mask>"}  # scGPT's names (+ <mask>)
+OUTSIDE_16 = np.iinfo(np.uint16).max  # a uint16 lookup's "outside the vocabulary" (ids stay below it)
 MIN_MATCHED_SHARE = 0.5  # a source whose non-zeros fall below this share inside the vocabulary is refused
 
 
@@ -88,6 +89,15 @@ class GeneVocab:
         """Token ids of gene identifiers, in order; -1 for those outside the vocabulary."""
         return np.fromiter((self.ids.get(str(g), -1) for g in identifiers), dtype=np.int64, count=len(identifiers))
 
+    def lookup_array(self, identifiers) -> np.ndarray:
+        """A dataset's gene id -> token id array, as compact as the vocabulary allows: uint16 when
+        every id fits under 65,535 (scGPT's, Geneformer's, one Tahoe's: the rows stay 2 bytes a
+        gene, as stored), else int32; a gene outside the vocabulary holds `outside_marker`."""
+        ids = self.lookup(identifiers)
+        if self.size <= OUTSIDE_16:
+            return np.where(ids < 0, OUTSIDE_16, ids).astype(np.uint16)
+        return ids.astype(np.int32)
+
     # ---- construction and files
 
     @classmethod
@@ -121,6 +131,11 @@ class GeneVocab:
     def from_json(cls, text: str) -> "GeneVocab":
         data = json.loads(text)
         return cls(data["ids"], origin=data["origin"])
+
+
+def inside(tokens: np.ndarray) -> np.ndarray:
+    """Which entries of a lookup (`GeneVocab.lookup_array`) or its gathered tokens are in the vocabulary."""
+    return tokens != OUTSIDE_16 if tokens.dtype == np.uint16 else tokens >= 0
 
 
 def _is_special_name(name: str) -> bool:

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from coordination.arrays import offsets_of
 from coordination.errors import CellfeedError
+from coordination.vocab import inside
 from producers.dataset import LANCE_FILE_VERSION, Dataset
 
 TABLE = "gene_stats.lance"
@@ -59,7 +60,7 @@ def normalized_values(ds: Dataset, chunk_rows: int = CHUNK_ROWS, progress: bool 
 def compute_gene_medians(ds: Dataset | list, progress: bool = True, collect_limit: int = COLLECT_LIMIT,
                          chunk_rows: int = CHUNK_ROWS, n_out: int | None = None) -> np.ndarray:
     """Each gene's non-zero median of depth-normalised counts (Geneformer's), exactly. `ds`: one
-    dataset (medians per gene id), or a corpus as [(dataset, gene -> token id or -1)] (medians per
+    dataset (medians per gene id), or a corpus as [(dataset, its `GeneVocab.lookup_array`)] (medians per
     token id, `n_out` of them, over every source's cells; a cell is normalised by its whole total)."""
     parts = ds if isinstance(ds, list) else [(ds, None)]
     for one, _ in parts:
@@ -74,9 +75,9 @@ def compute_gene_medians(ds: Dataset | list, progress: bool = True, collect_limi
                 if tokens is None:
                     yield genes, values
                 else:
-                    mapped = tokens[genes].astype(np.int64)
-                    inside = mapped >= 0
-                    yield mapped[inside], values[inside]
+                    mapped = tokens[genes]
+                    known = inside(mapped)
+                    yield mapped[known].astype(np.int64), values[known]
 
     # pass 1: exponents (no prefix yet), one histogram serves both middle ranks
     hist = np.zeros(g * EXPONENT_BUCKETS, dtype=np.int64)

@@ -17,6 +17,7 @@ from concurrent.futures import Executor
 import numpy as np
 
 from coordination.arrays import offsets_of, ragged_arange
+from coordination.vocab import inside
 from coordination.wire import number_items, pack_cells
 from producers.dataset import RowBlock
 from producers.ranking import CellRows
@@ -26,11 +27,23 @@ CHUNK_CELLS = 256  # cells tokenized at once: their rows (~0.4M at 1,600 genes p
 
 def cells_to_items(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, block: RowBlock, tokenizer, *,
                    epoch: int, key_id: int, run_tag: int, rng: np.random.Generator, cells_per_item: int,
-                   labels: np.ndarray | None = None, stitched: bool = False, totals: np.ndarray | None = None,
+                   labels: np.ndarray | None = None, stitched: bool = False, gene_tokens: np.ndarray | None = None,
                    pool: Executor | None = None) -> tuple[list[bytes], float, float]:
-    """Items of `cells`, in this order (cell i's rows are block[first[i]:first[i] + counts[i]];
-    `totals[i]` its total before genes outside the vocabulary were dropped), and the seconds
-    spent tokenizing and packing (summed over threads)."""
+    """`cells_to_packed`, the items numbered: a unit's items."""
+    packed, tokenize_s, pack_s = cells_to_packed(cells, first, counts, block, tokenizer, epoch=epoch, key_id=key_id,
+                                                 run_tag=run_tag, rng=rng, cells_per_item=cells_per_item,
+                                                 labels=labels, stitched=stitched, gene_tokens=gene_tokens, pool=pool)
+    return number_items(packed), tokenize_s, pack_s
+
+
+def cells_to_packed(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, block: RowBlock, tokenizer, *,
+                    epoch: int, key_id: int, run_tag: int, rng: np.random.Generator, cells_per_item: int,
+                    labels: np.ndarray | None = None, stitched: bool = False, gene_tokens: np.ndarray | None = None,
+                    pool: Executor | None = None) -> tuple[list[bytearray], float, float]:
+    """Packed, unnumbered items of `cells`, in this order (cell i's rows are
+    block[first[i]:first[i] + counts[i]], genes mapped to tokens by `gene_tokens`: `to_tokens`),
+    and the seconds spent tokenizing and packing (summed over threads). `labels` is indexed by
+    the ids in `cells`."""
     size = cells_per_item * max(1, CHUNK_CELLS // cells_per_item)
     bounds = list(range(0, len(cells), size))
     rngs = rng.spawn(len(bounds))
@@ -39,9 +52,8 @@ def cells_to_items(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, blo
         t0 = time.perf_counter()
         sel = slice(bounds[i], bounds[i] + size)
         at = ragged_arange(first[sel], first[sel] + counts[sel])
-        rows = CellRows(cells[sel], offsets_of(counts[sel]), block.gene[at], block.value[at],
-                        None if totals is None else totals[sel])
-        tokens = tokenizer(rows, rngs[i])
+        rows = CellRows(cells[sel], offsets_of(counts[sel]), block.gene[at], block.value[at])
+        tokens = tokenizer(rows if gene_tokens is None else to_tokens(rows, gene_tokens), rngs[i])
         t1 = time.perf_counter()
         packed = pack_cells(tokens, epoch=epoch, key_id=key_id, run_tag=run_tag, stitched=stitched,
                             labels=None if labels is None else labels[rows.cell_ids], cells_per_item=cells_per_item)
@@ -52,25 +64,27 @@ def cells_to_items(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, blo
     for part, t, p in jobs:
         packed += part
         tokenize_s, pack_s = tokenize_s + t, pack_s + p
-    return number_items(packed), tokenize_s, pack_s
+    return packed, tokenize_s, pack_s
 
 
-def map_genes(block: RowBlock, first: np.ndarray, counts: np.ndarray,
-              gene_tokens: np.ndarray) -> tuple[RowBlock, np.ndarray, np.ndarray, np.ndarray | None]:
-    """Cells' rows with gene ids replaced by token ids (`gene_tokens[gene]`, -1: outside the
-    vocabulary) and the rows of genes outside dropped, as scGPT and Geneformer drop them before
-    ranking and binning. Returns the new rows (cell i's at first'[i]:first'[i] + counts'[i]) and,
-    when rows were dropped, each cell's total over all its rows (Geneformer divides by the
-    cell's whole count, its `n_counts`; None: nothing dropped, the rows' sum is the total)."""
-    at = ragged_arange(first, first + counts)
-    tokens = gene_tokens[block.gene[at]]
-    values = block.value[at]
-    new_first = offsets_of(counts)[:-1]
-    totals = None
-    if len(tokens) and tokens.min() < 0:
-        keep = tokens >= 0
-        cell = np.repeat(np.arange(len(counts)), counts)
-        totals = np.bincount(cell, weights=values, minlength=len(counts))
-        counts = np.bincount(cell[keep], minlength=len(counts)).astype(np.int64)
-        tokens, values, new_first = tokens[keep], values[keep], offsets_of(counts)[:-1]
-    return RowBlock(None, tokens, values), new_first, counts, totals
+def to_tokens(rows: CellRows, gene_tokens: np.ndarray) -> CellRows:
+    """Cells' rows with gene ids replaced by token ids (`gene_tokens`: `GeneVocab.lookup_array`) and the rows of genes outside dropped, as scGPT and Geneformer drop them before
+    ranking and binning; where some were dropped, `totals` keeps each cell's whole total
+    (Geneformer divides by the cell's whole count, its n_counts). Per chunk of a few hundred
+    cells, in cache."""
+    tokens = gene_tokens[rows.genes]
+    keep = inside(tokens)
+    if keep.all():
+        return CellRows(rows.cell_ids, rows.offsets, tokens, rows.values)
+    cell = rows.cell_of_row()
+    totals = np.bincount(cell, weights=rows.values, minlength=rows.n_cells)
+    counts = np.bincount(cell[keep], minlength=rows.n_cells)
+    return CellRows(rows.cell_ids, offsets_of(counts), tokens[keep], rows.values[keep], totals)
+
+
+def interleave(groups: list[list]) -> list:
+    """The groups' elements merged in proportion, each group's in its order (element i of a group
+    of n sits at (i + 0.5) / n of the way): a corpus unit's items, one group per source, so any
+    stretch of the unit's items holds the sources by their shares."""
+    keyed = [((i + 0.5) / len(g), k, x) for k, g in enumerate(groups) for i, x in enumerate(g)]
+    return [x for _, _, x in sorted(keyed, key=lambda t: (t[0], t[1]))]

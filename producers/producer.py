@@ -31,6 +31,7 @@ from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit
 from coordination.summary import PlanSummary
 from coordination.queues import (MAX_PARTITION_BYTES, MAX_PARTITION_ITEMS, Empty, Full, Map, MapGone, Queue,
                                  RequestTooLarge, request_batches)
+from coordination.wire import number_items
 from coordination.routing import (EVAL_PARTITION, EVENTS_PARTITION, TASKS_PARTITION, cell_rank, decode_task,
                                   encode_event, epoch_map_name, rank_partition, run_tag, stop_key, summary_key,
                                   unit_rank)
@@ -38,7 +39,7 @@ from coordination.seeds import cell_rng, held_out_rng, unit_rng
 from coordination.vocab import GeneVocab, published_vocab
 from producers.dataset import Dataset, RowBlock, StorageUnavailable
 from producers.storage import LocalLocation
-from producers.items import cells_to_items, map_genes
+from producers.items import cells_to_packed, interleave
 from producers.selection import label_codes
 from producers.sources import attach_vocab, campaign_vocab, open_sources, token_medians
 from producers.stitch import offer_piece
@@ -285,12 +286,9 @@ class Producer:
         for s, src in enumerate(self.sources):
             local = cell_ids[(cell_ids >= src.offset) & (cell_ids < src.offset + src.ds.n_cells)] - src.offset
             if len(local):
-                block = src.ds.read_cells(local, with_cell_ids=False)
                 counts = np.diff(src.ds.cell_row_start)[local]
-                parts.append((s, local, offsets_of(counts)[:-1], counts, block))
-        cells, first, counts, block, totals = self._mapped(parts)
-        items = self._tokenize_and_pack(cells, first, counts, block, 0, 0, held_out_rng(self.config.seed),
-                                        totals=totals)
+                parts.append((s, local, offsets_of(counts)[:-1], counts, src.ds.read_cells(local, with_cell_ids=False)))
+        items = self._pack_parts(parts, 0, 0, held_out_rng(self.config.seed))
         check_fits_partition(len(cell_ids), len(items), sum(len(b) for b in items))
         self._put(items, partition)
         return len(items)
@@ -314,33 +312,6 @@ class Producer:
                 time.sleep(pause)
                 pause = min(2 * pause, 5.0)
 
-    def _mapped(self, parts) -> tuple[np.ndarray, np.ndarray, np.ndarray, RowBlock, np.ndarray | None]:
-        """Cells of several sources as one block of token rows: `parts` holds (source, local
-        cells, their first rows and row counts in `block`, block); returns global cell ids, first
-        rows, row counts, the block (genes mapped through each source's vocabulary lookup) and
-        the cells' whole totals where genes outside the vocabulary were dropped (else None)."""
-        cells, firsts, counts, genes, values, totals, at = [], [], [], [], [], [], 0
-        for s, local, first, count, block in parts:
-            src = self.sources[s]
-            mapped, first, count, total = map_genes(block, first, count, src.gene_tokens)
-            cells.append(local + src.offset)
-            firsts.append(first + at)
-            counts.append(count)
-            genes.append(mapped.gene)
-            values.append(mapped.value)
-            totals.append(total)
-            at += len(mapped.gene)
-        if not parts:
-            empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty, RowBlock(None, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32)), None
-        whole = None
-        if any(t is not None for t in totals):  # some genes were dropped: every cell's whole total
-            whole = np.concatenate([t if t is not None else
-                                    np.bincount(np.repeat(np.arange(len(c)), c), weights=v, minlength=len(c))
-                                    for t, v, c in zip(totals, values, counts)])
-        return (np.concatenate(cells), np.concatenate(firsts), np.concatenate(counts),
-                RowBlock(None, np.concatenate(genes), np.concatenate(values)), whole)
-
     def process(self, epoch: int, unit_id: int, rows: tuple | None = None) -> None:
         """Produce every item of one unit (and any boundary cell it completes); `rows`: the unit
         and its rows if already read (the loop reads ahead), else they are read here."""
@@ -349,25 +320,22 @@ class Producer:
         unit, block = rows if rows is not None else self.read(epoch, unit_id)
         self.stats.add_time("read", t)
         rng = unit_rng(cfg.seed, epoch, unit_id)
-        if isinstance(unit, CorpusUnit):
-            parts = []
-            for (s, local, ranges), source_block in zip(unit.parts, block):
-                starts = self.sources[s].ds.cell_row_start
-                parts.append((s, local, positions_in_ranges(ranges, starts[local]),
-                              starts[local + 1] - starts[local], source_block))
-        else:
-            starts = self.geometry.cell_row_start
-            local = unit.cells  # whole cells; boundary pieces below
-            parts = [(0, local, positions_in_ranges(unit.ranges, starts[local]), starts[local + 1] - starts[local],
-                      block)] if len(local) else []
-        cells, first, counts, mapped, totals = self._mapped(parts)
-        if len(cells):
-            order = rng.permutation(len(cells))  # whole cells (of every source), shuffled
-            items = self._tokenize_and_pack(cells[order], first[order], counts[order], mapped, epoch, unit_id, rng,
-                                            totals=None if totals is None else totals[order])
+        if isinstance(unit, CorpusUnit):  # per source it draws from: its cells (shuffled below) and rows
+            parts = [(s, local, None, None, rows) for (s, local, _), rows in zip(unit.parts, block)]
+            ranges = [r for _, _, r in unit.parts]
+        else:  # whole cells of the one dataset; boundary pieces below
+            parts, ranges = [(0, unit.cells, None, None, block)], [unit.ranges]
+        shuffled = []
+        for (s, local, _, _, rows), part_ranges in zip(parts, ranges):
+            starts = self.sources[s].ds.cell_row_start
+            local = local[rng.permutation(len(local))] if len(parts) == 1 else local
+            shuffled.append((s, local, positions_in_ranges(part_ranges, starts[local]) if len(local) else local,
+                             starts[local + 1] - starts[local], rows))
+        if sum(len(p[1]) for p in shuffled):
+            items = self._pack_parts(shuffled, epoch, unit_id, rng, shuffle=len(parts) > 1)
             self._put(items, rank_partition(unit_rank(unit_id, cfg.world_size)))
-            self.stats.cells += len(cells)
-        if isinstance(unit, CorpusUnit):
+            self.stats.cells += sum(len(p[1]) for p in shuffled)
+        if isinstance(unit, CorpusUnit):  # a corpus unit reads whole cells: nothing to stitch
             self.stats.units += 1
             return
         # boundary pieces (one dataset's scanner plans): stitch through the map; the last arrival emits the cell
@@ -385,27 +353,37 @@ class Producer:
             self.stats.add_time("stitch", t)
             if whole_cell is not None:
                 genes, values = whole_cell
-                n = np.array([len(genes)])
-                cells, first, counts, mapped, totals = self._mapped([(0, np.array([cell]), np.array([0]), n,
-                                                                      RowBlock(None, genes, values))])
-                items = self._tokenize_and_pack(cells, first, counts, mapped, epoch, cell,
-                                                cell_rng(cfg.seed, epoch, cell), stitched=True, totals=totals)
+                items = self._pack_parts([(0, np.array([cell]), np.array([0]), np.array([len(genes)]),
+                                           RowBlock(None, genes, values))], epoch, cell,
+                                         cell_rng(cfg.seed, epoch, cell), stitched=True)
                 self._put(items, rank_partition(cell_rank(cell, cfg.world_size)))
                 self.stats.cells += 1
         self.stats.units += 1
 
-    def _tokenize_and_pack(self, cells: np.ndarray, first: np.ndarray, counts: np.ndarray, block: RowBlock,
-                           epoch: int, key_id: int, rng: np.random.Generator, stitched: bool = False,
-                           totals: np.ndarray | None = None) -> list[bytes]:
-        """`cells_to_items` (rows already in token ids: `_mapped`) with this producer's tokenizer,
-        labels, run and worker threads."""
-        items, tokenize_s, pack_s = cells_to_items(
-            cells, first, counts, block, self.tokenizer, epoch=epoch, key_id=key_id, run_tag=self.tag, rng=rng,
-            cells_per_item=self.config.cells_per_item, labels=self.labels, stitched=stitched, totals=totals,
-            pool=self._workers)
-        self.stats.seconds["tokenize"] += tokenize_s
-        self.stats.seconds["pack"] += pack_s
-        return items
+    def _pack_parts(self, parts, epoch: int, key_id: int, rng: np.random.Generator, *, stitched: bool = False,
+                    shuffle: bool = False) -> list[bytes]:
+        """The numbered items of cells from one or more sources: `parts` holds (source, local cell
+        ids, their first rows and row counts in the block, block). Each source's cells are
+        tokenized apart (their genes mapped through that source's vocabulary lookup; a source's
+        rows share a dtype, which ranking's fast path needs) and, with several sources, their
+        items interleaved in proportion (`interleave`), so any stretch of a unit's items (what a
+        rank's mixing buffer holds) has every source by its share. `shuffle`: each part's cells
+        are shuffled first, with its own child of `rng` (one part: the caller shuffled them)."""
+        groups = []
+        rngs = rng.spawn(len(parts)) if len(parts) > 1 else [rng]
+        for (s, local, first, counts, block), part_rng in zip(parts, rngs):
+            if shuffle:
+                order = part_rng.permutation(len(local))
+                local, first, counts = local[order], first[order], counts[order]
+            src = self.sources[s]
+            packed, tokenize_s, pack_s = cells_to_packed(
+                local + src.offset, first, counts, block, self.tokenizer, epoch=epoch, key_id=key_id, run_tag=self.tag,
+                rng=part_rng, cells_per_item=self.config.cells_per_item, labels=self.labels, stitched=stitched,
+                gene_tokens=src.gene_tokens, pool=self._workers)
+            self.stats.seconds["tokenize"] += tokenize_s
+            self.stats.seconds["pack"] += pack_s
+            groups.append(packed)
+        return number_items(interleave(groups) if len(groups) > 1 else groups[0])
 
     def _check_plan(self, epoch: int) -> None:
         """Once per epoch: this producer's plan is the one the campaign published (same dataset

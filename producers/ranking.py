@@ -2,8 +2,8 @@
 
 Input is `CellRows`: the non-zeros of whole cells, each cell's rows contiguous (CSR-like).
 Ranking orders each cell's rows by (value descending, gene ascending) with one sort of packed
-64-bit keys (cell | inverted value | gene) when values are uint16 counts and genes fit in
-16 bits, and a lexsort otherwise. No Python loop runs per cell.
+64-bit keys (cell | inverted value | gene) when values are uint16 counts or non-negative float32
+and token ids fit in 24 bits (a union vocabulary passes 65,536), and a lexsort otherwise. No Python loop runs per cell.
 """
 
 from __future__ import annotations
@@ -39,45 +39,69 @@ class CellRows:
         return np.repeat(np.arange(self.n_cells, dtype=np.int64), self.counts)
 
     def take(self, rows: np.ndarray, offsets: np.ndarray) -> "CellRows":
-        return CellRows(self.cell_ids, offsets, self.genes[rows], self.values[rows])
+        return CellRows(self.cell_ids, offsets, self.genes[rows], self.values[rows], self.totals)
+
+
+def gene_bits(rows: CellRows) -> int:
+    """Bits a packed sort key gives gene ids: 16, or more for a vocabulary past 65,536 tokens (a
+    union of atlases); 0 when they are too large to pack (then the lexsort path)."""
+    top = int(rows.genes.max(initial=0)) if len(rows.genes) else 0
+    bits = max(16, top.bit_length())
+    return bits if bits <= 24 else 0
 
 
 def rank_order(rows: CellRows, score: np.ndarray | None = None) -> CellRows:
     """Each cell's rows sorted by (score or value descending, gene ascending)."""
-    small = len(rows.genes) and int(rows.genes.max(initial=0)) < (1 << 16)
-    if score is None and rows.values.dtype == np.uint16 and small and rows.n_cells < (1 << 31):
-        # key = cell << 32 | ~value << 16 | gene: one sort orders (cell, -value, gene), and the
-        # sorted keys decode back to genes and values (the low 16-bit fields, by truncation)
-        key = np.repeat(np.arange(rows.n_cells, dtype=np.uint64) << np.uint64(32), rows.counts)
-        key |= np.invert(rows.values).astype(np.uint64) << np.uint64(16)
+    gb = gene_bits(rows)
+    if score is None and rows.values.dtype == np.uint16 and gb and rows.n_cells < (1 << (48 - gb)):
+        # key = cell << (16 + gb) | ~value << gb | gene: one sort orders (cell, -value, gene), and
+        # the sorted keys decode back to genes and values (their low fields)
+        g = np.uint64(gb)
+        key = np.repeat(np.arange(rows.n_cells, dtype=np.uint64) << (g + np.uint64(16)), rows.counts)
+        key |= np.invert(rows.values).astype(np.uint64) << g
         key |= rows.genes.astype(np.uint64)
         key.sort()
-        genes = key.astype(np.uint16).astype(rows.genes.dtype, copy=False)
-        values = np.invert((key >> np.uint64(16)).astype(np.uint16))
-        return CellRows(rows.cell_ids, rows.offsets, genes, values)
-    if score is not None and small and rows.n_cells < (1 << 32) and score.dtype == np.float64 \
+        genes = key.astype(np.uint16) if gb == 16 else key & np.uint64((1 << gb) - 1)  # the low field
+        genes = genes.astype(rows.genes.dtype, copy=False)
+        values = np.invert((key >> g).astype(np.uint16))
+        return CellRows(rows.cell_ids, rows.offsets, genes, values, rows.totals)
+    if score is None and rows.values.dtype == np.float32 and gb and rows.n_cells < (1 << (32 - gb)) \
+            and not bool(np.signbit(rows.values).any()) and not bool(np.isnan(rows.values).any()):
+        # the same with float32 values (log-normalised data): a non-negative float orders like its
+        # 32 bits, so key = cell << (32 + gb) | ~bits << gb | gene, decoded back exactly
+        g = np.uint64(gb)
+        bits = np.ascontiguousarray(rows.values).view(np.uint32)
+        key = np.repeat(np.arange(rows.n_cells, dtype=np.uint64) << (g + np.uint64(32)), rows.counts)
+        key |= np.invert(bits).astype(np.uint64) << g
+        key |= rows.genes.astype(np.uint64)
+        key.sort()
+        genes = (key & np.uint64((1 << gb) - 1)).astype(rows.genes.dtype, copy=False)
+        values = np.invert((key >> g).astype(np.uint32)).view(np.float32)
+        return CellRows(rows.cell_ids, rows.offsets, genes, values, rows.totals)
+    if score is not None and gb and rows.n_cells < (1 << 32) and score.dtype == np.float64 \
             and bool(np.all(score >= 0)) and bool(np.all(np.isfinite(score))):
-        return rows.take(_score_order(rows, score), rows.offsets)
+        return rows.take(_score_order(rows, score, gb), rows.offsets)
     cell = rows.cell_of_row()
     primary = rows.values if score is None else score
     order = np.lexsort((rows.genes, -primary.astype(np.float64), cell))
     return rows.take(order, rows.offsets)
 
 
-def _score_order(rows: CellRows, score: np.ndarray) -> np.ndarray:
+def _score_order(rows: CellRows, score: np.ndarray, gb: int = 16) -> np.ndarray:
     """The row order of (cell, score descending, gene ascending) for non-negative float64 scores,
     exactly as a lexsort gives it (which is ~10x slower), from one argsort of packed 64-bit keys:
     cell | the top bits of the inverted score bits (a non-negative float orders like its bits) |
-    gene (16 bits). Scores that differ only in the bits cut off tie in the key (rare: the key keeps
-    ~30 of 52 mantissa bits for a few hundred cells); those runs alone are re-sorted exactly."""
+    gene (`gb` bits). Scores that differ only in the bits cut off tie in the key (rare: the key
+    keeps ~30 of 52 mantissa bits for a few hundred cells); those runs alone are re-sorted exactly."""
     cell_bits = max(1, (rows.n_cells - 1).bit_length())
-    score_bits = 48 - cell_bits
-    key = np.repeat(np.arange(rows.n_cells, dtype=np.uint64) << np.uint64(16 + score_bits), rows.counts)
+    score_bits = 64 - gb - cell_bits
+    g = np.uint64(gb)
+    key = np.repeat(np.arange(rows.n_cells, dtype=np.uint64) << (g + np.uint64(score_bits)), rows.counts)
     top = np.invert(score.view(np.uint64)) >> np.uint64(63 - score_bits) & np.uint64((1 << score_bits) - 1)
-    key |= top << np.uint64(16)
+    key |= top << g
     key |= rows.genes.astype(np.uint64)
     order = np.argsort(key)  # (cell, gene) is unique, so no two keys are equal
-    coarse = key[order] >> np.uint64(16)
+    coarse = key[order] >> g
     tied = coarse[1:] == coarse[:-1]
     if not tied.any():
         return order
@@ -92,7 +116,7 @@ def _score_order(rows: CellRows, score: np.ndarray) -> np.ndarray:
     at = ragged_arange(np.searchsorted(group, groups, side="left"), np.searchsorted(group, groups, side="right"))
     rows_at = order[at]
     by_score = np.argsort(-score[rows_at], kind="stable")
-    by_cell = np.argsort((key[rows_at] >> np.uint64(16 + score_bits))[by_score], kind="stable")
+    by_cell = np.argsort((key[rows_at] >> (g + np.uint64(score_bits)))[by_score], kind="stable")
     order[at] = rows_at[by_score[by_cell]]
     return order
 

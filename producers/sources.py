@@ -11,7 +11,7 @@ import numpy as np
 from coordination.corpus import CorpusSource, CorpusSpec, SourceSpec
 from coordination.errors import CellfeedError
 from coordination.plan import DatasetGeometry
-from coordination.vocab import MIN_MATCHED_SHARE, GeneVocab
+from coordination.vocab import MIN_MATCHED_SHARE, GeneVocab, inside
 from producers.dataset import Dataset, open_dataset
 from producers.gene_stats import load_gene_medians
 from producers.selection import select_cells
@@ -27,7 +27,7 @@ class Source:
     identifiers: list[str] = field(repr=False)
     selection: np.ndarray | None = field(default=None, repr=False)
     offset: int = 0
-    gene_tokens: np.ndarray | None = field(default=None, repr=False)  # int32[n_genes]: token id or -1
+    gene_tokens: np.ndarray | None = field(default=None, repr=False)  # gene id -> token id (`lookup_array`)
 
     @property
     def n_selected(self) -> int:
@@ -64,7 +64,7 @@ def campaign_vocab(spec: CorpusSpec, sources: list[Source]) -> GeneVocab:
 
 def attach_vocab(sources: list[Source], vocab: GeneVocab) -> None:
     for s in sources:
-        s.gene_tokens = vocab.lookup(s.identifiers).astype(np.int32)
+        s.gene_tokens = vocab.lookup_array(s.identifiers)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Coverage:
 
 def coverage(source: Source) -> Coverage:
     rows = source.ds.read_rows(0, min(source.ds.n_rows, COVERAGE_SAMPLE_ROWS))
-    matched = source.gene_tokens >= 0
+    matched = inside(source.gene_tokens)
     kept = float(matched[rows.gene].mean()) if len(rows.gene) else float(matched.mean())
     return Coverage(source.spec.name, len(matched), int(matched.sum()), kept)
 
@@ -93,7 +93,7 @@ def check_coverage(sources: list[Source], vocab: GeneVocab, threshold: float = M
     for s in sources:
         c = coverage(s)
         if c.nonzeros_kept < threshold:
-            theirs = next((g for g, t in zip(s.identifiers, s.gene_tokens) if t < 0), "?")
+            theirs = next((g for g, t in zip(s.identifiers, inside(s.gene_tokens)) if not t), "?")
             ours = next((g for g in vocab.ids if not g.startswith("<")), "?")
             others = [c for c in s.ds.var().column_names if c != s.gene_column]
             raise CellfeedError(
@@ -123,6 +123,6 @@ def token_medians(sources: list[Source], vocab: GeneVocab, median_file: str | No
     medians = load_gene_medians(sources[0].ds) if sources[0].ds.is_counts else None
     if medians is None:
         return None
-    inside = sources[0].gene_tokens >= 0
-    out[sources[0].gene_tokens[inside]] = medians[inside]
+    known = inside(sources[0].gene_tokens)
+    out[sources[0].gene_tokens[known]] = medians[known]
     return out

@@ -143,14 +143,33 @@ def test_raw_matches_reference(floats, as_stored):
         np.testing.assert_array_equal(values_of(tok, i), values[order].astype(np.float32))
 
 
-def test_rank_order_fast_path_equals_general_path():
-    rows = random_cells(9)
+@pytest.mark.parametrize("floats", [False, True])
+def test_rank_order_fast_path_equals_general_path(floats):
+    rows = random_cells(9, floats=floats)
+    if floats:  # and exact float ties, as log-normalised values have
+        rows.values[::5] = rows.values[1::5][: len(rows.values[::5])] if len(rows.values[1::5]) >= \
+            len(rows.values[::5]) else rows.values[::5]
     fast = rank_order(rows)
     general = rank_order(rows, score=rows.values.astype(np.float64))
     np.testing.assert_array_equal(fast.genes, general.genes)
     np.testing.assert_array_equal(fast.values, general.values)
     top = truncate(fast, 5)
     assert top.counts.max() == 5 and np.array_equal(top.counts, np.minimum(rows.counts, 5))
+
+
+@pytest.mark.parametrize("offset", [60_000, 200_000, 1 << 30])  # 17, 18 bits, and too wide to pack
+def test_rank_order_with_token_ids_past_16_bits_equals_lexsort(offset):
+    """A union vocabulary passes 65,536 tokens: the packed keys widen their gene field (or fall
+    back to the lexsort) and still order exactly by (value or score descending, token ascending)."""
+    rows = random_cells(3)
+    wide = CellRows(rows.cell_ids, rows.offsets, rows.genes.astype(np.int64) + offset, rows.values)
+    cell = wide.cell_of_row()
+    for score in (None, np.random.default_rng(1).choice([0.5, 1.0, 2.0], size=len(wide.genes))):
+        primary = wide.values.astype(np.float64) if score is None else score
+        expected = np.lexsort((wide.genes, -primary, cell))
+        ranked = rank_order(wide, score=score)
+        np.testing.assert_array_equal(ranked.genes, wide.genes[expected])
+        np.testing.assert_array_equal(ranked.values, wide.values[expected])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
