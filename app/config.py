@@ -112,6 +112,9 @@ class CampaignConfig:
     label_column: str | None = None
     rpc_latency_ms: float = 0.0  # every queue/map call costs this long (± 40%) more, as Modal's round trips
     attempt_hours: float = 22.0  # Modal: a train call hands over to a new one after this long (calls end at 24 h)
+    # Modal: the corpus, vocabulary and median files, carried from the laptop (setting -> [file name,
+    # base64 bytes]) into containers, which cannot read the laptop's disk (`carry_files`, `unpack_files`)
+    carried: dict | None = None
 
     def __post_init__(self):
         if not self.run:
@@ -154,6 +157,42 @@ class CampaignConfig:
         if unknown:
             raise CellfeedError(f"unknown campaign settings: {', '.join(unknown)}")
         return cls(**flags).validate()
+
+    def carry_files(self) -> "CampaignConfig":
+        """(the laptop) This config with its local files' bytes inside: the corpus file (its
+        datasets as resolved: on Modal they must be s3:// or in the image), the vocabulary (the
+        command line's, else the corpus file's) and the median dictionary."""
+        import base64
+        from dataclasses import replace
+        from pathlib import Path
+
+        from coordination.corpus import CorpusSpec
+
+        carried, vocabulary = {}, self.vocabulary
+        if self.corpus:
+            spec = CorpusSpec.read(self.corpus)
+            vocabulary = vocabulary or spec.vocabulary
+            carried["corpus"] = ["corpus.toml", base64.b64encode(spec.to_toml(vocabulary=False).encode()).decode()]
+        for name, path in (("vocabulary", vocabulary), ("gene_medians", self.gene_medians)):
+            if path:
+                try:
+                    data = Path(path).read_bytes()
+                except OSError as exc:
+                    raise CellfeedError(f"--{name.replace('_', '-')} {path}: {exc.strerror}") from None
+                carried[name] = [Path(path).name, base64.b64encode(data).decode()]
+        return replace(self, carried=carried or None)
+
+    def unpack_files(self, folder) -> "CampaignConfig":
+        """(a container) The carried files written under `folder`, the settings pointing at them."""
+        import base64
+        from pathlib import Path
+
+        for name, (file_name, data) in (self.carried or {}).items():
+            path = Path(folder) / name / file_name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(base64.b64decode(data))
+            setattr(self, name, str(path))
+        return self
 
     def backend_spec(self, kind: str, **where):
         """How processes reach this run's queue and map (`coordination.backends.connect`)."""

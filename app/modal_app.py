@@ -73,12 +73,20 @@ checkpoints = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True)
 
 # ---- the bodies (plain functions: tests run them on the Modal emulator, and against local backends)
 
+def unpacked(config: dict) -> CampaignConfig:
+    """The campaign's config in a container: the files `main` carried from the laptop (a corpus
+    file, a vocabulary, a median dictionary) written out to this container's disk."""
+    import tempfile
+
+    return CampaignConfig(**config).unpack_files(tempfile.mkdtemp(prefix="cellfeed-files-")).validate()
+
+
 def setup_body(config: dict) -> dict:
     """Publish plans and the held-out set (runs in the producer image)."""
     from app.campaign import prepare
     from coordination.backends import connect
 
-    cfg = CampaignConfig(**config).validate()
+    cfg = unpacked(config)
     return asdict(prepare(cfg, *connect(cfg.backend_spec("modal"))))  # a dict: it crosses to the laptop
 
 
@@ -90,7 +98,7 @@ def produce_body(config: dict, name: str) -> dict:
     from coordination.backends import connect
     from producers.producer import Producer
 
-    cfg = CampaignConfig(**config).validate()
+    cfg = unpacked(config)
     producer = Producer(cfg.producer_config(), *connect(cfg.backend_spec("modal")), name=name)
     retire = threading.Timer(PRODUCER_HOURS * 3600, producer.stop)
     retire.daemon = True
@@ -113,7 +121,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: app.campaign.SetupF
     from app.campaign import SetupFacts
 
     started = time.monotonic()
-    cfg, facts = CampaignConfig(**config).validate(), SetupFacts.of(facts)
+    cfg, facts = unpacked(config), SetupFacts.of(facts)
     cfg.checkpoint_dir = CHECKPOINTS
     queue, store = connect(cfg.backend_spec("modal"))
     ensure_setup(cfg, config, facts, queue, store)
@@ -305,11 +313,15 @@ def main(**flags) -> dict:
     cfg = CampaignConfig.from_flags(flags)
     if cfg.gpus > MAX_GPUS:
         raise CellfeedError(f"--gpus {cfg.gpus}: a Modal container has at most {MAX_GPUS} GPUs")
-    config = asdict(cfg)
-    print(f"campaign {cfg.run}: {cfg.producers} producers -> {cfg.gpus} x H100, dataset {cfg.dataset}", flush=True)
+    config = asdict(cfg.carry_files())  # containers cannot read this machine's files: their bytes travel
+    print(f"campaign {cfg.run}: {cfg.producers} producers -> {cfg.gpus} x H100, "
+          f"{'corpus ' + cfg.corpus if cfg.corpus else 'dataset ' + cfg.dataset}", flush=True)
     facts = setup.remote(config)  # app.campaign.SetupFacts, as a dict
     print(f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units, "
-          f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s)", flush=True)
+          f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s); vocabulary of {facts['n_genes']:,} genes",
+          flush=True)
+    for name, cells, line in facts.get("sources", ()) if cfg.corpus else ():
+        print(f"  {cells:>10,} cells per epoch from {line}", flush=True)
     summary = train.with_options(gpu=f"H100:{cfg.gpus}").remote(config, facts)
     while "continued_as" in summary:  # Modal's 24 h: each call hands over to the next
         print(f"train continues in call {summary['continued_as']} (a call ends at {DAY // 3600} h)", flush=True)

@@ -130,6 +130,19 @@ class CorpusSpec:
         return cls((SourceSpec(Path(dataset.rstrip("/")).name or "dataset", dataset, 1.0, subset_filter,
                                eval_filter),), vocabulary, gene_column)
 
+    def to_toml(self, vocabulary: bool = True) -> str:
+        """The file again (paths as resolved: absolute or s3://); `vocabulary`: with its line."""
+        q = json.dumps  # a JSON string is a TOML basic string
+        lines = [f"gene_column = {q(self.gene_column)}"]
+        if vocabulary and self.vocabulary:
+            lines.append(f"vocabulary = {q(self.vocabulary)}")
+        if self.epoch_cells:
+            lines.append(f"epoch_cells = {self.epoch_cells}")
+        for s in self.sources:
+            lines += ["", "[[source]]"] + [f"{f.name} = {q(getattr(s, f.name))}" for f in fields(SourceSpec)
+                                           if getattr(s, f.name) is not None]
+        return "\n".join(lines) + "\n"
+
     def gene_column_of(self, source: SourceSpec) -> str:
         return source.gene_column or self.gene_column
 

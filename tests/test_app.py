@@ -165,3 +165,29 @@ def test_cli_local_bad_flag_is_one_line(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [f"cellfeed: error: no dataset at {tmp_path / 'missing'}: "
                                                "the path does not exist"]
+
+
+def test_modal_carries_the_corpus_vocabulary_and_medians_files_into_containers(tmp_path):
+    """A container cannot read the laptop's disk: `main` carries the files' bytes in the config,
+    a container writes them out and reads the same corpus, with the corpus file's vocabulary."""
+    import shutil
+    from dataclasses import asdict
+
+    from coordination.corpus import CorpusSpec
+
+    laptop = tmp_path / "laptop"
+    laptop.mkdir()
+    (laptop / "vocab.json").write_text('{"A": 0, "B": 1}')
+    (laptop / "medians.json").write_text('{"A": 1.5}')
+    (laptop / "corpus.toml").write_text('vocabulary = "vocab.json"\nepoch_cells = 10\n\n[[source]]\nname = "x"\n'
+                                        'dataset = "s3://bucket/x"\nweight = 2\neval_filter = "plate = \'p\'"\n')
+    cfg = CampaignConfig(corpus=str(laptop / "corpus.toml"), gene_medians=str(laptop / "medians.json"), run="c")
+    carried = CampaignConfig(**json.loads(json.dumps(asdict(cfg.carry_files()))))  # as it crosses to Modal
+    shutil.rmtree(laptop)
+    container = carried.unpack_files(tmp_path / "container").validate()
+    spec = CorpusSpec.read(container.corpus)
+    assert spec.sources[0].dataset == "s3://bucket/x" and spec.sources[0].weight == 2 and spec.epoch_cells == 10
+    assert spec.sources[0].eval_filter == "plate = 'p'"
+    assert json.loads(Path(container.vocabulary).read_text()) == {"A": 0, "B": 1}
+    assert json.loads(Path(container.gene_medians).read_text()) == {"A": 1.5}
+    assert str(tmp_path / "container") in container.corpus

@@ -166,3 +166,27 @@ def test_an_expired_setup_is_done_again(atlas, tmp_path):
             assert summary_key(cfg.run, 1) not in store  # a week unused
             m.ensure_setup(cfg, config, facts, queue, store)
             assert len(world.calls("setup")) == 3 and all(summary_key(cfg.run, e) in store for e in range(2))
+
+
+def test_modal_run_trains_a_corpus_with_its_files_carried_into_the_containers(corpus, tmp_path):
+    """`modal run --corpus FILE --vocabulary FILE`: the containers cannot read the laptop's files,
+    so the entrypoint carries them; every source trains its quota, the vocabulary is the file's."""
+    from coordination.vocab import GeneVocab
+    from producers.sources import open_sources
+    from coordination.corpus import CorpusSpec
+
+    path, offsets, quotas = corpus
+    identifiers = [s.identifiers for s in open_sources(CorpusSpec.read(path))]
+    vocab = GeneVocab.build(identifiers + [[f"EXTRA{i}" for i in range(10)]])  # 10 genes no source has
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab.ids))
+    args = ["--corpus", path, "--vocabulary", str(tmp_path / "vocab.json"), "--run", RUN, "--producers", "2",
+            "--gpus", "2", "--batch-size", "16", "--max-genes", "32", "--preset", "tiny", "--epochs", "1",
+            "--warmup-steps", "2", "--checkpoint-every", "50"]
+    with ModalEmulator(tmp_path / "world") as world:
+        code, out, err = finish(modal_run(world, args))
+        assert code == 0, out[-2000:] + err[-3000:]
+        assert f"vocabulary of {vocab.n_genes:,} genes" in out  # the file's (the sources hold 10 fewer)
+        assert "1,440 cells per epoch from atlas_a" in out and "240 cells per epoch from pbmc" in out
+        check_campaign(world, out, epochs=1, producers=2)
+        logs = "".join(container_log(world, c["id"], 0) for c in world.calls("train"))
+        assert "epoch 0: 2,400 cells trained, 0 missing, 0 duplicated" in logs
