@@ -140,6 +140,20 @@ def test_chaos():
     assert finite(figures["overhead_ratio"], figures["wall_s"], figures["calm_wall_s"])
 
 
+def test_corpus():
+    """Three sources over one vocabulary through a real local campaign: each epoch trains every
+    source's quota, batches mix them by weight, sampled tokens equal the reference."""
+    figures = figures_of(run_benchmark("corpus", "--tiny"))
+    assert figures["per_source_trained"] == figures["per_source_planned"] == [[1500, 750, 250]] * 2
+    assert figures["cells_off_plan"] == 0 and figures["token_mismatches"] == 0 and figures["cells_compared"] == 180
+    for name, weight in (("atlas_a", 0.6), ("atlas_b", 0.3), ("pbmc", 0.1)):
+        share = figures["source_share_per_batch"][name]
+        assert abs(share["mean"] - weight) < 0.02 and finite(share["sd"], share["binomial_sd"])
+    assert figures["vocab_coverage"]["pbmc"]["nonzeros_kept"] == 1.0
+    assert finite(figures["throughput_vs_single_source"], figures["throughput_nonzeros_vs_single_source"])
+    assert figures["setup_s_corpus_150m"] is None  # the 150M-cell probe is not a tiny run's
+
+
 def test_a_simulation_that_does_not_finish_exits_1_in_one_line():
     """The coordination simulation cut off before its producer's unit is re-issued."""
     out = run_benchmark("coordination", "--tiny", "--max-seconds", "2")
