@@ -11,15 +11,16 @@ Fault kinds:
             holding a unit another producer already made, and sends its duplicate items
   pause     SIGSTOP every trainer rank for a while (the queue fills, producers block on
             backpressure and keep heartbeating), then SIGCONT; the pause is added to the wall
-            time by construction (tests/test_chaos.py pauses past the lease)
+            time by construction (the tiny run pauses past the lease)
 
     python benchmarks/chaos.py            # 10 faults over a 20-epoch campaign
     python benchmarks/chaos.py --quick    # 6 faults over 12 epochs, within 3 minutes on 2 cores
-    python benchmarks/chaos.py --tiny     # a kill and a pause over 3 epochs of 400 cells (the test suite's)
+    python benchmarks/chaos.py --tiny     # a kill, a stall and a pause past the lease over 3 epochs of 400 cells (tests)
 
 Ends with one JSON line of the figures. Exits 1 (one line on stderr) when a campaign did not finish
 (or timed out), a planned fault was not injected, a cell was lost or duplicated, or a figure is
-missing. The tiny run has no stall: a stall lasts 4 s past the lease (16 s in all) by construction.
+missing. In the tiny run the pause too lasts past the lease: producers held on backpressure must
+keep heartbeating, so none of their units is issued again for the pause alone.
 """
 
 from __future__ import annotations
@@ -230,8 +231,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="6 faults over a 12-epoch campaign (under 3 minutes)")
     parser.add_argument("--tiny", action="store_true",
-                        help="a kill and a pause over a 3-epoch campaign of 400 cells (the test suite's)")
-    parser.add_argument("--faults", type=int, default=None, help="faults to inject (default 10; 6 quick; 2 tiny)")
+                        help="a kill, a stall and a pause past the lease over a 3-epoch campaign of 400 cells "
+                             "(the test suite's)")
+    parser.add_argument("--faults", type=int, default=None, help="faults to inject (default 10; 6 quick; 3 tiny)")
     parser.add_argument("--epochs", type=int, default=None, help="campaign epochs (default 20; 12 quick; 3 tiny)")
     parser.add_argument("--cells", type=int, default=None, help="cells of the synthetic atlas (default 3,000; 400 tiny)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault plan")
@@ -240,13 +242,13 @@ def main() -> None:
                              "spans the campaign, so faults land on producers mid-unit, not on idle ones")
     parser.add_argument("--pause-s", type=float, default=None,
                         help="how long the trainer is paused (its wall time is added to the run's by construction; "
-                             "default 4; 1 tiny)")
+                             f"default 4; tiny: {LEASE_S + 4:g}, past the lease)")
     args = parser.parse_args()
-    n_faults = args.faults or (2 if args.tiny else 6 if args.quick else 10)
+    n_faults = args.faults or (3 if args.tiny else 6 if args.quick else 10)
     epochs = args.epochs or (3 if args.tiny else 12 if args.quick else 20)
     args.cells = args.cells or (400 if args.tiny else 3000)
-    args.pause_s = args.pause_s if args.pause_s is not None else 1.0 if args.tiny else 4.0
-    kinds = ("kill", "pause") if args.tiny else KINDS
+    args.pause_s = args.pause_s if args.pause_s is not None else LEASE_S + 4 if args.tiny else 4.0
+    kinds = KINDS
     timeout_s = 180.0 if args.tiny else 600.0
 
     from producers.synth import SynthSpec, synthesize

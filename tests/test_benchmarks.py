@@ -131,12 +131,15 @@ def test_coordination():
 
 
 def test_chaos():
-    """A real local campaign, a producer SIGKILLed and the trainer SIGSTOPped: nothing lost."""
+    """A real local campaign at Modal's 25 ms a call: a producer SIGKILLed, one SIGSTOPped past its
+    lease (its unit issued again; it wakes and sends duplicates), the trainer SIGSTOPped past the
+    lease (the queue fills, producers wait on backpressure and keep heartbeating): every epoch
+    trains exactly its cells, and the run finishes by itself."""
     figures = figures_of(run_benchmark("chaos", "--tiny"))
-    assert figures["completed"] and figures["faults_injected"] == 2
-    assert figures["fault_kinds"] == {"kill": 1, "pause": 1}
+    assert figures["completed"] and figures["faults_injected"] == 3
+    assert figures["fault_kinds"] == {"kill": 1, "stall": 1, "pause": 1}
     assert (figures["cells_checked"], figures["cells_lost"], figures["cells_duplicated"]) == (3 * 400, 0, 0)
-    assert figures["producer_restarts"] >= 1
+    assert figures["producer_restarts"] >= 1 and figures["units_reissued"] >= 1
     assert finite(figures["overhead_ratio"], figures["wall_s"], figures["calm_wall_s"])
 
 
