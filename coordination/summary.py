@@ -8,9 +8,11 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from coordination.errors import CellfeedError
 from coordination.queues import Map
-from coordination.routing import summary_key
+from coordination.routing import cell_rank, summary_key, unit_rank
 
 
 
@@ -40,13 +42,31 @@ class PlanSummary:
     boundary_piece_counts: list[int] = field(default_factory=list)
     cell_hash_per_rank: list[int] = field(default_factory=list)  # `cells_hash` per rank; empty: not audited
     boundary_piece_units: list[int] = field(default_factory=list)  # the unit of each boundary piece, cell by cell
+    # whole cells of each unit, run-length encoded ([count, repeats], ...: a block plan's units are
+    # all alike): what a resume on another number of ranks re-plans the epoch's rest from
+    unit_cells: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, plan, world_size: int) -> "PlanSummary":
         return cls(plan.epoch, plan.plan_id, plan.n_units, plan.n_cells, world_size,
                    plan.cells_per_rank(world_size).tolist(), plan.boundary_cells.tolist(),
                    plan.boundary_piece_counts.tolist(), plan.cell_hash_per_rank(world_size),
-                   plan.boundary_piece_units.tolist())
+                   plan.boundary_piece_units.tolist(), run_lengths(plan.unit_cell_counts))
+
+    def cells_left_per_rank(self, world_size: int, unit_trained: dict, trained_stitched: set) -> list[int]:
+        """On resume (on any number of ranks): the cells of this epoch not trained yet that each of
+        `world_size` ranks will receive -- unit u's to rank u mod W, boundary cell c's to c mod W --
+        from the cells trained of each unit (`unit_trained`) and the boundary cells trained."""
+        if not self.unit_cells:
+            raise CellfeedError(f"epoch {self.epoch}'s plan was published without its unit sizes (an older "
+                                "cellfeed): resume it on its own number of ranks")
+        counts = np.repeat([c for c, _ in self.unit_cells], [n for _, n in self.unit_cells]).astype(np.int64)
+        for unit, cells in unit_trained.items():
+            counts[int(unit)] -= cells
+        left = np.bincount(unit_rank(np.arange(self.n_units), world_size), weights=counts, minlength=world_size)
+        untrained = np.array([c for c in self.boundary_cells if c not in trained_stitched], dtype=np.int64)
+        left += np.bincount(cell_rank(untrained, world_size), minlength=world_size)
+        return left.astype(np.int64).tolist()
 
     def units_to_skip(self, done_units: set[int], trained_boundary_cells: set[int]) -> set[int]:
         """On resume: the units that need not be produced again -- those whose items were all
@@ -68,6 +88,15 @@ class PlanSummary:
 
     def steps(self, batch_size: int) -> int:
         return steps_per_epoch(self.cells_per_rank, batch_size)
+
+
+def run_lengths(values) -> list[list[int]]:
+    """[[value, repeats], ...] of a sequence of ints."""
+    values = np.asarray(values, dtype=np.int64)
+    if not len(values):
+        return []
+    starts = np.flatnonzero(np.r_[True, values[1:] != values[:-1]])
+    return [[int(values[a]), int(n)] for a, n in zip(starts, np.diff(np.r_[starts, len(values)]))]
 
 
 def publish_summary(store: Map, run: str, summary: PlanSummary) -> None:

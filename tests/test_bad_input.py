@@ -80,8 +80,7 @@ def test_resume_with_settings_that_contradict_the_checkpoint_is_refused(tmp_path
     first = local(base + ["--steps", "25"])  # 2 ranks, ~19 steps an epoch: it stops inside epoch 1
     assert first.returncode == 0, first.stderr[-2000:]
     for change, needle in ((["--seed", "9"], "epoch 1's plan differs from the one the checkpoint at step 25"),
-                           (["--preset", "base"], "does not fit the model of these settings"),
-                           (["--gpus", "1"], "written by 2 ranks; resume with --gpus 2")):
+                           (["--preset", "base"], "does not fit the model of these settings")):
         out = local(base + ["--steps", "35", "--resume", *change])
         assert out.returncode != 0, change
         errors = [line for line in out.stderr.splitlines() if line.startswith("cellfeed: error:")]

@@ -37,17 +37,17 @@ class Campaign:
 
     def __init__(self, ds, run: str, epochs: int, producers: int = 2, subset_filter=None, held_out=None,
                  sampling: Sampling = Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
-                 corpus: str | None = None):
+                 corpus: str | None = None, world: int = WORLD):
         self.server = ServerProcess()
-        self.run = run
-        config = ProducerConfig(dataset="" if corpus else ds.uri, corpus=corpus, run=run, world_size=WORLD,
+        self.run, self.world = run, world
+        config = ProducerConfig(dataset="" if corpus else ds.uri, corpus=corpus, run=run, world_size=world,
                                 max_genes=24, cells_per_item=40, sampling=sampling,
                                 idle_timeout_s=300, subset_filter=subset_filter)
         first = Producer(config, LocalQueue(self.server.address), LocalMap(self.server.address), dataset=ds)
         self.plans = [first.plan(e) for e in range(epochs)]
         if held_out is not None:
             first.produce_held_out(held_out)
-        self.summaries = [PlanSummary.of(first.plan(e), WORLD) for e in range(epochs)]
+        self.summaries = [PlanSummary.of(first.plan(e), world) for e in range(epochs)]
         for s in self.summaries:
             publish_summary(first.store, run, s)
         self.threads = [threading.Thread(target=Producer(config, LocalQueue(self.server.address),
@@ -64,15 +64,18 @@ class Campaign:
         return TrainConfig(**{**base, **changes})
 
     def close(self) -> None:
+        if self.server is None:
+            return
         LocalMap(self.server.address).put(stop_key(self.run), "stop")
         for t in self.threads:
             t.join(timeout=30)
         self.server.close()
+        self.server = None
 
 
-def read_cells(prefix: Path, max_step: int | None = None) -> Counter:
+def read_cells(prefix: Path, max_step: int | None = None, world: int = WORLD, only_rank: int | None = None) -> Counter:
     out = Counter()
-    for rank in range(WORLD):
+    for rank in range(world) if only_rank is None else [only_rank]:
         path = Path(f"{prefix}.rank{rank}.jsonl")
         for line in path.read_text().splitlines() if path.exists() else []:
             row = json.loads(line)
@@ -125,10 +128,11 @@ def test_sigkill_mid_epoch_then_resume_trains_every_cell_once(small_synth, tmp_p
         assert len(campaign.summaries[0].boundary_cells) > 0
 
 
-def test_a_corpus_killed_mid_epoch_and_resumed_trains_every_planned_cell_as_planned(corpus, tmp_path):
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_corpus_killed_mid_epoch_and_resumed_trains_every_planned_cell_as_planned(corpus, tmp_path, ranks):
     """A three-source corpus (sources repeated within the epoch and sources continued across
-    epochs), all ranks killed mid-epoch: the two runs together train the planned multiset exactly,
-    each source its quota."""
+    epochs), both ranks killed mid-epoch, resumed on 2 or on 3: the two runs together train the
+    planned multiset exactly, each source its quota."""
     from coordination.corpus import source_of
 
     path, offsets, quotas = corpus
@@ -137,7 +141,8 @@ def test_a_corpus_killed_mid_epoch_and_resumed_trains_every_planned_cell_as_plan
     planned = Counter(np.concatenate([plan.unit_cells(u, s) + offsets[s] for u in range(plan.n_units)
                                       for s in range(len(offsets))]).tolist())
     assert max(planned.values()) == 2  # a small source's cells come twice in this epoch
-    before, after, summary = kill_mid_epoch_and_resume(campaign, tmp_path)
+    elsewhere = None if ranks == WORLD else (lambda: Campaign(None, "corpus", epochs=1, corpus=path, world=ranks))
+    before, after, summary = kill_mid_epoch_and_resume(campaign, tmp_path, resume_on=elsewhere)
     trained = before + after
     assert trained == planned  # each planned cell as often as planned: no loss, no duplicate
     per_source = np.bincount(source_of(list(trained.elements()), offsets), minlength=len(offsets))
@@ -146,13 +151,15 @@ def test_a_corpus_killed_mid_epoch_and_resumed_trains_every_planned_cell_as_plan
     assert audit["audited"] and audit["cells"] == sum(quotas) and audit["missing"] == 0
 
 
-def kill_mid_epoch_and_resume(campaign: Campaign, tmp_path: Path) -> tuple[Counter, Counter, dict]:
+def kill_mid_epoch_and_resume(campaign: Campaign, tmp_path: Path, resume_on=None) -> tuple[Counter, Counter, dict]:
     """SIGKILL both ranks after their checkpoint at step 20, resume: (cells trained before the
-    checkpoint, cells trained by the resumed run, the resumed run's summary)."""
+    checkpoint, cells trained by the resumed run, the resumed run's summary). `resume_on`: a
+    campaign to resume on instead -- another number of ranks, set up afresh as a re-run does
+    (a new queue, plans published for its ranks, producers routing to them)."""
     try:
         # a mixing buffer far smaller than the epoch (as at scale), so units complete before the crash
         first = campaign.train_config(tmp_path / "a", cells_log=str(tmp_path / "a" / "cells"), buffer_cells=160)
-        procs = launch(first, WORLD, tmp_path / "a")
+        procs = launch(first, campaign.world, tmp_path / "a")
         latest = tmp_path / "a" / "ckpt" / "latest"
         wait_for(lambda: (latest.exists() and latest.read_text().strip() >= "step-00000020")
                  or any(p.poll() is not None for p in procs), "a checkpoint at step 20", timeout=300)
@@ -163,17 +170,40 @@ def kill_mid_epoch_and_resume(campaign: Campaign, tmp_path: Path) -> tuple[Count
             p.wait()
         committed = int(latest.read_text().strip().split("-")[1])
         assert committed < campaign.summaries[0].steps(BATCH)  # really mid-epoch
+        if resume_on is not None:
+            campaign.close()
+            campaign = resume_on()
         second = campaign.train_config(tmp_path / "b", checkpoint_dir=first.checkpoint_dir, resume=True,
                                        cells_log=str(tmp_path / "b" / "cells"), buffer_cells=160)
-        codes = wait_all(launch(second, WORLD, tmp_path / "b", summary_path=str(tmp_path / "b" / "summary")),
+        codes = wait_all(launch(second, campaign.world, tmp_path / "b", summary_path=str(tmp_path / "b" / "summary")),
                          timeout=600)
     finally:
         campaign.close()
-    assert codes == [0, 0]
+    assert codes == [0] * campaign.world
     before = read_cells(tmp_path / "a" / "cells", max_step=committed)  # what the checkpoint holds
-    after = read_cells(tmp_path / "b" / "cells")
+    after = read_cells(tmp_path / "b" / "cells", world=campaign.world)
     assert sum(before.values()) > 0 and sum(after.values()) > 0
     return before, after, json.loads((tmp_path / "b" / "summary.rank0").read_text())
+
+
+@pytest.mark.parametrize("sampling", [Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
+                                      Sampling("sequential", unit_cells=60)], ids=["block", "sequential"])
+@pytest.mark.parametrize("ranks", [3, 1])
+def test_killed_on_two_ranks_resumed_on_another_number_trains_every_cell_once(small_synth, tmp_path, sampling, ranks):
+    """Elastic: 2 ranks SIGKILLed mid-epoch, resumed on 3 (or 1): the epoch's untrained cells are
+    re-planned over the new ranks, evenly; every cell is trained once across both runs; units
+    trained through are not produced again; the epoch's audit covers both world sizes."""
+    campaign = Campaign(small_synth, "elastic", epochs=1, sampling=sampling)
+    before, after, summary = kill_mid_epoch_and_resume(
+        campaign, tmp_path, resume_on=lambda: Campaign(small_synth, "elastic", epochs=1, sampling=sampling,
+                                                       world=ranks))
+    assert before + after == Counter(range(small_synth.n_cells))  # no loss, no duplicate
+    per_rank = [sum(read_cells(tmp_path / "b" / "cells", world=ranks, only_rank=r).values()) for r in range(ranks)]
+    assert max(per_rank) - min(per_rank) <= BATCH * 2  # the rest spread evenly (units are 2 batches or smaller)
+    assert 0 < summary["resume_skipped_units"]
+    (audit,) = summary["audits"]
+    assert audit["audited"] and audit["cells"] == small_synth.n_cells and audit["missing"] == 0
+    assert "across the resume" in audit["line"]
 
 
 def test_model_presets_masking_and_flops():
@@ -243,7 +273,7 @@ def test_checkpoints_keep_the_last_k_and_the_best(tmp_path):
         checkpoint.save(tmp_path, step, 0, 0, 1, checkpoint.RankProgress(), lambda: {"w": torch.zeros(1)},
                         lambda: None, keep=2, eval_loss=loss)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000004", "step-00000005"]
-    assert checkpoint.latest(tmp_path).step == 5 and checkpoint.load(tmp_path, 1, torch.device("cpu")).step == 5
+    assert checkpoint.latest(tmp_path).step == 5 and checkpoint.load(tmp_path, torch.device("cpu")).step == 5
     assert checkpoint.prune(tmp_path, keep=1) == ["step-00000004"]  # the best (2) stays with the last
 
 

@@ -37,10 +37,17 @@ class RankProgress:
     cells_hash: int | None = 0  # `coordination.audit.cells_hash` of the cells trained (None: unknown, not audited)
     unit_items: dict = field(default_factory=dict)  # unit -> how many items it has (seen complete ones)
     plan_id: str = ""  # the epoch's plan (a resume must find the same)
+    unit_trained: dict = field(default_factory=dict)  # unit -> its cells trained (stitched cells apart)
+    # cells trained in this epoch before a resume, and their hash (rank 0 holds them; 0 elsewhere):
+    # the epoch's audit then checks every rank's cells together
+    carried: int = 0
+    carried_hash: int | None = 0
 
     def record(self, batch) -> None:
         self.trained += batch.size
         self.unit_items.update(batch.unit_items)
+        for unit, n in batch.unit_cells.items():
+            self.unit_trained[unit] = self.unit_trained.get(unit, 0) + n
         if self.cells_hash is not None:
             self.cells_hash = (self.cells_hash + cells_hash(batch.cell_ids.numpy())) % 2**64
         for key in batch.completed:
@@ -51,7 +58,26 @@ class RankProgress:
 
     def next_epoch(self, epoch: int) -> None:
         self.epoch, self.trained, self.consumed, self.partial, self.cells_hash = epoch, 0, set(), {}, 0
-        self.unit_items, self.plan_id = {}, ""
+        self.unit_items, self.plan_id, self.unit_trained, self.carried, self.carried_hash = {}, "", {}, 0, 0
+
+    @classmethod
+    def merged(cls, ranks: list["RankProgress"], keep_totals: bool) -> "RankProgress":
+        """What every rank of a resumed run starts the epoch from, whatever the number of ranks
+        that wrote the checkpoint: all their item keys, partial items and per-unit counts (a
+        unit's items now go to rank u mod the new world size), and -- when `keep_totals` (rank 0)
+        -- the cells they trained and their hash, carried for the epoch's audit."""
+        out = cls(ranks[0].epoch, plan_id=ranks[0].plan_id)
+        hashes = [r.cells_hash for r in ranks] + [r.carried_hash for r in ranks]
+        for r in ranks:
+            out.consumed |= r.consumed
+            out.partial.update({k: set(v) for k, v in r.partial.items()})
+            out.unit_items.update(r.unit_items)
+            for unit, n in r.unit_trained.items():
+                out.unit_trained[unit] = out.unit_trained.get(unit, 0) + n
+        if keep_totals:
+            out.carried = sum(r.trained + r.carried for r in ranks)
+            out.carried_hash = None if None in hashes else sum(hashes) % 2**64
+        return out
 
     def done_units(self) -> set[int]:
         """Units of this epoch whose every item was trained on."""
@@ -65,6 +91,8 @@ class RankProgress:
     def to_json(self) -> str:
         return json.dumps({"epoch": self.epoch, "trained": self.trained, "cells_hash": self.cells_hash,
                            "unit_items": sorted(self.unit_items.items()), "plan_id": self.plan_id,
+                           "unit_trained": sorted(self.unit_trained.items()), "carried": self.carried,
+                           "carried_hash": self.carried_hash,
                            "consumed": sorted(list(k) for k in self.consumed),
                            "partial": [[list(k), sorted(v)] for k, v in self.partial.items()]})
 
@@ -74,7 +102,8 @@ class RankProgress:
         return cls(d["epoch"], d["trained"], {_key(k) for k in d["consumed"]},
                    {_key(k): set(v) for k, v in d["partial"]},
                    d.get("cells_hash"),  # a checkpoint from before the audit: this epoch is not audited
-                   dict((u, n) for u, n in d.get("unit_items", [])), d.get("plan_id", ""))
+                   dict((u, n) for u, n in d.get("unit_items", [])), d.get("plan_id", ""),
+                   dict((u, n) for u, n in d.get("unit_trained", [])), d.get("carried", 0), d.get("carried_hash", 0))
 
 
 @dataclass
@@ -145,19 +174,16 @@ def latest(directory: str | os.PathLike) -> Latest | None:
     folder = root / pointer.read_text().strip()
     ranks = [RankProgress.from_json(f.read_text()) for f in sorted(folder.glob("progress-rank*.json"))]
     step = int(folder.name.removeprefix("step-"))
-    return Latest(folder, step, ranks[0].epoch if ranks else 0, [r.trained for r in ranks])
+    return Latest(folder, step, ranks[0].epoch if ranks else 0, [r.trained + r.carried for r in ranks])
 
 
-def load(directory: str | os.PathLike, world: int, device: torch.device) -> Checkpoint | None:
-    """The latest checkpoint, or None if there is none."""
+def load(directory: str | os.PathLike, device: torch.device) -> Checkpoint | None:
+    """The latest checkpoint (its ranks' progress: as many as wrote it), or None if there is none."""
     root = Path(directory)
     pointer = root / "latest"
     if not pointer.exists():
         return None
     folder = root / pointer.read_text().strip()
     state = torch.load(folder / "state.pt", map_location=device, weights_only=True)
-    if state["world"] != world:
-        raise CellfeedError(f"--resume: checkpoint {folder} was written by {state['world']} ranks; resume with "
-                            f"--gpus {state['world']} (got {world})")
-    ranks = [RankProgress.from_json((folder / f"progress-rank{r}.json").read_text()) for r in range(world)]
+    ranks = [RankProgress.from_json((folder / f"progress-rank{r}.json").read_text()) for r in range(state["world"])]
     return Checkpoint(int(state["step"]), int(state["epoch"]), state, ranks)

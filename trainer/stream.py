@@ -40,6 +40,7 @@ class Batch:
     cells_of_partial: dict = field(default_factory=dict)  # item key -> cell ids in this batch (resume)
     unit_items: dict = field(default_factory=dict)  # unit -> its item count, for units with an item completed here
     wait_s: float = 0.0  # time the caller waited for this batch
+    unit_cells: dict = field(default_factory=dict)  # unit -> its cells in this batch (stitched cells apart)
 
     @property
     def size(self) -> int:
@@ -50,7 +51,8 @@ class Batch:
             return self
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Batch(move(self.tokens), move(self.attention_mask), move(self.values), move(self.labels),
-                     self.cell_ids, self.completed, self.cells_of_partial, self.unit_items, self.wait_s)
+                     self.cell_ids, self.completed, self.cells_of_partial, self.unit_items, self.wait_s,
+                     self.unit_cells)
 
 
 @dataclass
@@ -219,6 +221,8 @@ class EpochIterator:
             self.buffer.pop()
         batch = _collate(chosen, s.pad_to, s.pin_memory, s.pad_token)
         for item, i in chosen:
+            if not item.stitched:
+                batch.unit_cells[item.key_id] = batch.unit_cells.get(item.key_id, 0) + 1
             self.remaining[item.key] -= 1
             if self.remaining[item.key] == 0:
                 del self.remaining[item.key]

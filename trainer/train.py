@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from coordination.backends import BackendSpec, connect
 from coordination.driver import Driver
 from coordination.errors import CellfeedError
-from coordination.summary import load_summary, optimizer_steps
+from coordination.summary import load_summary, optimizer_steps, steps_per_epoch
 from coordination.routing import run_tag
 from coordination.seeds import mask_seed
 from coordination.tokens import CLS, EOS, MASK, PAD
@@ -121,8 +121,12 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     total_steps = cfg.max_steps or optimizer_steps(list(summaries.values()), cfg.batch_size, cfg.grad_accum)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps))
 
-    saved = checkpoint.load(cfg.checkpoint_dir, world, device) if cfg.resume and cfg.checkpoint_dir else None
-    step, epoch, progress, done_before = restore(saved, cfg, rank, world, model, optimizer, scheduler, store)
+    saved = checkpoint.load(cfg.checkpoint_dir, device) if cfg.resume and cfg.checkpoint_dir else None
+    step, epoch, progress, left = restore(saved, cfg, rank, world, model, optimizer, scheduler, store, summaries)
+    if left is not None and not cfg.max_steps:  # a resume: the epoch's rest (maybe on other ranks), then the others
+        later = [summaries.get(e) or load_summary(store, cfg.run, e) for e in range(epoch + 1, cfg.epochs)]
+        total_steps = step + steps_per_epoch(left, cfg.batch_size) // cfg.grad_accum + \
+            optimizer_steps(later, cfg.batch_size, cfg.grad_accum)  # (the schedule's total follows: see README)
     driver = start_driver(cfg, queue, store, saved, epoch, summaries) if rank == 0 and cfg.run_driver else None
     stream = ConsumerStream(queue, rank=rank, world_size=world, run=cfg.run, batch_size=cfg.batch_size,
                             pad_to=cfg.pad_to, pad_token=cfg.pad_token, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
@@ -150,7 +154,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         while epoch < cfg.epochs and step < total_steps:
             summary = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
             progress.plan_id = summary.plan_id
-            left = [c - d for c, d in zip(summary.cells_per_rank, done_before)]
+            left = left or summary.cells_per_rank  # (a resumed epoch's: its cells not trained yet)
             micro = 0
             batches = stream.epoch(epoch, left)
             for batch in batches:
@@ -209,7 +213,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 print(audits[-1]["line"], flush=True)
             epoch += 1
             progress.next_epoch(epoch)
-            done_before = [0] * world
+            left = None
             if stopping:
                 break
         if cfg.checkpoint_dir and not stopping:  # (a stop saved at its step already)
@@ -231,21 +235,31 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
 
 
 
-def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, scheduler, store):
-    """(step, epoch, this rank's progress, every rank's cells trained in the epoch): a checkpoint's,
-    its weights and optimizer state loaded, or a fresh start."""
+def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, scheduler, store, summaries: dict):
+    """(step, epoch, this rank's progress, the cells each rank has left of the epoch): a
+    checkpoint's -- its weights and optimizer state loaded, written by this many ranks or another
+    (the epoch's untrained cells are then re-planned over these ranks) -- or a fresh start."""
     if saved is None:
         if cfg.resume and rank == 0:
             print(f"no checkpoint in {cfg.checkpoint_dir}: starting at step 0")
-        return 0, 0, checkpoint.RankProgress(), [0] * world
+        return 0, 0, checkpoint.RankProgress(), None
     check_resume(saved, cfg, model, store)
     model.load_state_dict(saved.state["model"])
     optimizer.load_state_dict(saved.state["optimizer"])
     scheduler.load_state_dict(saved.state["scheduler"])
-    done_before = [r.trained for r in saved.ranks]
+    progress = checkpoint.RankProgress.merged(saved.ranks, keep_totals=rank == 0)
+    left = None
+    if saved.epoch < cfg.epochs:
+        if saved.epoch not in summaries:
+            summaries[saved.epoch] = load_summary(store, cfg.run, saved.epoch)
+        left = summaries[saved.epoch].cells_left_per_rank(world, progress.unit_trained,
+                                                          set().union(*(r.trained_stitched() for r in saved.ranks)))
     if rank == 0:
-        print(f"resumed from step {saved.step} (epoch {saved.epoch}, {sum(done_before):,} cells of it already trained)")
-    return saved.step, saved.epoch, saved.ranks[rank], done_before
+        before = sum(r.trained + r.carried for r in saved.ranks)
+        moved = "" if len(saved.ranks) == world else \
+            (f"; written by {len(saved.ranks)} ranks, its {sum(left or []):,} cells left are re-planned over {world}")
+        print(f"resumed from step {saved.step} (epoch {saved.epoch}, {before:,} cells of it already trained{moved})")
+    return saved.step, saved.epoch, progress, left
 
 
 def start_driver(cfg: TrainConfig, queue, store, saved, epoch: int, summaries: dict) -> Driver:
@@ -312,31 +326,41 @@ def check_resume(saved: checkpoint.Checkpoint, cfg: TrainConfig, model, store) -
 def audit_epoch(epoch: int, progress: checkpoint.RankProgress, summary, world: int, device) -> dict:
     """The end-of-epoch exactly-once check, on every rank: each rank's trained-cell count and the
     order-independent hash of their ids (`coordination.audit.cells_hash`, kept in checkpoints
-    across restarts) against the plan's. Raises, naming the rank, when cells were lost or
-    duplicated; cheap at any scale (one all-gather of three numbers per rank)."""
-    h = progress.cells_hash
-    mine = torch.tensor([progress.trained, 0 if h is None else h - 2**64 if h >= 2**63 else h, h is not None],
+    across restarts) against the plan's. An epoch resumed from a checkpoint (on any number of
+    ranks) is checked as a whole: the cells trained before (carried by rank 0) and by every rank
+    since, against the whole plan. Raises, naming the rank where it can, when cells were lost or
+    duplicated; cheap at any scale (one all-gather of five numbers per rank)."""
+    def signed(h):
+        return 0 if h is None else h - 2**64 if h >= 2**63 else h
+
+    h, c = progress.cells_hash, progress.carried_hash
+    mine = torch.tensor([progress.trained, signed(h), h is not None and c is not None, progress.carried, signed(c)],
                         dtype=torch.int64, device=device)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     counts = [int(t[0]) for t in every]
     hashes = [int(t[1]) % 2**64 for t in every]
-    trained, expected = sum(counts), sum(summary.cells_per_rank)
+    carried, carried_hash = sum(int(t[3]) for t in every), sum(int(t[4]) for t in every) % 2**64
+    trained, expected = sum(counts) + carried, sum(summary.cells_per_rank)
     if not summary.cell_hash_per_rank or not all(int(t[2]) for t in every):
         return {"epoch": epoch, "cells": trained, "audited": False,
                 "line": f"epoch {epoch}: {trained:,} cells trained (not audited: the plan or a checkpoint predates it)"}
-    for r in range(world):
-        want, want_hash = summary.cells_per_rank[r], summary.cell_hash_per_rank[r]
-        if counts[r] != want or hashes[r] != want_hash:
-            what = (f"{want - counts[r]:,} fewer cells than planned" if counts[r] < want else
-                    f"{counts[r] - want:,} more cells than planned" if counts[r] > want else
+    fail = ("epoch {epoch} failed its exactly-once audit: {who} trained {what} ({got:,} of {want:,}): cells were lost "
+            "or duplicated; the last checkpoint is kept, and --audit-cells records which cells each step trained")
+    checks = [("rank " + str(r), counts[r], hashes[r], summary.cells_per_rank[r], summary.cell_hash_per_rank[r])
+              for r in range(world)] if not carried else \
+        [("the resumed epoch's ranks, before and after", trained, (sum(hashes) + carried_hash) % 2**64, expected,
+          sum(summary.cell_hash_per_rank) % 2**64)]
+    for who, got, got_hash, want, want_hash in checks:
+        if got != want or got_hash != want_hash:
+            what = (f"{want - got:,} fewer cells than planned" if got < want else
+                    f"{got - want:,} more cells than planned" if got > want else
                     "the planned number of cells, but not the planned cells")
-            raise CellfeedError(f"epoch {epoch} failed its exactly-once audit: rank {r} trained {what} "
-                                f"({counts[r]:,} of {want:,}): cells were lost or duplicated; the last checkpoint "
-                                "is kept, and --audit-cells records which cells each step trained")
+            raise CellfeedError(fail.format(epoch=epoch, who=who, what=what, got=got, want=want))
+    scope = "every rank" if not carried else "the whole epoch, across the resume"
     return {"epoch": epoch, "cells": trained, "audited": True, "missing": 0, "duplicated": 0,
             "line": f"epoch {epoch}: {trained:,} cells trained, 0 missing, 0 duplicated "
-                    f"(of {expected:,} planned; count and cell-id hash checked on every rank)"}
+                    f"(of {expected:,} planned; count and cell-id hash checked on {scope})"}
 
 
 @torch.no_grad()
