@@ -157,6 +157,17 @@ def test_corpus():
     assert figures["setup_s_corpus_150m"] is None  # the 150M-cell probe is not a tiny run's
 
 
+def test_elastic():
+    """A checkpoint of 8 ranks halfway through a 200k-cell epoch, resumed on 4 and on 16: the rest
+    re-planned adds up (the benchmark checks it), with its seconds and the cells produced again."""
+    figures = figures_of(run_benchmark("elastic", "--tiny"))
+    for world in (4, 16):
+        f = figures[f"to_{world}"]
+        assert f["rest_cells"] == figures["cells"] - figures["trained_before"] > 0
+        assert 0 < f["units_skipped"] < figures["units"] and f["cells_reproduced"] > 0
+        assert finite(f["resume_to_first_step_s"], f["reproduced_per_trained"], f["rest_spread_cells"])
+
+
 def test_a_simulation_that_does_not_finish_exits_1_in_one_line():
     """The coordination simulation cut off before its producer's unit is re-issued."""
     out = run_benchmark("coordination", "--tiny", "--max-seconds", "2")

@@ -40,6 +40,7 @@ class Campaign:
                  corpus: str | None = None, world: int = WORLD):
         self.server = ServerProcess()
         self.run, self.world = run, world
+        self.ds, self.sampling, self.corpus = ds, sampling, corpus
         config = ProducerConfig(dataset="" if corpus else ds.uri, corpus=corpus, run=run, world_size=world,
                                 max_genes=24, cells_per_item=40, sampling=sampling,
                                 idle_timeout_s=300, subset_filter=subset_filter)
@@ -151,57 +152,84 @@ def test_a_corpus_killed_mid_epoch_and_resumed_trains_every_planned_cell_as_plan
     assert audit["audited"] and audit["cells"] == sum(quotas) and audit["missing"] == 0
 
 
-def kill_mid_epoch_and_resume(campaign: Campaign, tmp_path: Path, resume_on=None) -> tuple[Counter, Counter, dict]:
-    """SIGKILL both ranks after their checkpoint at step 20, resume: (cells trained before the
-    checkpoint, cells trained by the resumed run, the resumed run's summary). `resume_on`: a
-    campaign to resume on instead -- another number of ranks, set up afresh as a re-run does
-    (a new queue, plans published for its ranks, producers routing to them)."""
-    try:
-        # a mixing buffer far smaller than the epoch (as at scale), so units complete before the crash
-        first = campaign.train_config(tmp_path / "a", cells_log=str(tmp_path / "a" / "cells"), buffer_cells=160)
-        procs = launch(first, campaign.world, tmp_path / "a")
-        latest = tmp_path / "a" / "ckpt" / "latest"
-        wait_for(lambda: (latest.exists() and latest.read_text().strip() >= "step-00000020")
-                 or any(p.poll() is not None for p in procs), "a checkpoint at step 20", timeout=300)
-        assert all(p.poll() is None for p in procs), "a rank ended before its checkpoint at step 20"
+def kill_mid_epoch_and_resume(campaign: Campaign, tmp_path: Path, resume_on=None,
+                              kill_again_after: int | None = None) -> tuple[Counter, Counter, dict]:
+    """SIGKILL every rank after their checkpoint at step 20 (run "a"), resume (run "b"): (cells
+    trained before the checkpoint, cells trained by the resumed run, its summary). `resume_on`: a
+    campaign to resume on instead -- another number of ranks, set up afresh as a re-run does (a
+    new queue, plans published for its ranks, producers routing to them). `kill_again_after`:
+    run "b" is killed too, after its next checkpoint that many steps on, and resumed once more on
+    one rank (run "c"); the middle counter then holds run b's cells up to that checkpoint."""
+    def crash_after(cfg, world, folder, at_step) -> int:
+        procs = launch(cfg, world, folder)
+        latest = Path(cfg.checkpoint_dir) / "latest"
+        wait_for(lambda: (latest.exists() and latest.read_text().strip() >= f"step-{at_step:08d}")
+                 or any(p.poll() is not None for p in procs), f"a checkpoint at step {at_step}", timeout=300)
+        assert all(p.poll() is None for p in procs), f"a rank ended before its checkpoint at step {at_step}"
         for p in procs:  # the ranks this test launched
             os.kill(p.pid, signal.SIGKILL)  # a real crash: no clean-up, no final checkpoint
         for p in procs:
             p.wait()
-        committed = int(latest.read_text().strip().split("-")[1])
+        return int(latest.read_text().strip().split("-")[1])
+
+    try:
+        # a mixing buffer far smaller than the epoch (as at scale), so units complete before the crash
+        first = campaign.train_config(tmp_path / "a", cells_log=str(tmp_path / "a" / "cells"), buffer_cells=160)
+        committed = crash_after(first, campaign.world, tmp_path / "a", 20)
         assert committed < campaign.summaries[0].steps(BATCH)  # really mid-epoch
         if resume_on is not None:
             campaign.close()
             campaign = resume_on()
         second = campaign.train_config(tmp_path / "b", checkpoint_dir=first.checkpoint_dir, resume=True,
                                        cells_log=str(tmp_path / "b" / "cells"), buffer_cells=160)
-        codes = wait_all(launch(second, campaign.world, tmp_path / "b", summary_path=str(tmp_path / "b" / "summary")),
-                         timeout=600)
+        again = None
+        if kill_again_after is None:
+            codes = wait_all(launch(second, campaign.world, tmp_path / "b",
+                                    summary_path=str(tmp_path / "b" / "summary")), timeout=600)
+        else:
+            again = crash_after(second, campaign.world, tmp_path / "b", committed + kill_again_after)
+            campaign.close()
+            campaign = Campaign(None if campaign.corpus else campaign.ds, campaign.run, epochs=1,
+                                sampling=campaign.sampling, corpus=campaign.corpus, world=1)
+            third = campaign.train_config(tmp_path / "c", checkpoint_dir=first.checkpoint_dir, resume=True,
+                                          cells_log=str(tmp_path / "c" / "cells"), buffer_cells=160)
+            codes = wait_all(launch(third, 1, tmp_path / "c", summary_path=str(tmp_path / "c" / "summary")),
+                             timeout=600)
     finally:
         campaign.close()
     assert codes == [0] * campaign.world
     before = read_cells(tmp_path / "a" / "cells", max_step=committed)  # what the checkpoint holds
-    after = read_cells(tmp_path / "b" / "cells", world=campaign.world)
+    after = read_cells(tmp_path / "b" / "cells", max_step=again, world=second_world(tmp_path))
     assert sum(before.values()) > 0 and sum(after.values()) > 0
-    return before, after, json.loads((tmp_path / "b" / "summary.rank0").read_text())
+    return before, after, json.loads((tmp_path / ("b" if again is None else "c") / "summary.rank0").read_text())
+
+
+def second_world(tmp_path: Path) -> int:
+    """How many ranks run "b" had (the cells logs it left)."""
+    return len(list((tmp_path / "b").glob("cells.rank*.jsonl")))
 
 
 @pytest.mark.parametrize("sampling", [Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
                                       Sampling("sequential", unit_cells=60)], ids=["block", "sequential"])
-@pytest.mark.parametrize("ranks", [3, 1])
-def test_killed_on_two_ranks_resumed_on_another_number_trains_every_cell_once(small_synth, tmp_path, sampling, ranks):
-    """Elastic: 2 ranks SIGKILLed mid-epoch, resumed on 3 (or 1): the epoch's untrained cells are
-    re-planned over the new ranks, evenly; every cell is trained once across both runs; units
-    trained through are not produced again; the epoch's audit covers both world sizes."""
+def test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_trains_every_cell_once(small_synth,
+                                                                                                 tmp_path, sampling):
+    """Elastic, both ways in one epoch: 2 ranks SIGKILLed mid-epoch, resumed on 3 (each re-run set
+    up afresh: a new queue, plans published for its ranks, producers routing to them), those 3
+    SIGKILLed after their next checkpoint, resumed on 1. The epoch's untrained cells are
+    re-planned over the new ranks each time; every cell is trained once across the three runs;
+    units trained through are not produced again; the audit covers the epoch across all three."""
+    def on(world):
+        return lambda: Campaign(small_synth, "elastic", epochs=1, sampling=sampling, world=world)
+
     campaign = Campaign(small_synth, "elastic", epochs=1, sampling=sampling)
-    before, after, summary = kill_mid_epoch_and_resume(
-        campaign, tmp_path, resume_on=lambda: Campaign(small_synth, "elastic", epochs=1, sampling=sampling,
-                                                       world=ranks))
-    assert before + after == Counter(range(small_synth.n_cells))  # no loss, no duplicate
-    per_rank = [sum(read_cells(tmp_path / "b" / "cells", world=ranks, only_rank=r).values()) for r in range(ranks)]
-    assert max(per_rank) - min(per_rank) <= BATCH * 2  # the rest spread evenly (units are 2 batches or smaller)
-    assert 0 < summary["resume_skipped_units"]
-    (audit,) = summary["audits"]
+    before, middle, _ = kill_mid_epoch_and_resume(campaign, tmp_path, resume_on=on(3), kill_again_after=10)
+    per_rank = [sum(read_cells(tmp_path / "b" / "cells", world=3, only_rank=r).values()) for r in range(3)]
+    assert min(per_rank) > 0  # all three ranks trained part of the rest
+    last = json.loads((tmp_path / "c" / "summary.rank0").read_text())
+    after = read_cells(tmp_path / "c" / "cells", world=1)
+    assert before + middle + after == Counter(range(small_synth.n_cells))  # no loss, no duplicate
+    assert last["resume_skipped_units"] > 0
+    (audit,) = last["audits"]
     assert audit["audited"] and audit["cells"] == small_synth.n_cells and audit["missing"] == 0
     assert "across the resume" in audit["line"]
 

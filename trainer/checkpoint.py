@@ -68,13 +68,17 @@ class RankProgress:
         -- the cells they trained and their hash, carried for the epoch's audit."""
         out = cls(ranks[0].epoch, plan_id=ranks[0].plan_id)
         hashes = [r.cells_hash for r in ranks] + [r.carried_hash for r in ranks]
-        for r in ranks:
+        for r in ranks:  # (after an earlier resume every rank holds the keys it started from: sets)
             out.consumed |= r.consumed
-            out.partial.update({k: set(v) for k, v in r.partial.items()})
+            for key, cells in r.partial.items():
+                out.partial.setdefault(key, set()).update(cells)
             out.unit_items.update(r.unit_items)
-            for unit, n in r.unit_trained.items():
-                out.unit_trained[unit] = out.unit_trained.get(unit, 0) + n
-        if keep_totals:
+        for key in out.consumed & out.partial.keys():
+            del out.partial[key]
+        if keep_totals:  # counts are summed once, so one rank carries them
+            for r in ranks:
+                for unit, n in r.unit_trained.items():
+                    out.unit_trained[unit] = out.unit_trained.get(unit, 0) + n
             out.carried = sum(r.trained + r.carried for r in ranks)
             out.carried_hash = None if None in hashes else sum(hashes) % 2**64
         return out

@@ -247,12 +247,13 @@ def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, sc
     model.load_state_dict(saved.state["model"])
     optimizer.load_state_dict(saved.state["optimizer"])
     scheduler.load_state_dict(saved.state["scheduler"])
-    progress = checkpoint.RankProgress.merged(saved.ranks, keep_totals=rank == 0)
+    everything = checkpoint.RankProgress.merged(saved.ranks, keep_totals=True)  # rank 0 carries the totals
+    progress = everything if rank == 0 else checkpoint.RankProgress.merged(saved.ranks, keep_totals=False)
     left = None
     if saved.epoch < cfg.epochs:
         if saved.epoch not in summaries:
             summaries[saved.epoch] = load_summary(store, cfg.run, saved.epoch)
-        left = summaries[saved.epoch].cells_left_per_rank(world, progress.unit_trained,
+        left = summaries[saved.epoch].cells_left_per_rank(world, everything.unit_trained,
                                                           set().union(*(r.trained_stitched() for r in saved.ranks)))
     if rank == 0:
         before = sum(r.trained + r.carried for r in saved.ranks)
