@@ -15,7 +15,7 @@ def test_a_stitching_piece_deleted_from_the_map_fails_the_cell_with_one_line():
     """A piece lost from the map cannot be made up by the last holder: it stops with one line (the
     local campaign then stops on it, keeping its checkpoint), and a resume drops the epoch's map and
     produces every unit holding a piece of an untrained boundary cell again
-    (test_trainer: test_sigkill_mid_epoch_then_resume_trains_every_cell_once[sequential])."""
+    (test_trainer: test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_...[sequential])."""
     import numpy as np
 
     from coordination.errors import CellfeedError
