@@ -228,7 +228,7 @@ class CampaignConfig:
 
     def train_config(self, backend, facts, **changes):
         """The trainer's config; `facts` (`app.campaign.SetupFacts`) come from the setup step."""
-        from trainer.train import TrainConfig
+        from trainer.config import TrainConfig
 
         spec = layout(self.tokenizer)
         base = dict(run=self.run, backend=backend, vocab_size=facts.vocab_size, pad_token=facts.pad_token,

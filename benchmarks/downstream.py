@@ -28,7 +28,8 @@ from coordination.tokens import GENE_OFFSET, PAD
 from producers.producer import Producer, ProducerConfig
 from producers.selection import filter_cells, label_codes
 from trainer.stream import Batch, ConsumerStream
-from trainer.train import TrainConfig, load_held_out
+from trainer.config import TrainConfig
+from trainer.train import load_held_out
 
 LABELS = ("cell_line", "dose")  # plate-independent in the synthetic atlas (producers/synth.py)
 MAX_GENES = 4096  # more than any synthetic cell expresses: the probe sees every expressed gene

@@ -35,7 +35,8 @@ from coordination.wire import pack_items  # noqa: E402
 from producers.tokenizers import Tokens  # noqa: E402
 from benchmarks._checks import check_figures, fail  # noqa: E402
 from coordination.net import free_port  # noqa: E402
-from trainer.train import TrainConfig, train  # noqa: E402
+from trainer.config import TrainConfig  # noqa: E402
+from trainer.train import train  # noqa: E402
 
 N_GENES = 62_710
 

@@ -25,7 +25,7 @@ from trainer.launch import launch, wait_all
 from coordination.tokens import CLS, EOS
 from trainer.model import CellTransformer, ModelConfig, mask_positions, masked_loss, train_flops
 from trainer.stream import Batch
-from trainer.train import TrainConfig
+from trainer.config import TrainConfig
 from tests.conftest import wait_for
 
 WORLD = 2

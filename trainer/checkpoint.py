@@ -16,9 +16,6 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from coordination.errors import CellfeedError
 from coordination.audit import cells_hash
 
 
@@ -132,6 +129,8 @@ def save(directory: str | os.PathLike, step: int, epoch: int, rank: int, world: 
     (tmp / f"progress-rank{rank}.json").write_text(progress.to_json())
     barrier()
     if rank == 0:
+        import torch  # (here: orchestrators read checkpoints' progress without importing torch)
+
         torch.save({"step": step, "epoch": epoch, "world": world, **state_fn()}, tmp / "state.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, "epoch": epoch, "eval_loss": eval_loss}))
         final = root / f"step-{step:08d}"
@@ -181,12 +180,14 @@ def latest(directory: str | os.PathLike) -> Latest | None:
     return Latest(folder, step, ranks[0].epoch if ranks else 0, [r.trained + r.carried for r in ranks])
 
 
-def load(directory: str | os.PathLike, device: torch.device) -> Checkpoint | None:
+def load(directory: str | os.PathLike, device) -> Checkpoint | None:
     """The latest checkpoint (its ranks' progress: as many as wrote it), or None if there is none."""
     root = Path(directory)
     pointer = root / "latest"
     if not pointer.exists():
         return None
+    import torch
+
     folder = root / pointer.read_text().strip()
     state = torch.load(folder / "state.pt", map_location=device, weights_only=True)
     ranks = [RankProgress.from_json((folder / f"progress-rank{r}.json").read_text()) for r in range(state["world"])]

@@ -11,7 +11,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from trainer.train import STOP_SIGNAL, TrainConfig
+from trainer.config import STOP_SIGNAL, TrainConfig
 from coordination.net import free_port
 
 
@@ -67,7 +67,7 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
 
 
 def ask_to_stop(procs: list[subprocess.Popen]) -> None:
-    """Ask every running rank to checkpoint after its current step and exit (`trainer.train.STOP_SIGNAL`)."""
+    """Ask every running rank to checkpoint after its current step and exit (`trainer.config.STOP_SIGNAL`)."""
     for p in procs:
         if p.poll() is None:
             try:

@@ -19,63 +19,24 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from coordination.backends import BackendSpec, connect
+from coordination.backends import connect
 from coordination.driver import Driver
 from coordination.errors import CellfeedError
 from coordination.summary import load_summary, optimizer_steps, steps_per_epoch
 from coordination.routing import run_tag
 from coordination.seeds import mask_seed
-from coordination.tokens import CLS, EOS, MASK, PAD
 from coordination.wire import unpack_item
 from trainer import checkpoint
+from trainer.config import STOP_SIGNAL, TrainConfig
 from trainer.metrics import StepMetrics, Tracker, peak_flops
 from trainer.model import CellTransformer, ModelConfig, masked_loss, train_flops
 from trainer.stream import ConsumerStream
-
-
-@dataclass
-class TrainConfig:
-    run: str
-    backend: BackendSpec  # where the run's queue and map are (a dict when read from JSON)
-    vocab_size: int  # the gene vocabulary's size (`coordination.vocab.GeneVocab`)
-    preset: str = "tiny"
-    objective: str = "bins"
-    n_bins: int = 51
-    batch_size: int = 64
-    grad_accum: int = 1
-    lr: float = 3e-4
-    warmup_steps: int = 10
-    max_steps: int | None = None  # None: train the epochs through
-    epochs: int = 1
-    mask_ratio: float = 0.4
-    seed: int = 0
-    compile: bool = False
-    pad_to: int | None = None
-    buffer_cells: int = 4096
-    run_driver: bool = True  # rank 0 drives the producers (so a detached campaign needs no laptop)
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2  # the last k are kept, and the best by held-out loss
-    resume: bool = False
-    log_path: str | None = None  # JSON lines, one per step (rank 0)
-    cells_log: str | None = None  # per rank, JSON lines of the cell ids each step trained on (tests, audits)
-    no_data_timeout_s: float = 600.0
-    eval_every: int | None = None  # masked-bin accuracy on the held-out set every N steps (rank 0)
-    eval_cells: int = 0  # how many held-out cells the setup put in the "eval" partition
-    progress_bar: bool = True
-    pad_token: int = PAD  # the vocabulary's special tokens
-    mask_token: int = MASK
-    special_tokens: tuple = (PAD, CLS, EOS, MASK)
-    vocab_fingerprint: str = ""  # checkpoints record it: a resume under another vocabulary is refused
-
-    def __post_init__(self):
-        self.backend = BackendSpec.of(self.backend)
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -100,7 +61,6 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-STOP_SIGNAL = signal.SIGUSR2  # "checkpoint and stop after this step"
 
 
 def train(cfg: TrainConfig, queue=None, store=None) -> dict:
