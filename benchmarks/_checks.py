@@ -56,3 +56,19 @@ def check_figures(figures: dict, allow_none: tuple[str, ...] = ()) -> None:
     missing = missing_figures(figures, allow_none)
     if missing:
         fail(f"figures missing (None, NaN or infinite): {', '.join(missing)}")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB: Linux's VmHWM, which starts afresh in a process
+    a benchmark spawns (getrusage's ru_maxrss survives exec: a probe started by a large parent
+    would report the parent's peak)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

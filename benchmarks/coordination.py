@@ -283,6 +283,7 @@ def startup_probe(what: str, n_cells: int, strategy: str = "block") -> dict:
     code = f"""
 import json, resource, sys, time
 sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from benchmarks._checks import peak_rss_mb
 t = time.perf_counter()
 from dataclasses import replace
 from benchmarks.coordination import SAMPLING, WORLD, tahoe_geometry
@@ -298,7 +299,7 @@ else:
     unit = plan.unit(plan.n_units // 2)
     assert len(unit.cells) > 0
 print(json.dumps({{"seconds": time.perf_counter() - t, "index_s": t_index, "n_units": plan.n_units,
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+                  "rss_mb": peak_rss_mb()}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
@@ -327,6 +328,7 @@ open({str(summary_path)!r}, "wb").write(PlanSummary.of(EpochPlan(tahoe_geometry(
     drive = f"""
 import json, resource, sys, threading, time
 sys.path.insert(0, {root!r})
+from benchmarks._checks import peak_rss_mb
 from coordination.driver import Driver
 from coordination.summary import PlanSummary, publish_summary
 from coordination.queues import Empty, MemoryMap, MemoryQueue
@@ -348,7 +350,7 @@ t = time.perf_counter()
 stats = driver.run_epochs([0])
 stop.set()
 print(json.dumps({{"seconds": time.perf_counter() - t, "units": summary.n_units, "passes": stats.passes,
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+                  "rss_mb": peak_rss_mb()}}))
 """
     for step, code in (("the plan's summary", make), ("the driver", drive)):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)

@@ -196,6 +196,7 @@ def setup_probe() -> dict:
     code = f"""
 import json, resource, sys, time
 sys.path.insert(0, {str(ROOT)!r})
+from benchmarks._checks import peak_rss_mb
 t = time.perf_counter()
 from benchmarks.coordination import tahoe_geometry
 from coordination.corpus import CorpusPlan, CorpusSource, quotas
@@ -210,7 +211,7 @@ plan = CorpusPlan(sources, quotas({list(WEIGHTS)}, sum(sizes)), Sampling("block"
 summary = PlanSummary.of(plan, 8)
 assert sum(summary.cells_per_rank) == sum(sizes)
 print(json.dumps({{"seconds": time.perf_counter() - t, "units": plan.n_units,
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+                  "rss_mb": peak_rss_mb()}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import check_figures, fail  # noqa: E402
+from benchmarks._checks import check_figures, fail, peak_rss_mb  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
 
 SAMPLING = Sampling("block", block_size=64, fetch_factor=64, batch_size=240)  # a campaign's default units
@@ -98,11 +97,12 @@ def resume_probe(folder: Path, world: int) -> dict:
     """A resume on `world` ranks from the files in `folder`, in a fresh process: seconds to the
     driver's first issued unit, the rest per rank, the cells produced again."""
     code = f"""
-import json, resource, sys, time
+import json, sys, time
 sys.path.insert(0, {str(ROOT)!r})
 t = time.perf_counter()
 import numpy as np
 from pathlib import Path
+from benchmarks._checks import peak_rss_mb
 from coordination.driver import Driver
 from coordination.queues import MemoryMap, MemoryQueue
 from coordination.routing import TASKS_PARTITION
@@ -127,8 +127,7 @@ counts = np.repeat([c for c, _ in summary.unit_cells], [n for _, n in summary.un
 redo = [u for u in range(summary.n_units) if u not in skip]
 reproduced = int(sum(int(merged.unit_trained.get(u, 0)) for u in redo))
 print(json.dumps({{"seconds": seconds, "left": left, "reproduced": reproduced,
-                  "units_skipped": len(skip), "trained_before": merged.carried,
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+                  "units_skipped": len(skip), "trained_before": merged.carried, "rss_mb": peak_rss_mb()}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
@@ -164,7 +163,7 @@ def main() -> None:
               f"again for {r['trained_before']:,} trained before the kill "
               f"({r['reproduced'] / max(1, r['trained_before']):.4f} per cell); the rest "
               f"{rest:,} cells, spread {max(r['left']) - min(r['left']):,} cells among ranks")
-    figures["peak_rss_mb_writer"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    figures["peak_rss_mb_writer"] = round(peak_rss_mb())
     print(json.dumps(figures))
     check_figures(figures)
 
