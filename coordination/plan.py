@@ -97,6 +97,15 @@ class WorkUnit:
         return int((self.ranges[:, 1] - self.ranges[:, 0]).sum()) if len(self.ranges) else 0
 
 
+def cell_ids_within(ids, n_cells: int) -> np.ndarray:
+    """Cell ids as a sorted set, refused in one line when one lies outside 0..n_cells-1: the one
+    check of a cell id list, for user input (`producers.selection`) and plans alike."""
+    ids = np.unique(np.asarray(ids, dtype=np.int64))
+    if len(ids) and (ids[0] < 0 or ids[-1] >= n_cells):
+        raise CellfeedError(f"cell ids must lie in 0..{n_cells - 1}, got {int(ids[0] if ids[0] < 0 else ids[-1])}")
+    return ids
+
+
 def _merge_ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
     """Sorted [start, stop) ranges with touching neighbours merged; empty ranges dropped."""
     keep = stops > starts
@@ -125,10 +134,7 @@ class EpochPlan:
         n = geometry.n_cells
         self.subset = None  # None: every cell (no 8-bytes-a-cell id array at Tahoe scale)
         if subset is not None:
-            sel = np.unique(np.asarray(subset, dtype=np.int64))
-            if len(sel) and (sel[0] < 0 or sel[-1] >= n):
-                raise CellfeedError(f"subset holds cell ids outside 0..{n - 1}")
-            self.subset = sel
+            self.subset = cell_ids_within(subset, n)
         if self.n_cells == 0:
             raise CellfeedError("the cell subset selects no cells; check the filter or id list")
         if sampling.strategy in ("block", "random"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from coordination.errors import CellfeedError
+from coordination.plan import cell_ids_within
 from producers.dataset import Dataset, error_text
 
 
@@ -20,10 +21,7 @@ def select_cells(ds: Dataset, subset_filter: str | None = None, subset_ids=None,
     if subset_filter is not None:
         selected = filter_cells(ds, subset_filter, option)
     if subset_ids is not None:
-        ids = np.unique(np.asarray(subset_ids, dtype=np.int64))
-        if len(ids) and (ids[0] < 0 or ids[-1] >= ds.n_cells):
-            raise CellfeedError(f"subset ids must lie in 0..{ds.n_cells - 1}")
-        selected = np.intersect1d(selected, ids)
+        selected = np.intersect1d(selected, cell_ids_within(subset_ids, ds.n_cells))
     if exclude_filter is not None:
         selected = np.setdiff1d(selected, filter_cells(ds, exclude_filter, "--eval-filter"), assume_unique=True)
     if len(selected) == 0:

@@ -330,3 +330,20 @@ def test_end_of_epoch_audit_passes_exactly_or_fails_loudly(small_synth, tmp_path
             assert audit["line"].startswith(f"epoch 0: {small_synth.n_cells:,} cells trained, 0 missing, 0 duplicated")
     finally:
         dist.destroy_process_group()
+
+
+def test_a_resume_under_another_gene_vocabulary_is_refused_in_one_line():
+    """A checkpoint records its vocabulary's fingerprint (in its config): token ids of another
+    vocabulary mean other genes, so such a resume stops before loading a weight."""
+    from dataclasses import asdict
+
+    from trainer.checkpoint import Checkpoint, RankProgress
+    from trainer.train import check_resume
+
+    cfg = TrainConfig(run="v", backend={"kind": "memory"}, vocab_size=100, vocab_fingerprint="aaaa")
+    saved = Checkpoint(10, 0, {"config": json.dumps(asdict(TrainConfig(**{**asdict(cfg), "vocab_fingerprint": "bbbb"})))},
+                       [RankProgress()])
+    with pytest.raises(CellfeedError, match=r"^--resume: the checkpoint at step 10 was trained on another gene "
+                                            r"vocabulary \(bbbb, this campaign's aaaa\)") as err:
+        check_resume(saved, cfg, model=None, store=None)
+    assert "\n" not in str(err.value)

@@ -261,7 +261,8 @@ def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
 
 def check_resume(saved: checkpoint.Checkpoint, cfg: TrainConfig, model, store) -> None:
     """A resume continues the same run: the checkpoint's epoch must have the plan it was trained
-    on (same dataset, sampling, seed, splits, ranks), and its weights must fit this model."""
+    on (same dataset, sampling, seed, splits), its vocabulary must be this one, and its weights must
+    fit this model (the number of ranks may differ: `restore` re-plans the epoch's rest)."""
     theirs_vocab = json.loads(saved.state.get("config", "{}")).get("vocab_fingerprint", "")
     if theirs_vocab and cfg.vocab_fingerprint and theirs_vocab != cfg.vocab_fingerprint:
         raise CellfeedError(f"--resume: the checkpoint at step {saved.step} was trained on another gene vocabulary "
