@@ -11,8 +11,9 @@ DDP ranks on gloo), and the pieces around it:
   per-cell computation of scGPT's rule (vocabulary lookup by identifier, genes outside dropped,
   value descending / token ascending, bins by the cell's quantiles): cells that differ;
 - producer throughput on the corpus against one source of the same epoch size (the first atlas,
-  same strategy, units of the default 64 x 240 cells), in one run, alternating, units processed
-  in-process;
+  same strategy, units of the default 64 x 240 cells, under the corpus's vocabulary: only the
+  mixing differs), in one run, alternating, units processed in-process; and that source under
+  the corpus's vocabulary against under its own (a vocabulary past 65,536 ids has wider tokens);
 - setup at scale: the plan summary of a 3-source geometry of 100M + 49M + 1M cells (no data), in
   a fresh process: seconds and peak RSS.
 
@@ -161,7 +162,8 @@ def token_mismatches(corpus: Path, per_source: int) -> tuple[int, int]:
     return int(differ), len(chosen)
 
 
-def producer_rate(corpus: Path | None, dataset: Path | None, min_cells: int) -> tuple[float, float]:
+def producer_rate(corpus: Path | None, dataset: Path | None, min_cells: int,
+                  vocabulary: Path | None = None) -> tuple[float, float]:
     """(cells/s, non-zeros/s) of one producer (2 tokenizing threads) processing units in-process,
     epoch after epoch, until `min_cells`: the work a producer process does, its rows read first
     (not timed: the same reads either way) and its items dropped."""
@@ -171,7 +173,8 @@ def producer_rate(corpus: Path | None, dataset: Path | None, min_cells: int) -> 
     # a unit's fixed costs weigh as they do at scale
     sampling = Sampling("block", batch_size=240, min_units=1)
     config = ProducerConfig(dataset=str(dataset or ""), corpus=str(corpus) if corpus else None, run="rate",
-                            max_genes=MAX_GENES, threads=2, sampling=sampling)
+                            max_genes=MAX_GENES, threads=2, sampling=sampling,
+                            vocabulary=str(vocabulary) if vocabulary else None)
     producer = Producer(config, MemoryQueue(), MemoryMap())
     cells = rows = 0
     seconds = 0.0
@@ -265,14 +268,17 @@ def main() -> None:
         differ, compared = token_mismatches(corpus, 60 if args.tiny else 200)
 
         same_size = corpus_file(work / "same-size.toml", sources, epoch_cells=n_a)  # one epoch as large as atlas_a's
+        vocab_file = work / "corpus-vocab.json"  # the one source under the corpus's vocabulary: only mixing differs
+        vocab_file.write_text(json.dumps(planner.vocab.ids))
         budget = 2_000 if args.tiny else 16_000 if args.quick else 40_000
         ratios = []
-        for _ in range(1 if args.tiny else 5):  # alternating pairs, the median pair reported
-            single = producer_rate(None, sources[0], budget)
+        for _ in range(1 if args.tiny else 3 if args.quick else 5):  # alternating triples, the median reported
+            own = producer_rate(None, sources[0], budget)
+            single = producer_rate(None, sources[0], budget, vocab_file)
             mixed = producer_rate(same_size, None, budget)
-            ratios.append((mixed[0] / single[0], mixed[1] / single[1], single, mixed))
+            ratios.append((mixed[0] / single[0], mixed[1] / single[1], single, mixed, single[0] / own[0]))
         ratios.sort(key=lambda r: r[0])
-        cells_ratio, rows_ratio, single, mixed = ratios[len(ratios) // 2]
+        cells_ratio, rows_ratio, single, mixed, vocab_ratio = ratios[len(ratios) // 2]
 
         probe = None if args.tiny else setup_probe()
     finally:
@@ -293,6 +299,7 @@ def main() -> None:
         "vocab_genes": planner.vocab.n_genes,
         "throughput_vs_single_source": round(cells_ratio, 3),  # cells/s: what the trainer receives
         "throughput_nonzeros_vs_single_source": round(rows_ratio, 3),  # work: PBMC's cells are smaller
+        "single_source_corpus_vocab_vs_own_vocab": round(vocab_ratio, 3),  # token ids past 16 bits cost this
         "single_source_cells_s": round(single[0]), "corpus_cells_s": round(mixed[0]),
         "campaign_wall_s": round(wall_s, 1),
         "setup_s_corpus_150m": None if probe is None else round(probe["seconds"], 1),
@@ -307,8 +314,9 @@ def main() -> None:
         print(f"  {n:<8} share per batch {s['mean']:.3f} ± {s['sd']:.3f} (weight {s['weight']}, binomial sd "
               f"{s['binomial_sd']:.3f}) over {len(shares)} batches of {BATCH}")
     print(f"  tokens: {differ} of {compared} sampled cells differ from the reference")
-    print(f"  producer throughput, corpus / one source of the same epoch size: {cells_ratio:.3f} in cells/s, "
-          f"{rows_ratio:.3f} in non-zeros/s (median of {len(ratios)} alternating pairs)")
+    print(f"  producer throughput, corpus / one source of the same epoch size and vocabulary: {cells_ratio:.3f} in "
+          f"cells/s, {rows_ratio:.3f} in non-zeros/s (median of {len(ratios)}); that one source under the corpus's "
+          f"{planner.vocab.size:,}-token vocabulary / under its own: {vocab_ratio:.3f}")
     if probe:
         print(f"  setup at 100M + 49M + 1M cells: {probe['seconds']:.1f} s, {probe['rss_mb']:,.0f} MB RSS")
     print(json.dumps(figures))

@@ -153,7 +153,8 @@ def test_corpus():
         share = figures["source_share_per_batch"][name]
         assert abs(share["mean"] - weight) < 0.02 and finite(share["sd"], share["binomial_sd"])
     assert figures["vocab_coverage"]["pbmc"]["nonzeros_kept"] == 1.0
-    assert finite(figures["throughput_vs_single_source"], figures["throughput_nonzeros_vs_single_source"])
+    assert finite(figures["throughput_vs_single_source"], figures["throughput_nonzeros_vs_single_source"],
+                  figures["single_source_corpus_vocab_vs_own_vocab"])
     assert figures["setup_s_corpus_150m"] is None  # the 150M-cell probe is not a tiny run's
 
 
