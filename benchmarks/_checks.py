@@ -72,3 +72,18 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_probe(code: str, what: str, timeout_s: float = 900) -> dict:
+    """Run `code` (Python) in a fresh process -- its seconds and memory are its own -- and return
+    the JSON object its last line prints (empty when it prints none); fail, naming `what`, when
+    it exits non-zero."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        print(out.stderr[-3000:], file=sys.stderr)
+        fail(f"{what} failed (exit {out.returncode})")
+    lines = out.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else {}

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -40,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._checks import check_figures, fail  # noqa: E402
+from benchmarks._checks import check_figures, fail, run_probe  # noqa: E402
 from coordination.driver import Driver  # noqa: E402
 from coordination.latency import with_latency  # noqa: E402
 from coordination.plan import DatasetGeometry, EpochPlan, Sampling  # noqa: E402
@@ -301,11 +300,7 @@ else:
 print(json.dumps({{"seconds": time.perf_counter() - t, "index_s": t_index, "n_units": plan.n_units,
                   "rss_mb": peak_rss_mb()}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        print(out.stderr[-2000:], file=sys.stderr)
-        fail(f"the {what} start-up probe ({strategy}, {n_cells:,} cells) failed (exit {out.returncode})")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_probe(code, f"the {what} start-up probe ({strategy}, {n_cells:,} cells)", timeout_s=600)
 
 
 def driver_probe(n_cells: int) -> dict:
@@ -352,12 +347,8 @@ stop.set()
 print(json.dumps({{"seconds": time.perf_counter() - t, "units": summary.n_units, "passes": stats.passes,
                   "rss_mb": peak_rss_mb()}}))
 """
-    for step, code in (("the plan's summary", make), ("the driver", drive)):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-        if out.returncode != 0:
-            print(out.stderr[-2000:], file=sys.stderr)
-            fail(f"the driver probe ({n_cells:,} cells) failed making {step} (exit {out.returncode})")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    run_probe(make, f"the driver probe ({n_cells:,} cells) making the plan's summary", timeout_s=600)
+    return run_probe(drive, f"the driver probe ({n_cells:,} cells) running the driver", timeout_s=600)
 
 
 def main() -> None:

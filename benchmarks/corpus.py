@@ -43,7 +43,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import check_figures, fail  # noqa: E402
+from benchmarks._checks import check_figures, fail, run_probe  # noqa: E402
 from benchmarks.chaos import trained_per_epoch  # noqa: E402
 from coordination.corpus import source_of  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
@@ -216,11 +216,7 @@ assert sum(summary.cells_per_rank) == sum(sizes)
 print(json.dumps({{"seconds": time.perf_counter() - t, "units": plan.n_units,
                   "rss_mb": peak_rss_mb()}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        print(out.stderr[-2000:], file=sys.stderr)
-        fail(f"the 150M-cell setup probe failed (exit {out.returncode})")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_probe(code, "the 150M-cell setup probe", timeout_s=600)
 
 
 def main() -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import check_figures, fail, peak_rss_mb  # noqa: E402
+from benchmarks._checks import check_figures, fail, peak_rss_mb, run_probe  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
 
 SAMPLING = Sampling("block", block_size=64, fetch_factor=64, batch_size=240)  # a campaign's default units
@@ -129,11 +128,7 @@ reproduced = int(sum(int(merged.unit_trained.get(u, 0)) for u in redo))
 print(json.dumps({{"seconds": seconds, "left": left, "reproduced": reproduced,
                   "units_skipped": len(skip), "trained_before": merged.carried, "rss_mb": peak_rss_mb()}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        print(out.stderr[-3000:], file=sys.stderr)
-        fail(f"the resume probe on {world} ranks failed (exit {out.returncode})")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_probe(code, f"the resume probe on {world} ranks")
 
 
 def main() -> None:
