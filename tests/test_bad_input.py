@@ -1,6 +1,6 @@
 """Bad input meets one clear error naming the problem, and leaves nothing half-written: a damaged
 fragment, a dataset changed after the campaign planned it, a resume whose settings contradict
-its checkpoint; secrets never reach logs, errors or checkpoints; two campaigns at once never see
+its checkpoint (another number of ranks does not: it resumes); secrets never reach logs, errors or checkpoints; two campaigns at once never see
 each other's data. (Damaged items, oversize cells, bad credentials and broken dataset folders are
 covered beside the code they test: test_exactly_once, test_queues_wire_stitch, test_s3,
 test_convert.)"""
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -86,6 +87,12 @@ def test_resume_with_settings_that_contradict_the_checkpoint_is_refused(tmp_path
         errors = [line for line in out.stderr.splitlines() if line.startswith("cellfeed: error:")]
         assert errors and needle in errors[0], out.stderr[-2000:]
         assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    # another number of ranks is no contradiction: the epoch's rest is re-planned over them
+    out = local(base + ["--resume", "--gpus", "1"])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "written by 2 ranks, its" in out.stdout and "re-planned over 1" in out.stdout
+    assert re.search(r"epoch 1: 600 cells trained, 0 missing, 0 duplicated .*across the resume", out.stdout), \
+        out.stdout[-2000:]
 
 
 def test_no_secret_reaches_logs_errors_or_checkpoints(tmp_path):

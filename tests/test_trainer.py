@@ -173,7 +173,7 @@ def kill_mid_epoch_and_resume(campaign: Campaign, tmp_path: Path, resume_on=None
         else:
             again = crash_after(second, campaign.world, tmp_path / "b", committed + kill_again_after)
             campaign.close()
-            campaign = Campaign(None if campaign.corpus else campaign.ds, campaign.run, epochs=1,
+            campaign = Campaign(None if campaign.corpus else campaign.ds, campaign.run, epochs=1, producers=1,
                                 sampling=campaign.sampling, corpus=campaign.corpus, world=1)
             third = campaign.train_config(tmp_path / "c", checkpoint_dir=first.checkpoint_dir, resume=True,
                                           cells_log=str(tmp_path / "c" / "cells"), buffer_cells=160)
@@ -199,13 +199,13 @@ def test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_trains
                                                                                                  tmp_path, sampling):
     """Elastic, both ways in one epoch: 2 ranks SIGKILLed mid-epoch, resumed on 3 (each re-run set
     up afresh: a new queue, plans published for its ranks, producers routing to them), those 3
-    SIGKILLed after their next checkpoint, resumed on 1. The epoch's untrained cells are
+    SIGKILLed after their next checkpoint, resumed on 1 (the producers: 2, 3, 1). The epoch's untrained cells are
     re-planned over the new ranks each time; every cell is trained once across the three runs;
     units trained through are not produced again (with sequential units, those holding a piece of
     a boundary cell not trained yet are); the audit covers the epoch across all three. (The same
     number of ranks: the corpus test below, on 2.)"""
-    def on(world):
-        return lambda: Campaign(small_synth, "elastic", epochs=1, sampling=sampling, world=world)
+    def on(world):  # with as many producers as ranks: the producer count changes too (2, 3, then 1)
+        return lambda: Campaign(small_synth, "elastic", epochs=1, sampling=sampling, world=world, producers=world)
 
     campaign = Campaign(small_synth, "elastic", epochs=1, sampling=sampling)
     before, middle, _ = kill_mid_epoch_and_resume(campaign, tmp_path, resume_on=on(3), kill_again_after=10)
