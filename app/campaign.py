@@ -95,6 +95,30 @@ def prepare(cfg, queue, store, vocab_path=None) -> SetupFacts:
         sources=tuple((s.spec.name, int(q), c.line()) for s, q, c in zip(producer.sources, quotas, coverage)))
 
 
+def record_mixtures(cfg, run_dir: Path, resumed_epoch: int | None) -> str | None:
+    """The run's corpus over its epochs, kept in RUN/mixtures.json (None: one dataset). A resume
+    whose corpus file differs from the run's current mixture (weights, sources added or removed)
+    changes it from the epoch after the one in progress, which finishes under its plan; one line
+    says so. A change that would alter an epoch already planned is refused in one line
+    (`Mixtures.changed`)."""
+    from coordination.corpus import CorpusSpec, Mixtures
+
+    if not cfg.corpus:
+        return None
+    path = Path(run_dir) / "mixtures.json"
+    new = CorpusSpec.read(cfg.corpus)
+    if resumed_epoch is not None and path.exists():
+        mixtures = Mixtures.from_json(path.read_text(), str(path))
+        if new.to_toml() != mixtures.history[-1][1].to_toml():
+            mixtures = mixtures.changed(new, resumed_epoch + 1)
+            print(f"the corpus changed: its new mixture applies from epoch {resumed_epoch + 1} "
+                  f"(epoch {resumed_epoch} finishes under its plan)", flush=True)
+    else:
+        mixtures = Mixtures([(0, new)])
+    path.write_text(mixtures.to_json())
+    return str(path)
+
+
 def held_out_cells(producer: Producer, n: int):
     """The held-out cells (global ids): the first that match each source's eval filter, `n` in
     all, split among the sources by weight; None when no source has one."""

@@ -65,7 +65,8 @@ FLAG_HELP = {
 }
 
 # The flags of `cellfeed local` and of `modal run app/modal_app.py`, in the order --help lists them.
-CAMPAIGN_FLAGS = ("dataset", "corpus", "vocabulary", "gene_column", "gene_medians", "run", "tokenizer", "max_genes", "n_bins", "strategy", "block_size", "fetch_factor",
+CAMPAIGN_FLAGS = ("dataset", "corpus", "vocabulary", "gene_column", "gene_medians", "run", "tokenizer", "max_genes",
+                  "n_bins", "strategy", "block_size", "fetch_factor",
                   "n_scanners", "unit_cells", "subset_filter", "eval_filter", "eval_cells", "eval_every", "producers",
                   "gpus", "batch_size", "grad_accum", "steps", "epochs", "preset", "lr", "warmup_steps",
                   "checkpoint_every", "keep_checkpoints", "resume", "seed", "rpc_latency_ms")
@@ -115,6 +116,7 @@ class CampaignConfig:
     # Modal: the corpus, vocabulary and median files, carried from the laptop (setting -> [file name,
     # base64 bytes]) into containers, which cannot read the laptop's disk (`carry_files`, `unpack_files`)
     carried: dict | None = None
+    mixtures: str | None = None  # the run's corpus changes at resumes (`app.campaign.record_mixtures`), set locally
 
     def __post_init__(self):
         if not self.run:
@@ -218,8 +220,8 @@ class CampaignConfig:
         from producers.producer import ProducerConfig
 
         params = {"n_bins": self.n_bins} if self.tokenizer == "scgpt" else {}
-        return ProducerConfig(dataset=self.dataset, corpus=self.corpus, vocabulary=self.vocabulary,
-                              gene_column=self.gene_column, gene_medians=self.gene_medians,
+        return ProducerConfig(dataset=self.dataset, corpus=self.corpus, mixtures=self.mixtures,
+                              vocabulary=self.vocabulary, gene_column=self.gene_column, gene_medians=self.gene_medians,
                               run=self.run, seed=self.seed, sampling=self.sampling,
                               tokenizer=self.tokenizer, max_genes=self.genes_per_cell, tokenizer_params=params,
                               world_size=self.gpus, cells_per_item=self.cells_per_item,

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from app.campaign import prepare
+from app.campaign import prepare, record_mixtures
 from app.fleet import ProducerFleet, stop_campaign
 from app.status import last_step, plural, status_line
 from app.config import CampaignConfig
@@ -52,6 +52,8 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
         print(describe_resume(cfg))
     workdir = Path(workdir) / cfg.run
     workdir.mkdir(parents=True, exist_ok=True)
+    latest = checkpoint.latest(cfg.run_checkpoint_dir) if cfg.resume else None
+    cfg.mixtures = record_mixtures(cfg, workdir, latest.epoch if latest else None)
     server = ServerProcess()
     backend = cfg.backend_spec("local", address=server.address)
     queue, store = connect(backend)

@@ -158,6 +158,75 @@ def quotas(weights, size: int) -> np.ndarray:
     return out
 
 
+# ------------------------------------------------------------------------------ mixtures
+
+
+class Mixtures:
+    """A run's corpus over its epochs: the corpus file it started with, and each change made at a
+    resume with the epoch it applies from (`[(from_epoch, CorpusSpec)]`, the first from 0). The
+    sources are the union of all (by name, in order of first appearance: global cell ids stay put);
+    a source absent from an epoch's mixture gives it no cells, and each source's stream continues
+    where it stopped (a source dropped and added back too)."""
+
+    def __init__(self, history: list[tuple[int, CorpusSpec]]):
+        self.history = sorted(history, key=lambda h: h[0])
+        names, union = set(), []
+        for _, spec in self.history:
+            union += [s for s in spec.sources if s.name not in names]
+            names |= {s.name for s in spec.sources}
+        self.union = CorpusSpec(tuple(union), self.history[0][1].vocabulary, self.history[0][1].gene_column)
+
+    def spec_at(self, epoch: int) -> CorpusSpec:
+        return [spec for start, spec in self.history if start <= epoch][-1]
+
+    def quotas_at(self, epoch: int, selected: dict[str, int]) -> np.ndarray:
+        """Cells per union source in `epoch` (`selected`: each source's selected cells)."""
+        spec = self.spec_at(epoch)
+        size = spec.epoch_cells or sum(selected[s.name] for s in spec.sources)
+        mine = dict(zip((s.name for s in spec.sources), quotas([s.weight for s in spec.sources], size)))
+        return np.array([mine.get(s.name, 0) for s in self.union.sources], dtype=np.int64)
+
+    def starts(self, epoch: int, selected: dict[str, int]) -> np.ndarray:
+        """Each union source's stream position at `epoch`'s start: the quotas of the epochs before."""
+        out = np.zeros(len(self.union.sources), dtype=np.int64)
+        bounds = [start for start, _ in self.history] + [epoch]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if a < epoch:
+                out += (min(b, epoch) - a) * self.quotas_at(a, selected)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps([[start, spec.to_toml()] for start, spec in self.history])
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "") -> "Mixtures":
+        history = []
+        for start, toml in json.loads(text):
+            data = tomllib.loads(toml)
+            sources = tuple(SourceSpec(**s) for s in data.get("source", []))
+            history.append((int(start), CorpusSpec(sources, data.get("vocabulary"), data.get("gene_column", "gene_id"),
+                                                   data.get("epoch_cells"), where).validate()))
+        return cls(history)
+
+    def changed(self, new: CorpusSpec, from_epoch: int) -> "Mixtures":
+        """These mixtures with `new` applying from `from_epoch` (a change not applied yet is
+        replaced); refused in one line when it would change what an epoch already planned reads:
+        a source kept by name must keep its dataset and filters (its stream continues), and the
+        vocabulary and gene column stay the run's."""
+        last = self.history[-1][1]
+        if (new.vocabulary, new.gene_column) != (last.vocabulary, last.gene_column):
+            raise CellfeedError("the corpus's vocabulary and gene_column are the run's own (its tokens mean those "
+                                "genes): keep them, or start a new --run")
+        known = {s.name: s for s in self.union.sources}
+        for s in new.sources:
+            old = known.get(s.name)
+            if old is not None and (old.dataset, old.subset_filter, old.eval_filter, old.gene_column) != \
+                    (s.dataset, s.subset_filter, s.eval_filter, s.gene_column):
+                raise CellfeedError(f"source {s.name!r} changed its dataset or filters: its stream of cells continues "
+                                    "across epochs, so a source keeps them; give the changed one a new name")
+        return Mixtures([h for h in self.history if h[0] < from_epoch] + [(from_epoch, new)])
+
+
 # ---------------------------------------------------------------------------------- the plan
 
 
@@ -235,10 +304,13 @@ class CorpusPlan:
     `cells_per_rank`, `cell_hash_per_rank`, `plan_id`, and no boundary cells."""
 
     def __init__(self, sources: list[CorpusSource], quotas_: np.ndarray, sampling: Sampling, seed: int,
-                 epoch: int):
+                 epoch: int, starts: np.ndarray | None = None):
         self.sources, self.sampling = sources, sampling.validate()
         self.quotas = np.asarray(quotas_, dtype=np.int64)
         self.seed, self.epoch = int(seed), int(epoch)
+        # where each source's stream stands at this epoch's start: epoch x quota, unless the mixture
+        # changed at an earlier epoch (`Mixtures.starts`)
+        self.starts = self.epoch * self.quotas if starts is None else np.asarray(starts, dtype=np.int64)
         for s, src in enumerate(sources):
             if src.n_selected == 0 and self.quotas[s] > 0:
                 raise CellfeedError(f"corpus source {s} selects no cells but has a quota of {self.quotas[s]:,}")
@@ -249,10 +321,9 @@ class CorpusPlan:
         n = max(1, min(total, max(-(-total // per_unit), s.min_units)))
         # cut fractions: the even unit cuts, and each source's pass boundaries inside this epoch
         cuts = {Fraction(u, n) for u in range(n + 1)}
-        for q, src in zip(self.quotas.tolist(), sources):
+        for q, start, src in zip(self.quotas.tolist(), self.starts.tolist(), sources):
             if q == 0:
                 continue
-            start = self.epoch * q
             first_pass = -(-start // src.n_selected) * src.n_selected  # the first pass boundary >= start
             cuts.update(Fraction(b - start, q) for b in range(first_pass, start + q, src.n_selected) if b > start)
         self.cuts = sorted(cuts)
@@ -266,7 +337,8 @@ class CorpusPlan:
     def plan_id(self) -> str:
         h = hashlib.blake2b(digest_size=8)
         h.update(json.dumps([[s.geometry.fingerprint, s.offset] for s in self.sources] +
-                            [self.quotas.tolist(), asdict(self.sampling), self.seed, self.epoch]).encode())
+                            [self.quotas.tolist(), self.starts.tolist(), asdict(self.sampling), self.seed,
+                             self.epoch]).encode())
         for s in self.sources:
             h.update(b"all" if s.selection is None else s.selection.tobytes())
         return h.hexdigest()
@@ -277,7 +349,7 @@ class CorpusPlan:
 
     def _share(self, u: int, s: int) -> tuple[int, int]:
         """Source s's stream offsets of unit u: [a, b)."""
-        q, start = int(self.quotas[s]), self.epoch * int(self.quotas[s])
+        q, start = int(self.quotas[s]), int(self.starts[s])
         lo, hi = self.cuts[u], self.cuts[u + 1]
         return start + math.floor(lo * q), start + math.floor(hi * q)
 

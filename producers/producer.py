@@ -26,7 +26,7 @@ import numpy as np
 
 from coordination.arrays import offsets_of, positions_in_ranges
 from coordination.errors import CellfeedError
-from coordination.corpus import CorpusPlan, CorpusSpec, CorpusUnit, quotas
+from coordination.corpus import CorpusPlan, CorpusSpec, CorpusUnit, Mixtures
 from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit
 from coordination.summary import PlanSummary
 from coordination.queues import (MAX_PARTITION_BYTES, MAX_PARTITION_ITEMS, Empty, Full, Map, MapGone, Queue,
@@ -66,6 +66,7 @@ class ProducerConfig:
     vocabulary: str | None = None  # a gene vocabulary file; None: built from the sources (or the corpus file's)
     gene_column: str = "gene_id"  # the var column naming genes in the vocabulary
     gene_medians: str | None = None  # geneformer: a median dictionary (identifier -> median) over the corpus
+    mixtures: str | None = None  # a run's corpus changes at resumes (`coordination.corpus.Mixtures` JSON): wins over `corpus`
     sampling: Sampling = field(default_factory=Sampling)
     tokenizer: str = "scgpt"
     max_genes: int | None = None  # None: the tokenizer's own length (coordination.tokens)
@@ -83,6 +84,14 @@ class ProducerConfig:
     put_timeout_s: float = 600.0
     idle_timeout_s: float = 10.0
 
+    def corpus_mixtures(self) -> Mixtures | None:
+        """The corpus over the run's epochs (None: one dataset)."""
+        if self.mixtures:
+            from pathlib import Path
+
+            return Mixtures.from_json(Path(self.mixtures).read_text(), self.mixtures)
+        return Mixtures([(0, self.corpus_spec())]) if self.corpus else None
+
     def corpus_spec(self) -> CorpusSpec:
         """The campaign's sources: the corpus file's, or the one dataset as a corpus of one."""
         if self.corpus:
@@ -95,7 +104,8 @@ class ProducerConfig:
 
     def validate(self) -> "ProducerConfig":
         self.sampling.validate()
-        if self.corpus and (self.subset_filter or self.exclude_filter or self.subset_ids or self.label_column):
+        if (self.corpus or self.mixtures) and (self.subset_filter or self.exclude_filter or self.subset_ids
+                                               or self.label_column):
             raise CellfeedError("with a corpus, give each source's subset_filter / eval_filter in the corpus file "
                                 "(labels and id lists are for one dataset)")
         if self.world_size < 1:
@@ -149,12 +159,19 @@ class Producer:
                  name: str | None = None, vocab: GeneVocab | None = None):
         self.config = config.validate()
         self.queue, self.store = queue, store
-        self.spec = config.corpus_spec()
+        self.mixtures = config.corpus_mixtures()
+        if self.mixtures is not None and config.vocabulary:
+            first = self.mixtures.union
+            self.mixtures.union = CorpusSpec(first.sources, config.vocabulary, first.gene_column)
+        self.spec = self.mixtures.union if self.mixtures is not None else config.corpus_spec()
         self.sources = open_sources(self.spec, subset_ids=config.subset_ids,
                                     datasets={config.dataset: dataset} if dataset is not None else None)
         self.ds = self.sources[0].ds
-        # the setup's vocabulary once published (the same, built or read the same way, before)
-        self.vocab = vocab or published_vocab(store, config.run) or campaign_vocab(self.spec, self.sources)
+        # the setup's vocabulary once published (the same, built or read the same way, before): built
+        # from the run's first sources, so a source added at a resume maps into the run's vocabulary
+        first = {s.name for s in self.mixtures.history[0][1].sources} if self.mixtures is not None else None
+        self.vocab = vocab or published_vocab(store, config.run) or \
+            campaign_vocab(self.spec, [s for s in self.sources if first is None or s.spec.name in first])
         attach_vocab(self.sources, self.vocab)
         counts = all(s.ds.is_counts for s in self.sources)
         medians = None
@@ -168,10 +185,10 @@ class Producer:
                                         values_are_counts=counts, gene_medians=medians, **config.tokenizer_params)
         self.geometry = DatasetGeometry.of(self.ds)
         self.subset = self.sources[0].selection
-        self.quotas = None
-        if config.corpus:  # each source's cells per epoch
-            size = self.spec.epoch_cells or sum(s.n_selected for s in self.sources)
-            self.quotas = quotas([s.spec.weight for s in self.sources], size)
+        self.selected = {s.spec.name: s.n_selected for s in self.sources}
+        # each source's cells per epoch under the latest mixture (None: one dataset)
+        self.quotas = None if self.mixtures is None else \
+            self.mixtures.quotas_at(self.mixtures.history[-1][0], self.selected)
         self.labels = label_codes(self.ds, config.label_column)[0] if config.label_column else None
         self.tag = run_tag(config.run)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -206,9 +223,11 @@ class Producer:
             if epoch not in self._plans:
                 self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
                 cfg = self.config
+                m = self.mixtures
                 self._plans[epoch] = \
-                    CorpusPlan([s.planned() for s in self.sources], self.quotas, cfg.sampling, cfg.seed, epoch) \
-                    if self.quotas is not None else EpochPlan(self.geometry, cfg.sampling, cfg.seed, epoch, self.subset)
+                    CorpusPlan([s.planned() for s in self.sources], m.quotas_at(epoch, self.selected), cfg.sampling,
+                               cfg.seed, epoch, m.starts(epoch, self.selected)) \
+                    if m is not None else EpochPlan(self.geometry, cfg.sampling, cfg.seed, epoch, self.subset)
             return self._plans[epoch]
 
     # ---- one unit

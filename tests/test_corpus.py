@@ -328,3 +328,36 @@ def test_cellfeed_stats_over_a_corpus_gives_each_vocabulary_genes_median_over_ev
     expected = {g: float(np.median(np.concatenate(v))) for g, v in pooled.items() if sum(map(len, v))}
     assert got.keys() == expected.keys() and len(got) > 1000  # the union: 800 + 240 new genes
     assert all(got[g] == expected[g] for g in expected)  # exact
+
+
+def test_a_resume_with_a_changed_corpus_applies_it_from_the_next_epoch_or_refuses_in_one_line(tmp_path, capsys):
+    """`cellfeed local --resume` with an edited corpus file: the run's mixtures (RUN/mixtures.json)
+    gain the new one from the epoch after the one in progress, saying so; a source that keeps its
+    name but changes its dataset or filters, or another vocabulary, is refused in one line."""
+    from app.campaign import record_mixtures
+    from app.config import CampaignConfig
+    from coordination.corpus import Mixtures
+
+    corpus_file = tmp_path / "corpus.toml"
+    corpus_file.write_text('[[source]]\nname = "a"\ndataset = "s3://b/a"\nweight = 0.6\n\n'
+                           '[[source]]\nname = "b"\ndataset = "s3://b/b"\nweight = 0.4\n')
+    cfg = CampaignConfig(corpus=str(corpus_file), run="mix")
+    path = record_mixtures(cfg, tmp_path, None)  # a fresh run: one mixture, from epoch 0
+    assert [start for start, _ in Mixtures.from_json(Path(path).read_text()).history] == [0]
+    corpus_file.write_text('[[source]]\nname = "a"\ndataset = "s3://b/a"\nweight = 0.2\n\n'
+                           '[[source]]\nname = "c"\ndataset = "s3://b/c"\nweight = 0.8\n')
+    record_mixtures(cfg, tmp_path, 3)  # resumed inside epoch 3
+    assert "its new mixture applies from epoch 4 (epoch 3 finishes under its plan)" in capsys.readouterr().out
+    mixtures = Mixtures.from_json(Path(path).read_text())
+    assert [start for start, _ in mixtures.history] == [0, 4]
+    assert [s.name for s in mixtures.union.sources] == ["a", "b", "c"]  # b stays: its cell ids stay put
+    selected = {"a": 1000, "b": 500, "c": 300}
+    assert mixtures.quotas_at(3, selected).tolist() == [900, 600, 0]
+    assert mixtures.quotas_at(4, selected).tolist() == [260, 0, 1040]  # b gives nothing from epoch 4
+    assert mixtures.starts(5, selected).tolist() == [4 * 900 + 260, 4 * 600, 1040]
+    corpus_file.write_text('[[source]]\nname = "a"\ndataset = "s3://b/other"\nweight = 1\n')
+    with pytest.raises(CellfeedError, match="^source 'a' changed its dataset or filters: .* a new name$"):
+        record_mixtures(cfg, tmp_path, 5)
+    corpus_file.write_text('vocabulary = "v.json"\n[[source]]\nname = "a"\ndataset = "s3://b/a"\n')
+    with pytest.raises(CellfeedError, match="vocabulary and gene_column are the run's own"):
+        record_mixtures(cfg, tmp_path, 5)

@@ -37,11 +37,12 @@ class Campaign:
 
     def __init__(self, ds, run: str, epochs: int, producers: int = 2, subset_filter=None, held_out=None,
                  sampling: Sampling = Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
-                 corpus: str | None = None, world: int = WORLD):
+                 corpus: str | None = None, world: int = WORLD, mixtures: str | None = None):
         self.server = ServerProcess()
-        self.run, self.world = run, world
+        self.run, self.world, self.epochs = run, world, epochs
         self.ds, self.sampling, self.corpus = ds, sampling, corpus
-        config = ProducerConfig(dataset="" if corpus else ds.uri, corpus=corpus, run=run, world_size=world,
+        config = ProducerConfig(dataset="" if corpus else ds.uri, corpus=corpus, mixtures=mixtures, run=run,
+                                world_size=world,
                                 max_genes=24, cells_per_item=40, sampling=sampling,
                                 idle_timeout_s=300, subset_filter=subset_filter)
         first = Producer(config, LocalQueue(self.server.address), LocalMap(self.server.address), dataset=ds)
@@ -59,7 +60,7 @@ class Campaign:
 
     def train_config(self, tmp: Path, **changes) -> TrainConfig:
         base = dict(run=self.run, backend={"kind": "local", "address": self.server.address}, vocab_size=62_714,
-                    preset="tiny", batch_size=BATCH, lr=3e-3, warmup_steps=5, epochs=1, seed=3,
+                    preset="tiny", batch_size=BATCH, lr=3e-3, warmup_steps=5, epochs=self.epochs, seed=3,
                     checkpoint_dir=str(tmp / "ckpt"), checkpoint_every=10, log_path=str(tmp / "steps.jsonl"),
                     cells_log=str(tmp / "cells"), progress_bar=False, no_data_timeout_s=120)
         return TrainConfig(**{**base, **changes})
@@ -134,6 +135,42 @@ def test_a_corpus_killed_mid_epoch_and_resumed_trains_every_planned_cell_as_plan
     assert per_source.tolist() == list(quotas)
     (audit,) = summary["audits"]
     assert audit["audited"] and audit["cells"] == sum(quotas) and audit["missing"] == 0
+
+
+def test_a_corpus_resumed_on_three_ranks_with_a_new_mixture_trains_each_epoch_as_planned(corpus, tmp_path):
+    """Curriculum: a corpus campaign of 2 epochs on 2 ranks, killed in epoch 0, resumed on 3 with
+    other weights (0.2 / 0.3 / 0.5) from epoch 1: epoch 0 finishes under its plan, epoch 1 trains
+    the new quotas, each source's stream continuing where epoch 0 left it."""
+    from benchmarks.chaos import trained_per_epoch
+    from coordination.corpus import CorpusSpec, Mixtures, SourceSpec, source_of
+
+    path, offsets, quotas = corpus
+    old = CorpusSpec.read(path)
+    new = CorpusSpec(tuple(SourceSpec(**{**s.__dict__, "weight": w}) for s, w in zip(old.sources, (0.2, 0.3, 0.5))),
+                     old.vocabulary, old.gene_column, old.epoch_cells)
+    mixtures = Mixtures([(0, old)]).changed(new, 1)
+    (tmp_path / "mixtures.json").write_text(mixtures.to_json())
+    before_change = Campaign(None, "curriculum", epochs=2, corpus=path)
+    plan0 = before_change.plans[0]
+    after_change = lambda: Campaign(None, "curriculum", epochs=2, corpus=path, world=3,  # noqa: E731
+                                    mixtures=str(tmp_path / "mixtures.json"))
+    before, after, summary = kill_mid_epoch_and_resume(before_change, tmp_path, resume_on=after_change)
+    planner = Campaign(None, "planner", epochs=2, corpus=path, world=3, mixtures=str(tmp_path / "mixtures.json"),
+                       producers=0)
+    plans = planner.plans
+    planner.close()
+    assert plans[0].plan_id == plan0.plan_id  # epoch 0 kept its plan
+    by_epoch = trained_per_epoch(tmp_path / "b")
+    for epoch, plan in enumerate(plans):
+        planned = Counter(np.concatenate([plan.unit_cells(u, s) + offsets[s] for u in range(plan.n_units)
+                                          for s in range(3)]).tolist())
+        trained = by_epoch.get(epoch, Counter()) + (before if epoch == 0 else Counter())
+        assert trained == planned, epoch
+        per_source = np.bincount(source_of(list(trained.elements()), offsets), minlength=3).tolist()
+        assert per_source == ([1440, 720, 240] if epoch == 0 else [480, 720, 1200])
+    pbmc = [c - offsets[2] for c in plans[1].unit_cells(0, 2)]
+    assert plans[1].starts[2] == 240 and len(pbmc) > 0  # pbmc's stream went on from 240
+    assert [a["epoch"] for a in summary["audits"]] == [0, 1]
 
 
 def kill_mid_epoch_and_resume(campaign: Campaign, tmp_path: Path, resume_on=None,
