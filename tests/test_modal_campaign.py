@@ -190,3 +190,19 @@ def test_modal_run_trains_a_corpus_with_its_files_carried_into_the_containers(co
         check_campaign(world, out, epochs=1, producers=2)
         logs = "".join(container_log(world, c["id"], 0) for c in world.calls("train"))
         assert "epoch 0: 2,400 cells trained, 0 missing, 0 duplicated" in logs
+
+
+def test_a_rerun_with_another_gpus_count_resumes_the_epoch_on_it(atlas, tmp_path):
+    """`modal run --resume --gpus 1` after a campaign on 2 GPUs stopped inside epoch 1 (its
+    --steps): the checkpoint's epoch is finished on one rank, its rest re-planned, and audited
+    across both runs."""
+    with ModalEmulator(tmp_path / "world") as world:
+        code, out, err = finish(modal_run(world, flags(atlas, steps=70, checkpoint_every=10)))
+        assert code == 0, out[-2000:] + err[-3000:]
+        code, out, err = finish(modal_run(world, flags(atlas, gpus=1) + ["--resume"]))
+        assert code == 0, out[-2000:] + err[-3000:]
+        trains = world.calls("train")
+        logs = container_log(world, trains[-1]["id"], 0)
+        assert "written by 2 ranks, its" in logs and "re-planned over 1" in logs, logs[-3000:]
+        assert re.search(r"epoch 1: [\d,]+ cells trained, 0 missing, 0 duplicated .*across the resume", logs), \
+            logs[-3000:]
