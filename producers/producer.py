@@ -66,7 +66,7 @@ class ProducerConfig:
     vocabulary: str | None = None  # a gene vocabulary file; None: built from the sources (or the corpus file's)
     gene_column: str = "gene_id"  # the var column naming genes in the vocabulary
     gene_medians: str | None = None  # geneformer: a median dictionary (identifier -> median) over the corpus
-    mixtures: str | None = None  # a run's corpus changes at resumes (`coordination.corpus.Mixtures` JSON): wins over `corpus`
+    mixtures: str | None = None  # the run's corpus over its epochs (`coordination.corpus.Mixtures`, JSON): over `corpus`
     sampling: Sampling = field(default_factory=Sampling)
     tokenizer: str = "scgpt"
     max_genes: int | None = None  # None: the tokenizer's own length (coordination.tokens)
@@ -85,12 +85,18 @@ class ProducerConfig:
     idle_timeout_s: float = 10.0
 
     def corpus_mixtures(self) -> Mixtures | None:
-        """The corpus over the run's epochs (None: one dataset)."""
-        if self.mixtures:
-            from pathlib import Path
+        """The corpus over the run's epochs (None: one dataset); a vocabulary given on the command
+        line wins over the corpus file's."""
+        from dataclasses import replace
+        from pathlib import Path
 
-            return Mixtures.from_json(Path(self.mixtures).read_text(), self.mixtures)
-        return Mixtures([(0, self.corpus_spec())]) if self.corpus else None
+        if not (self.mixtures or self.corpus):
+            return None
+        mixtures = Mixtures.from_json(Path(self.mixtures).read_text(), self.mixtures) if self.mixtures else \
+            Mixtures([(0, self.corpus_spec())])
+        if self.vocabulary:
+            mixtures.union = replace(mixtures.union, vocabulary=self.vocabulary)
+        return mixtures
 
     def corpus_spec(self) -> CorpusSpec:
         """The campaign's sources: the corpus file's, or the one dataset as a corpus of one."""
@@ -160,9 +166,6 @@ class Producer:
         self.config = config.validate()
         self.queue, self.store = queue, store
         self.mixtures = config.corpus_mixtures()
-        if self.mixtures is not None and config.vocabulary:
-            first = self.mixtures.union
-            self.mixtures.union = CorpusSpec(first.sources, config.vocabulary, first.gene_column)
         self.spec = self.mixtures.union if self.mixtures is not None else config.corpus_spec()
         self.sources = open_sources(self.spec, subset_ids=config.subset_ids,
                                     datasets={config.dataset: dataset} if dataset is not None else None)
