@@ -1,4 +1,5 @@
-"""A unit's cells -> items: rank, tokenize and pack whole cells into numbered items.
+"""A unit's cells -> items: map genes to tokens, rank, tokenize and pack whole cells into items
+(the producer numbers a unit's items once every source's are packed: `interleave`).
 
 A pure function of its inputs (cells and their rows, the tokenizer, the generator): the same unit
 gives the same items on any producer, any number of times, which is what makes a re-issued unit
@@ -18,22 +19,11 @@ import numpy as np
 
 from coordination.arrays import offsets_of, ragged_arange
 from coordination.vocab import inside
-from coordination.wire import number_items, pack_cells
+from coordination.wire import pack_cells
 from producers.dataset import RowBlock
 from producers.ranking import CellRows
 
 CHUNK_CELLS = 256  # cells tokenized at once: their rows (~0.4M at 1,600 genes per cell) fit in cache
-
-
-def cells_to_items(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, block: RowBlock, tokenizer, *,
-                   epoch: int, key_id: int, run_tag: int, rng: np.random.Generator, cells_per_item: int,
-                   labels: np.ndarray | None = None, stitched: bool = False, gene_tokens: np.ndarray | None = None,
-                   pool: Executor | None = None) -> tuple[list[bytes], float, float]:
-    """`cells_to_packed`, the items numbered: a unit's items."""
-    packed, tokenize_s, pack_s = cells_to_packed(cells, first, counts, block, tokenizer, epoch=epoch, key_id=key_id,
-                                                 run_tag=run_tag, rng=rng, cells_per_item=cells_per_item,
-                                                 labels=labels, stitched=stitched, gene_tokens=gene_tokens, pool=pool)
-    return number_items(packed), tokenize_s, pack_s
 
 
 def cells_to_packed(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, block: RowBlock, tokenizer, *,

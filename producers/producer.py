@@ -342,21 +342,18 @@ class Producer:
         unit, block = rows if rows is not None else self.read(epoch, unit_id)
         self.stats.add_time("read", t)
         rng = unit_rng(cfg.seed, epoch, unit_id)
-        if isinstance(unit, CorpusUnit):  # per source it draws from: its cells (shuffled below) and rows
-            parts = [(s, local, None, None, rows) for (s, local, _), rows in zip(unit.parts, block)]
-            ranges = [r for _, _, r in unit.parts]
-        else:  # whole cells of the one dataset; boundary pieces below
-            parts, ranges = [(0, unit.cells, None, None, block)], [unit.ranges]
-        shuffled = []
-        for (s, local, _, _, rows), part_ranges in zip(parts, ranges):
+        # per source the unit draws from (one: the dataset's whole cells; boundary pieces below): its
+        # cells, where their rows sit in what was read, and those rows
+        reads = zip(unit.parts, block) if isinstance(unit, CorpusUnit) else [((0, unit.cells, unit.ranges), block)]
+        parts = []
+        for (s, local, ranges), rows in reads:
             starts = self.sources[s].ds.cell_row_start
-            local = local[rng.permutation(len(local))] if len(parts) == 1 else local
-            shuffled.append((s, local, positions_in_ranges(part_ranges, starts[local]) if len(local) else local,
-                             starts[local + 1] - starts[local], rows))
-        if sum(len(p[1]) for p in shuffled):
-            items = self._pack_parts(shuffled, epoch, unit_id, rng, shuffle=len(parts) > 1)
+            parts.append((s, local, positions_in_ranges(ranges, starts[local]), starts[local + 1] - starts[local], rows))
+        cells = sum(len(local) for _, local, _, _, _ in parts)
+        if cells:
+            items = self._pack_parts(parts, epoch, unit_id, rng, shuffle=True)
             self._put(items, rank_partition(unit_rank(unit_id, cfg.world_size)))
-            self.stats.cells += sum(len(p[1]) for p in shuffled)
+            self.stats.cells += cells
         if isinstance(unit, CorpusUnit):  # a corpus unit reads whole cells: nothing to stitch
             self.stats.units += 1
             return
@@ -390,7 +387,7 @@ class Producer:
         rows share a dtype, which ranking's fast path needs) and, with several sources, their
         items interleaved in proportion (`interleave`), so any stretch of a unit's items (what a
         rank's mixing buffer holds) has every source by its share. `shuffle`: each part's cells
-        are shuffled first, with its own child of `rng` (one part: the caller shuffled them)."""
+        are shuffled first, with its own child of `rng` (one part: with `rng` itself)."""
         groups = []
         rngs = rng.spawn(len(parts)) if len(parts) > 1 else [rng]
         for (s, local, first, counts, block), part_rng in zip(parts, rngs):

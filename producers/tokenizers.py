@@ -1,7 +1,7 @@
 """Tokenizers: whole cells (`CellRows`) → ragged token sequences (`Tokens`), by name.
 
 A tokenizer's input rows already carry token ids in `genes`: the producer maps each source's
-genes through the vocabulary and drops those outside it first (`producers.items.map_genes`), as
+genes through the vocabulary and drops those outside it first (`producers.items.to_tokens`), as
 scGPT and Geneformer do, so ranking ties ("gene ascending") go by token id, the same in every
 source. Each tokenizer's layout (special tokens by role, default length) is defined once, in
 `coordination.tokens`; the special tokens' ids come from the vocabulary (`coordination.vocab`).
