@@ -110,10 +110,9 @@ from trainer.checkpoint import RankProgress
 folder = Path({str(folder)!r})
 summary = PlanSummary.from_bytes((folder / "summary.json").read_bytes())
 ranks = [RankProgress.from_json((folder / f"progress-rank{{r}}.json").read_text()) for r in range({N_FROM})]
-merged = RankProgress.merged(ranks, keep_totals=True)
-stitched = set().union(*(r.trained_stitched() for r in ranks))
-left = summary.cells_left_per_rank({world}, merged.unit_trained, stitched)
-skip = summary.units_to_skip(set().union(*(r.done_units() for r in ranks)), stitched)
+merged = RankProgress.merged(ranks)
+left = summary.cells_left_per_rank({world}, merged.unit_trained, merged.trained_stitched())
+skip = summary.units_to_skip(merged.done_units(), merged.trained_stitched())
 queue, store = MemoryQueue(), MemoryMap()
 publish_summary(store, "probe", summary)
 driver = Driver(queue, store, "probe", poll_s=0.01)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from coordination.audit import cells_hash
@@ -58,11 +58,11 @@ class RankProgress:
         self.unit_items, self.plan_id, self.unit_trained, self.carried, self.carried_hash = {}, "", {}, 0, 0
 
     @classmethod
-    def merged(cls, ranks: list["RankProgress"], keep_totals: bool) -> "RankProgress":
-        """What every rank of a resumed run starts the epoch from, whatever the number of ranks
-        that wrote the checkpoint: all their item keys, partial items and per-unit counts (a
-        unit's items now go to rank u mod the new world size), and -- when `keep_totals` (rank 0)
-        -- the cells they trained and their hash, carried for the epoch's audit."""
+    def merged(cls, ranks: list["RankProgress"]) -> "RankProgress":
+        """What a resumed run starts the epoch from, whatever the number of ranks that wrote the
+        checkpoint: all their item keys and partial items (a unit's items now go to rank u mod the
+        new world size), the cells trained per unit, and the cells trained in all with their hash,
+        carried for the epoch's audit (`without_totals` for every rank but one)."""
         out = cls(ranks[0].epoch, plan_id=ranks[0].plan_id)
         hashes = [r.cells_hash for r in ranks] + [r.carried_hash for r in ranks]
         for r in ranks:  # (after an earlier resume every rank holds the keys it started from: sets)
@@ -70,15 +70,18 @@ class RankProgress:
             for key, cells in r.partial.items():
                 out.partial.setdefault(key, set()).update(cells)
             out.unit_items.update(r.unit_items)
+            for unit, n in r.unit_trained.items():
+                out.unit_trained[unit] = out.unit_trained.get(unit, 0) + n
         for key in out.consumed & out.partial.keys():
             del out.partial[key]
-        if keep_totals:  # counts are summed once, so one rank carries them
-            for r in ranks:
-                for unit, n in r.unit_trained.items():
-                    out.unit_trained[unit] = out.unit_trained.get(unit, 0) + n
-            out.carried = sum(r.trained + r.carried for r in ranks)
-            out.carried_hash = None if None in hashes else sum(hashes) % 2**64
+        out.carried = sum(r.trained + r.carried for r in ranks)
+        out.carried_hash = None if None in hashes else sum(hashes) % 2**64
         return out
+
+    def without_totals(self) -> "RankProgress":
+        """The same keys and partial items, no counts: what ranks other than 0 resume from (the
+        counts are summed once, so one rank carries them)."""
+        return replace(self, unit_trained={}, carried=0, carried_hash=0)
 
     def done_units(self) -> set[int]:
         """Units of this epoch whose every item was trained on."""

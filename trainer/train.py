@@ -87,7 +87,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         later = [summaries.get(e) or load_summary(store, cfg.run, e) for e in range(epoch + 1, cfg.epochs)]
         total_steps = step + steps_per_epoch(left, cfg.batch_size) // cfg.grad_accum + \
             optimizer_steps(later, cfg.batch_size, cfg.grad_accum)  # (the schedule's total follows: see README)
-    driver = start_driver(cfg, queue, store, saved, epoch, summaries) if rank == 0 and cfg.run_driver else None
+    resumed = progress if saved is not None else None  # (on rank 0: every rank's, merged)
+    driver = start_driver(cfg, queue, store, resumed, epoch, summaries) if rank == 0 and cfg.run_driver else None
     stream = ConsumerStream(queue, rank=rank, world_size=world, run=cfg.run, batch_size=cfg.batch_size,
                             pad_to=cfg.pad_to, pad_token=cfg.pad_token, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
                             no_data_timeout_s=cfg.no_data_timeout_s, consumed=progress.consumed,
@@ -207,14 +208,14 @@ def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, sc
     model.load_state_dict(saved.state["model"])
     optimizer.load_state_dict(saved.state["optimizer"])
     scheduler.load_state_dict(saved.state["scheduler"])
-    everything = checkpoint.RankProgress.merged(saved.ranks, keep_totals=True)  # rank 0 carries the totals
-    progress = everything if rank == 0 else checkpoint.RankProgress.merged(saved.ranks, keep_totals=False)
+    everything = checkpoint.RankProgress.merged(saved.ranks)
+    progress = everything if rank == 0 else everything.without_totals()  # rank 0 carries the totals
     left = None
     if saved.epoch < cfg.epochs:
         if saved.epoch not in summaries:
             summaries[saved.epoch] = load_summary(store, cfg.run, saved.epoch)
         left = summaries[saved.epoch].cells_left_per_rank(world, everything.unit_trained,
-                                                          set().union(*(r.trained_stitched() for r in saved.ranks)))
+                                                          everything.trained_stitched())
     if rank == 0:
         before = sum(r.trained + r.carried for r in saved.ranks)
         moved = "" if len(saved.ranks) == world else \
@@ -223,21 +224,19 @@ def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, sc
     return saved.step, saved.epoch, progress, left
 
 
-def start_driver(cfg: TrainConfig, queue, store, saved, epoch: int, summaries: dict) -> Driver:
-    """Rank 0 drives the epochs from `epoch` on; on resume, units trained through are not produced
-    again (`PlanSummary.units_to_skip`). `summaries`: the epochs' plan summaries read so far (the
-    resumed epoch's is added, for the loop)."""
+def start_driver(cfg: TrainConfig, queue, store, resumed, epoch: int, summaries: dict) -> Driver:
+    """Rank 0 drives the epochs from `epoch` on; on resume (`resumed`: every rank's progress from
+    the checkpoint, merged), units trained through are not produced again
+    (`PlanSummary.units_to_skip`). `summaries`: the epochs' plan summaries read so far (`restore`
+    added the resumed epoch's)."""
     skip = set()
-    if saved is not None and epoch < cfg.epochs:
-        if epoch not in summaries:
-            summaries[epoch] = load_summary(store, cfg.run, epoch)
-        resumed = summaries[epoch]
-        skip = resumed.units_to_skip(set().union(*(r.done_units() for r in saved.ranks)),
-                                     set().union(*(r.trained_stitched() for r in saved.ranks)))
-        print(f"{len(skip):,} of epoch {epoch}'s {resumed.n_units:,} units were trained through and are not "
+    if resumed is not None and epoch < cfg.epochs:
+        summary = summaries[epoch]
+        skip = summary.units_to_skip(resumed.done_units(), resumed.trained_stitched())
+        print(f"{len(skip):,} of epoch {epoch}'s {summary.n_units:,} units were trained through and are not "
               "produced again")
     driver = Driver(queue, store, cfg.run)
-    driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if saved is not None else None, skip_units=skip)
+    driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if resumed is not None else None, skip_units=skip)
     return driver
 
 def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
