@@ -273,7 +273,8 @@ def test_cellfeed_local_trains_a_corpus_as_planned_per_source_in_every_epoch(cor
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-m", "app.cli", "local", "--corpus", path, "--workdir", str(tmp_path),
                           "--run", "mix", "--epochs", "2", "--max-genes", "32", "--batch-size", "32",
-                          "--audit-cells", "--quiet"], cwd=root, capture_output=True, text=True, timeout=600)
+                          "--audit-cells", "--quiet", "--rpc-latency-ms", "25"],  # each queue/map call as on Modal
+                         cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "corpus " in out.stdout and "1,440 cells per epoch from atlas_a: 800 of 800 genes" in out.stdout
     assert "240 cells per epoch from pbmc: 765 of 765 genes in the vocabulary, 100.0% of non-zeros kept" in out.stdout
