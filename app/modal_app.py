@@ -55,7 +55,8 @@ PRODUCER_RETRIES = 3
 PRODUCER_HOURS = 23.0  # a producer call returns after this long (Modal ends it at 24 h) and is replaced
 STOP_GRACE_S = 60.0  # at the end: how long all producers together get to stop before being cancelled
 PREEMPT_SAVE_S = 20.0  # of Modal's ~30 s grace after a preemption's SIGINT: the ranks' time to checkpoint
-FLEET_CHECK_S = 15.0  # how often `train` looks at its producer calls
+FLEET_CHECK_S = 15.0  # how often `train` looks at its producer calls (soon after the start, then less often)
+FIRST_FLEET_CHECK_S = 1.0  # a producer that cannot start (settings, credentials) is found within seconds
 
 PRODUCER_PIP = ("pylance>=0.30", "pyarrow>=16", "polars>=1.0", "numpy>=1.26", "zstandard>=0.22", "boto3>=1.34",
                 "anndata>=0.10", "h5py>=3.9", "scipy>=1.11", "tqdm>=4.66", "pandas>=2")
@@ -186,10 +187,12 @@ def ensure_setup(cfg: CampaignConfig, config: dict, facts, queue, store) -> None
 
 def watch(ranks, fleet: "Fleet", deadline: float) -> None:
     """Until the ranks exit: a failed rank or producer raises; at `deadline` the ranks are asked
-    to checkpoint and stop (the call then hands over to a new one)."""
+    to checkpoint and stop (the call then hands over to a new one). The producer calls are looked
+    at after 1 s, then at doubling gaps up to FLEET_CHECK_S: most failures come at the start."""
     from trainer.launch import ask_to_stop
 
-    asked, next_look = False, time.monotonic() + FLEET_CHECK_S
+    asked, gap = False, FIRST_FLEET_CHECK_S
+    next_look = time.monotonic() + gap
     while True:
         codes = [p.poll() for p in ranks]
         if any(c not in (None, 0) for c in codes):
@@ -202,7 +205,8 @@ def watch(ranks, fleet: "Fleet", deadline: float) -> None:
             asked = True
         if time.monotonic() >= next_look:
             fleet.check()
-            next_look = time.monotonic() + FLEET_CHECK_S
+            gap = min(2 * gap, FLEET_CHECK_S)
+            next_look = time.monotonic() + gap
         time.sleep(0.5)
 
 
