@@ -9,6 +9,7 @@ import time
 import typing
 from dataclasses import MISSING, dataclass, fields
 
+from coordination.driver import LEASE_S, heartbeat_interval
 from coordination.errors import CellfeedError
 from coordination.plan import STRATEGIES, Sampling
 from coordination.presets import MODEL_PRESETS
@@ -58,6 +59,8 @@ FLAG_HELP = {
     "keep_checkpoints": "checkpoints kept: the last N, and the best by held-out loss",
     "resume": "continue --run from its latest checkpoint, saying from which step (locally, a run with none is an error)",
     "seed": "seed of plans, shuffles, masks and weights: the same seed gives the same run",
+    "lease_s": "seconds a producer may fall silent before the units it holds are issued to another (it says what "
+               "it holds 4 times a lease): shorter finds a dead or stalled producer sooner, at more calls",
     "rpc_latency_ms": "make every queue/map call cost this many ms (± 40%), as a round trip to Modal does: "
                       "run locally under the remote world's costs",
     "attempt_hours": "Modal: after this many hours a train call checkpoints and continues in a new call "
@@ -69,7 +72,7 @@ CAMPAIGN_FLAGS = ("dataset", "corpus", "vocabulary", "gene_column", "gene_median
                   "n_bins", "strategy", "block_size", "fetch_factor",
                   "n_scanners", "unit_cells", "subset_filter", "eval_filter", "eval_cells", "eval_every", "producers",
                   "gpus", "batch_size", "grad_accum", "steps", "epochs", "preset", "lr", "warmup_steps",
-                  "checkpoint_every", "keep_checkpoints", "resume", "seed", "rpc_latency_ms")
+                  "checkpoint_every", "keep_checkpoints", "resume", "seed", "lease_s", "rpc_latency_ms")
 MODAL_FLAGS = CAMPAIGN_FLAGS + ("attempt_hours",)
 MAX_ATTEMPT_HOURS = 23.0  # an hour short of Modal's 24 h limit on a call: time to checkpoint and hand over
 
@@ -111,6 +114,7 @@ class CampaignConfig:
     seed: int = 0
     cells_per_item: int = 128
     label_column: str | None = None
+    lease_s: float = LEASE_S  # a unit whose producer is silent this long is issued again
     rpc_latency_ms: float = 0.0  # every queue/map call costs this long (± 40%) more, as Modal's round trips
     attempt_hours: float = 22.0  # Modal: a train call hands over to a new one after this long (calls end at 24 h)
     # Modal: the corpus, vocabulary and median files, carried from the laptop (setting -> [file name,
@@ -142,6 +146,8 @@ class CampaignConfig:
         for name in ("max_genes", "steps", "epochs"):  # optional
             if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise CellfeedError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.lease_s <= 3600:
+            raise CellfeedError(f"--lease-s must be within 1..3600 seconds, got {self.lease_s}")
         if not 0 <= self.rpc_latency_ms <= 10_000:
             raise CellfeedError(f"--rpc-latency-ms must be within 0..10000, got {self.rpc_latency_ms}")
         if not 0 < self.attempt_hours <= MAX_ATTEMPT_HOURS:
@@ -226,7 +232,8 @@ class CampaignConfig:
                               tokenizer=self.tokenizer, max_genes=self.genes_per_cell, tokenizer_params=params,
                               world_size=self.gpus, cells_per_item=self.cells_per_item,
                               label_column=self.label_column, subset_filter=self.subset_filter,
-                              exclude_filter=self.eval_filter, idle_timeout_s=idle_timeout_s)
+                              exclude_filter=self.eval_filter, idle_timeout_s=idle_timeout_s,
+                              heartbeat_s=heartbeat_interval(self.lease_s))
 
     def train_config(self, backend, facts, **changes):
         """The trainer's config; `facts` (`app.campaign.SetupFacts`) come from the setup step."""
@@ -241,7 +248,7 @@ class CampaignConfig:
                     max_steps=facts.total_steps, epochs=facts.epochs, seed=self.seed, compile=self.compile,
                     pad_to=spec.sequence_length(self.genes_per_cell),
                     checkpoint_dir=self.run_checkpoint_dir, checkpoint_every=self.checkpoint_every,
-                    keep_checkpoints=self.keep_checkpoints,
+                    keep_checkpoints=self.keep_checkpoints, lease_s=self.lease_s,
                     resume=self.resume, eval_every=self.eval_every if facts.held_out_cells else None,
                     eval_cells=facts.held_out_cells)
         return TrainConfig(**{**base, **changes})

@@ -3,11 +3,11 @@ processes, DDP ranks), by real signals, at seeded points of its training (a faul
 ranks have logged its step: progress, not seconds, so each lands however fast the machine is, and
 only on the campaign's own processes); then every epoch's trained cells
 (`--audit-cells`) are checked against the training set: lost, duplicated. The same campaign
-runs once without faults, for the overhead.
+runs once without faults, for the overhead (not in the tiny run: it has no overhead figure).
 
 Fault kinds:
   kill      SIGKILL a producer (the campaign restarts it, as Modal retries a function)
-  stall     SIGSTOP a producer past its lease (its unit is re-issued), then SIGCONT: it wakes up
+  stall     SIGSTOP a producer 4 s past its lease (its unit is re-issued), then SIGCONT: it wakes up
             holding a unit another producer already made, and sends its duplicate items
   pause     SIGSTOP every trainer rank for a while (the queue fills, producers block on
             backpressure and keep heartbeating), then SIGCONT; the pause is added to the wall
@@ -15,7 +15,7 @@ Fault kinds:
 
     python benchmarks/chaos.py            # 10 faults over a 20-epoch campaign
     python benchmarks/chaos.py --quick    # 6 faults over 12 epochs, within 3 minutes on 2 cores
-    python benchmarks/chaos.py --tiny     # a kill, a stall and a pause past the lease over 3 epochs of 400 cells (tests)
+    python benchmarks/chaos.py --tiny     # a kill, a stall and a pause past a 4 s lease over 3 epochs of 400 cells (tests)
 
 Ends with one JSON line of the figures. Exits 1 (one line on stderr) when a campaign did not finish
 (or timed out), a planned fault was not injected, a cell was lost or duplicated, or a figure is
@@ -48,6 +48,7 @@ from benchmarks._checks import check_figures, fail  # noqa: E402
 from coordination.driver import LEASE_S  # noqa: E402
 
 KINDS = ("kill", "stall", "pause")
+PRODUCERS, GPUS, BATCH = 3, 2, 16  # the campaign's
 
 
 @dataclass
@@ -67,16 +68,17 @@ class Outcome:
     timed_out: bool = False
 
 
-def fault_plan(seed: int, n_faults: int, span_steps: int, kinds=KINDS, pause_s: float = 4.0) -> list[Fault]:
+def fault_plan(seed: int, n_faults: int, span_steps: int, kinds=KINDS, pause_s: float = 4.0,
+               lease_s: float = LEASE_S) -> list[Fault]:
     """Seeded faults spread over the first `span_steps` training steps: at least one of each
-    kind, the rest kills; a stall lasts past the lease (16 s), a pause `pause_s`."""
+    kind, the rest kills; a stall lasts 4 s past the lease, a pause `pause_s`."""
     rng = random.Random(seed)
     chosen = list(kinds) + ["kill"] * max(0, n_faults - len(kinds))
     rng.shuffle(chosen)
     gap = span_steps / (len(chosen) + 1)
     plan = []
     for i, kind in enumerate(chosen[:n_faults]):
-        seconds = LEASE_S + 4 if kind == "stall" else pause_s if kind == "pause" else 0.0
+        seconds = lease_s + 4 if kind == "stall" else pause_s if kind == "pause" else 0.0
         plan.append(Fault(max(1, round(gap * (i + 1) + rng.uniform(-gap / 3, gap / 3))), kind, seconds))
     return sorted(plan, key=lambda f: f.at_step)
 
@@ -129,14 +131,14 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
-def run_campaign(dataset: str, workdir: Path, run: str, *, epochs: int, producers: int = 3, gpus: int = 2,
+def run_campaign(dataset: str, workdir: Path, run: str, *, epochs: int, producers: int = PRODUCERS, gpus: int = GPUS,
                  faults: list[Fault] = (), extra: list[str] = (), timeout_s: float = 600.0,
                  seed: int = 0) -> Outcome:
     """`cellfeed local` with `--audit-cells`, each fault applied once the ranks have logged its step,
     to this campaign's own children."""
     args = [sys.executable, "-m", "app.cli", "local", "--dataset", dataset, "--workdir", str(workdir), "--run", run,
             "--producers", str(producers), "--gpus", str(gpus), "--epochs", str(epochs), "--max-genes", "24",
-            "--batch-size", "16", "--audit-cells", "--quiet", *extra]
+            "--batch-size", str(BATCH), "--audit-cells", "--quiet", *extra]
     start = time.monotonic()
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done: list = []
@@ -231,8 +233,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="6 faults over a 12-epoch campaign (under 3 minutes)")
     parser.add_argument("--tiny", action="store_true",
-                        help="a kill, a stall and a pause past the lease over a 3-epoch campaign of 400 cells "
-                             "(the test suite's)")
+                        help="a kill, a stall and a pause past a 4 s lease over a 3-epoch campaign of 400 cells, "
+                             "without the calm run (the test suite's)")
     parser.add_argument("--faults", type=int, default=None, help="faults to inject (default 10; 6 quick; 3 tiny)")
     parser.add_argument("--epochs", type=int, default=None, help="campaign epochs (default 20; 12 quick; 3 tiny)")
     parser.add_argument("--cells", type=int, default=None, help="cells of the synthetic atlas (default 3,000; 400 tiny)")
@@ -240,14 +242,18 @@ def main() -> None:
     parser.add_argument("--rpc-latency-ms", type=float, default=25.0,
                         help="every queue/map call costs this many ms, as on Modal (default 25): production then "
                              "spans the campaign, so faults land on producers mid-unit, not on idle ones")
+    parser.add_argument("--lease-s", type=float, default=None,
+                        help=f"the campaign's --lease-s (default {LEASE_S:g}, the product's; tiny: 4): a stalled "
+                             "producer's unit is issued again after it")
     parser.add_argument("--pause-s", type=float, default=None,
                         help="how long the trainer is paused (its wall time is added to the run's by construction; "
-                             f"default 4; tiny: {LEASE_S + 4:g}, past the lease)")
+                             "default 4; tiny: the lease + 4 s, past it)")
     args = parser.parse_args()
     n_faults = args.faults or (3 if args.tiny else 6 if args.quick else 10)
     epochs = args.epochs or (3 if args.tiny else 12 if args.quick else 20)
     args.cells = args.cells or (400 if args.tiny else 3000)
-    args.pause_s = args.pause_s if args.pause_s is not None else LEASE_S + 4 if args.tiny else 4.0
+    args.lease_s = args.lease_s or (4.0 if args.tiny else LEASE_S)
+    args.pause_s = args.pause_s if args.pause_s is not None else args.lease_s + 4 if args.tiny else 4.0
     kinds = KINDS
     timeout_s = 180.0 if args.tiny else 600.0
 
@@ -259,15 +265,19 @@ def main() -> None:
                progress=False)
     expected = Counter(range(args.cells))
 
-    latency = ["--rpc-latency-ms", str(args.rpc_latency_ms)]
-    calm = run_campaign(dataset, work, "calm", epochs=epochs, extra=latency, timeout_s=timeout_s)
-    if calm.returncode != 0:
-        print(calm.stderr[-2000:], file=sys.stderr)
-        fail(f"the campaign without faults {'timed out' if calm.timed_out else 'failed'} (exit {calm.returncode})")
-    # faults land within the first `span` steps of training: the same campaign with faults trains as many steps
-    span = round((0.4 if args.tiny else 0.6) * training_steps(work / "calm"))
-    plan = fault_plan(args.seed, n_faults, span, kinds=kinds, pause_s=args.pause_s)
-    chaos = run_campaign(dataset, work, "chaos", epochs=epochs, faults=plan, seed=args.seed, extra=latency,
+    settings = ["--rpc-latency-ms", str(args.rpc_latency_ms), "--lease-s", str(args.lease_s)]
+    calm = None
+    if args.tiny:  # no overhead figure: the faults land within the first 40% of the steps the plan gives
+        steps = epochs * -(-args.cells // (GPUS * BATCH))
+    else:
+        calm = run_campaign(dataset, work, "calm", epochs=epochs, extra=settings, timeout_s=timeout_s)
+        if calm.returncode != 0:
+            print(calm.stderr[-2000:], file=sys.stderr)
+            fail(f"the campaign without faults {'timed out' if calm.timed_out else 'failed'} (exit {calm.returncode})")
+        steps = training_steps(work / "calm")  # the same campaign with faults trains as many steps
+    span = round((0.4 if args.tiny else 0.6) * steps)
+    plan = fault_plan(args.seed, n_faults, span, kinds=kinds, pause_s=args.pause_s, lease_s=args.lease_s)
+    chaos = run_campaign(dataset, work, "chaos", epochs=epochs, faults=plan, seed=args.seed, extra=settings,
                          timeout_s=timeout_s)
     checked, lost, duplicated = lost_and_duplicated(trained_per_epoch(work / "chaos"), expected, epochs)
     restarts = sum(1 for line in chaos.stdout.splitlines() if "restarting it" in line)
@@ -277,11 +287,12 @@ def main() -> None:
     # made again: units whose holder fell silent
     reproduced = round(reissued * per_unit) if reissued is not None and per_unit else None
 
-    print(f"\ncampaign: {args.cells:,} cells x {epochs} epochs, 3 producers, 2 ranks, {args.rpc_latency_ms:.0f} ms a "
-          f"queue/map call; machine: {platform.machine()}, {os.cpu_count()} cores")
+    print(f"\ncampaign: {args.cells:,} cells x {epochs} epochs, {PRODUCERS} producers, {GPUS} ranks, "
+          f"{args.rpc_latency_ms:.0f} ms a queue/map call, a {args.lease_s:g} s lease; machine: {platform.machine()}, "
+          f"{os.cpu_count()} cores")
     print(f"{'at step':>7}  fault")
     for at, kind, n in sorted(chaos.faults):
-        what = {"kill": "SIGKILL a producer", "stall": f"SIGSTOP a producer for {LEASE_S + 4:.0f}s (past its lease)",
+        what = {"kill": "SIGKILL a producer", "stall": f"SIGSTOP a producer for {args.lease_s + 4:.0f}s (past its lease)",
                 "pause": f"SIGSTOP {n} trainer ranks for {args.pause_s:.0f}s"}[kind]
         print(f"{at:>7}  {what}")
     print(f"run finished: {'yes' if chaos.returncode == 0 else f'no (exit {chaos.returncode})'}; "
@@ -289,15 +300,17 @@ def main() -> None:
     print(f"cells checked {checked:,} ({epochs} epochs): lost {lost}, duplicated {duplicated}; "
           f"{reissued} units issued again (~{reproduced if reproduced is None else f'{reproduced:,}'} cells produced "
           "again)")
-    print(f"wall: {chaos.wall_s:.1f}s with faults, {calm.wall_s:.1f}s without ({chaos.wall_s / calm.wall_s:.2f}x)")
+    overhead = round(chaos.wall_s / calm.wall_s, 3) if calm else None
+    print(f"wall: {chaos.wall_s:.1f}s with faults" + (f", {calm.wall_s:.1f}s without ({overhead:.2f}x)" if calm else ""))
     if chaos.returncode != 0:
         print(chaos.stderr[-2000:])
     figures = {"faults_injected": len(chaos.faults), "fault_kinds": dict(Counter(k for _, k, _ in chaos.faults)),
                "cells_checked": checked, "cells_lost": lost, "cells_duplicated": duplicated,
                "completed": chaos.returncode == 0, "producer_restarts": restarts,
                "units_reissued": reissued, "cells_reproduced": reproduced,
-               "overhead_ratio": round(chaos.wall_s / calm.wall_s, 3), "wall_s": round(chaos.wall_s, 1),
-               "calm_wall_s": round(calm.wall_s, 1), "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+               "overhead_ratio": overhead, "wall_s": round(chaos.wall_s, 1),
+               "calm_wall_s": round(calm.wall_s, 1) if calm else None, "lease_s": args.lease_s,
+               "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
     print(json.dumps(figures))
     if chaos.returncode != 0:
         fail(f"the campaign with faults {'timed out' if chaos.timed_out else 'failed'} (exit {chaos.returncode})")
@@ -308,7 +321,7 @@ def main() -> None:
         fail(f"{lost:,} cells lost and {duplicated:,} duplicated over {epochs} epochs ({checked:,} checked)")
     if per_unit == 0.0:
         fail("the campaign's first line (\"N cells/epoch in U units\") is missing: no cells_reproduced")
-    check_figures(figures)
+    check_figures(figures, allow_none=("overhead_ratio", "calm_wall_s") if args.tiny else ())
     if args.tiny:  # (the test suite's: its atlas and runs are not kept; a failed run's are)
         shutil.rmtree(work, ignore_errors=True)
 

@@ -14,7 +14,7 @@ its unit's re-issue, the gap between epochs, time to the first batch, and the se
 start-up seconds / peak RSS at 100M cells (each in a fresh process).
 
     python benchmarks/coordination.py [--quick] [--producers 64] [--rate 1000] [--latency-ms 25]
-    python benchmarks/coordination.py --tiny   # the test suite's: 4 producers, 2 x 16 units, probes at 200k cells
+    python benchmarks/coordination.py --tiny   # the test suite's: 4 producers, 2 x 16 units, a 3 s lease, probes at 200k cells
 
 Ends with one JSON line of the figures. Exits 1 (one line on stderr) when the simulation did not
 deliver every cell, the full-partition phase took none, or a figure is missing (the re-issue
@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._checks import check_figures, fail, run_probe  # noqa: E402
-from coordination.driver import Driver  # noqa: E402
+from coordination.driver import LEASE_S, Driver, heartbeat_interval  # noqa: E402
 from coordination.latency import with_latency  # noqa: E402
 from coordination.plan import DatasetGeometry, EpochPlan, Sampling  # noqa: E402
 from coordination.summary import PlanSummary, publish_summary  # noqa: E402
@@ -142,7 +142,7 @@ def consume(queue, rank: int, summaries: dict, log: dict, stop: threading.Event)
 
 
 def simulate(*, producers: int, rate: float, units: int, epochs: int, latency_ms: float, jitter_ms: float,
-             kill: bool, max_seconds: float, plans: dict) -> dict:
+             kill: bool, max_seconds: float, plans: dict, lease_s: float = LEASE_S) -> dict:
     queue, store = MemoryQueue(), MemoryMap()
     kind = lambda p: ".tasks" if p == TASKS_PARTITION else ".items" if (p or "").startswith("rank-") else ""  # noqa: E731
     queue, store, counts = with_latency(queue, store, latency_ms, jitter_ms, partition_kind=kind)
@@ -154,9 +154,10 @@ def simulate(*, producers: int, rate: float, units: int, epochs: int, latency_ms
     log = {"first": defaultdict(list), "last": defaultdict(list), "cells": []}
     stop = threading.Event()
     started = time.monotonic()
-    driver = Driver(queue, store, RUN)
+    driver = Driver(queue, store, RUN, lease_s=lease_s)
     driver.start(list(range(epochs)))
-    sims = [SimulatedProducer(queue, store, f"p{i}", rate, plans, payload, idle_timeout_s=3600)
+    sims = [SimulatedProducer(queue, store, f"p{i}", rate, plans, payload, idle_timeout_s=3600,
+                              heartbeat_s=heartbeat_interval(lease_s))
             for i in range(producers)]
     threads = [threading.Thread(target=p.run, daemon=True) for p in sims]
     consumers = [threading.Thread(target=consume, args=(queue, r, summaries, log, stop), daemon=True)
@@ -355,14 +356,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller run at the same latency (about two minutes)")
     parser.add_argument("--tiny", action="store_true",
-                        help="the smallest run that still sees a re-issue: 4 producers, 2 x 16 units, 3 s of the "
-                             "full-partition phase, start-up probes at 200k cells (the test suite's)")
+                        help="the smallest run that still sees a re-issue: 4 producers, 2 x 16 units, a 3 s lease, "
+                             "3 s of the full-partition phase, start-up probes at 200k cells (the test suite's)")
     parser.add_argument("--producers", type=int, default=64, help="simulated producers (default: 64)")
     parser.add_argument("--rate", type=float, default=1000.0, help="cells/s of one producer (default: 1000)")
     parser.add_argument("--units", type=int, default=2000, help="units per simulated epoch window (default: 2000)")
     parser.add_argument("--epochs", type=int, default=2, help="simulated epochs (default: 2)")
     parser.add_argument("--latency-ms", type=float, default=25.0, help="per-call latency (default: 25)")
     parser.add_argument("--jitter-ms", type=float, default=10.0, help="per-call jitter (default: 10)")
+    parser.add_argument("--lease-s", type=float, default=None,
+                        help=f"the driver's lease: a dead producer's unit is issued again after it (default {LEASE_S:g}, "
+                             "the product's; 3 tiny)")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="stop the simulation after this long (default 600; 90 quick; 60 tiny)")
     parser.add_argument("--spin-seconds", type=float, default=60.0,
@@ -378,17 +382,19 @@ def main() -> None:
         args.spin_seconds = min(args.spin_seconds, 20.0)
     if args.tiny:  # the producers must still be busy when one dies (at 5 s), the run outlasts the lease
         args.producers, args.units = min(args.producers, 4), min(args.units, 16)
+        args.lease_s = args.lease_s or 3.0
         args.max_seconds = args.max_seconds or 60.0
         args.spin_seconds = min(args.spin_seconds, 3.0)
         args.startup_cells = min(args.startup_cells, 200_000)
     args.max_seconds = args.max_seconds or 600.0
+    args.lease_s = args.lease_s or LEASE_S
     t = time.perf_counter()
     geometry = tahoe_geometry(max(2_000_000, 2 * args.units * 1024))  # room for the simulated windows' units
     plans = {e: EpochPlan(geometry, replace(SAMPLING), seed=0, epoch=e) for e in range(args.epochs)}
     print(f"plans for the simulated windows built in {time.perf_counter() - t:.1f}s")
     sim = simulate(producers=args.producers, rate=args.rate, units=args.units, epochs=args.epochs,
                    latency_ms=args.latency_ms, jitter_ms=args.jitter_ms, kill=True, max_seconds=args.max_seconds,
-                   plans=plans)
+                   plans=plans, lease_s=args.lease_s)
     spin = full_partition_phase(seconds=args.spin_seconds, latency_ms=args.latency_ms, jitter_ms=args.jitter_ms,
                                 plans=plans)
     setup = startup_probe("setup", args.startup_cells)
@@ -408,7 +414,7 @@ def main() -> None:
         ("epoch gap", f"{sim['epoch_gap_s']} s" + (f" (the next epoch's first items came {sim['epoch_overlap_s']} s "
                                                    "before this one's last)" if sim["epoch_overlap_s"] else "")),
         ("driver pass", f"{sim['driver_pass_s']} s"),
-        ("re-issue after a death", f"{sim['reissue_s']} s ({sim['reissued']} re-issued)"),
+        ("re-issue after a death", f"{sim['reissue_s']} s ({sim['reissued']} re-issued; a {args.lease_s:g} s lease)"),
         (f"setup at {args.startup_cells / 1e6:g}M cells", f"{setup['seconds']:.1f} s, {setup['rss_mb']:,.0f} MB RSS"),
         (f"driver, one epoch at {args.startup_cells / 1e6:g}M", f"{driven['units']:,} units in {driven['seconds']:.1f} s "
                                                           f"({driven['passes']:,} passes), {driven['rss_mb']:,.0f} MB RSS"),
@@ -435,7 +441,7 @@ def main() -> None:
                                                    for s, r in starts.items()},
                "setup_rss_mb_100m": round(setup["rss_mb"]), "startup_cells": args.startup_cells,
                "latency_ms": args.latency_ms, "jitter_ms": args.jitter_ms, "producers": args.producers,
-               "rate": args.rate}
+               "rate": args.rate, "lease_s": args.lease_s}
     print(json.dumps(figures))
     if not sim["finished"] or spin["accepted_cells"] == 0:  # a benchmark that did not do its work fails
         fail(f"did not finish: the simulation delivered {sim['cells']:,} of {sim['expected_cells']:,} cells "

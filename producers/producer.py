@@ -27,6 +27,7 @@ import numpy as np
 from coordination.arrays import offsets_of, positions_in_ranges
 from coordination.errors import CellfeedError
 from coordination.corpus import CorpusPlan, CorpusSpec, CorpusUnit, Mixtures
+from coordination.driver import LEASE_S, heartbeat_interval
 from coordination.plan import DatasetGeometry, EpochPlan, Sampling, WorkUnit
 from coordination.summary import PlanSummary
 from coordination.queues import (MAX_PARTITION_BYTES, MAX_PARTITION_ITEMS, Empty, Full, Map, MapGone, Queue,
@@ -47,7 +48,6 @@ from producers.tokenizers import make_tokenizer, needs_gene_medians
 
 STOP_POLL_S = 1.0  # how often a waiting producer looks at its stop flag
 FULL_WAIT_MIN_S, FULL_WAIT_MAX_S = 0.1, 2.0  # looking for room in a full partition: this often, backing off
-HEARTBEAT_S = 3.0  # how often a producer says what it holds (the driver re-issues after LEASE_S of silence)
 OUTBOX_JOBS = 16  # jobs (a unit's items, a done event) the courier may be behind the loop
 MAX_READ_AHEAD = 16  # units read ahead at most
 READ_AHEAD_BYTES = 512 << 20  # rows held by the units read ahead at most (a b=16 f=256 unit holds ~100 MB)
@@ -79,7 +79,7 @@ class ProducerConfig:
     exclude_filter: str | None = None  # cells never to produce for training, e.g. the held-out split
     threads: int | None = None  # tokenizing threads; None: one per CPU this process may use
     read_ahead: int | None = None  # units read ahead of the one tokenized; None: as many as the read latency needs
-    heartbeat_s: float = HEARTBEAT_S
+    heartbeat_s: float = heartbeat_interval(LEASE_S)  # how often it says what it holds (`coordination.driver`)
     read_retry_s: float = 180.0  # how long a unit's read is tried again while storage does not answer
     put_timeout_s: float = 600.0
     idle_timeout_s: float = 10.0

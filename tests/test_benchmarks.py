@@ -131,16 +131,17 @@ def test_coordination():
 
 
 def test_chaos():
-    """A real local campaign at Modal's 25 ms a call: a producer SIGKILLed, one SIGSTOPped past its
-    lease (its unit issued again; it wakes and sends duplicates), the trainer SIGSTOPped past the
-    lease (the queue fills, producers wait on backpressure and keep heartbeating): every epoch
-    trains exactly its cells, and the run finishes by itself."""
+    """A real local campaign at Modal's 25 ms a call, under a 4 s lease: a producer SIGKILLed, one
+    SIGSTOPped past its lease (its unit issued again; it wakes and sends duplicates), the trainer
+    SIGSTOPped past the lease (the queue fills, producers wait on backpressure and keep
+    heartbeating): every epoch trains exactly its cells, and the run finishes by itself. (The tiny
+    run has no calm run, so no overhead figure.)"""
     figures = figures_of(run_benchmark("chaos", "--tiny"))
-    assert figures["completed"] and figures["faults_injected"] == 3
+    assert figures["completed"] and figures["faults_injected"] == 3 and figures["lease_s"] == 4
     assert figures["fault_kinds"] == {"kill": 1, "stall": 1, "pause": 1}
     assert (figures["cells_checked"], figures["cells_lost"], figures["cells_duplicated"]) == (3 * 400, 0, 0)
     assert figures["producer_restarts"] >= 1 and figures["units_reissued"] >= 1
-    assert finite(figures["overhead_ratio"], figures["wall_s"], figures["calm_wall_s"])
+    assert finite(figures["wall_s"]) and figures["overhead_ratio"] is None and figures["calm_wall_s"] is None
 
 
 def test_corpus():

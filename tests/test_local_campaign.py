@@ -210,9 +210,10 @@ def test_status_line_shows_queue_tasks_and_producer_states():
 
 def test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact(counts_atlas, tmp_path):
     run_dir = tmp_path / "kill"  # 8 epochs: the campaign runs on well after the kill (the restart is seen)
+    # a 4 s lease: the units the killed producer held are issued again after 4 s of its silence, not 12
     proc = start_local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--run", "kill", "--producers", "2",
                         "--gpus", "2", "--max-genes", "24", "--batch-size", "16", "--epochs", "8", "--rpc-latency-ms",
-                        "20", "--audit-cells", "--quiet"])
+                        "20", "--lease-s", "4", "--audit-cells", "--quiet"])
     try:
         training_began(proc, run_dir / "steps.jsonl")
         producer = wait_for(lambda: child_named(proc.pid, "producer-0"), "the campaign's producer-0")

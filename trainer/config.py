@@ -7,6 +7,7 @@ import signal
 from dataclasses import dataclass
 
 from coordination.backends import BackendSpec
+from coordination.driver import LEASE_S
 from coordination.tokens import CLS, EOS, MASK, PAD
 
 STOP_SIGNAL = signal.SIGUSR2  # "checkpoint and stop after this step" (`trainer.launch.ask_to_stop`)
@@ -36,6 +37,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 2  # the last k are kept, and the best by held-out loss
     resume: bool = False
+    lease_s: float = LEASE_S  # rank 0's driver issues a unit again after its producer is silent this long
     log_path: str | None = None  # JSON lines, one per step (rank 0)
     cells_log: str | None = None  # per rank, JSON lines of the cell ids each step trained on (tests, audits)
     no_data_timeout_s: float = 600.0

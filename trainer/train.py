@@ -235,7 +235,7 @@ def start_driver(cfg: TrainConfig, queue, store, resumed, epoch: int, summaries:
         skip = summary.units_to_skip(resumed.done_units(), resumed.trained_stitched())
         print(f"{len(skip):,} of epoch {epoch}'s {summary.n_units:,} units were trained through and are not "
               "produced again")
-    driver = Driver(queue, store, cfg.run)
+    driver = Driver(queue, store, cfg.run, lease_s=cfg.lease_s)
     driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if resumed is not None else None, skip_units=skip)
     return driver
 
