@@ -76,6 +76,8 @@ class SeaweedServer:
                  "-s3.port.iceberg=0", "-s3.port.lance=0",  # SeaweedFS's other listeners, on fixed ports: off
                  # small volumes, as many as the disk holds: every bucket is a collection with volumes of its own
                  "-master.volumeSizeLimitMB=16", "-volume.max=0",
+                 # one master: no peers to wait for when it restarts on its raft state (default 10 s)
+                 "-master.electionTimeout=1s",
                  # objects stored in 1 MB chunks: a ranged GET reads the chunks it touches, and with the
                  # default 4 MB it costs this machine ~2.5x the CPU (the server shares our cores; a remote
                  # store's CPU is not the client's)

@@ -164,7 +164,7 @@ def test_producers_ride_out_an_s3_server_restart(tmp_path):
         server.client().create_bucket(Bucket="outage")
         settings = S3Settings(endpoint=server.endpoint, access_key_id=server.settings["AWS_ACCESS_KEY_ID"],
                               secret_access_key=server.settings["AWS_SECRET_ACCESS_KEY"])
-        synthesize("s3://outage/atlas", SynthSpec(n_cells=1200, n_genes=1000, n_plates=3, seed=4),
+        synthesize("s3://outage/atlas", SynthSpec(n_cells=1200, n_genes=1000, n_plates=3, seed=4, median_nnz=100),
                    rows_per_fragment=20_000, progress=False, settings=settings)
         ds = open_dataset("s3://outage/atlas", settings)
         queue, store = MemoryQueue(), MemoryMap()
@@ -187,9 +187,15 @@ def test_producers_ride_out_an_s3_server_restart(tmp_path):
             t.start()
         wait_for(lambda: sum(p.stats.units for p in producers) >= 3, "3 units produced before the outage")
         server.restart(down_s=3.0)  # killed mid-epoch, back on the same data and port
+        # they finish within seconds of the store's return (the timeout only bounds a broken run)
+        wait_for(lambda: sum(p.stats.units for p in producers) == plan.n_units or errors, "every unit produced", 300)
+        for p in producers:
+            p.stop()
         for t in threads:
-            t.join(timeout=300)  # only bounds a broken run: they finish within seconds of the store's return
+            t.join(timeout=60)
         assert errors == [] and not any(t.is_alive() for t in threads)
+        # the outage was met: a unit's read (its retries included) waited it out
+        assert max(s for p in producers for s in p.stats.unit_read_s) >= 3.0
         cells = [c for data in queue.get_many(10**6, block=False, partition=rank_partition(0))
                  for c in unpack_item(data).cell_ids.tolist()]
         assert sorted(cells) == list(range(1200))  # every cell once (no driver here: no unit re-issued)
