@@ -22,11 +22,14 @@ RUN = "emu"
 
 @pytest.fixture(scope="module")
 def atlas(tmp_path_factory):
-    """1,500 cells in small fragments; plate14's cells are the held-out set."""
+    """1,500 cells in small fragments; plate14's cells are the held-out set. 2,000 genes, not a
+    real atlas's 62,710: the tiny model's embedding (and each step's all-reduce) is then small, and
+    the path under test (calls, preemptions, hand-overs) is the same."""
     from producers.synth import SynthSpec, synthesize
 
     out = tmp_path_factory.mktemp("modal-atlas") / "atlas"
-    return synthesize(str(out), SynthSpec(n_cells=1500, seed=3), rows_per_fragment=200_000, progress=False)
+    return synthesize(str(out), SynthSpec(n_cells=1500, n_genes=2000, median_nnz=300, seed=3), rows_per_fragment=200_000,
+                      progress=False)
 
 
 def flags(atlas, **changes) -> list[str]:

@@ -46,20 +46,21 @@ class Campaign:
                                 max_genes=24, cells_per_item=40, sampling=sampling,
                                 idle_timeout_s=300, subset_filter=subset_filter)
         first = Producer(config, LocalQueue(self.server.address), LocalMap(self.server.address), dataset=ds)
+        self.vocab_size = first.vocab.size  # the model's embedding: the campaign's vocabulary, as the setup gives it
         self.plans = [first.plan(e) for e in range(epochs)]
         if held_out is not None:
             first.produce_held_out(held_out)
         self.summaries = [PlanSummary.of(first.plan(e), world) for e in range(epochs)]
         for s in self.summaries:
             publish_summary(first.store, run, s)
-        self.threads = [threading.Thread(target=Producer(config, LocalQueue(self.server.address),
-                                                         LocalMap(self.server.address), dataset=ds).run, daemon=True)
-                        for _ in range(producers)]
+        self.producers = [Producer(config, LocalQueue(self.server.address), LocalMap(self.server.address), dataset=ds)
+                          for _ in range(producers)]
+        self.threads = [threading.Thread(target=p.run, daemon=True) for p in self.producers]
         for t in self.threads:
             t.start()
 
     def train_config(self, tmp: Path, **changes) -> TrainConfig:
-        base = dict(run=self.run, backend={"kind": "local", "address": self.server.address}, vocab_size=62_714,
+        base = dict(run=self.run, backend={"kind": "local", "address": self.server.address}, vocab_size=self.vocab_size,
                     preset="tiny", batch_size=BATCH, lr=3e-3, warmup_steps=5, epochs=self.epochs, seed=3,
                     checkpoint_dir=str(tmp / "ckpt"), checkpoint_every=10, log_path=str(tmp / "steps.jsonl"),
                     cells_log=str(tmp / "cells"), progress_bar=False, no_data_timeout_s=120)
@@ -69,6 +70,8 @@ class Campaign:
         if self.server is None:
             return
         LocalMap(self.server.address).put(stop_key(self.run), "stop")
+        for p in self.producers:  # at once, not at their next look at the stop key (a heartbeat away)
+            p.stop()
         for t in self.threads:
             t.join(timeout=30)
         self.server.close()
