@@ -60,6 +60,8 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
     fleet, ranks = None, []
     try:
         facts = prepare(cfg, queue, store, vocab_path=workdir / "vocab.json")
+        if latest is not None:  # refused here, before any producer or rank starts
+            checkpoint.check_same_plan(latest.step, latest.epoch, latest.plan_id, store, cfg.run, facts.epochs)
         total_steps = facts.total_steps
         if cfg.corpus:
             print(f"corpus {cfg.corpus}: {len(facts.sources)} sources; vocabulary {facts.n_genes:,} genes "

@@ -80,13 +80,16 @@ def test_resume_with_settings_that_contradict_the_checkpoint_is_refused(tmp_path
             "--batch-size", "16", "--epochs", "2", "--checkpoint-every", "5", "--quiet"]
     first = local(base + ["--steps", "25"])  # 2 ranks, ~19 steps an epoch: it stops inside epoch 1
     assert first.returncode == 0, first.stderr[-2000:]
-    for change, needle in ((["--seed", "9"], "epoch 1's plan differs from the one the checkpoint at step 25"),
-                           (["--preset", "base"], "does not fit the model of these settings")):
+    # another plan is refused before the campaign starts a producer or a rank; another model by the ranks
+    for change, needle, started in ((["--seed", "9"], "epoch 1's plan differs from the one the checkpoint at step 25",
+                                     False),
+                                    (["--preset", "base"], "does not fit the model of these settings", True)):
         out = local(base + ["--steps", "35", "--resume", *change])
         assert out.returncode != 0, change
         errors = [line for line in out.stderr.splitlines() if line.startswith("cellfeed: error:")]
         assert errors and needle in errors[0], out.stderr[-2000:]
         assert "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert ("campaign r: " in out.stdout) == started, out.stdout[-2000:]
     # another number of ranks is no contradiction: the epoch's rest is re-planned over them
     out = local(base + ["--resume", "--gpus", "1"])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

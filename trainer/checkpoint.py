@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from coordination.audit import cells_hash
+from coordination.errors import CellfeedError
+from coordination.summary import load_summary
 
 
 def _key(k) -> tuple:
@@ -170,6 +172,7 @@ class Latest:
     step: int
     epoch: int
     trained: list[int]  # cells trained this epoch, per rank
+    plan_id: str = ""  # the plan of the epoch it was trained on
 
 
 def latest(directory: str | os.PathLike) -> Latest | None:
@@ -180,7 +183,18 @@ def latest(directory: str | os.PathLike) -> Latest | None:
     folder = root / pointer.read_text().strip()
     ranks = [RankProgress.from_json(f.read_text()) for f in sorted(folder.glob("progress-rank*.json"))]
     step = int(folder.name.removeprefix("step-"))
-    return Latest(folder, step, ranks[0].epoch if ranks else 0, [r.trained + r.carried for r in ranks])
+    return Latest(folder, step, ranks[0].epoch if ranks else 0, [r.trained + r.carried for r in ranks],
+                  ranks[0].plan_id if ranks else "")
+
+
+def check_same_plan(step: int, epoch: int, trained_on: str, store, run: str, epochs: int) -> None:
+    """A resume continues the plan its checkpoint (at `step`, inside `epoch`) was trained on: the
+    run's published plan of that epoch must be the same (same dataset, sampling, seed, splits).
+    Checked by `cellfeed local` before it starts any process, and by every rank."""
+    if trained_on and epoch < epochs and load_summary(store, run, epoch).plan_id != trained_on:
+        raise CellfeedError(f"--resume: epoch {epoch}'s plan differs from the one the checkpoint at step {step} was "
+                            "trained on: the dataset, sampling, seed or splits changed; resume with the run's own "
+                            "settings, or start a new --run")
 
 
 def load(directory: str | os.PathLike, device) -> Checkpoint | None:

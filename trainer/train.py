@@ -267,13 +267,7 @@ def check_resume(saved: checkpoint.Checkpoint, cfg: TrainConfig, model, store) -
         raise CellfeedError(f"--resume: the checkpoint at step {saved.step} was trained on another gene vocabulary "
                             f"({theirs_vocab}, this campaign's {cfg.vocab_fingerprint}): its token ids mean other genes; "
                             "resume with the run's own --vocabulary and sources, or start a new --run")
-    trained_on = saved.ranks[0].plan_id
-    if trained_on and saved.epoch < cfg.epochs:
-        now = load_summary(store, cfg.run, saved.epoch).plan_id
-        if now != trained_on:
-            raise CellfeedError(f"--resume: epoch {saved.epoch}'s plan differs from the one the checkpoint at step "
-                                f"{saved.step} was trained on: the dataset, sampling, seed or splits changed; "
-                                "resume with the run's own settings, or start a new --run")
+    checkpoint.check_same_plan(saved.step, saved.epoch, saved.ranks[0].plan_id, store, cfg.run, cfg.epochs)
     mine = model.state_dict()
     theirs = saved.state["model"]
     wrong = sorted(k for k in set(mine) | set(theirs)
