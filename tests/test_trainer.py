@@ -32,6 +32,19 @@ WORLD = 2
 BATCH = 32
 
 
+@pytest.fixture(scope="module")
+def atlas(tmp_path_factory):
+    """atlas's 3,000 cells in 14 plates over 2,000 genes, not 62,710: the tiny model's
+    embedding (its optimizer step, each step's all-reduce and every checkpoint) is then 30x
+    smaller, and what these tests check (which cells each rank trains, across kills and resumes)
+    is the same."""
+    from producers.synth import SynthSpec, synthesize
+
+    out = tmp_path_factory.mktemp("trainer-atlas") / "atlas"
+    return synthesize(str(out), SynthSpec(n_cells=3000, n_genes=2000, seed=7), rows_per_fragment=250_000,
+                      progress=False)
+
+
 class Campaign:
     """Server + published plans + producer threads, as the local campaign sets them up."""
 
@@ -89,11 +102,11 @@ def read_cells(prefix: Path, max_step: int | None = None, world: int = WORLD, on
     return out
 
 
-def test_two_rank_ddp_trains_in_sync_on_every_cell_once(small_synth, tmp_path):
-    plates = np.array(small_synth.obs(["plate"]).column(0).to_pylist())
+def test_two_rank_ddp_trains_in_sync_on_every_cell_once(atlas, tmp_path):
+    plates = np.array(atlas.obs(["plate"]).column(0).to_pylist())
     train_cells = np.flatnonzero(plates != "plate14")
     held_out = np.flatnonzero(plates == "plate14")[:96]
-    campaign = Campaign(small_synth, "ddp", epochs=1, subset_filter="plate != 'plate14'", held_out=held_out)
+    campaign = Campaign(atlas, "ddp", epochs=1, subset_filter="plate != 'plate14'", held_out=held_out)
     try:
         cfg = campaign.train_config(tmp_path, eval_every=15, eval_cells=96)
         codes = wait_all(launch(cfg, WORLD, tmp_path, summary_path=str(tmp_path / "summary")), timeout=600)
@@ -235,7 +248,7 @@ def second_world(tmp_path: Path) -> int:
 
 @pytest.mark.parametrize("sampling", [Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
                                       Sampling("sequential", unit_cells=60)], ids=["block", "sequential"])
-def test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_trains_every_cell_once(small_synth,
+def test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_trains_every_cell_once(atlas,
                                                                                                  tmp_path, sampling):
     """Elastic, both ways in one epoch: 2 ranks SIGKILLed mid-epoch, resumed on 3 (each re-run set
     up afresh: a new queue, plans published for its ranks, producers routing to them), those 3
@@ -245,20 +258,20 @@ def test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_trains
     a boundary cell not trained yet are); the audit covers the epoch across all three. (The same
     number of ranks: the corpus test below, on 2.)"""
     def on(world):  # with as many producers as ranks: the producer count changes too (2, 3, then 1)
-        return lambda: Campaign(small_synth, "elastic", epochs=1, sampling=sampling, world=world, producers=world)
+        return lambda: Campaign(atlas, "elastic", epochs=1, sampling=sampling, world=world, producers=world)
 
-    campaign = Campaign(small_synth, "elastic", epochs=1, sampling=sampling)
+    campaign = Campaign(atlas, "elastic", epochs=1, sampling=sampling)
     before, middle, _ = kill_mid_epoch_and_resume(campaign, tmp_path, resume_on=on(3), kill_again_after=10)
     per_rank = [sum(read_cells(tmp_path / "b" / "cells", world=3, only_rank=r).values()) for r in range(3)]
     assert min(per_rank) > 0  # all three ranks trained part of the rest
     last = json.loads((tmp_path / "c" / "summary.rank0").read_text())
     after = read_cells(tmp_path / "c" / "cells", world=1)
-    assert before + middle + after == Counter(range(small_synth.n_cells))  # no loss, no duplicate
+    assert before + middle + after == Counter(range(atlas.n_cells))  # no loss, no duplicate
     assert 0 < last["resume_skipped_units"] < campaign.summaries[0].n_units
     if sampling.strategy == "sequential":  # units holding a piece of an untrained boundary cell were made again
         assert len(campaign.summaries[0].boundary_cells) > 0
     (audit,) = last["audits"]
-    assert audit["audited"] and audit["cells"] == small_synth.n_cells and audit["missing"] == 0
+    assert audit["audited"] and audit["cells"] == atlas.n_cells and audit["missing"] == 0
     assert "across the resume" in audit["line"]
 
 
@@ -296,7 +309,7 @@ def single_rank(monkeypatch):
         monkeypatch.setenv(name, value)
 
 
-def test_gradient_accumulation_counts_every_batch_of_a_step(small_synth, tmp_path, single_rank):
+def test_gradient_accumulation_counts_every_batch_of_a_step(atlas, tmp_path, single_rank):
     """One rank in this process: with grad_accum 2, each logged step holds two batches' cells."""
     import torch.distributed as dist
 
@@ -305,9 +318,9 @@ def test_gradient_accumulation_counts_every_batch_of_a_step(small_synth, tmp_pat
     from trainer.train import train
 
     queue, store = MemoryQueue(), MemoryMap()
-    config = ProducerConfig(dataset=small_synth.uri, run="accum", world_size=1, max_genes=16, idle_timeout_s=0.2,
+    config = ProducerConfig(dataset=atlas.uri, run="accum", world_size=1, max_genes=16, idle_timeout_s=0.2,
                             sampling=Sampling("block", block_size=8, fetch_factor=4, batch_size=16))
-    producer = Producer(config, queue, store, dataset=small_synth)
+    producer = Producer(config, queue, store, dataset=atlas)
     publish_summary(store, "accum", PlanSummary.of(producer.plan(0), 1))
     queue.put_many([encode_task(0, u) for u in range(producer.plan(0).n_units)], partition=TASKS_PARTITION)
     producer.run()
@@ -334,7 +347,7 @@ def test_checkpoints_keep_the_last_k_and_the_best(tmp_path):
 
 
 @pytest.mark.parametrize("tamper", [False, True])
-def test_end_of_epoch_audit_passes_exactly_or_fails_loudly(small_synth, tmp_path, single_rank, tamper):
+def test_end_of_epoch_audit_passes_exactly_or_fails_loudly(atlas, tmp_path, single_rank, tamper):
     """A whole epoch ends with the count and cell-id hash check; cells other than the plan's
     (here: a plan whose hash was changed) fail the run with one line naming the rank."""
     import torch.distributed as dist
@@ -344,9 +357,9 @@ def test_end_of_epoch_audit_passes_exactly_or_fails_loudly(small_synth, tmp_path
     from trainer.train import train
 
     queue, store = MemoryQueue(), MemoryMap()
-    config = ProducerConfig(dataset=small_synth.uri, run="audit", world_size=1, max_genes=16, idle_timeout_s=0.2,
+    config = ProducerConfig(dataset=atlas.uri, run="audit", world_size=1, max_genes=16, idle_timeout_s=0.2,
                             sampling=Sampling("sequential", unit_cells=100))
-    producer = Producer(config, queue, store, dataset=small_synth)
+    producer = Producer(config, queue, store, dataset=atlas)
     plan = producer.plan(0)
     summary = PlanSummary.of(plan, 1)
     assert len(plan.boundary_cells) > 0  # stitched cells are audited too
@@ -366,8 +379,8 @@ def test_end_of_epoch_audit_passes_exactly_or_fails_loudly(small_synth, tmp_path
         else:
             result = train(cfg, queue=queue, store=store)
             (audit,) = result["audits"]
-            assert audit["audited"] and audit["cells"] == small_synth.n_cells
-            assert audit["line"].startswith(f"epoch 0: {small_synth.n_cells:,} cells trained, 0 missing, 0 duplicated")
+            assert audit["audited"] and audit["cells"] == atlas.n_cells
+            assert audit["line"].startswith(f"epoch 0: {atlas.n_cells:,} cells trained, 0 missing, 0 duplicated")
     finally:
         dist.destroy_process_group()
 
