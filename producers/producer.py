@@ -431,7 +431,8 @@ class Producer:
 
     def _take_and_read(self) -> tuple[int, int, tuple[WorkUnit, RowBlock]] | None:
         """(read-ahead thread) The next task and its rows; None when the task list stayed empty
-        for `idle_timeout_s`, or a stop was signalled."""
+        for `idle_timeout_s`, or a stop was signalled (an idle producer looks for the stop key at
+        each empty poll, so a campaign's end stops it within a second, not at its next heartbeat)."""
         idle_until = time.monotonic() + self.config.idle_timeout_s
         while not self._stopping.is_set():
             try:
@@ -448,7 +449,7 @@ class Producer:
                 rows = self.read(epoch, unit)
                 self.stats.unit_read_s.append(time.perf_counter() - t)
                 return epoch, unit, rows
-            if time.monotonic() >= idle_until:
+            if time.monotonic() >= idle_until or self.store.get(stop_key(self.config.run)) is not None:
                 return None
         return None
 
@@ -469,7 +470,7 @@ class Producer:
         busy): an event naming the units held, and a look for the stop signal."""
         self._beat_at = 0.0
         try:
-            while True:
+            while not self._stopping.is_set():  # a stop asked of the loop (`stop`, an error) ends it at once
                 self._beat_if_due()
                 try:
                     job = self._outbox.get(timeout=max(0.01, min(STOP_POLL_S, self._beat_at - time.monotonic())))
