@@ -64,12 +64,15 @@ def pipeline_epoch(ds, sampling: Sampling, *, seed: int = 0, batch_size: int = 6
     driver.start([0])
     worker = threading.Thread(target=producer.run, daemon=True)
     worker.start()
-    stream = ConsumerStream(queue, rank=0, world_size=1, run=run, batch_size=batch_size, buffer_cells=buffer_cells)
+    # a short poll: the queue is in this process (a poll costs nothing), and closing waits one poll out
+    stream = ConsumerStream(queue, rank=0, world_size=1, run=run, batch_size=batch_size, buffer_cells=buffer_cells,
+                            poll_s=0.1)
     try:
         yield stream.epoch(0, summary.cells_per_rank), held
     finally:
         stream.close()
         store.put(stop_key(run), "stop")
+        producer.stop()  # at once (this process's own), not when it next looks at the key
         driver.stop()
         worker.join(timeout=30)
 
