@@ -324,8 +324,8 @@ def test_gradient_accumulation_counts_every_batch_of_a_step(atlas, tmp_path, sin
     publish_summary(store, "accum", PlanSummary.of(producer.plan(0), 1))
     queue.put_many([encode_task(0, u) for u in range(producer.plan(0).n_units)], partition=TASKS_PARTITION)
     producer.run()
-    cfg = TrainConfig(run="accum", backend={"kind": "memory"}, vocab_size=62_714, batch_size=16, grad_accum=2,
-                      max_steps=5, run_driver=False, progress_bar=False, log_path=str(tmp_path / "steps.jsonl"))
+    cfg = TrainConfig(run="accum", backend={"kind": "memory"}, vocab_size=producer.vocab.size, batch_size=16,
+                      grad_accum=2, max_steps=5, run_driver=False, progress_bar=False, log_path=str(tmp_path / "steps.jsonl"))
     try:
         summary = train(cfg, queue=queue, store=store)
     finally:
@@ -369,7 +369,7 @@ def test_end_of_epoch_audit_passes_exactly_or_fails_loudly(atlas, tmp_path, sing
     store.named(epoch_map_name(0), create=True)  # what the driver does first: the epoch's stitching map
     queue.put_many([encode_task(0, u) for u in range(plan.n_units)], partition=TASKS_PARTITION)
     producer.run()
-    cfg = TrainConfig(run="audit", backend={"kind": "memory"}, vocab_size=62_714, batch_size=64, epochs=1,
+    cfg = TrainConfig(run="audit", backend={"kind": "memory"}, vocab_size=producer.vocab.size, batch_size=64, epochs=1,
                       run_driver=False, progress_bar=False, no_data_timeout_s=20)
     try:
         if tamper:
