@@ -21,6 +21,9 @@ def _cancelled(*_):
 
 def main() -> int:
     signal.signal(signal.SIGUSR1, _cancelled)
+    # preemption's SIGINT is a KeyboardInterrupt in the body (S15) whatever this process inherited: a
+    # test run started where SIGINT is ignored (a shell's background job) still sees it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     call_id, attempt = os.environ["MODAL_EMULATOR_CALL"], int(os.environ["MODAL_EMULATOR_ATTEMPT"])
     spec, _ = _conn.call({"op": "f.input", "id": call_id})
     try:
