@@ -88,7 +88,7 @@ def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_mid_epoch(
     checkpoint yet), and its re-run is preempted again once training is past a checkpoint
     (mid-epoch 0). Each re-run resumes with the same queue, plans and producers."""
     with ModalEmulator(tmp_path / "world", grace_s=30) as world:
-        proc = modal_run(world, flags(atlas, rpc_latency_ms=25))
+        proc = modal_run(world, flags(atlas, rpc_latency_ms=25, batch_size=32))  # 21 steps an epoch
         call = wait_for(lambda: train_attempt(world), "train to start")
         wait_for(lambda: len(world.calls("produce")) == 2, "the fleet to be spawned")
         world.preempt(call["id"])  # in its first minute
