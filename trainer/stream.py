@@ -146,9 +146,13 @@ class ConsumerStream:
         (the plan's counts, less what a checkpoint says was trained)."""
         return EpochIterator(self, epoch, cells_per_rank)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop fetching. What the fetcher pops from now on is not trained (a resume produces its
+        unit again). `wait=False`: return at once; the fetcher (a daemon thread) ends after its
+        current poll, or with the process."""
         self._closed.set()
-        self._fetcher.join(timeout=5 * self.poll_s + 1)
+        if wait:
+            self._fetcher.join(timeout=5 * self.poll_s + 1)
 
 
 class EpochIterator:

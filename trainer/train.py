@@ -180,7 +180,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         if cfg.checkpoint_dir and not stopping:  # (a stop saved at its step already)
             save()
     finally:
-        stream.close()
+        stream.close(wait=False)  # training is over: the rank need not wait out the fetcher's poll (up to 1 s)
         if driver is not None:
             driver.stop()
         if cells_log is not None:
