@@ -14,7 +14,7 @@ its unit's re-issue, the gap between epochs, time to the first batch, and the se
 start-up seconds / peak RSS at 100M cells (each in a fresh process).
 
     python benchmarks/coordination.py [--quick] [--producers 64] [--rate 1000] [--latency-ms 25]
-    python benchmarks/coordination.py --tiny   # the test suite's: 4 producers, 2 x 16 units, a 3 s lease, probes at 200k cells
+    python benchmarks/coordination.py --tiny   # the test suite's: 4 producers, 2 x 16 units, a 3 s lease, probes at 200k cells (seconds)
 
 Ends with one JSON line of the figures. Exits 1 (one line on stderr) when the simulation did not
 deliver every cell (at once, before the later phases), the full-partition phase took none, or a
@@ -143,7 +143,7 @@ def consume(queue, rank: int, summaries: dict, log: dict, stop: threading.Event)
 
 
 def simulate(*, producers: int, rate: float, units: int, epochs: int, latency_ms: float, jitter_ms: float,
-             kill: bool, max_seconds: float, plans: dict, lease_s: float = LEASE_S) -> dict:
+             kill: bool, max_seconds: float, plans: dict, lease_s: float = LEASE_S, kill_after_s: float = 5.0) -> dict:
     queue, store = MemoryQueue(), MemoryMap()
     kind = lambda p: ".tasks" if p == TASKS_PARTITION else ".items" if (p or "").startswith("rank-") else ""  # noqa: E731
     queue, store, counts = with_latency(queue, store, latency_ms, jitter_ms, partition_kind=kind)
@@ -167,7 +167,7 @@ def simulate(*, producers: int, rate: float, units: int, epochs: int, latency_ms
         t.start()
     killed_at = None
     if kill:  # a producer dies mid-unit once the campaign is running
-        time.sleep(min(5.0, max_seconds / 4))
+        time.sleep(min(kill_after_s, max_seconds / 4))
         killed_at = time.monotonic()
         sims[0].died.set()
     for t in consumers:
@@ -357,8 +357,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller run at the same latency (about two minutes)")
     parser.add_argument("--tiny", action="store_true",
-                        help="the smallest run that still sees a re-issue: 4 producers, 2 x 16 units, a 3 s lease, "
-                             "3 s of the full-partition phase, start-up probes at 200k cells (the test suite's)")
+                        help="the smallest run that still sees a re-issue: 4 producers at 2,000 cells/s, 2 x 16 units, "
+                             "one dying at 2 s, a 3 s lease, 3 s of the full-partition phase, start-up probes at 200k "
+                             "cells (the test suite's)")
     parser.add_argument("--producers", type=int, default=64, help="simulated producers (default: 64)")
     parser.add_argument("--rate", type=float, default=1000.0, help="cells/s of one producer (default: 1000)")
     parser.add_argument("--units", type=int, default=2000, help="units per simulated epoch window (default: 2000)")
@@ -381,9 +382,11 @@ def main() -> None:
         args.producers, args.units = min(args.producers, 32), min(args.units, 800)
         args.max_seconds = args.max_seconds or 90.0
         args.spin_seconds = min(args.spin_seconds, 20.0)
-    if args.tiny:  # the producers must still be busy when one dies (at 5 s), the run outlasts the lease
+    kill_after_s = 5.0  # the producers must still be busy when one dies; the run outlasts the lease after it
+    if args.tiny:  # 4 s of the producers' work: one dies at 2 s
         args.producers, args.units = min(args.producers, 4), min(args.units, 16)
         args.lease_s = args.lease_s or 3.0
+        args.rate, kill_after_s = 2000.0, 2.0
         args.max_seconds = args.max_seconds or 60.0
         args.spin_seconds = min(args.spin_seconds, 3.0)
         args.startup_cells = min(args.startup_cells, 200_000)
@@ -395,7 +398,7 @@ def main() -> None:
     print(f"plans for the simulated windows built in {time.perf_counter() - t:.1f}s")
     sim = simulate(producers=args.producers, rate=args.rate, units=args.units, epochs=args.epochs,
                    latency_ms=args.latency_ms, jitter_ms=args.jitter_ms, kill=True, max_seconds=args.max_seconds,
-                   plans=plans, lease_s=args.lease_s)
+                   plans=plans, lease_s=args.lease_s, kill_after_s=kill_after_s)
     if not sim["finished"]:  # the rest would measure nothing that matters for a run that did not do its work
         fail(f"did not finish: the simulation delivered {sim['cells']:,} of {sim['expected_cells']:,} cells "
              f"in {sim['seconds']}s")
