@@ -10,7 +10,7 @@ producer's start-up time. Rates are steady rates: the wait for a producer's firs
 
     python benchmarks/object_store.py            # 100k-cell atlas, >= 60k cells and 4 units per setting
     python benchmarks/object_store.py --quick    # >= 6k cells and 3 units per setting, about a minute
-    python benchmarks/object_store.py --tiny     # 6k-cell atlas, >= 500 cells and 1 unit per setting (tests; its rates are the first unit's, not steady)
+    python benchmarks/object_store.py --tiny     # 6k-cell atlas, >= 500 cells and 1 unit per setting (tests: with one unit, a rate leaves out its read)
 
 Ends with one JSON line of the figures. Exits 1 (one line on stderr) when a producer made fewer
 cells than its units hold, the proxied store saw no request, or a figure is missing.
