@@ -7,7 +7,7 @@ runs once without faults, for the overhead (not in the tiny run: it has no overh
 
 Fault kinds:
   kill      SIGKILL a producer (the campaign restarts it, as Modal retries a function)
-  stall     SIGSTOP a producer 4 s past its lease (its unit is re-issued), then SIGCONT: it wakes up
+  stall     SIGSTOP a producer 4 s past its lease (2 s tiny; its unit is re-issued), then SIGCONT: it wakes up
             holding a unit another producer already made, and sends its duplicate items
   pause     SIGSTOP every trainer rank for a while (the queue fills, producers block on
             backpressure and keep heartbeating), then SIGCONT; the pause is added to the wall
@@ -69,16 +69,16 @@ class Outcome:
 
 
 def fault_plan(seed: int, n_faults: int, span_steps: int, kinds=KINDS, pause_s: float = 4.0,
-               lease_s: float = LEASE_S) -> list[Fault]:
+               lease_s: float = LEASE_S, past_lease_s: float = 4.0) -> list[Fault]:
     """Seeded faults spread over the first `span_steps` training steps: at least one of each
-    kind, the rest kills; a stall lasts 4 s past the lease, a pause `pause_s`."""
+    kind, the rest kills; a stall lasts `past_lease_s` past the lease, a pause `pause_s`."""
     rng = random.Random(seed)
     chosen = list(kinds) + ["kill"] * max(0, n_faults - len(kinds))
     rng.shuffle(chosen)
     gap = span_steps / (len(chosen) + 1)
     plan = []
     for i, kind in enumerate(chosen[:n_faults]):
-        seconds = lease_s + 4 if kind == "stall" else pause_s if kind == "pause" else 0.0
+        seconds = lease_s + past_lease_s if kind == "stall" else pause_s if kind == "pause" else 0.0
         plan.append(Fault(max(1, round(gap * (i + 1) + rng.uniform(-gap / 3, gap / 3))), kind, seconds))
     return sorted(plan, key=lambda f: f.at_step)
 
@@ -247,13 +247,14 @@ def main() -> None:
                              "producer's unit is issued again after it")
     parser.add_argument("--pause-s", type=float, default=None,
                         help="how long the trainer is paused (its wall time is added to the run's by construction; "
-                             "default 4; tiny: the lease + 4 s, past it)")
+                             "default 4; tiny: the lease + 2 s, past it)")
     args = parser.parse_args()
     n_faults = args.faults or (3 if args.tiny else 6 if args.quick else 10)
     epochs = args.epochs or (3 if args.tiny else 12 if args.quick else 20)
     args.cells = args.cells or (400 if args.tiny else 3000)
     args.lease_s = args.lease_s or (4.0 if args.tiny else LEASE_S)
-    args.pause_s = args.pause_s if args.pause_s is not None else args.lease_s + 4 if args.tiny else 4.0
+    past_lease_s = 2.0 if args.tiny else 4.0  # a stall's margin past the lease (the driver looks every 0.25 s)
+    args.pause_s = args.pause_s if args.pause_s is not None else args.lease_s + past_lease_s if args.tiny else 4.0
     kinds = KINDS
     timeout_s = 180.0 if args.tiny else 600.0
 
@@ -276,7 +277,8 @@ def main() -> None:
             fail(f"the campaign without faults {'timed out' if calm.timed_out else 'failed'} (exit {calm.returncode})")
         steps = training_steps(work / "calm")  # the same campaign with faults trains as many steps
     span = round((0.4 if args.tiny else 0.6) * steps)
-    plan = fault_plan(args.seed, n_faults, span, kinds=kinds, pause_s=args.pause_s, lease_s=args.lease_s)
+    plan = fault_plan(args.seed, n_faults, span, kinds=kinds, pause_s=args.pause_s, lease_s=args.lease_s,
+                      past_lease_s=past_lease_s)
     chaos = run_campaign(dataset, work, "chaos", epochs=epochs, faults=plan, seed=args.seed, extra=settings,
                          timeout_s=timeout_s)
     checked, lost, duplicated = lost_and_duplicated(trained_per_epoch(work / "chaos"), expected, epochs)
@@ -292,7 +294,7 @@ def main() -> None:
           f"{os.cpu_count()} cores")
     print(f"{'at step':>7}  fault")
     for at, kind, n in sorted(chaos.faults):
-        what = {"kill": "SIGKILL a producer", "stall": f"SIGSTOP a producer for {args.lease_s + 4:.0f}s (past its lease)",
+        what = {"kill": "SIGKILL a producer", "stall": f"SIGSTOP a producer for {args.lease_s + past_lease_s:.0f}s (past its lease)",
                 "pause": f"SIGSTOP {n} trainer ranks for {args.pause_s:.0f}s"}[kind]
         print(f"{at:>7}  {what}")
     print(f"run finished: {'yes' if chaos.returncode == 0 else f'no (exit {chaos.returncode})'}; "
