@@ -83,7 +83,8 @@ def test_resume_with_settings_that_contradict_the_checkpoint_is_refused(tmp_path
     # another plan is refused before the campaign starts a producer or a rank; another model by the ranks
     for change, needle, started in ((["--seed", "9"], "epoch 1's plan differs from the one the checkpoint at step 25",
                                      False),
-                                    (["--preset", "base"], "does not fit the model of these settings", True)):
+                                    (["--preset", "base", "--gpus", "1"], "does not fit the model of these settings",
+                                     True)):
         out = local(base + ["--steps", "35", "--resume", *change])
         assert out.returncode != 0, change
         errors = [line for line in out.stderr.splitlines() if line.startswith("cellfeed: error:")]
@@ -119,7 +120,7 @@ def test_two_campaigns_at_once_never_read_each_others_data(tmp_path):
     atlas(tmp_path / "b", n_cells=700, seed=2)
     procs = [subprocess.Popen([sys.executable, "-m", "app.cli", "local", "--dataset", str(tmp_path / name),
                                "--workdir", str(tmp_path), "--run", f"run-{name}", "--max-genes", "24",
-                               "--batch-size", "16", "--epochs", "2", "--audit-cells", "--quiet"],
+                               "--batch-size", "16", "--epochs", "2", "--gpus", "1", "--audit-cells", "--quiet"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name in ("a", "b")]
     outs = [p.communicate(timeout=300) for p in procs]

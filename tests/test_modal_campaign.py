@@ -113,7 +113,7 @@ def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_mid_epoch(
 def test_a_producer_that_keeps_failing_ends_the_run_in_one_line(atlas, tmp_path):
     with ModalEmulator(tmp_path / "world", grace_s=10, retry_delay_s=0.2) as world:
         world.fail("produce", times=100)  # every attempt of every producer
-        code, out, err = finish(modal_run(world, flags(atlas, epochs=1)))
+        code, out, err = finish(modal_run(world, flags(atlas, epochs=1, gpus=1)))  # (one rank is enough here)
         assert code != 0
         lines = [line for line in err.splitlines() if "Modal's retries spent" in line]
         assert lines and re.search(r"producer-\d failed 4 times, Modal's retries spent \(RuntimeError: injected "
@@ -130,7 +130,8 @@ def test_a_campaign_longer_than_a_call_continues_in_new_calls(atlas, tmp_path):
     hands over: an epoch of 3 steps spans 3 calls and is still trained exactly once; on the
     emulator's clock a day is a minute, and no call reaches it."""
     with ModalEmulator(tmp_path / "world", grace_s=10, clock_speed=24 * 60) as world:
-        code, out, err = finish(modal_run(world, flags(atlas, epochs=1, batch_size=256, attempt_hours=1e-6)))
+        # one rank, batches of 512: the epoch's 1,344 cells are 3 steps
+        code, out, err = finish(modal_run(world, flags(atlas, epochs=1, gpus=1, batch_size=512, attempt_hours=1e-6)))
         assert code == 0, err[-3000:]
         trains = world.calls("train")
         assert len(trains) >= 3 and all(c["status"] == "success" for c in trains)
@@ -183,7 +184,7 @@ def test_modal_run_trains_a_corpus_with_its_files_carried_into_the_containers(co
     vocab = GeneVocab.build(identifiers + [[f"EXTRA{i}" for i in range(10)]])  # 10 genes no source has
     (tmp_path / "vocab.json").write_text(json.dumps(vocab.ids))
     args = ["--corpus", path, "--vocabulary", str(tmp_path / "vocab.json"), "--run", RUN, "--producers", "2",
-            "--gpus", "2", "--batch-size", "16", "--max-genes", "32", "--preset", "tiny", "--epochs", "1",
+            "--gpus", "1", "--batch-size", "16", "--max-genes", "32", "--preset", "tiny", "--epochs", "1",
             "--warmup-steps", "2", "--checkpoint-every", "50"]
     with ModalEmulator(tmp_path / "world") as world:
         code, out, err = finish(modal_run(world, args))
@@ -200,9 +201,10 @@ def test_a_rerun_with_another_gpus_count_resumes_the_epoch_on_it(atlas, tmp_path
     --steps): the checkpoint's epoch is finished on one rank, its rest re-planned, and audited
     across both runs."""
     with ModalEmulator(tmp_path / "world") as world:
-        code, out, err = finish(modal_run(world, flags(atlas, steps=70, checkpoint_every=10)))
+        # batches of 32: 21 steps an epoch, so step 30 is inside epoch 1
+        code, out, err = finish(modal_run(world, flags(atlas, steps=30, checkpoint_every=10, batch_size=32)))
         assert code == 0, out[-2000:] + err[-3000:]
-        code, out, err = finish(modal_run(world, flags(atlas, gpus=1) + ["--resume"]))
+        code, out, err = finish(modal_run(world, flags(atlas, gpus=1, batch_size=32) + ["--resume"]))
         assert code == 0, out[-2000:] + err[-3000:]
         trains = world.calls("train")
         logs = container_log(world, trains[-1]["id"], 0)
