@@ -13,7 +13,7 @@ strategy:
 
     python benchmarks/randomness.py            # 200k-cell atlas (14 plates), batch 64, 20 settings
     python benchmarks/randomness.py --quick    # 15k-cell atlas, the 5 parity settings, one seed (a minute)
-    python benchmarks/randomness.py --tiny     # as --quick on 1.5k cells x 5k genes, the PNGs in a temp dir (tests)
+    python benchmarks/randomness.py --tiny     # as --quick on 1k cells x 3k genes, the PNGs in a temp dir (tests)
 
 Every epoch holds out plate14 (the probe's test plate), so batches come from 13 plates stored in
 order: sequential batches see one plate (entropy ~0 bits), truly random batches of 64 most of
@@ -116,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a 15k-cell atlas, the 5 parity settings, one seed (a minute)")
     parser.add_argument("--tiny", action="store_true",
-                        help="as --quick on an atlas of 1.5k cells and 5k genes (the probe's steps cost its vocabulary), "
+                        help="as --quick on an atlas of 1k cells and 3k genes (the probe's steps cost its vocabulary), "
                              "one throughput pair, a 512-cell buffer, the PNGs in a temp dir (the test suite's)")
     parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
                         help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
@@ -136,13 +136,13 @@ def main() -> None:
                                 if args.tiny else str(ROOT / "benchmarks" / "randomness.png"))
     args.quick = args.quick or args.tiny  # the quick sweep, smaller
     args.buffer = args.buffer or (512 if args.tiny else 4096)
-    n_cells = 1_500 if args.tiny else 15_000 if args.quick else 200_000
+    n_cells = 1_000 if args.tiny else 15_000 if args.quick else 200_000
     budget = args.budget or (500 if args.tiny else 2_000 if args.quick else 40_000)
     seeds = SEEDS[:1] if args.quick else SEEDS
-    if args.tiny:  # 5,000 genes: each step of the probe costs its whole vocabulary
+    if args.tiny:  # 3,000 genes: each step of the probe costs its whole vocabulary
         work = tempfile.mkdtemp(prefix="cellfeed-randomness-")
         atexit.register(shutil.rmtree, work, True)
-        ds = synthesize(str(Path(work) / "atlas"), SynthSpec(n_cells=n_cells, n_genes=5000, seed=0), progress=False)
+        ds = synthesize(str(Path(work) / "atlas"), SynthSpec(n_cells=n_cells, n_genes=3000, seed=0), progress=False)
     else:
         ds = open_dataset(cached_atlas(n_cells))
     plates = label_codes(ds, "plate")[0]
