@@ -10,7 +10,7 @@ producer's start-up time. Rates are steady rates: the wait for a producer's firs
 
     python benchmarks/object_store.py            # 100k-cell atlas, >= 60k cells and 4 units per setting
     python benchmarks/object_store.py --quick    # >= 6k cells and 3 units per setting, about a minute
-    python benchmarks/object_store.py --tiny     # 6k-cell atlas, >= 500 cells and 1 unit per setting (tests: with one unit, a rate leaves out its read)
+    python benchmarks/object_store.py --tiny     # 3k-cell atlas, >= 500 cells and 1 unit per setting (tests: with one unit, a rate leaves out its read)
 
 Ends with one JSON line of the figures. Exits 1 (one line on stderr) when a producer made fewer
 cells than its units hold, the proxied store saw no request, or a figure is missing.
@@ -104,8 +104,8 @@ def pct(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=">= 6k cells and 3 units per setting")
-    parser.add_argument("--tiny", action="store_true", help="a 6k-cell atlas, >= 500 cells and 1 unit per setting (the test suite's)")
-    parser.add_argument("--cells", type=int, default=None, help="atlas size (default 100,000; 6,000 tiny)")
+    parser.add_argument("--tiny", action="store_true", help="a 3k-cell atlas, >= 500 cells and 1 unit per setting (the test suite's)")
+    parser.add_argument("--cells", type=int, default=None, help="atlas size (default 100,000; 3,000 tiny)")
     parser.add_argument("--budget", type=int, default=None,
                         help="cells per setting, at least 4 units (3 quick, 1 tiny) (default 60,000; 6,000 quick; "
                              "500 tiny)")
@@ -118,7 +118,7 @@ def main() -> None:
                         help="let the producer, the server and the proxy share all cores (default: the producer "
                              "on CPU 0, the server and the proxy on the others, as if the store were remote)")
     args = parser.parse_args()
-    n_cells = args.cells or (6_000 if args.tiny else 100_000)  # a b=16 f=256 unit is 16,384 cells: fewer give
+    n_cells = args.cells or (3_000 if args.tiny else 100_000)  # a b=16 f=256 unit is 16,384 cells: fewer give
     budget = args.budget or (500 if args.tiny else 6_000 if args.quick else 60_000)  # too few units
     min_units = 1 if args.tiny else 3 if args.quick else 4
     strategies = args.strategies.split(",")
