@@ -15,7 +15,7 @@ Fault kinds:
 
     python benchmarks/chaos.py            # 10 faults over a 20-epoch campaign
     python benchmarks/chaos.py --quick    # 6 faults over 12 epochs, within 3 minutes on 2 cores
-    python benchmarks/chaos.py --tiny     # a kill, a stall and a pause past a 4 s lease over 3 epochs of 400 cells (tests)
+    python benchmarks/chaos.py --tiny     # a kill, a stall and a pause past a 4 s lease over 2 epochs of 400 cells (tests)
 
 Ends with one JSON line of the figures. Exits 1 (one line on stderr) when a campaign did not finish
 (or timed out), a planned fault was not injected, a cell was lost or duplicated, or a figure is
@@ -233,10 +233,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="6 faults over a 12-epoch campaign (under 3 minutes)")
     parser.add_argument("--tiny", action="store_true",
-                        help="a kill, a stall and a pause past a 4 s lease over a 3-epoch campaign of 400 cells, "
+                        help="a kill, a stall and a pause past a 4 s lease over a 2-epoch campaign of 400 cells, "
                              "without the calm run (the test suite's)")
     parser.add_argument("--faults", type=int, default=None, help="faults to inject (default 10; 6 quick; 3 tiny)")
-    parser.add_argument("--epochs", type=int, default=None, help="campaign epochs (default 20; 12 quick; 3 tiny)")
+    parser.add_argument("--epochs", type=int, default=None, help="campaign epochs (default 20; 12 quick; 2 tiny)")
     parser.add_argument("--cells", type=int, default=None, help="cells of the synthetic atlas (default 3,000; 400 tiny)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault plan")
     parser.add_argument("--rpc-latency-ms", type=float, default=25.0,
@@ -250,7 +250,7 @@ def main() -> None:
                              "default 4; tiny: the lease + 2 s, past it)")
     args = parser.parse_args()
     n_faults = args.faults or (3 if args.tiny else 6 if args.quick else 10)
-    epochs = args.epochs or (3 if args.tiny else 12 if args.quick else 20)
+    epochs = args.epochs or (2 if args.tiny else 12 if args.quick else 20)
     args.cells = args.cells or (400 if args.tiny else 3000)
     args.lease_s = args.lease_s or (4.0 if args.tiny else LEASE_S)
     past_lease_s = 2.0 if args.tiny else 4.0  # a stall's margin past the lease (the driver looks every 0.25 s)
