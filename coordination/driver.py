@@ -28,13 +28,13 @@ from coordination.routing import (EVENTS_PARTITION, TASKS_PARTITION, decode_even
 
 LEASE_S = 12.0  # a unit whose producer is silent this long is re-issued (the campaign's --lease-s)
 HEARTBEATS_PER_LEASE = 4  # a producer says what it holds this often per lease: a lease is 4 missed heartbeats
+EVENTS_PER_CALL = 1000
+PUBLISH_EVERY_S = 2.0  # how often the producers' totals are published for monitors
 
 
 def heartbeat_interval(lease_s: float) -> float:
     """How often a producer under this lease says what it holds."""
     return lease_s / HEARTBEATS_PER_LEASE
-EVENTS_PER_CALL = 1000
-PUBLISH_EVERY_S = 2.0  # how often the producers' totals are published for monitors
 
 
 @dataclass

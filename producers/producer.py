@@ -449,7 +449,7 @@ class Producer:
                 rows = self.read(epoch, unit)
                 self.stats.unit_read_s.append(time.perf_counter() - t)
                 return epoch, unit, rows
-            if time.monotonic() >= idle_until or self.store.get(stop_key(self.config.run)) is not None:
+            if time.monotonic() >= idle_until or self._stop_signalled():
                 return None
         return None
 
@@ -495,9 +495,13 @@ class Producer:
         if self._courier is None or time.monotonic() < self._beat_at:
             return
         self._beat_at = time.monotonic() + self.config.heartbeat_s
-        if self.store.get(stop_key(self.config.run)) is not None:
+        if self._stop_signalled():
             raise Stopped
         self._event()
+
+    def _stop_signalled(self) -> bool:
+        """The campaign's stop key is set (its end, by `cellfeed local` or the Modal app)."""
+        return self.store.get(stop_key(self.config.run)) is not None
 
     def _event(self, done=()) -> None:
         """One event: the units just finished, the units held now, the running totals."""

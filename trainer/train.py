@@ -61,8 +61,6 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-
-
 def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     stop_asked = []  # set by STOP_SIGNAL; all-reduced with each step's counts so every rank stops together
     signal.signal(STOP_SIGNAL, lambda *_: stop_asked.append(True))
@@ -238,6 +236,7 @@ def start_driver(cfg: TrainConfig, queue, store, resumed, epoch: int, summaries:
     driver = Driver(queue, store, cfg.run, lease_s=cfg.lease_s)
     driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if resumed is not None else None, skip_units=skip)
     return driver
+
 
 def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
     """The fixed evaluation batches: every held-out item, popped once (bounded wait)."""
