@@ -85,8 +85,8 @@ def fault_plan(seed: int, n_faults: int, span_steps: int, kinds=KINDS, pause_s: 
 
 def children(pid: int) -> list[tuple[int, list[str]]]:
     """The processes `pid` started that are still there, with their command lines (Linux: each
-    thread's /proc/PID/task/TID/children). A campaign's own queue server, producers and ranks: no
-    other process on the machine is ever signalled. A child's pid stays its own until `pid` reaps it."""
+    thread's /proc/PID/task/TID/children). A campaign's own queue server, producers and rank server
+    (whose children are its ranks): no other process on the machine is ever signalled. A child's pid stays its own until `pid` reaps it."""
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
@@ -152,7 +152,8 @@ def run_campaign(dataset: str, workdir: Path, run: str, *, epochs: int, producer
         with lock:  # one target at a time: a producer stalled by one fault is not picked by another
             mine = children(proc.pid)
             if fault.kind == "pause":
-                targets = [pid for pid, argv in mine if "trainer.train" in argv]
+                # the ranks: forked by the campaign's rank server (`python -m trainer.launch`)
+                targets = [rank for pid, argv in mine if "trainer.launch" in argv for rank, _ in children(pid)]
             else:
                 found = [pid for pid, argv in mine if "--produce" in argv and pid not in stopped]
                 targets = [rng.choice(found)] if found else []

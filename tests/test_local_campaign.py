@@ -237,7 +237,7 @@ def test_ctrl_c_stops_every_child_with_one_line(counts_atlas, tmp_path, to_group
         training_began(proc, tmp_path / "ctrlc" / "steps.jsonl")
         started = {pid: started_at(pid) for pid in descendants(proc.pid)}  # what this campaign started, no other's
         kinds = " ".join(" ".join(cmdline(pid)) for pid in started)
-        assert all(k in kinds for k in ("coordination.local_backend", "app.fleet --produce", "trainer.train")), kinds
+        assert all(k in kinds for k in ("coordination.local_backend", "app.fleet --produce", "trainer.launch")), kinds
         if to_group:  # Ctrl-C in a terminal: SIGINT to the foreground process group
             os.killpg(proc.pid, signal.SIGINT)
         else:  # SIGINT to the main process alone

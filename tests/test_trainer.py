@@ -5,8 +5,6 @@ plan, and a run SIGKILLed mid-epoch resumes so that every cell is trained on exa
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 from collections import Counter
 from pathlib import Path
@@ -204,7 +202,7 @@ def kill_mid_epoch_and_resume(campaign: Campaign, tmp_path: Path, resume_on=None
                  or any(p.poll() is not None for p in procs), f"a checkpoint at step {at_step}", timeout=300)
         assert all(p.poll() is None for p in procs), f"a rank ended before its checkpoint at step {at_step}"
         for p in procs:  # the ranks this test launched
-            os.kill(p.pid, signal.SIGKILL)  # a real crash: no clean-up, no final checkpoint
+            p.kill()  # SIGKILL, a real crash: no clean-up, no final checkpoint
         for p in procs:
             p.wait()
         return int(latest.read_text().strip().split("-")[1])

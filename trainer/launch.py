@@ -1,52 +1,258 @@
 """Start one training process per rank on this machine (what torchrun does, minus elasticity):
-real processes, so a test can SIGKILL them."""
+real processes, each in a session of its own, so a test can SIGKILL them.
+
+Ranks are forked from a *rank server* (`python -m trainer.launch`), one per launching process,
+started on first use. It imports torch and the trainer once; each fresh interpreter would pay that
+again (~2.5 CPU-s here: `import torch`, then `torch._dynamo`, which DDP's constructor and the
+optimizer's first step import), so a campaign's second and later ranks, and every rank of a resume,
+start in milliseconds. The server never runs a torch op or initialises CUDA before it forks (one
+thread; each rank sets its own device up), and talks to the launcher over a Unix socket pair:
+
+    launcher -> server   {"argv": [...], "env": {...}, "cwd": ...} with the rank's stdout and stderr (SCM_RIGHTS)
+                         {"signal": N, "pid": P}
+    server -> launcher   {"started": P}, then {"exited": P, "code": C}
+
+The server is the ranks' parent: it alone reaps them, and signals only a rank it has not reaped,
+so a signal never reaches a process that reused a rank's pid. It ends when the launcher does (its
+socket closes), leaving running ranks to end on their own, as ranks the launcher had started itself
+would. If the server ends first, the launcher kills its ranks (no one could reap or report them)
+and reports each as killed.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import threading
 from dataclasses import asdict
 from pathlib import Path
 
-from trainer.config import STOP_SIGNAL, TrainConfig
+from coordination.errors import CellfeedError
 from coordination.net import free_port
+from trainer.config import STOP_SIGNAL, TrainConfig
+
+START_TIMEOUT_S = 120.0  # the first start waits for the server's imports (seconds; minutes on a loaded machine)
+REAP_EVERY_S = 0.05  # how often the server looks for ranks that ended
+MAX_MESSAGE = 1 << 20  # a start request carries the rank's environment
 
 
 def launch(cfg: TrainConfig, world_size: int, workdir: str | os.PathLike, summary_path: str | None = None,
-           env: dict | None = None, log_ranks: bool = False) -> list[subprocess.Popen]:
-    """Popen one `python -m trainer.train` per rank; the caller waits (or kills). With
-    `log_ranks`, ranks other than 0 write their output to WORKDIR/rank<r>.log."""
+           env: dict | None = None, log_ranks: bool = False) -> list[Rank]:
+    """Start one `trainer.train` rank per rank; the caller waits (or kills). With `log_ranks`,
+    ranks other than 0 write their output to WORKDIR/rank<r>.log; the rest write to this
+    process's stdout and stderr."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "train_config.json"
     config_path.write_text(json.dumps(asdict(cfg)))
     port = free_port()
-    procs = []
+    argv = ["--config", str(config_path)] + (["--summary", str(summary_path)] if summary_path else [])
+    server = rank_server()
+    ranks = []
     for rank in range(world_size):
         rank_env = dict(os.environ, **(env or {}), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "trainer.train", "--config", str(config_path)]
-        if summary_path:
-            cmd += ["--summary", str(summary_path)]
-        out = open(workdir / f"rank{rank}.log", "w") if (log_ranks and rank > 0) else None
-        # in a session of their own: a terminal's Ctrl-C reaches the launcher, which stops them (no orphans,
-        # no tracebacks from every rank)
-        # STOP_SIGNAL is held (blocked) in the child from its start until its handler is set: a stop
-        # asked while it still imports torch waits, instead of killing it (a child inherits the
-        # starting thread's signal mask; no preexec_fn, which would fork a process holding Lance)
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {STOP_SIGNAL})
+        if log_ranks and rank > 0:
+            with open(workdir / f"rank{rank}.log", "w") as out:
+                ranks.append(server.start(argv, rank_env, out.fileno(), out.fileno()))
+        else:
+            ranks.append(server.start(argv, rank_env, 1, 2))
+    return ranks
+
+
+class Rank:
+    """One rank process, with the part of `subprocess.Popen` the launchers use: `pid`,
+    `returncode`, `poll`, `wait`, `send_signal`, `kill`. Its exit code comes from the rank server."""
+
+    def __init__(self, server: "RankServer", pid: int):
+        self.pid, self.returncode, self._server = pid, None, server
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self._server.changed:
+            if not self._server.changed.wait_for(lambda: self.returncode is not None, timeout):
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        self._server.signal(self, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class RankServer:
+    """The launcher's end of a rank server (see the module's docstring)."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            # OMP_NUM_THREADS is read when torch loads OpenMP: in the server, before any rank exists
+            self.proc = subprocess.Popen([sys.executable, "-m", "trainer.launch"], stdin=theirs,
+                                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+        self.sock = ours
+        self.changed = threading.Condition()  # a rank started or ended, or the server ended
+        self.ranks: dict[int, Rank] = {}
+        self.started: list[Rank] = []
+        self.ended = False
+        self._one_start = threading.Lock()
+        threading.Thread(target=self._read, name="rank-server", daemon=True).start()
+
+    def start(self, argv: list[str], env: dict, stdout: int, stderr: int) -> Rank:
+        with self._one_start, self.changed:
+            if self.ended:
+                raise CellfeedError("the rank server has ended; no rank can start")
+            request = {"argv": argv, "env": env, "cwd": os.getcwd()}
+            socket.send_fds(self.sock, [json.dumps(request).encode()], [stdout, stderr])
+            if not self.changed.wait_for(lambda: self.started or self.ended, START_TIMEOUT_S):
+                raise CellfeedError(f"the rank server started no rank within {START_TIMEOUT_S:.0f}s")
+            if not self.started:
+                raise CellfeedError(f"the rank server ended (exit code {self.proc.poll()}) before a rank started")
+            return self.started.pop()
+
+    def signal(self, rank: Rank, sig: int) -> None:
+        with self.changed:
+            if rank.returncode is None and not self.ended:  # the server signals it only if it has not reaped it
+                self.sock.send(json.dumps({"signal": int(sig), "pid": rank.pid}).encode())
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.sock.recv(MAX_MESSAGE)
+            except OSError:
+                message = b""
+            with self.changed:
+                if not message:  # the server ended (killed with its container, or a bug): its ranks too
+                    self.ended = True
+                    for rank in self.ranks.values():
+                        try:  # orphans now: stop them, as a rank without its launcher's watch is no use
+                            os.kill(rank.pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                        rank.returncode = -signal.SIGKILL
+                    self.ranks.clear()
+                    self.changed.notify_all()
+                    return
+                event = json.loads(message)
+                if "started" in event:
+                    rank = self.ranks[event["started"]] = Rank(self, event["started"])
+                    self.started.append(rank)
+                else:
+                    self.ranks.pop(event["exited"]).returncode = event["code"]
+                self.changed.notify_all()
+
+
+_server: RankServer | None = None
+_server_lock = threading.Lock()
+
+
+def rank_server() -> RankServer:
+    """This process's rank server, started on first use (or again, if it ended)."""
+    global _server
+    with _server_lock:
+        if _server is None or _server.ended:
+            _server = RankServer()
+        return _server
+
+
+# ------------------------------------------------------------------ the server (python -m trainer.launch)
+
+
+def serve(sock: socket.socket) -> None:
+    """Import the rank's code once, then fork a rank per request and report each one's exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the launcher's; this ends with it
+    # STOP_SIGNAL is held (blocked) here, so in every rank from its first instruction until `train`
+    # sets its handler: a stop asked that early waits instead of killing the rank
+    signal.pthread_sigmask(signal.SIG_BLOCK, {STOP_SIGNAL})
+    import torch  # noqa: F401 - the point of this process: imported once, shared by every rank it forks
+    import torch._dynamo  # noqa: F401 - DDP's constructor and the optimizer import it
+
+    import trainer.train  # noqa: F401
+
+    running: set[int] = set()
+
+    def send(event: dict) -> None:
         try:
-            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                          start_new_session=True))
+            sock.send(json.dumps(event).encode())
+        except OSError:
+            pass  # the launcher has gone: the next read ends this loop
+
+    while True:
+        for pid in list(running):  # reap only our own ranks, by pid
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                running.discard(pid)
+                send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        if not select.select([sock], [], [], REAP_EVERY_S)[0]:
+            continue
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+        except OSError:
+            message, fds = b"", []
+        if not message:
+            return  # the launcher has gone
+        request = json.loads(message)
+        if "signal" in request:
+            if request["pid"] in running:  # not reaped, so still this rank (running, or a zombie)
+                os.kill(request["pid"], request["signal"])
+            continue
+        pid = os.fork()
+        if pid == 0:
+            _be_a_rank(sock, fds, request)  # never returns
+        for fd in fds:
+            os.close(fd)
+        running.add(pid)
+        send({"started": pid})
+
+
+def _be_a_rank(sock: socket.socket, fds: list[int], request: dict) -> None:
+    """(in the forked child) Become `python -m trainer.train ARGV` with the request's environment
+    and output, in a session of its own (a terminal's Ctrl-C reaches the launcher, which stops the
+    ranks: no orphans, no tracebacks from every rank)."""
+    code = 1
+    try:
+        sock.close()
+        os.setsid()
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in fds:
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.argv = ["trainer.train", *request["argv"]]
+        from trainer.train import main
+
+        main()
+        code = 0
+    except SystemExit as exc:  # as the interpreter exits on it
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught one
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            import atexit
+
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
-    return procs
+            os._exit(code)
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+def wait_all(procs: list[Rank], timeout: float) -> list[int]:
     """Exit codes; if one rank fails the others are stopped (DDP would hang waiting for it)."""
     import time
 
@@ -66,7 +272,7 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
     return codes
 
 
-def ask_to_stop(procs: list[subprocess.Popen]) -> None:
+def ask_to_stop(procs: list[Rank]) -> None:
     """Ask every running rank to checkpoint after its current step and exit (`trainer.config.STOP_SIGNAL`)."""
     for p in procs:
         if p.poll() is None:
@@ -76,7 +282,7 @@ def ask_to_stop(procs: list[subprocess.Popen]) -> None:
                 pass
 
 
-def checkpoint_and_stop(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+def checkpoint_and_stop(procs: list[Rank], timeout: float) -> list[int | None]:
     """`ask_to_stop`, wait up to `timeout` seconds, then kill what is left. Exit codes (None: it
     had to be killed)."""
     import time
@@ -91,3 +297,7 @@ def checkpoint_and_stop(procs: list[subprocess.Popen], timeout: float) -> list[i
             p.kill()
             p.wait()
     return codes
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=0))  # the launcher's socket is this process's stdin
