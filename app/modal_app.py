@@ -117,11 +117,12 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: app.campaign.SetupF
 
     from coordination.backends import connect
     from trainer import checkpoint
-    from trainer.launch import checkpoint_and_stop, launch
+    from trainer.launch import checkpoint_and_stop, launch, rank_server
 
     from app.campaign import SetupFacts
 
     started = time.monotonic()
+    rank_server()  # it imports torch while the campaign is set up, not inside the preemption-held launch
     cfg, facts = unpacked(config), SetupFacts.of(facts)
     cfg.checkpoint_dir = CHECKPOINTS
     queue, store = connect(cfg.backend_spec("modal"))

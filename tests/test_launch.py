@@ -51,16 +51,61 @@ def test_a_fresh_rank_holds_the_stop_signal_in_its_own_session_and_a_dead_server
     fifo = tmp_path / "config.json"
     os.mkfifo(fifo)  # opening it blocks the rank before `train` sets its STOP_SIGNAL handler
     rank = server.start(["--config", str(fifo)], dict(os.environ), 1, 2)
-    assert _session(rank.pid) == rank.pid != _session(os.getpid())  # Ctrl-C in a terminal reaches the launcher only
+    # in a session of its own once it runs (Ctrl-C in a terminal reaches the launcher only)
+    wait_for(lambda: _session(rank.pid) == rank.pid, "the rank to lead a session of its own")
     bit = 1 << (STOP_SIGNAL - 1)
     assert int(_status(rank.pid)["SigBlk"], 16) & bit  # held from its first instruction
     rank.send_signal(STOP_SIGNAL)  # a stop asked this early waits (pending) instead of killing the rank
     wait_for(lambda: int(_status(rank.pid)["SigPnd"], 16) & bit or int(_status(rank.pid)["ShdPnd"], 16) & bit,
              "the stop signal to be pending")
     assert rank.poll() is None and _status(rank.pid)["State"][0] in "SR"
-    server.proc.kill()  # the server gone: its ranks cannot be watched, so they are stopped
+    server.proc.kill()  # the server gone: its ranks die with it, and are reported killed
     assert rank.wait(timeout=30) == -signal.SIGKILL
-    wait_for(lambda: not Path(f"/proc/{rank.pid}").exists() or _status(rank.pid)["State"].startswith("Z"),
-             "the orphaned rank to be killed")
+    wait_for(lambda: not _reading(fifo), "the rank to die with its server")
     with pytest.raises(CellfeedError, match="rank server has ended"):
         server.start(["--config", str(fifo)], dict(os.environ), 1, 2)
+
+
+def _reading(fifo: Path) -> bool:
+    """Whether a process has the FIFO open for reading (a rank blocked on it)."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        return True
+    except OSError:  # ENXIO: no reader
+        return False
+
+
+def test_a_start_left_unanswered_ends_the_server_so_no_later_start_gets_its_rank(monkeypatch, tmp_path):
+    import trainer.launch as launch
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    server = RankServer()
+    monkeypatch.setattr(launch, "START_TIMEOUT_S", 0.001)  # shorter than any `import torch`
+    with pytest.raises(CellfeedError, match="started no rank within"):
+        server.start(["--config", str(fifo)], dict(os.environ), 1, 2)
+    assert server.proc.wait(timeout=30) == -signal.SIGKILL and not _reading(fifo)
+    with pytest.raises(CellfeedError, match="rank server has ended"):
+        server.start(["--config", str(fifo)], dict(os.environ), 1, 2)
+
+
+def test_a_launcher_gone_before_its_rank_was_forked_leaves_no_rank(tmp_path):
+    """A launcher killed right after asking for a rank (while the server still imports torch): the
+    server does not fork for a launcher that has hung up."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    code = ("import os, socket, sys; import trainer.launch as launch\n"
+            "send = socket.send_fds\n"
+            "def send_then_die(*args):\n"
+            "    send(*args); os._exit(0)\n"
+            "socket.send_fds = send_then_die\n"
+            "server = launch.RankServer(); print(server.proc.pid, flush=True)\n"
+            f"server.start(['--config', {str(fifo)!r}], dict(os.environ), 1, 2)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    server_pid = int(out.stdout.split()[0])
+    wait_for(lambda: not Path(f"/proc/{server_pid}").exists() or _status(server_pid)["State"].startswith("Z"),
+             "the server to end with its launcher")
+    assert not _reading(fifo)

@@ -238,6 +238,7 @@ def test_ctrl_c_stops_every_child_with_one_line(counts_atlas, tmp_path, to_group
         started = {pid: started_at(pid) for pid in descendants(proc.pid)}  # what this campaign started, no other's
         kinds = " ".join(" ".join(cmdline(pid)) for pid in started)
         assert all(k in kinds for k in ("coordination.local_backend", "app.fleet --produce", "trainer.launch")), kinds
+        assert any(children(pid) for pid in started if "trainer.launch" in cmdline(pid))  # the rank server's ranks
         if to_group:  # Ctrl-C in a terminal: SIGINT to the foreground process group
             os.killpg(proc.pid, signal.SIGINT)
         else:  # SIGINT to the main process alone

@@ -14,9 +14,13 @@ thread; each rank sets its own device up), and talks to the launcher over a Unix
 
 The server is the ranks' parent: it alone reaps them, and signals only a rank it has not reaped,
 so a signal never reaches a process that reused a rank's pid. It ends when the launcher does (its
-socket closes), leaving running ranks to end on their own, as ranks the launcher had started itself
-would. If the server ends first, the launcher kills its ranks (no one could reap or report them)
-and reports each as killed.
+socket closes), and its ranks die with it (each has the server's death as its SIGKILL): a
+launcher killed outright leaves no rank behind. A launcher whose server died reports its ranks as
+killed.
+
+What the server read from the environment when it started stays: torch's import-time settings
+(`TORCH_*` logging and compile settings), `sys.path`. A rank gets its launch's environment,
+working directory, stdout and stderr; CUDA and NCCL read theirs in the rank.
 """
 
 from __future__ import annotations
@@ -54,14 +58,20 @@ def launch(cfg: TrainConfig, world_size: int, workdir: str | os.PathLike, summar
     argv = ["--config", str(config_path)] + (["--summary", str(summary_path)] if summary_path else [])
     server = rank_server()
     ranks = []
-    for rank in range(world_size):
-        rank_env = dict(os.environ, **(env or {}), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        if log_ranks and rank > 0:
-            with open(workdir / f"rank{rank}.log", "w") as out:
-                ranks.append(server.start(argv, rank_env, out.fileno(), out.fileno()))
-        else:
-            ranks.append(server.start(argv, rank_env, 1, 2))
+    try:
+        for rank in range(world_size):
+            rank_env = dict(os.environ, **(env or {}), RANK=str(rank), LOCAL_RANK=str(rank),
+                            WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                            OMP_NUM_THREADS="1")
+            if log_ranks and rank > 0:
+                with open(workdir / f"rank{rank}.log", "w") as out:
+                    ranks.append(server.start(argv, rank_env, out.fileno(), out.fileno()))
+            else:
+                ranks.append(server.start(argv, rank_env, 1, 2))
+    except BaseException:  # all ranks or none (an interrupt while the server still imports torch included)
+        for started in ranks:
+            started.kill()
+        raise
     return ranks
 
 
@@ -94,9 +104,11 @@ class RankServer:
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
-            # OMP_NUM_THREADS is read when torch loads OpenMP: in the server, before any rank exists
+            # its own session: a signal to the launcher's process group (a terminal's Ctrl-C, a
+            # SIGTERM) is the launcher's to act on. OMP_NUM_THREADS is read when torch loads
+            # OpenMP: in the server, before any rank exists
             self.proc = subprocess.Popen([sys.executable, "-m", "trainer.launch"], stdin=theirs,
-                                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                         env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
         self.sock = ours
         self.changed = threading.Condition()  # a rank started or ended, or the server ended
         self.ranks: dict[int, Rank] = {}
@@ -106,21 +118,39 @@ class RankServer:
         threading.Thread(target=self._read, name="rank-server", daemon=True).start()
 
     def start(self, argv: list[str], env: dict, stdout: int, stderr: int) -> Rank:
+        """Fork one rank; its pid once the server has forked it. A start that cannot finish (no
+        answer in time, an interrupt) ends the server, and with it every rank it started: a request
+        left unanswered must not be answered to a later start."""
         with self._one_start, self.changed:
             if self.ended:
                 raise CellfeedError("the rank server has ended; no rank can start")
-            request = {"argv": argv, "env": env, "cwd": os.getcwd()}
-            socket.send_fds(self.sock, [json.dumps(request).encode()], [stdout, stderr])
-            if not self.changed.wait_for(lambda: self.started or self.ended, START_TIMEOUT_S):
-                raise CellfeedError(f"the rank server started no rank within {START_TIMEOUT_S:.0f}s")
-            if not self.started:
-                raise CellfeedError(f"the rank server ended (exit code {self.proc.poll()}) before a rank started")
-            return self.started.pop()
+            answered = False
+            try:
+                request = {"argv": argv, "env": env, "cwd": os.getcwd()}
+                socket.send_fds(self.sock, [json.dumps(request).encode()], [stdout, stderr])
+                if not self.changed.wait_for(lambda: self.started or self.ended, START_TIMEOUT_S):
+                    raise CellfeedError(f"the rank server started no rank within {START_TIMEOUT_S:.0f}s")
+                if not self.started:
+                    raise CellfeedError(f"the rank server ended (exit code {self.proc.poll()}) before a rank started")
+                answered = True
+                return self.started.pop()
+            except OSError:
+                raise CellfeedError(f"the rank server has ended (exit code {self.proc.poll()})") from None
+            finally:
+                if not answered:
+                    self.end()
 
     def signal(self, rank: Rank, sig: int) -> None:
         with self.changed:
             if rank.returncode is None and not self.ended:  # the server signals it only if it has not reaped it
-                self.sock.send(json.dumps({"signal": int(sig), "pid": rank.pid}).encode())
+                try:
+                    self.sock.send(json.dumps({"signal": int(sig), "pid": rank.pid}).encode())
+                except OSError:
+                    pass  # the server has gone, and its ranks with it (their death signal): `_read` reports them
+
+    def end(self) -> None:
+        """Kill the server; its ranks die with it (each has the server's death as its own SIGKILL)."""
+        self.proc.kill()
 
     def _read(self) -> None:
         while True:
@@ -128,18 +158,19 @@ class RankServer:
                 message = self.sock.recv(MAX_MESSAGE)
             except OSError:
                 message = b""
-            with self.changed:
-                if not message:  # the server ended (killed with its container, or a bug): its ranks too
+            if not message:  # the server ended (killed with its container, or a bug): so did its ranks
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+                with self.changed:
                     self.ended = True
                     for rank in self.ranks.values():
-                        try:  # orphans now: stop them, as a rank without its launcher's watch is no use
-                            os.kill(rank.pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
                         rank.returncode = -signal.SIGKILL
                     self.ranks.clear()
                     self.changed.notify_all()
-                    return
+                return
+            with self.changed:
                 event = json.loads(message)
                 if "started" in event:
                     rank = self.ranks[event["started"]] = Rank(self, event["started"])
@@ -196,30 +227,48 @@ def serve(sock: socket.socket) -> None:
             message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
         except OSError:
             message, fds = b"", []
-        if not message:
-            return  # the launcher has gone
+        if not message or _hung_up(sock):
+            return  # the launcher has gone (a start it queued is not served): the ranks die with this process
         request = json.loads(message)
         if "signal" in request:
             if request["pid"] in running:  # not reaped, so still this rank (running, or a zombie)
                 os.kill(request["pid"], request["signal"])
             continue
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _be_a_rank(sock, fds, request)  # never returns
+            _be_a_rank(sock, fds, request, server)  # never returns
         for fd in fds:
             os.close(fd)
         running.add(pid)
         send({"started": pid})
 
 
-def _be_a_rank(sock: socket.socket, fds: list[int], request: dict) -> None:
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the launcher has closed its end (its queued requests can still be read)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLHUP | select.POLLRDHUP)
+    return any(events & (select.POLLHUP | select.POLLRDHUP) for _, events in poller.poll(0))
+
+
+def _be_a_rank(sock: socket.socket, fds: list[int], request: dict, server: int) -> None:
     """(in the forked child) Become `python -m trainer.train ARGV` with the request's environment
     and output, in a session of its own (a terminal's Ctrl-C reaches the launcher, which stops the
-    ranks: no orphans, no tracebacks from every rank)."""
+    ranks: no tracebacks from every rank), and SIGKILLed if the server dies (it dies with its
+    launcher: no orphans)."""
     code = 1
     try:
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != server:  # the server died before the line above
+            os._exit(1)
         sock.close()
         os.setsid()
+        devnull = os.open(os.devnull, os.O_RDONLY)  # no stdin (the server's was its socket)
+        os.dup2(devnull, 0)
+        os.close(devnull)
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
         for fd in fds:
@@ -237,6 +286,10 @@ def _be_a_rank(sock: socket.socket, fds: list[int], request: dict) -> None:
         code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:  # as the interpreter ends on one: killed by SIGINT
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught one
         import traceback
 
