@@ -84,7 +84,8 @@ def test_a_start_left_unanswered_ends_the_server_so_no_later_start_gets_its_rank
     monkeypatch.setattr(launch, "START_TIMEOUT_S", 0.001)  # shorter than any `import torch`
     with pytest.raises(CellfeedError, match="started no rank within"):
         server.start(["--config", str(fifo)], dict(os.environ), 1, 2)
-    assert server.proc.wait(timeout=30) == -signal.SIGKILL and not _reading(fifo)
+    assert server.proc.wait(timeout=30) == -signal.SIGKILL
+    wait_for(lambda: not _reading(fifo), "no rank left behind")
     with pytest.raises(CellfeedError, match="rank server has ended"):
         server.start(["--config", str(fifo)], dict(os.environ), 1, 2)
 
