@@ -28,22 +28,13 @@ import warnings
 from pathlib import Path
 
 from coordination.errors import CellfeedError
-from coordination.net import free_port
+from coordination.net import die_with_parent, free_port
 
 ACCESS_KEY, SECRET_KEY, REGION = "cellfeed-test-key", "cellfeed-test-secret", "us-east-1"
 
 
-def _die_with_parent() -> None:
-    """(in the child, Linux) SIGKILL when the process that started the server dies, so a killed
-    test run or benchmark leaves no server behind."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-
-
 def _in_child(cpus: set[int] | None) -> None:
-    _die_with_parent()
+    die_with_parent()  # a killed test run or benchmark leaves no server behind
     if cpus:
         os.sched_setaffinity(0, cpus)
 

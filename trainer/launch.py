@@ -37,7 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from coordination.errors import CellfeedError
-from coordination.net import free_port
+from coordination.net import die_with_parent, free_port
 from trainer.config import STOP_SIGNAL, TrainConfig
 
 START_TIMEOUT_S = 120.0  # the first start waits for the server's imports (seconds; minutes on a loaded machine)
@@ -258,10 +258,7 @@ def _be_a_rank(sock: socket.socket, fds: list[int], request: dict, server: int) 
     launcher: no orphans)."""
     code = 1
     try:
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        die_with_parent()
         if os.getppid() != server:  # the server died before the line above
             os._exit(1)
         sock.close()
