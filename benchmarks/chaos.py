@@ -86,7 +86,8 @@ def fault_plan(seed: int, n_faults: int, span_steps: int, kinds=KINDS, pause_s: 
 def children(pid: int) -> list[tuple[int, list[str]]]:
     """The processes `pid` started that are still there, with their command lines (Linux: each
     thread's /proc/PID/task/TID/children). A campaign's own queue server, producers and rank server
-    (whose children are its ranks): no other process on the machine is ever signalled. A child's pid stays its own until `pid` reaps it."""
+    (whose children are its ranks): no other process on the machine is ever signalled. A child's
+    pid stays its own until `pid` reaps it."""
     out = []
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
@@ -295,7 +296,8 @@ def main() -> None:
           f"{os.cpu_count()} cores")
     print(f"{'at step':>7}  fault")
     for at, kind, n in sorted(chaos.faults):
-        what = {"kill": "SIGKILL a producer", "stall": f"SIGSTOP a producer for {args.lease_s + past_lease_s:.0f}s (past its lease)",
+        what = {"kill": "SIGKILL a producer",
+                "stall": f"SIGSTOP a producer for {args.lease_s + past_lease_s:.0f}s (past its lease)",
                 "pause": f"SIGSTOP {n} trainer ranks for {args.pause_s:.0f}s"}[kind]
         print(f"{at:>7}  {what}")
     print(f"run finished: {'yes' if chaos.returncode == 0 else f'no (exit {chaos.returncode})'}; "

@@ -32,7 +32,7 @@ BATCH = 32
 
 @pytest.fixture(scope="module")
 def atlas(tmp_path_factory):
-    """atlas's 3,000 cells in 14 plates over 2,000 genes, not 62,710: the tiny model's
+    """3,000 cells in 14 plates, as `small_synth`, over 2,000 genes, not 62,710: the tiny model's
     embedding (its optimizer step, each step's all-reduce and every checkpoint) is then 30x
     smaller, and what these tests check (which cells each rank trains, across kills and resumes)
     is the same."""

@@ -208,6 +208,7 @@ def serve(sock: socket.socket) -> None:
     import trainer.train  # noqa: F401
 
     running: set[int] = set()
+    server = os.getpid()
 
     def send(event: dict) -> None:
         try:
@@ -234,7 +235,6 @@ def serve(sock: socket.socket) -> None:
             if request["pid"] in running:  # not reaped, so still this rank (running, or a zombie)
                 os.kill(request["pid"], request["signal"])
             continue
-        server = os.getpid()
         pid = os.fork()
         if pid == 0:
             _be_a_rank(sock, fds, request, server)  # never returns
