@@ -4,12 +4,11 @@ map (the trainer's driver and consumers need only those) and produces the held-o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from coordination.summary import PlanSummary, optimizer_steps, publish_summary
+from coordination.summary import PlanSummary, SetupFacts, optimizer_steps, publish_summary
 from coordination.routing import EVAL_PARTITION, stop_key
 from coordination.errors import CellfeedError
 from coordination.vocab import publish_vocab
@@ -34,31 +33,6 @@ def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
                             f"{cfg.batch_size} cells per rank): raise --epochs, or leave it out to train as many "
                             "epochs as the steps need")
     return summaries
-
-
-@dataclass(frozen=True)
-class SetupFacts:
-    """What the setup learnt, for the trainer and the status line (a dict across Modal calls)."""
-
-    n_genes: int  # genes in the vocabulary
-    vocab_size: int
-    pad_token: int
-    mask_token: int
-    special_tokens: tuple
-    vocab_fingerprint: str
-    epochs: int
-    cells_per_epoch: int
-    units_per_epoch: int
-    units_total: int
-    steps_per_epoch: int
-    total_steps: int
-    held_out_cells: int
-    held_out_items: int  # what the eval partition holds when complete
-    sources: tuple = ()  # per source: name, cells per epoch, coverage line
-
-    @classmethod
-    def of(cls, facts: "SetupFacts | dict") -> "SetupFacts":
-        return facts if isinstance(facts, cls) else cls(**facts)
 
 
 def prepare(cfg, queue, store, vocab_path=None) -> SetupFacts:

@@ -236,7 +236,7 @@ class CampaignConfig:
                               heartbeat_s=heartbeat_interval(self.lease_s))
 
     def train_config(self, backend, facts, **changes):
-        """The trainer's config; `facts` (`app.campaign.SetupFacts`) come from the setup step."""
+        """The trainer's config; `facts` (`coordination.summary.SetupFacts`) come from the setup step."""
         from trainer.config import TrainConfig
 
         spec = layout(self.tokenizer)

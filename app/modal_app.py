@@ -110,7 +110,7 @@ def produce_body(config: dict, name: str) -> dict:
             "seconds": dict(stats.seconds)}
 
 
-def train_body(config: dict, facts: dict) -> dict:  # facts: app.campaign.SetupFacts as a dict
+def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summary.SetupFacts as a dict
     """The GPU container's launcher (see the module's docstring for how a call ends)."""
     import tempfile
     from pathlib import Path
@@ -119,7 +119,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: app.campaign.SetupF
     from trainer import checkpoint
     from trainer.launch import checkpoint_and_stop, launch, rank_server
 
-    from app.campaign import SetupFacts
+    from coordination.summary import SetupFacts
 
     started = time.monotonic()
     rank_server()  # it imports torch while the campaign is set up, not inside the preemption-held launch
@@ -321,7 +321,7 @@ def main(**flags) -> dict:
     config = asdict(cfg.carry_files())  # containers cannot read this machine's files: their bytes travel
     print(f"campaign {cfg.run}: {cfg.producers} producers -> {cfg.gpus} x H100, "
           f"{'corpus ' + cfg.corpus if cfg.corpus else 'dataset ' + cfg.dataset}", flush=True)
-    facts = setup.remote(config)  # app.campaign.SetupFacts, as a dict
+    facts = setup.remote(config)  # coordination.summary.SetupFacts, as a dict
     print(f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units, "
           f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s); vocabulary of {facts['n_genes']:,} genes",
           flush=True)

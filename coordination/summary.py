@@ -112,3 +112,30 @@ def load_summary(store: Map, run: str, epoch: int, timeout_s: float = 60.0) -> P
                                 "did the campaign's setup step run?")
         time.sleep(0.1)
     return PlanSummary.from_bytes(data)
+
+
+@dataclass(frozen=True)
+class SetupFacts:
+    """What the campaign's setup learnt (`app.campaign.prepare`), for the trainer and the status
+    line; a dict across Modal calls. Here, not in `app/campaign.py`, because the GPU image
+    imports it and must not import the setup's Lance readers."""
+
+    n_genes: int  # genes in the vocabulary
+    vocab_size: int
+    pad_token: int
+    mask_token: int
+    special_tokens: tuple
+    vocab_fingerprint: str
+    epochs: int
+    cells_per_epoch: int
+    units_per_epoch: int
+    units_total: int
+    steps_per_epoch: int
+    total_steps: int
+    held_out_cells: int
+    held_out_items: int  # what the eval partition holds when complete
+    sources: tuple = ()  # per source: name, cells per epoch, coverage line
+
+    @classmethod
+    def of(cls, facts: "SetupFacts | dict") -> "SetupFacts":
+        return facts if isinstance(facts, cls) else cls(**facts)

@@ -145,7 +145,7 @@ def test_an_expired_setup_is_done_again(atlas, tmp_path):
     unused: a train call that finds the held-out set or a plan gone runs `setup` again."""
     from dataclasses import asdict
 
-    from app.campaign import SetupFacts
+    from coordination.summary import SetupFacts
     from app.config import CampaignConfig
     from coordination.backends import connect
     from coordination.routing import EVAL_PARTITION, summary_key
