@@ -147,6 +147,35 @@ def test_preemption_interrupts_and_runs_the_same_input_again(world):  # S15
     assert (world.root / "attempts.txt").read_text().split() == ["start", "interrupted", "start"]
 
 
+def test_a_body_imports_only_what_its_image_installs(world):  # S20
+    """`probe_image` adds only `tests`: numpy (installed on this machine) is not there, in the
+    body or in a Python the body starts; an image that pip-installs numpy has it; the rest of the
+    repository is not in either."""
+    calls = _probe_app(world)
+    assert calls("imports_bare", ["json", "modal", "tests.modal_probe_app"]).get(timeout=60) == \
+        ["json", "modal", "tests.modal_probe_app"]
+    with pytest.raises(ModuleNotFoundError, match=r"No module named 'numpy': this function's image "
+                                                  r"\(debian_slim\(3.11\)\.add_local_python_source\(tests\)\)"):
+        calls("imports_bare", ["numpy"]).get(timeout=60)
+    assert calls("imports_numpy_image", ["numpy"]).get(timeout=60) == ["numpy"]
+    for image in ("imports_bare", "imports_numpy_image"):
+        with pytest.raises(ModuleNotFoundError, match="No module named 'producers'"):
+            calls(image, ["producers"]).get(timeout=60)
+
+
+def test_an_image_allows_its_packages_dependencies_and_modals():  # S20
+    from cellfeed_testing.modal_emulator.images import ImageGuard, container_spec
+
+    spec = container_spec({"pip": ["torch==2.13.0"], "sources": ["trainer"], "label": "t"})
+    guard = ImageGuard(spec["allow"], spec["sources"], spec["label"])
+    for ok in ("torch", "sympy", "networkx", "filelock", "modal", "grpclib", "google.protobuf", "trainer.train",
+               "json", "cellfeed_testing.modal_emulator.client"):
+        assert guard.permits(ok), ok
+    for refused in ("lance", "pyarrow", "polars", "zstandard", "producers", "cellfeed_testing.object_store"):
+        assert not guard.permits(refused), refused
+    assert container_spec({"pip": ["numpy==0.0.1"], "sources": [], "label": "x"})["other_versions"]
+
+
 def _probe_app(world):
     """A tiny app of its own (tests/modal_probe_app.py), spawned through the emulator."""
     import importlib

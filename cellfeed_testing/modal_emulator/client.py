@@ -1,7 +1,7 @@
 """The emulated `modal` objects cellfeed uses, installed over the real package's names
 (`install()`): `modal.Queue`, `modal.Dict`, `modal.App` (its `function` and `local_entrypoint`),
-`modal.Function`/`FunctionCall`, `modal.Volume`. Everything else — `modal.exception`,
-`modal.Image`, `modal.Secret`, `modal.Retries` — stays modal's own. Each behaviour names its
+`modal.Function`/`FunctionCall`, `modal.Volume`, `modal.Image` (a recipe recorder over modal's own,
+S20). Everything else — `modal.exception`, `modal.Secret`, `modal.Retries` — stays modal's own. Each behaviour names its
 semantic point (S1...) from README.md, which says where in modal 1.6.4 it comes from.
 """
 
@@ -282,12 +282,15 @@ def _raise_remote(error: dict):
     import modal.exception
 
     module, _, name = error["type"].rpartition(".")
+    remote = None
     try:
         cls = getattr(importlib.import_module(module or "builtins"), name)
         if isinstance(cls, type) and issubclass(cls, BaseException):
-            raise cls(error["message"])
+            remote = cls(error["message"])
     except (ImportError, AttributeError, TypeError):
         pass
+    if remote is not None:  # (raised here, not in the try: an ImportError of the body's must not be caught above)
+        raise remote
     raise modal.exception.RemoteError(f"{error['type']}: {error['message']}")
 
 
@@ -324,6 +327,38 @@ class FunctionCall:
         _conn.call({"op": "f.cancel", "id": self.object_id})
 
 
+class Image:
+    """S20: an image as far as it decides what a container can import: the packages its
+    `pip_install` lists and the local Python packages it adds. Each step is also taken on modal's
+    own `Image` (lazy, offline), so what modal refuses is refused here; a step the emulator does not
+    model is an AttributeError, not a silent pass."""
+
+    def __init__(self, real, pip: tuple = (), sources: tuple = (), steps: tuple = ()):
+        self.real, self.pip, self.sources, self.steps = real, pip, sources, steps
+
+    @classmethod
+    def debian_slim(cls, python_version: str | None = None, force_build: bool = False) -> "Image":
+        real = _originals["Image"].debian_slim(python_version=python_version, force_build=force_build)
+        return cls(real, steps=(f"debian_slim({python_version or ''})",))
+
+    def pip_install(self, *packages, **options) -> "Image":
+        flat = tuple(p for group in packages for p in ([group] if isinstance(group, str) else group))
+        return Image(self.real.pip_install(*packages, **options), self.pip + flat, self.sources,
+                     self.steps + (f"pip_install({', '.join(flat)})",))
+
+    uv_pip_install = pip_install
+
+    def add_local_python_source(self, *modules: str, **options) -> "Image":
+        return Image(self.real.add_local_python_source(*modules, **options), self.pip, self.sources + modules,
+                     self.steps + (f"add_local_python_source({', '.join(modules)})",))
+
+    def env(self, variables: dict) -> "Image":
+        return Image(self.real.env(variables), self.pip, self.sources, self.steps + ("env(...)",))
+
+    def spec(self) -> dict:
+        return {"pip": list(self.pip), "sources": list(self.sources), "label": ".".join(self.steps)}
+
+
 @dataclass
 class _Spec:
     timeout: float
@@ -332,6 +367,7 @@ class _Spec:
     volumes: dict
     cpu: float | None
     memory: int | None
+    image: Image | None = None
 
 
 class Function:
@@ -359,7 +395,8 @@ class Function:
             raise modal.exception.InvalidError(f"the emulator passes JSON arguments only: {exc}") from None
         reply, _ = _conn.call({"op": "f.spawn", "app_file": self.raw_f.__module__, "function": self.__name__,
                                "args": payload, "timeout": self.spec.timeout, "retries": self.spec.retries,
-                               "gpu": self.spec.gpu})
+                               "gpu": self.spec.gpu, "cpu": self.spec.cpu, "memory": self.spec.memory,
+                               "image": self.spec.image.spec() if self.spec.image is not None else None})
         return FunctionCall(reply["id"])
 
     def remote(self, *args, **kwargs):
@@ -399,7 +436,10 @@ class App:
         n_retries = getattr(retries, "max_retries", retries) or 0
 
         def wrap(raw_f) -> Function:
-            fn = Function(raw_f, _Spec(float(timeout), int(n_retries), gpu, dict(volumes or {}), cpu, memory))
+            if image is not None and not isinstance(image, Image):
+                raise modal.exception.InvalidError(f"{raw_f.__name__}: image= must be an emulated modal.Image "
+                                                   "(build it after the emulator is installed)")
+            fn = Function(raw_f, _Spec(float(timeout), int(n_retries), gpu, dict(volumes or {}), cpu, memory, image))
             self.registered_functions[raw_f.__name__] = fn
             return fn
 
@@ -415,7 +455,7 @@ class App:
 
 
 _EMULATED = {"Queue": Queue, "Dict": Dict, "App": App, "Function": Function, "FunctionCall": FunctionCall,
-             "Volume": Volume}
+             "Volume": Volume, "Image": Image}
 _originals: dict = {}
 
 

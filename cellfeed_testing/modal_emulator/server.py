@@ -25,6 +25,8 @@ from pathlib import Path
 
 from coordination.local_backend import serve_frames
 
+from cellfeed_testing.modal_emulator.images import container_spec
+
 from cellfeed_testing.modal_emulator.limits import (DICT_ENTRY_TTL_S, ERROR, INVALID, MAX_GPUS, MAX_ITEM_BYTES, MAX_PARTITION_BYTES,
                                            MAX_PARTITION_ITEMS, MAX_REQUEST_BYTES, NOT_FOUND, OK, PARTITION_TTL_S, FULL,
                                            TOO_LARGE)
@@ -82,6 +84,9 @@ class Call:
     timeout_s: float
     retries: int
     gpu: str | None
+    cpu: float | None = None
+    memory: int | None = None
+    image: dict | None = None  # S20: the container's import spec (images.container_spec)
     status: str = "pending"  # pending, running, success, failure, cancelled, timeout
     attempts: list = field(default_factory=list)  # one dict per attempt: started, ended, outcome, pid
     result: object = None
@@ -105,6 +110,7 @@ class Emulated:
         self.calls: dict[str, Call] = {}
         self.faults: dict[str, int] = {}  # function -> attempts left to fail (S16: fault injection)
         self.stats: dict = {}  # per kind of partition ("rank-*" counted together): requests and bytes
+        self.images: dict[str, dict] = {}  # an image's JSON -> its containers' import spec (S20)
         self._ids = itertools.count(1)
 
     def _new_id(self, prefix: str) -> str:
@@ -254,9 +260,13 @@ class Emulated:
         gpu = header.get("gpu")
         if gpu and ":" in gpu and int(gpu.split(":")[1]) > MAX_GPUS:  # S17
             raise Rejected(INVALID, f"GPU count for {gpu} must be at most {MAX_GPUS}")
+        key = json.dumps(header.get("image"), sort_keys=True)
+        if key not in self.images:  # S20: resolved once per image (outside the lock: it reads package metadata)
+            self.images[key] = container_spec(header.get("image"))
         with self.lock:
             call = Call(self._new_id("fc"), header["app_file"], header["function"], header["args"],
-                        float(header["timeout"]), int(header["retries"]), gpu)
+                        float(header["timeout"]), int(header["retries"]), gpu, header.get("cpu"), header.get("memory"),
+                        self.images[key])
             self.calls[call.id] = call
         threading.Thread(target=self._supervise, args=(call,), daemon=True, name=f"emu-{call.id}").start()
         return call.id
@@ -289,7 +299,7 @@ class Emulated:
         tmp = self.root / "containers" / f"{call.id}-{len(call.attempts)}"
         (tmp / "tmp").mkdir(parents=True, exist_ok=True)
         env = dict(self.env, TMPDIR=str(tmp / "tmp"), MODAL_EMULATOR_CALL=call.id,
-                   MODAL_EMULATOR_ATTEMPT=str(len(call.attempts)))
+                   MODAL_EMULATOR_ATTEMPT=str(len(call.attempts)), MODAL_EMULATOR_IMAGE=json.dumps(call.image))
         fail = False
         with self.lock:
             if call.cancel_requested:
@@ -380,7 +390,8 @@ class Emulated:
     def describe(self) -> dict:
         with self.lock:
             return {
-                "calls": [{"id": c.id, "function": c.function, "status": c.status, "attempts": [
+                "calls": [{"id": c.id, "function": c.function, "status": c.status, "gpu": c.gpu, "cpu": c.cpu,
+                           "memory": c.memory, "image": c.image["label"], "attempts": [
                     {k: v for k, v in a.items()} for a in c.attempts], "error": c.error} for c in self.calls.values()],
                 "queues": sorted(name for (kind, name) in self.names if kind == "queue"),
                 "dicts": sorted(name for (kind, name) in self.names if kind == "dict"),
