@@ -11,6 +11,7 @@ from dataclasses import MISSING, dataclass, fields
 
 from coordination.driver import LEASE_S, heartbeat_interval
 from coordination.errors import CellfeedError
+from coordination.modal_backend import RETRY_S as MODAL_RETRY_S
 from coordination.plan import STRATEGIES, Sampling
 from coordination.presets import MODEL_PRESETS
 from coordination.tokens import LAYOUTS, layout
@@ -63,6 +64,8 @@ FLAG_HELP = {
                "it holds 4 times a lease): shorter finds a dead or stalled producer sooner, at more calls",
     "rpc_latency_ms": "make every queue/map call cost this many ms (± 40%), as a round trip to Modal does: "
                       "run locally under the remote world's costs",
+    "modal_retry_s": "Modal: how long each call to Modal retries a failing network (with backoff) before the run "
+                     "stops, its state kept for --resume; the default rides out a 10-minute outage",
     "attempt_hours": "Modal: after this many hours a train call checkpoints and continues in a new call "
                      "(Modal ends any call at 24 h)",
 }
@@ -73,7 +76,7 @@ CAMPAIGN_FLAGS = ("dataset", "corpus", "vocabulary", "gene_column", "gene_median
                   "n_scanners", "unit_cells", "subset_filter", "eval_filter", "eval_cells", "eval_every", "producers",
                   "gpus", "batch_size", "grad_accum", "steps", "epochs", "preset", "lr", "warmup_steps",
                   "checkpoint_every", "keep_checkpoints", "resume", "seed", "lease_s", "rpc_latency_ms")
-MODAL_FLAGS = CAMPAIGN_FLAGS + ("attempt_hours",)
+MODAL_FLAGS = CAMPAIGN_FLAGS + ("attempt_hours", "modal_retry_s")
 MAX_ATTEMPT_HOURS = 23.0  # an hour short of Modal's 24 h limit on a call: time to checkpoint and hand over
 
 
@@ -117,6 +120,7 @@ class CampaignConfig:
     lease_s: float = LEASE_S  # a unit whose producer is silent this long is issued again
     rpc_latency_ms: float = 0.0  # every queue/map call costs this long (± 40%) more, as Modal's round trips
     attempt_hours: float = 22.0  # Modal: a train call hands over to a new one after this long (calls end at 24 h)
+    modal_retry_s: float = MODAL_RETRY_S  # Modal: how long a call retries transient network errors
     # Modal: the corpus, vocabulary and median files, carried from the laptop (setting -> [file name,
     # base64 bytes]) into containers, which cannot read the laptop's disk (`carry_files`, `unpack_files`)
     carried: dict | None = None
@@ -153,6 +157,8 @@ class CampaignConfig:
         if not 0 < self.attempt_hours <= MAX_ATTEMPT_HOURS:
             raise CellfeedError(f"--attempt-hours must be within 0..{MAX_ATTEMPT_HOURS:g} (Modal ends a call at 24 h), "
                                 f"got {self.attempt_hours}")
+        if not 1 <= self.modal_retry_s <= 7 * 24 * 3600:
+            raise CellfeedError(f"--modal-retry-s must be within 1..604800 seconds, got {self.modal_retry_s}")
         if not 3 <= self.n_bins <= 255:
             raise CellfeedError(f"--n-bins must be within 3..255, got {self.n_bins}")
         self.sampling.validate()
@@ -206,7 +212,7 @@ class CampaignConfig:
         """How processes reach this run's queue and map (`coordination.backends.connect`)."""
         from coordination.backends import BackendSpec
 
-        return BackendSpec(kind=kind, run=self.run, latency_ms=self.rpc_latency_ms, **where)
+        return BackendSpec(kind=kind, run=self.run, latency_ms=self.rpc_latency_ms, retry_s=self.modal_retry_s, **where)
 
     @property
     def run_checkpoint_dir(self) -> str:
@@ -252,6 +258,21 @@ class CampaignConfig:
                     resume=self.resume, eval_every=self.eval_every if facts.held_out_cells else None,
                     eval_cells=facts.held_out_cells)
         return TrainConfig(**{**base, **changes})
+
+
+def resume_command(cfg: CampaignConfig, program: str = "modal run app/modal_app.py", names=MODAL_FLAGS) -> str:
+    """The command line that continues this campaign: its flags that differ from the defaults
+    (files as the laptop named them), `--run`, and `--resume`."""
+    import shlex
+
+    defaults, words = flag_defaults(), program.split()
+    for name in names:
+        value = getattr(cfg, name)
+        if name in ("run", "resume") or value is None or value == defaults.get(name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        words += [flag] if value is True else [f"--no-{name.replace('_', '-')}"] if value is False else [flag, str(value)]
+    return " ".join(shlex.quote(w) for w in words + ["--run", cfg.run, "--resume"])
 
 
 def flag_choices() -> dict[str, tuple]:

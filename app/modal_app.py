@@ -18,9 +18,14 @@ call ends decides what happens to the campaign:
   resumes from the checkpoint with the same queue, plans and producers;
 - the call has run `--attempt-hours` (Modal ends any call at 24 h): the ranks checkpoint and a
   new `train` call continues the campaign; `main` follows the chain;
-- a real failure (a rank fails, a producer failed all of Modal's retries): the producers are
-  stopped, the queue and dicts deleted, and the error is raised in one line; `--resume` later
-  continues from the last checkpoint.
+- a real failure (a rank fails, a producer failed all of Modal's retries, Modal's network failed
+  for longer than `--modal-retry-s`): the ranks checkpoint if they can, the producers are stopped,
+  and the error is raised in one line with the command that resumes the campaign. The run's queue
+  and dicts are kept: they are deleted only when the campaign is complete.
+
+Every call to Modal (queue, dict, spawn, a call's result, the Volume) retries Modal's transient
+errors with backoff for `--modal-retry-s` (15 minutes by default): a network blip or an outage of
+minutes costs time, not the campaign (`coordination.modal_backend.retrying`).
 
 Checkpoints go to the `cellfeed-checkpoints` Volume. S3 credentials come from a Modal Secret
 (name: $CELLFEED_SECRET, default "cellfeed-s3") holding AWS_ACCESS_KEY_ID,
@@ -34,12 +39,14 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import asdict
 
 import modal
 
-from app.config import MODAL_FLAGS, CampaignConfig, flags_signature
+from app.config import MODAL_FLAGS, CampaignConfig, flags_signature, resume_command
+from coordination.modal_backend import RETRY_S, retrying, transient_errors
 
 APP_NAME = "cellfeed"
 SECRET_NAME = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")
@@ -80,6 +87,16 @@ def unpacked(config: dict) -> CampaignConfig:
     import tempfile
 
     return CampaignConfig(**config).unpack_files(tempfile.mkdtemp(prefix="cellfeed-files-")).validate()
+
+
+def spawn(function, *args, retry: float = RETRY_S):
+    """`function.spawn(*args)`, retried on Modal's transient errors."""
+    return retrying(lambda: function.spawn(*args), f"spawning {function.__name__}", retry)
+
+
+def result(call, retry: float = RETRY_S):
+    """The call's result (waiting for it), its own error raised; transient errors retried."""
+    return retrying(call.get, f"waiting for {call.object_id}", retry)
 
 
 def setup_body(config: dict) -> dict:
@@ -141,17 +158,17 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         watch(ranks, fleet, deadline=started + cfg.attempt_hours * 3600)
     except KeyboardInterrupt:  # preempted: checkpoint, leave everything in place; Modal runs this input again
         print("preempted: the ranks checkpoint; Modal runs this call again and it resumes", flush=True)
-        checkpoint_and_stop(ranks, timeout=PREEMPT_SAVE_S)
-        checkpoints.commit()
+        checkpoint_and_stop(ranks, timeout=PREEMPT_SAVE_S)  # (they had the SIGINT too: the container's every process)
+        retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
         raise
-    except BaseException:  # a real failure ends the campaign
-        checkpoint_and_stop(ranks, timeout=0)
-        end_campaign(cfg, fleet, facts, store)
+    except BaseException as exc:  # a real failure stops the campaign; its state stays for --resume
+        checkpoint_and_stop(ranks, timeout=PREEMPT_SAVE_S)  # healthy ranks save a checkpoint; a broken DDP is killed
+        stop_campaign(cfg, config, fleet, store, exc)
         raise
-    checkpoints.commit()
+    retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
     summary = json.loads((workdir / "summary.rank0").read_text())
     if not summary["complete"]:  # this call's time is up: a new call continues from the checkpoint
-        after = train.with_options(gpu=f"H100:{cfg.gpus}").spawn(config, asdict(facts))
+        after = spawn(train.with_options(gpu=f"H100:{cfg.gpus}"), config, asdict(facts), retry=cfg.modal_retry_s)
         print(f"train ran {cfg.attempt_hours:g} h: a new call {after.object_id} continues from the checkpoint",
               flush=True)
         return {**summary, "continued_as": after.object_id}
@@ -183,7 +200,7 @@ def ensure_setup(cfg: CampaignConfig, config: dict, facts, queue, store) -> None
     if missing or held_out != facts.held_out_items:
         print(f"the run's setup is incomplete ({len(missing)} epoch plans missing, held-out items "
               f"{held_out} of {facts.held_out_items}): running setup again", flush=True)
-        setup.remote(config)
+        result(spawn(setup, config, retry=cfg.modal_retry_s), cfg.modal_retry_s)
 
 
 def watch(ranks, fleet: "Fleet", deadline: float) -> None:
@@ -226,7 +243,7 @@ class Fleet:
         for i in range(cfg.producers):
             name = f"producer-{i}"
             call = modal.FunctionCall.from_id(known[name]) if name in known else None
-            if call is not None and call_state(call)[0] == "running":
+            if call is not None and call_state(call, cfg.modal_retry_s)[0] == "running":
                 self.calls[name] = call
         if self.calls:
             print(f"reusing the {len(self.calls)} producers still running from an earlier call of this run", flush=True)
@@ -236,14 +253,14 @@ class Fleet:
 
     def _spawn(self, name: str) -> None:
         with interrupt_held():  # spawned and recorded, or neither: a re-run must not spawn it twice
-            self.calls[name] = produce.spawn(self.config, name)
+            self.calls[name] = spawn(produce, self.config, name, retry=self.cfg.modal_retry_s)
             self.store.put(self.key, json.dumps({n: c.object_id for n, c in self.calls.items()}))
 
     def check(self) -> None:
         from coordination.errors import CellfeedError
 
         for name, call in list(self.calls.items()):
-            state, error = call_state(call)
+            state, error = call_state(call, self.cfg.modal_retry_s)
             if state == "failed":
                 last_line = (str(error).strip().splitlines() or [""])[-1]
                 raise CellfeedError(f"{name} failed {1 + PRODUCER_RETRIES} times, Modal's retries spent "
@@ -253,29 +270,44 @@ class Fleet:
                 print(f"{name} ended: a new call takes its place", flush=True)
                 self._spawn(name)
 
-    def stop(self, deadline_s: float) -> None:
+    def stop(self, deadline_s: float, retry: float = RETRY_S) -> None:
         """One deadline for all to return (they read the stop key), then cancel the rest."""
         deadline = time.monotonic() + deadline_s
-        for call in self.calls.values():
+        transient = transient_errors()
+
+        def stop_one(call):
             try:
                 call.get(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:  # still running past the deadline (builtin TimeoutError: modal/_functions.py)
                 call.cancel()
+            except transient:
+                raise  # retried
             except Exception:  # noqa: BLE001 - it failed: nothing to stop
                 pass
 
+        for call in self.calls.values():
+            retrying(lambda: stop_one(call), f"stopping {call.object_id}", retry)
 
-def call_state(call) -> tuple[str, BaseException | None]:
+
+def call_state(call, retry: float = RETRY_S) -> tuple[str, BaseException | None]:
     """("running" | "ended" | "failed", its error) of a function call, without waiting. Modal
     raises the builtin TimeoutError while a call runs (not modal.exception.TimeoutError, whose
-    subclasses FunctionTimeoutError and OutputExpiredError mean it is over)."""
-    try:
-        call.get(timeout=0)
-    except TimeoutError:
-        return "running", None
-    except Exception as exc:  # noqa: BLE001 - its error, Modal's retries spent
-        return "failed", exc
-    return "ended", None
+    subclasses FunctionTimeoutError and OutputExpiredError mean it is over). A transient network
+    error says nothing of the call: it is retried (for `retry` seconds), never taken for a failure."""
+    transient = transient_errors()
+
+    def look():
+        try:
+            call.get(timeout=0)
+        except TimeoutError:
+            return "running", None
+        except transient:
+            raise
+        except Exception as exc:  # noqa: BLE001 - its error, Modal's retries spent
+            return "failed", exc
+        return "ended", None
+
+    return retrying(look, f"looking at {call.object_id}", retry)
 
 
 def end_campaign(cfg: CampaignConfig, fleet: Fleet, facts, store) -> None:
@@ -284,8 +316,25 @@ def end_campaign(cfg: CampaignConfig, fleet: Fleet, facts, store) -> None:
     from coordination.routing import stop_key
 
     store.put(stop_key(cfg.run), "stop")
-    fleet.stop(STOP_GRACE_S)
-    delete_run_backends(cfg.run, facts.epochs)
+    fleet.stop(STOP_GRACE_S, cfg.modal_retry_s)
+    delete_run_backends(cfg.run, facts.epochs, retry_s=cfg.modal_retry_s)
+
+
+def stop_campaign(cfg: CampaignConfig, config: dict, fleet: "Fleet | None", store, error: BaseException) -> None:
+    """After a real failure: stop the producers (best effort: Modal's network may be what failed),
+    keep the queue, plans and checkpoints, and say how to resume."""
+    from coordination.modal_backend import ModalUnreachable
+    from coordination.routing import stop_key
+
+    if fleet is not None and not isinstance(error, ModalUnreachable):
+        try:
+            store.put(stop_key(cfg.run), "stop")  # (a resume's setup clears it)
+            fleet.stop(STOP_GRACE_S, retry=60.0)
+        except Exception as exc:  # noqa: BLE001 - the failure being reported matters more
+            print(f"could not stop the producers ({type(exc).__name__}: {exc}); each stops after an idle hour",
+                  flush=True)
+    print(f"the campaign stopped; its queue, plans and checkpoints are kept. Resume it with:\n  "
+          f"{resume_command(CampaignConfig(**config))}", flush=True)  # (the laptop's file paths, not this container's)
 
 
 # ---- the functions
@@ -321,16 +370,27 @@ def main(**flags) -> dict:
     config = asdict(cfg.carry_files())  # containers cannot read this machine's files: their bytes travel
     print(f"campaign {cfg.run}: {cfg.producers} producers -> {cfg.gpus} x H100, "
           f"{'corpus ' + cfg.corpus if cfg.corpus else 'dataset ' + cfg.dataset}", flush=True)
-    facts = setup.remote(config)  # coordination.summary.SetupFacts, as a dict
-    print(f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units, "
-          f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s); vocabulary of {facts['n_genes']:,} genes",
-          flush=True)
-    for name, cells, line in facts.get("sources", ()) if cfg.corpus else ():
-        print(f"  {cells:>10,} cells per epoch from {line}", flush=True)
-    summary = train.with_options(gpu=f"H100:{cfg.gpus}").remote(config, facts)
-    while "continued_as" in summary:  # Modal's 24 h: each call hands over to the next
-        print(f"train continues in call {summary['continued_as']} (a call ends at {DAY // 3600} h)", flush=True)
-        summary = modal.FunctionCall.from_id(summary["continued_as"]).get()
+    try:
+        facts = result(spawn(setup, config, retry=cfg.modal_retry_s), cfg.modal_retry_s)  # SetupFacts, as a dict
+        print(f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units, "
+              f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s); vocabulary of "
+              f"{facts['n_genes']:,} genes", flush=True)
+        for name, cells, line in facts.get("sources", ()) if cfg.corpus else ():
+            print(f"  {cells:>10,} cells per epoch from {line}", flush=True)
+        call = spawn(train.with_options(gpu=f"H100:{cfg.gpus}"), config, facts, retry=cfg.modal_retry_s)
+        summary = result(call, cfg.modal_retry_s)
+        while "continued_as" in summary:  # Modal's 24 h: each call hands over to the next
+            print(f"train continues in call {summary['continued_as']} (a call ends at {DAY // 3600} h)", flush=True)
+            summary = result(modal.FunctionCall.from_id(summary["continued_as"]), cfg.modal_retry_s)
+    except (Exception, KeyboardInterrupt) as exc:  # one line, and the command that continues the campaign
+        if isinstance(exc, KeyboardInterrupt):  # (this process only: with --detach the campaign goes on)
+            print("interrupted: the campaign's calls go on in Modal unless you stop the app", file=sys.stderr)
+        else:
+            last = (str(exc).strip().splitlines() or [""])[-1]
+            print(f"cellfeed: error: {type(exc).__name__}: {last}", file=sys.stderr)
+        print(f"the campaign's queue, plans and checkpoints are kept. Resume it with:\n  {resume_command(cfg)}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "audits") if k in summary}), flush=True)
     return summary
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coordination.errors import CellfeedError
+from coordination.modal_backend import RETRY_S
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class BackendSpec:
     address: str = ""
     latency_ms: float = 0.0
     environment: str | None = None
+    retry_s: float = RETRY_S  # modal: how long a call retries transient network errors
 
     @classmethod
     def of(cls, spec: "BackendSpec | dict") -> "BackendSpec":
@@ -37,5 +39,5 @@ def connect(spec: BackendSpec | dict):
     if spec.kind == "modal":
         from coordination.modal_backend import run_backends
 
-        return remote(*run_backends(spec.run, spec.environment), spec.latency_ms)
+        return remote(*run_backends(spec.run, spec.environment, spec.retry_s), spec.latency_ms)
     raise CellfeedError(f"unknown backend {spec.kind!r}: use 'local' or 'modal' (the memory backend lives in one process)")

@@ -15,12 +15,73 @@ the emulator, cellfeed_testing/modal_emulator/README.md):
 - a named map's handle follows its name: Modal binds a handle to one object id, so when that
   object was deleted (a resumed epoch's map, dropped and created again), the name is opened
   again, and only a name that no longer exists is `MapGone`;
-- run-scoped names, with clean-up at the end of a campaign.
+- run-scoped names, with clean-up at the end of a campaign;
+- a network that fails: Modal's client retries a transient error for under a second, then raises it
+  (`ServiceError`, `InternalError`, `ConnectionError`, a raw `StreamTerminatedError`: modal 1.6.4,
+  `_utils/grpc_utils.py:499-509, 577-596`, `_grpc_client.py:27-44`). Every call here goes through
+  `retrying`: backoff from 0.5 s to 15 s, for `retry_s` (default 15 minutes: a 10-minute outage
+  passes), then `ModalUnreachable`. A retried call may have been applied already (a lost reply):
+  a put then doubles its items (consumers drop duplicates by key), a get's items are gone (the
+  consumer stream notices the cells missing and asks for their units again: `trainer/stream.py`),
+  a put-if-absent finds its own value (stitching takes a slot holding its own id as its own).
 """
 
 from __future__ import annotations
 
+import random
+import sys
+import time
+
+from coordination.errors import CellfeedError
 from coordination.queues import MapGone, RequestTooLarge, validate_item, validate_partition
+
+RETRY_S = 900.0  # how long a call to Modal retries transient errors before giving up (the campaign's --modal-retry-s)
+FIRST_DELAY_S, MAX_DELAY_S = 0.5, 15.0
+
+
+class ModalUnreachable(CellfeedError):
+    """Modal's network failed for longer than the retry window: the run stops, its state kept."""
+
+
+def transient_errors() -> tuple[type, ...]:
+    """What Modal's client raises once its own retries of a network fault are spent."""
+    import modal.exception
+    from grpclib.exceptions import StreamTerminatedError
+
+    return (modal.exception.ServiceError, modal.exception.InternalError, modal.exception.ConnectionError,
+            StreamTerminatedError, _PutTimedOut)
+
+
+class _PutTimedOut(Exception):
+    """A blocking put with a timeout whose retries of a transient error ran out (not a 413)."""
+
+
+def retrying(call, what: str, retry_s: float = RETRY_S):
+    """`call()`, retried on Modal's transient errors with jittered backoff for up to `retry_s`
+    seconds from the first failure; one line when an outage starts and one when it ends."""
+    errors, first, delay = transient_errors(), None, FIRST_DELAY_S
+    while True:
+        try:
+            result = call()
+        except errors as exc:
+            now = time.monotonic()
+            if first is None:
+                first = now
+                print(f"Modal: {what} failed ({type(exc).__name__}: {_short(exc)}); retrying for up to "
+                      f"{retry_s / 60:g} min", file=sys.stderr, flush=True)
+            if now - first >= retry_s:
+                raise ModalUnreachable(f"Modal: {what} kept failing for {retry_s / 60:g} min ({type(exc).__name__}: "
+                                       f"{_short(exc)}); the run's state is kept") from exc
+            time.sleep(min(delay * random.uniform(0.5, 1.0), max(0.0, first + retry_s - now)))
+            delay = min(delay * 2, MAX_DELAY_S)
+            continue
+        if first is not None:
+            print(f"Modal: {what} works again after {time.monotonic() - first:.1f} s", file=sys.stderr, flush=True)
+        return result
+
+
+def _short(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
 def run_object_name(run: str) -> str:
@@ -28,10 +89,11 @@ def run_object_name(run: str) -> str:
 
 
 class ModalQueue:
-    def __init__(self, name: str | None = None, *, queue=None, environment: str | None = None):
+    def __init__(self, name: str | None = None, *, queue=None, environment: str | None = None,
+                 retry_s: float = RETRY_S):
         if name is None and queue is None:
             raise ValueError("give a queue name or a modal.Queue")
-        self.name, self.environment, self._queue = name, environment, queue
+        self.name, self.environment, self._queue, self.retry_s = name, environment, queue, retry_s
 
     @property
     def queue(self):
@@ -48,33 +110,37 @@ class ModalQueue:
         validate_partition(partition)
         import modal.exception
 
-        try:
-            if block:
-                self.queue.put_many(values, block=True, timeout=timeout, partition=partition)
-            else:  # Modal warns when a timeout comes with a non-blocking put
-                self.queue.put_many(values, block=False, partition=partition)
-        except modal.exception.RequestSizeError as exc:
-            raise RequestTooLarge(f"{len(values)} items, {sum(map(len, values)):,} bytes: {exc}") from None
-        except modal.exception.TimeoutError as exc:
-            if _refused_as_too_large(exc):
+        def once():
+            try:
+                if block:
+                    self.queue.put_many(values, block=True, timeout=timeout, partition=partition)
+                else:  # Modal warns when a timeout comes with a non-blocking put
+                    self.queue.put_many(values, block=False, partition=partition)
+            except modal.exception.RequestSizeError as exc:
                 raise RequestTooLarge(f"{len(values)} items, {sum(map(len, values)):,} bytes: {exc}") from None
-            raise
+            except modal.exception.TimeoutError as exc:
+                if _refused_as_too_large(exc):
+                    raise RequestTooLarge(f"{len(values)} items, {sum(map(len, values)):,} bytes: {exc}") from None
+                raise _PutTimedOut(str(exc)) from exc  # its retries of a network fault ran out: ours go on
+
+        retrying(once, f"queue put ({partition or 'default partition'})", self.retry_s)
 
     def put(self, value, block=True, timeout=None, *, partition=None) -> None:
         self.put_many([value], block, timeout, partition=partition)
 
     def get_many(self, n_values, block=True, timeout=None, *, partition=None) -> list[bytes]:
+        what = f"queue get ({partition or 'default partition'})"
         if not block:  # Modal warns when a timeout comes with a non-blocking get
-            return self.queue.get_many(n_values, block=False, partition=partition)
-        return self.queue.get_many(n_values, block=True, timeout=timeout, partition=partition)
+            return retrying(lambda: self.queue.get_many(n_values, block=False, partition=partition), what, self.retry_s)
+        return retrying(lambda: self.queue.get_many(n_values, block=True, timeout=timeout, partition=partition), what,
+                        self.retry_s)
 
     def get(self, block=True, timeout=None, *, partition=None):
-        if not block:
-            return self.queue.get(block=False, partition=partition)
-        return self.queue.get(block=True, timeout=timeout, partition=partition)
+        values = self.get_many(1, block, timeout, partition=partition)
+        return values[0] if values else None
 
     def len(self, *, partition=None, total=False) -> int:
-        return self.queue.len(partition=partition, total=total)
+        return retrying(lambda: self.queue.len(partition=partition, total=total), "queue len", self.retry_s)
 
 
 def _refused_as_too_large(exc: BaseException) -> bool:
@@ -90,10 +156,11 @@ def _refused_as_too_large(exc: BaseException) -> bool:
 
 class ModalMap:
     def __init__(self, name: str | None = None, *, mapping=None, environment: str | None = None,
-                 create: bool = True):
+                 create: bool = True, retry_s: float = RETRY_S):
         if name is None and mapping is None:
             raise ValueError("give a dict name or a modal.Dict")
         self.name, self.environment, self._dict, self.create = name, environment, mapping, create
+        self.retry_s = retry_s
 
     @property
     def dict(self):
@@ -107,10 +174,13 @@ class ModalMap:
     def _call(self, method: str, *args, **kwargs):
         import modal.exception
 
+        def once():
+            result = getattr(self.dict, method)(*args, **kwargs)
+            return list(result) if method == "keys" else result  # keys() is a lazy iterator: read it here
+
         for reopen in (True, False):
             try:
-                result = getattr(self.dict, method)(*args, **kwargs)
-                return list(result) if method == "keys" else result  # keys() is a lazy iterator: read it here
+                return retrying(once, f"dict {method}", self.retry_s)
             except modal.exception.NotFoundError as exc:
                 # a handle binds to one object id: if that dict was deleted, this name may be a new one
                 # (a resumed epoch's map); a name that is gone for good means its epoch is over
@@ -136,7 +206,7 @@ class ModalMap:
 
     def named(self, name: str, create: bool = False) -> "ModalMap":
         """A modal.Dict of its own; created now (one call) with `create`, else never by us."""
-        sibling = ModalMap(f"{self.name}-{name}", environment=self.environment, create=create)
+        sibling = ModalMap(f"{self.name}-{name}", environment=self.environment, create=create, retry_s=self.retry_s)
         if create:
             sibling.put("created", 1)
         return sibling
@@ -144,23 +214,27 @@ class ModalMap:
     def drop(self, name: str) -> None:
         import modal
 
-        modal.Dict.objects.delete(f"{self.name}-{name}", allow_missing=True, environment_name=self.environment)
+        retrying(lambda: modal.Dict.objects.delete(f"{self.name}-{name}", allow_missing=True,
+                                                   environment_name=self.environment), "dict delete", self.retry_s)
 
 
-def run_backends(run: str, environment: str | None = None) -> tuple[ModalQueue, ModalMap]:
+def run_backends(run: str, environment: str | None = None, retry_s: float = RETRY_S) -> tuple[ModalQueue, ModalMap]:
     """The run's queue and map, named `cellfeed-<run>` (created on first use)."""
     name = run_object_name(run)
-    return ModalQueue(name, environment=environment), ModalMap(name, environment=environment)
+    return (ModalQueue(name, environment=environment, retry_s=retry_s),
+            ModalMap(name, environment=environment, retry_s=retry_s))
 
 
-def delete_run_backends(run: str, epochs: int = 0, environment: str | None = None) -> None:
-    """Delete the run's queue and map, and any epoch map left by an interrupted epoch, at the end."""
+def delete_run_backends(run: str, epochs: int = 0, environment: str | None = None, retry_s: float = RETRY_S) -> None:
+    """Delete the run's queue and map, and any epoch map left by an interrupted epoch: only when the
+    campaign is complete, or its user asks (never because of an error: a resume needs them)."""
     import modal
 
     from coordination.routing import epoch_map_name
 
     name = run_object_name(run)
-    modal.Queue.objects.delete(name, allow_missing=True, environment_name=environment)
-    for epoch in range(epochs):
-        modal.Dict.objects.delete(f"{name}-{epoch_map_name(epoch)}", allow_missing=True, environment_name=environment)
-    modal.Dict.objects.delete(name, allow_missing=True, environment_name=environment)
+    kinds = [(modal.Queue, name)] + [(modal.Dict, f"{name}-{epoch_map_name(e)}") for e in range(epochs)] + \
+        [(modal.Dict, name)]
+    for kind, object_name in kinds:  # (a retry after a lost reply finds it gone: allow_missing)
+        retrying(lambda: kind.objects.delete(object_name, allow_missing=True, environment_name=environment),
+                 f"delete {object_name}", retry_s)

@@ -110,9 +110,14 @@ def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_mid_epoch(
         check_campaign(world, out, epochs=1, producers=2)
 
 
-def test_a_producer_that_keeps_failing_ends_the_run_in_one_line(atlas, tmp_path):
+def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed_command_resumes_it(atlas, tmp_path):
+    """A real failure stops the campaign but deletes nothing: the run's queue and dicts stay, the
+    last lines say how to resume, and that very command (the fault mended) completes the campaign,
+    every epoch exactly once."""
+    import shlex
+
     with ModalEmulator(tmp_path / "world", grace_s=10, retry_delay_s=0.2) as world:
-        world.fail("produce", times=100)  # every attempt of every producer
+        world.fail("produce", times=8)  # every attempt of both producers (1 + retries=3 each): then mended
         code, out, err = finish(modal_run(world, flags(atlas, epochs=1, gpus=1)))  # (one rank is enough here)
         assert code != 0
         lines = [line for line in err.splitlines() if "Modal's retries spent" in line]
@@ -120,8 +125,18 @@ def test_a_producer_that_keeps_failing_ends_the_run_in_one_line(atlas, tmp_path)
                                    r"fault\); the run stops: mend the cause, then run again with --resume", lines[-1])
         assert all(len(c["attempts"]) == 4 for c in world.calls("produce"))  # 1 + retries=3
         described = world.describe()
-        assert described["queues"] == [] and described["dicts"] == []  # a real failure cleans up
+        assert described["queues"] == [f"cellfeed-{RUN}"] and f"cellfeed-{RUN}" in described["dicts"]  # kept
         assert not [c for c in described["calls"] if c["status"] in ("running", "pending")]
+        command = err.strip().splitlines()[-1].strip()
+        assert err.strip().splitlines()[-2].endswith("Resume it with:") and command.startswith("modal run ")
+        assert command.endswith(f"--run {RUN} --resume")
+        resumed = modal_run(world, shlex.split(command)[3:])  # (after `modal run app/modal_app.py`)
+        code, out, err = finish(resumed)
+        assert code == 0, err[-3000:]
+        trains = world.calls("train")
+        logs = "".join(container_log(world, c["id"], a) for c in trains for a in range(len(c["attempts"])))
+        assert re.search(r"epoch 0: [\d,]+ cells trained, 0 missing, 0 duplicated", logs), logs[-3000:]
+        assert world.describe()["queues"] == [] and world.describe()["dicts"] == []  # complete: now deleted
 
 
 def test_a_campaign_longer_than_a_call_continues_in_new_calls(atlas, tmp_path):

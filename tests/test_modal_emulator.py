@@ -167,7 +167,7 @@ def test_an_image_allows_its_packages_dependencies_and_modals():  # S20
     from cellfeed_testing.modal_emulator.images import ImageGuard, container_spec
 
     spec = container_spec({"pip": ["torch==2.13.0"], "sources": ["trainer"], "label": "t"})
-    guard = ImageGuard(spec["allow"], spec["sources"], spec["label"])
+    guard = ImageGuard(spec["allow"], spec["sources"], spec["label"])  # (its finder wrapping: the test above)
     for ok in ("torch", "sympy", "networkx", "filelock", "modal", "grpclib", "google.protobuf", "trainer.train",
                "json", "cellfeed_testing.modal_emulator.client"):
         assert guard.permits(ok), ok

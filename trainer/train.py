@@ -5,7 +5,8 @@ Run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (to
 autocast on GPU, unchanged.
 
 SIGUSR2 asks a rank to checkpoint and stop (`trainer.launch.checkpoint_and_stop`: before a
-preempted container goes, or when a Modal call's day is nearly over). The request rides on the
+preempted container goes, or when a Modal call's day is nearly over); so does SIGINT, which a
+preemption sends to every process of the container. The request rides on the
 step's all-reduce, so every rank stops after the same step; the summary says `complete: false`.
 """
 
@@ -64,6 +65,9 @@ def init_distributed() -> tuple[int, int, torch.device]:
 def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     stop_asked = []  # set by STOP_SIGNAL; all-reduced with each step's counts so every rank stops together
     signal.signal(STOP_SIGNAL, lambda *_: stop_asked.append(True))
+    # a preemption's SIGINT reaches every process of a Modal container at once, this rank too: it asks
+    # for the same checkpoint-and-stop (a terminal's Ctrl-C never gets here: ranks have sessions of their own)
+    signal.signal(signal.SIGINT, lambda *_: stop_asked.append(True))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {STOP_SIGNAL})  # held by the launcher until now
     rank, world, device = init_distributed()
     if queue is None:

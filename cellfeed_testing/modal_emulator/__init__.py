@@ -5,7 +5,8 @@ would answer, whatever the test wants (README.md lists each semantic point and i
     with ModalEmulator(tmp_path) as modal_world:
         modal_world.install()                 # this process: modal.Queue/Dict/App/... are emulated
         ...                                   # code under test calls modal as it would on Modal
-        modal_world.preempt(call_id)          # SIGINT, a grace period, then the same input again
+        modal_world.preempt(call_id)          # SIGINT to every process of it, a grace period, the same input again
+        modal_world.fault("transport", "queue", calls=20)   # the network fails (faults.py)
         modal_world.describe()                # calls and attempts, live objects, queue statistics
 
 Function calls run in worker processes (`worker.py`) whose `import modal` is emulated too
@@ -89,6 +90,16 @@ class ModalEmulator:
 
     def preempt(self, call_id: str) -> None:
         self._call({"op": "f.preempt", "id": call_id})
+
+    def fault(self, kind: str, target: str, **rule) -> int:
+        """S21: a network fault (faults.py): `kind` transport | lost_reply | spike, `target` queue |
+        dict | spawn | call, and the rule's `after`, `calls`, `seconds`, `delay_s`, `partition`,
+        `op`, `surface`. It fires on the matching calls from now on; returns its index."""
+        return self._call({"op": "fault.add", "rule": {"kind": kind, "target": target, **rule}})["index"]
+
+    def faults(self) -> list[dict]:
+        """Every fault rule with its state: calls seen, when it fired, hits, items lost, done."""
+        return self._call({"op": "fault.list"})["rules"]
 
     def fail(self, function: str, times: int) -> None:
         """The next `times` attempts of `function` fail before its body runs (an injected fault)."""

@@ -19,10 +19,27 @@ from dataclasses import dataclass
 
 from coordination.local_backend import _decode_value, _encode_value, _recv_frame, _send_frame
 
-from cellfeed_testing.modal_emulator.limits import FULL, INVALID, MAX_TIMEOUT_S, NOT_FOUND, OK, TOO_LARGE
+from cellfeed_testing.modal_emulator.limits import (CLIENT_BASE_DELAY_S, CLIENT_MAX_DELAY_S, CLIENT_RETRIES, FULL, INVALID,
+                                                    MAX_TIMEOUT_S, NOT_FOUND, OK, TOO_LARGE, TRANSIENT)
 
 GET_REQUEST_S = 50.0  # S10: one blocking QueueGet waits at most 50 s server-side; the client loops
 POLL_REQUEST_S = 50.0
+
+
+@dataclass(frozen=True)
+class Retry:
+    """S21: how modal's client retries a transient error of one RPC (modal/_utils/grpc_utils.py:499-509):
+    `retries` more attempts (None: no limit), the delay doubling from 0.1 s to `max_delay_s`."""
+
+    retries: int | None = CLIENT_RETRIES
+    max_delay_s: float = CLIENT_MAX_DELAY_S
+
+
+DEFAULT_RETRY, NO_RETRY = Retry(), Retry(retries=0)
+
+
+class _Transient(Exception):
+    """A transient error of one attempt (injected, S21): retried as modal's client retries."""
 
 
 class _Connection:
@@ -31,7 +48,23 @@ class _Connection:
     def __init__(self):
         self._local = threading.local()
 
-    def call(self, header: dict, values: list[bytes] = (), wait_s: float = 0.0):
+    def call(self, header: dict, values: list[bytes] = (), wait_s: float = 0.0, retry: Retry = DEFAULT_RETRY):
+        """One RPC with modal's retries of transient errors (S21); once they are spent, the caller gets
+        `modal.exception.ServiceError`, as from UNAVAILABLE (modal/_grpc_client.py:27-44)."""
+        import modal.exception
+
+        delay, attempt = CLIENT_BASE_DELAY_S, 0
+        while True:
+            try:
+                return self._once(header, values, wait_s)
+            except _Transient as exc:
+                if retry.retries is not None and attempt >= retry.retries:
+                    raise modal.exception.ServiceError(str(exc)) from None
+                attempt += 1
+                time.sleep(delay)
+                delay = min(delay * 2, retry.max_delay_s)
+
+    def _once(self, header: dict, values: list[bytes] = (), wait_s: float = 0.0):
         import modal.exception
 
         address = os.environ.get("MODAL_EMULATOR")
@@ -63,6 +96,8 @@ class _Connection:
             raise modal.exception.ResourceExhaustedError(message)
         if code == TOO_LARGE:
             raise _RequestTooLarge(message)
+        if code == TRANSIENT:
+            raise _Transient(message)
         raise modal.exception.InternalError(message)
 
 
@@ -138,16 +173,19 @@ class Queue(_Named):
             return partition
         return ""
 
-    def _put(self, values: list, partition: str | None, request_timeout: float | None):
+    def _put(self, values: list, partition: str | None, retry: Retry):
         sizes = [_serialized_size(v) for v in values]
         return _conn.call({"op": "q.put", "id": self.object_id, "partition": self.validate_partition_key(partition),
-                           "sizes": sizes}, [bytes(v) for v in values])
+                           "sizes": sizes}, [bytes(v) for v in values], retry=retry)
 
     def put_many(self, vs: list, block: bool = True, timeout: float | None = None, *, partition: str | None = None,
                  partition_ttl: int = 24 * 3600) -> None:
         """S5: blocking puts retry RESOURCE_EXHAUSTED with Modal's backoff (0.1 s, doubling, at most 30 s)
         and give up when the next try could not finish 2 s before the deadline — so a put with a
-        timeout under ~2.1 s raises queue.Full at once; every retry re-sends the whole request."""
+        timeout under ~2.1 s raises queue.Full at once; every retry re-sends the whole request.
+        S21: a blocking put retries transient errors the same way (`max_retries=None`: without a
+        timeout, for ever; at its timeout, `modal.exception.TimeoutError`); a non-blocking one
+        retries them as every call does, then raises `ServiceError`."""
         import modal.exception
 
         vs = list(vs)
@@ -159,8 +197,15 @@ class Queue(_Named):
         deadline = None if (timeout is None or not block) else t0 + timeout
         while True:
             try:
-                self._put(vs, partition, timeout)
+                self._put(vs, partition, NO_RETRY if block else DEFAULT_RETRY)
                 return
+            except _Transient as exc:  # (block=True only) S21: queue.py:687-702, retried with the put's own backoff
+                if deadline is not None and (time.time() >= deadline or time.time() + delay + 2.0 >= deadline):
+                    raise modal.exception.TimeoutError(
+                        f"Queue.put could not complete within the provided timeout of {timeout} seconds") from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)
+                continue
             except (_RequestTooLarge, modal.exception.ResourceExhaustedError) as exc:
                 too_large = isinstance(exc, _RequestTooLarge)  # S9: HTTP 413 reaches grpclib as UNKNOWN: retried
                 if not block:  # the default Retry: RESOURCE_EXHAUSTED at once, UNKNOWN after 3 retries
@@ -220,9 +265,10 @@ class Dict(_Named):
     _kind = "dict"
     objects = _Objects("dict")
 
-    def _op(self, what: str, key=None, value=_NO_DEFAULT, skip=False):
+    def _op(self, what: str, key=None, value=_NO_DEFAULT, skip=False, retry: Retry = DEFAULT_RETRY):
         values = [] if value is _NO_DEFAULT else [_encode_value(value)]
-        reply, out = _conn.call({"op": "d", "id": self.object_id, "what": what, "key": key, "skip": skip}, values)
+        reply, out = _conn.call({"op": "d", "id": self.object_id, "what": what, "key": key, "skip": skip}, values,
+                                retry=retry)
         return _decode_value(out[0]) if reply.get("bytes") else reply.get("value")
 
     def put(self, key, value, *, skip_if_exists: bool = False) -> bool:
@@ -250,8 +296,9 @@ class Dict(_Named):
             raise KeyError(f"{key} not in dict {self.object_id}") from None
 
     def keys(self):
-        """An iterator, as Modal's (S11): a deleted dict raises when it is first advanced."""
-        yield from self._op("keys")
+        """An iterator, as Modal's (S11): a deleted dict raises when it is first advanced. A streaming
+        RPC: no retry of transient errors (S21, dict.py:620, _grpc_client.py:184-197)."""
+        yield from self._op("keys", retry=NO_RETRY)
 
     def len(self) -> int:
         return len(list(self.keys()))

@@ -10,9 +10,10 @@ anything else fails at that import. The emulator reproduces it:
   (`allowed_modules`: the requirements' closure over this machine's installed distributions,
   markers evaluated, extras followed only where asked) once per image;
 - every process of the container (the function's own and every Python process it starts:
-  `boot/sitecustomize.py` runs in each) installs `ImageGuard` first on `sys.meta_path`, and drops
-  from `sys.modules` what the emulator's own runtime imported that the image lacks, so the body's
-  import goes through the guard as a fresh one would.
+  `boot/sitecustomize.py` runs in each) wraps each finder on `sys.meta_path` so that it finds
+  nothing the image lacks (to the import system, and to `importlib.util.find_spec` probes for
+  optional modules, such a module is not installed), and drops from `sys.modules` what the
+  emulator's own runtime imported that the image lacks, so the body's import looks again.
 
 The emulator's runtime (`cellfeed_testing.modal_emulator`) stays importable: it is the container
 runtime, not the function's code. Nothing else of the repository is, unless the image adds it.
@@ -96,10 +97,11 @@ def allowed_modules(pip: list[str]) -> dict:
 
 
 class ImageGuard:
-    """A meta-path finder that refuses any top-level module the image does not provide."""
+    """What the image provides; `install_guard` puts it in front of every meta-path finder."""
 
     def __init__(self, allow: list[str], sources: list[str], label: str):
         self.allow, self.sources, self.label = set(allow), set(sources), label
+        self.refused: set[str] = set()
 
     def permits(self, fullname: str) -> bool:
         top = fullname.partition(".")[0]
@@ -109,24 +111,46 @@ class ImageGuard:
             return True
         return fullname == "cellfeed_testing" or fullname == RUNTIME or fullname.startswith(RUNTIME + ".")
 
+    def explain(self, exc: BaseException) -> str:
+        """The message of an import error, saying so when the image is why."""
+        name = getattr(exc, "name", None) or ""
+        if isinstance(exc, ModuleNotFoundError) and name.partition(".")[0] in self.refused:
+            return (f"{exc}: this function's image ({self.label}) does not install it (the Modal emulator runs "
+                    "each function under its image)")
+        return str(exc)
+
+
+class _Guarded:
+    """A meta-path finder that finds nothing the image lacks: to the import system (and to
+    `importlib.util.find_spec`, which libraries use to probe for optional modules) such a module is
+    simply not installed, as in the real container."""
+
+    def __init__(self, inner, guard: ImageGuard):
+        self.inner, self.guard = inner, guard
+
     def find_spec(self, fullname, path=None, target=None):
-        if self.permits(fullname):
-            return None  # the other finders look for it as usual
-        top = fullname.partition(".")[0]
-        raise ModuleNotFoundError(f"No module named '{top}': this function's image ({self.label}) does not "
-                                  "install it (the Modal emulator runs each function under its image)", name=fullname)
+        if not self.guard.permits(fullname):
+            self.guard.refused.add(fullname.partition(".")[0])
+            return None
+        find = getattr(self.inner, "find_spec", None)
+        return find(fullname, path, target) if find is not None else None
 
     def invalidate_caches(self) -> None:
-        pass
+        if hasattr(self.inner, "invalidate_caches"):
+            self.inner.invalidate_caches()
+
+
+GUARD: ImageGuard | None = None  # this process's, once installed
 
 
 def install_guard(spec: dict) -> ImageGuard:
     """In a container's process: from here on it imports only what its image has."""
-    guard = ImageGuard(spec["allow"], spec["sources"], spec["label"])
-    sys.meta_path.insert(0, guard)
-    for name in [m for m in sys.modules if not guard.permits(m)]:
+    global GUARD
+    GUARD = ImageGuard(spec["allow"], spec["sources"], spec["label"])
+    sys.meta_path[:] = [_Guarded(f, GUARD) for f in sys.meta_path]
+    for name in [m for m in sys.modules if not GUARD.permits(m)]:
         del sys.modules[name]  # imported by the runtime before the guard: the body's import must look again
-    return guard
+    return GUARD
 
 
 def container_spec(image: dict | None) -> dict:

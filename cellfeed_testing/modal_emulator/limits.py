@@ -13,4 +13,6 @@ MAX_REQUEST_BYTES = 4 << 20
 MAX_GPUS = 8  # S17: "H100:8" is the largest GPU count a function can ask for
 MAX_TIMEOUT_S = 24 * 3600  # S13: a function's timeout is 1 s .. 24 h
 
-OK, FULL, EMPTY, NOT_FOUND, INVALID, TOO_LARGE, ERROR = range(7)
+OK, FULL, EMPTY, NOT_FOUND, INVALID, TOO_LARGE, ERROR, TRANSIENT = range(8)  # TRANSIENT: S21's injected faults
+# S21: modal's default Retry (modal/_utils/grpc_utils.py:499-509): 3 retries, 0.1 s doubling to at most 1 s
+CLIENT_RETRIES, CLIENT_BASE_DELAY_S, CLIENT_MAX_DELAY_S = 3, 0.1, 1.0

@@ -25,11 +25,12 @@ from pathlib import Path
 
 from coordination.local_backend import serve_frames
 
+from cellfeed_testing.modal_emulator.faults import Faults, target_of
 from cellfeed_testing.modal_emulator.images import container_spec
 
 from cellfeed_testing.modal_emulator.limits import (DICT_ENTRY_TTL_S, ERROR, INVALID, MAX_GPUS, MAX_ITEM_BYTES, MAX_PARTITION_BYTES,
                                            MAX_PARTITION_ITEMS, MAX_REQUEST_BYTES, NOT_FOUND, OK, PARTITION_TTL_S, FULL,
-                                           TOO_LARGE)
+                                           TOO_LARGE, TRANSIENT, CLIENT_RETRIES)
 
 
 class Clock:
@@ -111,6 +112,7 @@ class Emulated:
         self.faults: dict[str, int] = {}  # function -> attempts left to fail (S16: fault injection)
         self.stats: dict = {}  # per kind of partition ("rank-*" counted together): requests and bytes
         self.images: dict[str, dict] = {}  # an image's JSON -> its containers' import spec (S20)
+        self.network = Faults(clock)  # S21: injected transport faults
         self._ids = itertools.count(1)
 
     def _new_id(self, prefix: str) -> str:
@@ -327,7 +329,10 @@ class Emulated:
                 if call.preempt_requested:  # S15: an interrupt, a grace period, then the container is gone
                     call.preempt_requested = False
                     attempt["preempted_at"] = self.clock.now()
-                    _signal(proc.pid, signal.SIGINT)
+                    every = [proc.pid, *_descendants(proc.pid)]  # the whole container: each of its processes
+                    for pid in every:
+                        _signal(pid, signal.SIGINT)
+                    attempt["interrupted_processes"] = len(every)
                     outcome = "preempted"
                 elif call.cancel_requested:  # S13: SIGUSR1 (InputCancellation in the body), then the container goes
                     _signal(proc.pid, signal.SIGUSR1)
@@ -430,15 +435,30 @@ def kill_tree(pid: int) -> None:
 
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
+        self.failing_retries = 0  # S21: after a surfaced lost reply, the client's own retries fail too
         serve_frames(self.request, self.answer)
 
     def answer(self, op: int, h: dict, values: list[bytes]):
+        w = self.server.world
+        if self.failing_retries and target_of(h)[0] is not None:
+            self.failing_retries -= 1
+            return TRANSIENT, {"message": "UNAVAILABLE: connection lost (injected, after a lost reply)"}, []
+        fail, delay, lose = w.network.before(h)  # S21
+        if delay:
+            time.sleep(delay)
+        if fail:
+            return TRANSIENT, {"message": "UNAVAILABLE: injected transport fault"}, []
         try:
-            return (OK, *self.dispatch(self.server.world, op, h, values))
+            code, header, out = (OK, *self.dispatch(w, op, h, values))
         except Rejected as exc:
             return exc.code, {"message": str(exc)}, []
         except Exception as exc:  # noqa: BLE001 - the emulator's own codes (limits.py), not the local backend's
             return ERROR, {"message": f"{type(exc).__name__}: {exc}"}, []
+        if lose is not None and w.network.lost(lose, h, len(out) if h.get("op") == "q.get" else 0, found=True):
+            if lose.surface:
+                self.failing_retries = CLIENT_RETRIES
+            return TRANSIENT, {"message": "UNAVAILABLE: the reply was lost (injected; the call was applied)"}, []
+        return code, header, out
 
     @staticmethod
     def dispatch(w: Emulated, op: int, h: dict, values: list[bytes]):
@@ -483,6 +503,10 @@ class _Handler(socketserver.BaseRequestHandler):
             with w.lock:
                 w.faults[h["function"]] = h["times"]
             return {}, []
+        if kind == "fault.add":
+            return {"index": w.network.add(h["rule"])}, []
+        if kind == "fault.list":
+            return {"rules": w.network.describe()}, []
         if kind == "clock.advance":
             w.clock.advance(h["seconds"])
             return {"now": w.clock.now()}, []

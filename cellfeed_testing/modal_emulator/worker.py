@@ -39,8 +39,11 @@ def main() -> int:
     except BaseException as exc:  # noqa: BLE001 - reported, as Modal reports a failed input
         traceback.print_exc()
         cls = type(exc)
+        from cellfeed_testing.modal_emulator import images
+
+        message = images.GUARD.explain(exc) if images.GUARD is not None else str(exc)
         _conn.call({"op": "f.report", "id": call_id, "attempt": attempt, "ok": False,
-                    "error": {"type": f"{cls.__module__}.{cls.__qualname__}", "message": str(exc)}})
+                    "error": {"type": f"{cls.__module__}.{cls.__qualname__}", "message": message}})
         return 1
     _conn.call({"op": "f.report", "id": call_id, "attempt": attempt, "ok": True, "result": result})
     return 0
