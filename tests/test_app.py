@@ -82,10 +82,12 @@ def test_every_flag_round_trips_through_modal_run_and_cellfeed_local():
     expected = CampaignConfig(**values).validate()
     ctx = command("app/modal_app.py").make_context("modal run", list(args))
     assert CampaignConfig.from_flags(ctx.params) == expected
-    local_args = args[: args.index("--attempt-hours")] + args[args.index("--attempt-hours") + 2:]
+    modal_only = ("--attempt-hours", "--modal-retry-s")
+    local_args = [a for i, a in enumerate(args) if a not in modal_only and (i == 0 or args[i - 1] not in modal_only)]
     parsed = vars(build_parser().parse_args(["local", *local_args]))
     assert CampaignConfig(**{k: parsed[k] for k in CAMPAIGN_FLAGS}).validate() == \
-        CampaignConfig(**{**values, "attempt_hours": CampaignConfig.attempt_hours}).validate()
+        CampaignConfig(**{**values, "attempt_hours": CampaignConfig.attempt_hours,
+                          "modal_retry_s": CampaignConfig.modal_retry_s}).validate()
     corpus_args = ["--corpus", "/c/corpus.toml", "--run", "c"]
     ctx = command("app/modal_app.py").make_context("modal run", list(corpus_args))
     parsed = vars(build_parser().parse_args(["local", *corpus_args]))
