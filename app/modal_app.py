@@ -46,6 +46,7 @@ from dataclasses import asdict
 import modal
 
 from app.config import MODAL_FLAGS, CampaignConfig, flags_signature, resume_command
+from app.pins import pinned
 from coordination.modal_backend import RETRY_S, retrying, transient_errors
 
 APP_NAME = "cellfeed"
@@ -65,9 +66,9 @@ PREEMPT_SAVE_S = 20.0  # of Modal's ~30 s grace after a preemption's SIGINT: the
 FLEET_CHECK_S = 15.0  # how often `train` looks at its producer calls (soon after the start, then less often)
 FIRST_FLEET_CHECK_S = 1.0  # a producer that cannot start (settings, credentials) is found within seconds
 
-PRODUCER_PIP = ("pylance>=0.30", "pyarrow>=16", "polars>=1.0", "numpy>=1.26", "zstandard>=0.22", "boto3>=1.34",
-                "anndata>=0.10", "h5py>=3.9", "scipy>=1.11", "tqdm>=4.66", "pandas>=2")
-TRAINER_PIP = ("torch==2.13.0", "numpy>=1.26", "zstandard>=0.22", "tqdm>=4.66")  # no Lance, no Polars
+PRODUCER_PIP = pinned("pylance", "pyarrow", "polars", "numpy", "zstandard", "boto3", "anndata", "h5py", "scipy", "tqdm",
+                      "pandas")
+TRAINER_PIP = pinned("torch", "numpy", "zstandard", "tqdm")  # no Lance, no Polars
 
 producer_image = modal.Image.debian_slim(python_version="3.11").pip_install(*PRODUCER_PIP) \
     .add_local_python_source(*PACKAGES)
