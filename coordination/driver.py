@@ -116,22 +116,51 @@ class Driver:
 
     # ---- the epochs
 
+    def _redo(self, asked: list[tuple[int, int]], active: dict, summaries: dict, order: deque) -> None:
+        """A rank asks for units again: their items never reached it (a reply lost after the queue
+        gave them out: Modal's client then retries, and the items are gone). Units the driver still
+        has to issue or holds in flight are coming anyway; a done unit is issued again (consumers
+        drop what they did get by key), opening its epoch again if it was complete (its stitching
+        map made afresh: every holder of a missing stitched cell is among the units asked for)."""
+        for e in sorted({e for e, _ in asked}):
+            units = sorted({u for e2, u in asked if e2 == e})
+            state = active.get(e)
+            if state is None:
+                if e not in summaries:
+                    continue  # not an epoch of this driver's (a stale request from before a resume)
+                self.store.named(epoch_map_name(e), create=True)
+                state = active[e] = EpochState(summaries[e], deque())
+                reordered = dict(sorted(active.items()))  # (kept in epoch order)
+                active.clear()
+                active.update(reordered)
+                self.stats.reopened += 1
+            pending = set(state.todo)
+            redo = [u for u in units if u not in state.flights and u not in pending and 0 <= u < state.summary.n_units]
+            issued = set(self._issue(e, redo, state.flights, order))
+            self.stats.redone += len(issued)
+            state.todo.extend(u for u in redo if u not in issued)  # (the task list was full: a later pass)
+
     def run_epochs(self, epochs: list[int], summary_timeout_s: float = 60.0,
-                   resume_epoch: int | None = None, skip_units: set[int] = frozenset()) -> DriverStats:
+                   resume_epoch: int | None = None, skip_units: set[int] = frozenset(),
+                   linger: bool = False) -> DriverStats:
         """Drive epochs in order, each to completion (every unit done), then drop its stitching
         map. The next epoch's units are issued as soon as this epoch has none left to issue, so
         producers never idle on an epoch's last stragglers (consumers hold later-epoch items
         aside). Each epoch's map is created fresh when it starts; a resumed epoch's half-finished
         stitching is dropped first, and its units are issued again but `skip_units` (trained
         through, holding no piece of an untrained boundary cell: `PlanSummary.units_to_skip`);
-        consumers drop what they already trained on by key."""
+        consumers drop what they already trained on by key. With `linger`, the driver goes on after
+        the last epoch until stopped, answering ranks that ask for units again (`_redo`): the
+        trainer stops it when training is over."""
         waiting = deque(epochs)
         active: dict[int, EpochState] = {}  # started and not complete, in epoch order
         order: deque = deque()  # (seq, epoch, unit) in issue order: the FIFO task list's contents and past
+        summaries: dict[int, PlanSummary] = {}  # every epoch started (a complete one may be opened again)
+        closed: set[int] = set()
 
         def start_next() -> None:
             epoch = waiting.popleft()
-            summary = load_summary(self.store, self.run, epoch, summary_timeout_s)
+            summary = summaries[epoch] = load_summary(self.store, self.run, epoch, summary_timeout_s)
             units = range(summary.n_units)
             if epoch == resume_epoch:
                 self.store.drop(epoch_map_name(epoch))
@@ -143,10 +172,14 @@ class Driver:
         if waiting:
             start_next()
         last_progress = time.monotonic()
-        while active and not self._stop.is_set():
+        while (active or linger) and not self._stop.is_set():
             started = now = time.monotonic()
+            redo = []
             for event in self._drain():  # who finished what, who holds what
                 self.stats.events += 1
+                if event["redo"]:  # a rank's
+                    redo += event["redo"]
+                    continue
                 self.producers[event["p"]] = {**(event["totals"] or self.producers.get(event["p"], {})),
                                               "heard": time.time()}
                 for e, u in event["done"]:
@@ -155,6 +188,12 @@ class Driver:
                 for e, u in event["held"]:
                     if e in active and u in active[e].flights:
                         active[e].flights[u].seen_at = now
+            if redo:
+                self._redo(redo, active, summaries, order)
+                last_progress = now
+            if not active:  # (lingering) every epoch is complete: only a rank's request can come
+                self._stop.wait(self.poll_s)
+                continue
             queued = self.queue.len(partition=TASKS_PARTITION)
             taken_before = self._issued_seq - queued  # FIFO: every task issued before this one was taken
             while order and order[0][0] < taken_before:
@@ -184,7 +223,8 @@ class Driver:
                 del active[e]
                 self.store.drop(epoch_map_name(e))
                 self._publish(force=True)  # the final totals of the epoch
-                self.stats.epochs += 1
+                self.stats.epochs += e not in closed  # (an epoch opened again by `_redo` closes again)
+                closed.add(e)
                 last_progress = now
             self._publish()
             self.stats.passes += 1
@@ -199,13 +239,13 @@ class Driver:
         return self.stats
 
     def start(self, epochs: list[int], resume_epoch: int | None = None,
-              skip_units: set[int] = frozenset()) -> threading.Thread:
+              skip_units: set[int] = frozenset(), linger: bool = False) -> threading.Thread:
         """Run the epochs in a background thread (e.g. inside trainer rank 0); an error is kept in
         `self.error` for the owner to raise (`check`)."""
 
         def target():
             try:
-                self.run_epochs(epochs, resume_epoch=resume_epoch, skip_units=skip_units)
+                self.run_epochs(epochs, resume_epoch=resume_epoch, skip_units=skip_units, linger=linger)
             except BaseException as exc:  # noqa: BLE001 - reported by the owner
                 self.error = exc
 

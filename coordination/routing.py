@@ -4,7 +4,8 @@ Items of unit u go to rank u mod W; a stitched cell c to rank c mod W, so every 
 item reaches the rank that already dropped (or will drop) it by key.
 
 Partitions of the run's queue: `tasks` (driver -> producers: one unit each), `events`
-(producers -> driver: units done, units held, running totals), `rank-{r}` (items for rank r),
+(producers -> driver: units done, units held, running totals; ranks -> driver: units whose items
+never arrived, to produce again), `rank-{r}` (items for rank r),
 `eval` (the held-out set). Keys of the run's map: each epoch's plan summary, the stop signal,
 the producers' totals (published by the driver). Each epoch's stitching state lives in a named
 map of its own, `e{epoch}`, dropped whole when the epoch is complete.
@@ -47,17 +48,19 @@ def decode_task(data: bytes) -> tuple[int, int]:
     return int(task["epoch"]), int(task["unit"])
 
 
-def encode_event(producer: str, *, done=(), held=(), totals: dict | None = None) -> bytes:
+def encode_event(producer: str, *, done=(), held=(), totals: dict | None = None, redo=()) -> bytes:
     """A producer's event: units it finished (`done`) and holds now (`held`), as (epoch, unit)
-    pairs, and optionally its running totals. Every event is also a heartbeat."""
+    pairs, and optionally its running totals. Every event is also a heartbeat. A consumer rank's
+    event (`producer` "rank-<r>") asks for units again (`redo`): their items never reached it."""
     return json.dumps({"p": producer, "done": [list(u) for u in done], "held": [list(u) for u in held],
-                       "totals": totals}).encode()
+                       "totals": totals, "redo": [list(u) for u in redo]}).encode()
 
 
 def decode_event(data: bytes) -> dict:
     event = json.loads(data)
     event["done"] = [tuple(u) for u in event["done"]]
     event["held"] = [tuple(u) for u in event["held"]]
+    event["redo"] = [tuple(u) for u in event.get("redo", ())]
     return event
 
 

@@ -79,6 +79,26 @@ class PlanSummary:
             at += count
         return set(done_units) - needed
 
+    def units_missing(self, rank: int, world_size: int, complete_units: set, received_stitched: set,
+                      unit_trained: dict, trained_stitched: set) -> list[int]:
+        """On a rank that waits for cells that do not come: the units whose items it should get and
+        has not all got -- units routed to it (u mod W) with cells left for it (`unit_trained`: cells
+        trained before a resume) and not in `complete_units` (every item's key seen) -- and the
+        holders of every boundary cell routed to it that it has neither received nor trained
+        (stitching it again needs each piece offered again)."""
+        counts = np.repeat([c for c, _ in self.unit_cells], [n for _, n in self.unit_cells]).astype(np.int64)
+        for unit, cells in unit_trained.items():
+            counts[int(unit)] -= cells
+        units = np.arange(self.n_units)
+        mine = units[(unit_rank(units, world_size) == rank) & (counts > 0)]
+        missing = {int(u) for u in mine.tolist() if int(u) not in complete_units}
+        at = 0
+        for cell, count in zip(self.boundary_cells, self.boundary_piece_counts):
+            if cell_rank(cell, world_size) == rank and cell not in received_stitched and cell not in trained_stitched:
+                missing.update(self.boundary_piece_units[at:at + count])
+            at += count
+        return sorted(missing)
+
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self)).encode()
 

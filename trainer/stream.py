@@ -5,6 +5,12 @@ count from the epoch's `PlanSummary`, so all ranks take the same number of steps
 communication and no end-of-stream marker (a rank with fewer cells yields smaller, then empty,
 final batches).
 
+A rank that waits `STARVED_AFTER_S` for cells that do not come calls `on_starved`: the trainer
+then asks the driver to produce again the units whose items never reached this rank (a queue get
+whose reply was lost: the server gave the items out, Modal's client retried, and they are gone).
+Units still on their way are not produced twice; the items of a unit produced again that this rank
+did get are dropped by key.
+
 No Lance or Polars here: the GPU image needs only torch, numpy and zstandard.
 """
 
@@ -26,6 +32,7 @@ from coordination.seeds import batch_rng
 from coordination.tokens import PAD
 from coordination.wire import Item, ItemError, unpack_item
 
+STARVED_AFTER_S = 5.0  # a rank with cells still to come and no item for this long asks for the missing units
 
 
 
@@ -69,7 +76,7 @@ class ConsumerStream:
                  pad_to: int | None = None, pad_token: int = PAD, buffer_cells: int = 4096, seed: int = 0,
                  no_data_timeout_s: float = 600.0, poll_s: float = 1.0, fetch_items: int = 32,
                  consumed: set | None = None, trained_cells: dict | None = None, pin_memory: bool | None = None,
-                 check=None):
+                 check=None, on_starved=None, starved_after_s: float = STARVED_AFTER_S):
         if batch_size < 1 or buffer_cells < 1:
             raise CellfeedError("batch_size and buffer_cells must be >= 1")
         self.queue, self.rank, self.world_size = queue, rank, world_size
@@ -82,6 +89,9 @@ class ConsumerStream:
         self.trained_cells = {k: set(v) for k, v in (trained_cells or {}).items()}  # partially trained items
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.check = check  # called while waiting for data: raises if the campaign failed (e.g. the driver)
+        # called with (epoch, EpochIterator) after `starved_after_s` with no item while cells are still
+        # expected, and as often again while it lasts: the trainer asks for the units that never came
+        self.on_starved, self.starved_after_s = on_starved, starved_after_s
         self.stats = StreamStats()
         self._items: stdlib_queue.Queue = stdlib_queue.Queue(maxsize=max(4, buffer_cells // 16))
         self._future: list[Item] = []  # decoded items of later epochs
@@ -114,13 +124,17 @@ class ConsumerStream:
         except BaseException as exc:  # noqa: BLE001 - raised in the consumer's thread
             self._error = exc
 
-    def _next_item(self, epoch: int, deadline: float) -> Item | None:
+    def _next_item(self, epoch: int, deadline: float, starved=None) -> Item | None:
         for i, item in enumerate(self._future):
             if item.epoch == epoch:
                 return self._future.pop(i)
+        quiet_since = time.monotonic()
         while True:
             if self.check is not None:
                 self.check()
+            if starved is not None and time.monotonic() - quiet_since >= self.starved_after_s:
+                starved()
+                quiet_since = time.monotonic()
             if self._error is not None:
                 if isinstance(self._error, ItemError):
                     raise CellfeedError(f"rank {self.rank}: refusing to train on a bad item: {self._error}")
@@ -170,6 +184,12 @@ class EpochIterator:
         self.rng = batch_rng(stream.seed, epoch, stream.rank)
         self.buffer: list[tuple[Item, int]] = []  # (item, cell index)
         self.remaining: dict = {}  # item key -> cells of it not yet batched
+        self.unit_seqs: dict = {}  # unit -> the seqs of its items received (or trained before), and its item count
+        self.stitched_received: set = set()  # boundary cells received
+
+    def complete_units(self) -> set[int]:
+        """Units of this epoch whose every item has reached this rank (or was trained before a resume)."""
+        return {u for u, (seqs, n) in self.unit_seqs.items() if len(seqs) >= n}
 
     def __iter__(self):
         return self
@@ -183,6 +203,10 @@ class EpochIterator:
     def _admit(self, item: Item) -> None:
         s = self.s
         s.stats.items += 1
+        if item.stitched:
+            self.stitched_received.add(item.key_id)
+        else:
+            self.unit_seqs.setdefault(item.key_id, (set(), item.n_items))[0].add(item.seq)
         if item.key in self.seen or item.key in s.consumed:
             s.stats.duplicates += 1
             return
@@ -199,7 +223,8 @@ class EpochIterator:
         s, waited = self.s, 0.0
         while self.received < self.expected and len(self.buffer) < s.buffer_cells:
             start = time.monotonic()
-            item = s._next_item(self.epoch, start + s.no_data_timeout_s)
+            starved = (lambda: s.on_starved(self.epoch, self)) if s.on_starved is not None else None
+            item = s._next_item(self.epoch, start + s.no_data_timeout_s, starved)
             waited += time.monotonic() - start
             if item is None:
                 raise CellfeedError(

@@ -91,10 +91,12 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             optimizer_steps(later, cfg.batch_size, cfg.grad_accum)  # (the schedule's total follows: see README)
     resumed = progress if saved is not None else None  # (on rank 0: every rank's, merged)
     driver = start_driver(cfg, queue, store, resumed, epoch, summaries) if rank == 0 and cfg.run_driver else None
+    before = checkpoint.RankProgress.merged(saved.ranks) if saved is not None else checkpoint.RankProgress(epoch)
     stream = ConsumerStream(queue, rank=rank, world_size=world, run=cfg.run, batch_size=cfg.batch_size,
                             pad_to=cfg.pad_to, pad_token=cfg.pad_token, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
                             no_data_timeout_s=cfg.no_data_timeout_s, consumed=progress.consumed,
-                            trained_cells=progress.partial, check=driver.check if driver else None)
+                            trained_cells=progress.partial, check=driver.check if driver else None,
+                            on_starved=lambda e, it: ask_again(queue, store, cfg, rank, world, e, it, summaries, before))
     cells_log = open(f"{cfg.cells_log}.rank{rank}.jsonl", "a") if cfg.cells_log else None
     tracker = Tracker(rank, cfg.log_path, total_steps, peak_flops(device), cfg.progress_bar)
     if rank == 0:
@@ -238,8 +240,35 @@ def start_driver(cfg: TrainConfig, queue, store, resumed, epoch: int, summaries:
         print(f"{len(skip):,} of epoch {epoch}'s {summary.n_units:,} units were trained through and are not "
               "produced again")
     driver = Driver(queue, store, cfg.run, lease_s=cfg.lease_s)
-    driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if resumed is not None else None, skip_units=skip)
+    driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if resumed is not None else None, skip_units=skip,
+                 linger=True)  # (after the last epoch it still answers ranks that ask for units again)
     return driver
+
+
+MAX_REDO_UNITS = 4000  # units one request names (~50 KB of JSON); the rest at the next request
+HELD_OUT_QUIET_S = 5.0  # the held-out partition empty this long with the set short: some of it was lost
+
+
+def ask_again(queue, store, cfg: TrainConfig, rank: int, world: int, epoch: int, batches, summaries: dict,
+              before: checkpoint.RankProgress) -> None:
+    """This rank has waited for cells that do not come: ask the driver for the units whose items
+    never reached it (`PlanSummary.units_missing`; `before`: what a checkpoint says was trained of
+    the epoch it resumed). The driver produces again only those it has finished."""
+    from coordination.queues import Full
+    from coordination.routing import EVENTS_PARTITION, encode_event
+
+    summary = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
+    resumed = before.epoch == epoch
+    missing = summary.units_missing(rank, world, batches.complete_units(), batches.stitched_received,
+                                    before.unit_trained if resumed else {},
+                                    before.trained_stitched() if resumed else set())
+    if not missing:
+        return
+    try:
+        queue.put_many([encode_event(f"rank-{rank}", redo=[(epoch, u) for u in missing[:MAX_REDO_UNITS]])],
+                       block=True, timeout=5.0, partition=EVENTS_PARTITION)
+    except Full:
+        pass  # the events are backed up: the next request, a few seconds on
 
 
 def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
@@ -248,12 +277,23 @@ def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
     from coordination.routing import EVAL_PARTITION
     from trainer.stream import collate_items
 
+    from coordination.queues import Empty
+
     raw, items = [], []
     deadline = time.monotonic() + cfg.no_data_timeout_s
     while sum(i.n_cells for i in items) < cfg.eval_cells:
         if time.monotonic() > deadline:
             raise CellfeedError(f"held-out set incomplete after {cfg.no_data_timeout_s:.0f}s: did the setup produce it?")
-        got = queue.get_many(64, timeout=cfg.no_data_timeout_s, partition=EVAL_PARTITION)
+        try:
+            got = queue.get_many(64, timeout=HELD_OUT_QUIET_S, partition=EVAL_PARTITION)
+        except Empty:
+            if not items:
+                continue
+            # the partition is empty, the set short: a get's reply was lost (its items are gone). Evaluate
+            # on the rest; the next train call finds the set short and runs the setup again (ensure_setup)
+            print(f"held-out set: {sum(i.n_cells for i in items):,} of {cfg.eval_cells:,} cells (the rest were lost "
+                  "in transit): evaluating on these; the next setup restores the set", flush=True)
+            break
         raw += got
         items += [unpack_item(b, run_tag=run_tag(cfg.run)) for b in got]
     for batch in request_batches(raw):  # put back: a re-run of this trainer (preemption) reads them too
