@@ -42,6 +42,8 @@ class DriverStats:
     issued: int = 0
     reissued: int = 0
     skipped_units: int = 0  # a resumed epoch's units not produced again (trained through)
+    redone: int = 0  # units produced again because a rank never got their items (a lost reply)
+    reopened: int = 0  # complete epochs opened again for such units
     epochs: int = 0
     events: int = 0
     passes: int = 0

@@ -190,10 +190,14 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         if cells_log is not None:
             cells_log.close()
     summary = tracker.finish()
+    if driver is not None and driver.stats.redone:
+        print(f"{driver.stats.redone} units were produced again: their items never reached a rank (lost in transit)",
+              flush=True)
     summary["audits"] = audits
     summary["complete"] = step >= total_steps or epoch >= cfg.epochs  # false: asked to stop before the end
     summary["resume_skipped_units"] = driver.stats.skipped_units if driver is not None else 0
     summary["units_reissued"] = driver.stats.reissued if driver is not None else 0  # their holders fell silent
+    summary["units_redone"] = driver.stats.redone if driver is not None else 0  # their items never reached a rank
     summary["params"] = model.n_params()
     summary["final_params_checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
     return summary

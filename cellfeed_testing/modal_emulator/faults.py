@@ -20,7 +20,7 @@ Rules (each fires on events: the matching calls counted from when the rule was a
 - `spike`: matching calls are answered `delay_s` late, for `calls` calls or `seconds`.
 
 Targets: `queue` (lookups, put, get, len, clear, delete of queues; `partition` narrows to partitions
-starting with it), `dict` (`op` narrows: put, get, pop, contains, keys), `spawn`, `call`
+starting with it, `op` to put, get, len or clear), `dict` (`op` narrows: put, get, pop, contains, keys), `spawn`, `call`
 (FunctionCall.get's polls and cancel). The control plane (a test's describe, preempt, advance; a
 container fetching its input and reporting its result) never fails.
 """
@@ -64,7 +64,7 @@ def target_of(h: dict) -> tuple[str | None, str | None, str | None]:
     """(target, partition, dict op) of a request header; target None: never faulted."""
     kind = h.get("op")
     if kind in ("q.put", "q.get", "q.len", "q.clear"):
-        return "queue", h.get("partition") or "", None
+        return "queue", h.get("partition") or "", kind[2:]
     if kind == "d":
         return "dict", None, h.get("what")
     if kind in ("lookup", "delete"):
