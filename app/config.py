@@ -66,6 +66,8 @@ FLAG_HELP = {
                       "run locally under the remote world's costs",
     "modal_retry_s": "Modal: how long each call to Modal retries a failing network (with backoff) before the run "
                      "stops, its state kept for --resume; the default rides out a 10-minute outage",
+    "audit_cells": "Modal: write the cell ids each step trained, per rank (JSON lines), to the checkpoints Volume "
+                   "under RUN/cells/, one file set per train call: an audit of exactly-once, cell by cell",
     "attempt_hours": "Modal: after this many hours a train call checkpoints and continues in a new call "
                      "(Modal ends any call at 24 h)",
 }
@@ -76,7 +78,7 @@ CAMPAIGN_FLAGS = ("dataset", "corpus", "vocabulary", "gene_column", "gene_median
                   "n_scanners", "unit_cells", "subset_filter", "eval_filter", "eval_cells", "eval_every", "producers",
                   "gpus", "batch_size", "grad_accum", "steps", "epochs", "preset", "lr", "warmup_steps",
                   "checkpoint_every", "keep_checkpoints", "resume", "seed", "lease_s", "rpc_latency_ms")
-MODAL_FLAGS = CAMPAIGN_FLAGS + ("attempt_hours", "modal_retry_s")
+MODAL_FLAGS = CAMPAIGN_FLAGS + ("attempt_hours", "modal_retry_s", "audit_cells")
 MAX_ATTEMPT_HOURS = 23.0  # an hour short of Modal's 24 h limit on a call: time to checkpoint and hand over
 
 
@@ -121,6 +123,7 @@ class CampaignConfig:
     rpc_latency_ms: float = 0.0  # every queue/map call costs this long (± 40%) more, as Modal's round trips
     attempt_hours: float = 22.0  # Modal: a train call hands over to a new one after this long (calls end at 24 h)
     modal_retry_s: float = MODAL_RETRY_S  # Modal: how long a call retries transient network errors
+    audit_cells: bool = False  # Modal: each step's cell ids to the Volume (locally: `cellfeed local --audit-cells`)
     # Modal: the corpus, vocabulary and median files, carried from the laptop (setting -> [file name,
     # base64 bytes]) into containers, which cannot read the laptop's disk (`carry_files`, `unpack_files`)
     carried: dict | None = None

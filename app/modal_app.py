@@ -151,7 +151,11 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         cfg.resume = True
     fleet = Fleet(cfg, config, store)
     workdir = Path(tempfile.gettempdir()) / "cellfeed" / cfg.run
-    train_cfg = cfg.train_config(cfg.backend_spec("modal"), facts, log_path=str(workdir / "steps.jsonl"))
+    cells_log = {}
+    if cfg.audit_cells:  # one file set per train call (a preempted call's steps past its checkpoint are re-trained)
+        (Path(cfg.run_checkpoint_dir) / "cells").mkdir(parents=True, exist_ok=True)
+        cells_log = {"cells_log": f"{cfg.run_checkpoint_dir}/cells/{time.time_ns()}"}
+    train_cfg = cfg.train_config(cfg.backend_spec("modal"), facts, log_path=str(workdir / "steps.jsonl"), **cells_log)
     ranks = []
     try:
         with interrupt_held():  # the ranks are all started, or none: a preemption cannot orphan one

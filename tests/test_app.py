@@ -78,15 +78,16 @@ def test_every_flag_round_trips_through_modal_run_and_cellfeed_local():
 
     values = non_default_flags()
     args = [a for name, v in values.items() for a in (f"--{name.replace('_', '-')}", str(v))
-            if not isinstance(v, bool)] + [f"--{n}" for n, v in values.items() if v is True]
+            if not isinstance(v, bool)] + [f"--{n.replace('_', '-')}" for n, v in values.items() if v is True]
     expected = CampaignConfig(**values).validate()
     ctx = command("app/modal_app.py").make_context("modal run", list(args))
     assert CampaignConfig.from_flags(ctx.params) == expected
-    modal_only = ("--attempt-hours", "--modal-retry-s")
+    modal_only = ("--attempt-hours", "--modal-retry-s")  # (and --audit-cells, a flag of `cellfeed local`'s own)
     local_args = [a for i, a in enumerate(args) if a not in modal_only and (i == 0 or args[i - 1] not in modal_only)]
     parsed = vars(build_parser().parse_args(["local", *local_args]))
+    assert parsed["audit_cells"] is True
     assert CampaignConfig(**{k: parsed[k] for k in CAMPAIGN_FLAGS}).validate() == \
-        CampaignConfig(**{**values, "attempt_hours": CampaignConfig.attempt_hours,
+        CampaignConfig(**{**values, "attempt_hours": CampaignConfig.attempt_hours, "audit_cells": False,
                           "modal_retry_s": CampaignConfig.modal_retry_s}).validate()
     corpus_args = ["--corpus", "/c/corpus.toml", "--run", "c"]
     ctx = command("app/modal_app.py").make_context("modal run", list(corpus_args))
