@@ -1,13 +1,15 @@
 """The emulated `modal` objects cellfeed uses, installed over the real package's names
 (`install()`): `modal.Queue`, `modal.Dict`, `modal.App` (its `function` and `local_entrypoint`),
 `modal.Function`/`FunctionCall`, `modal.Volume`, `modal.Image` (a recipe recorder over modal's own,
-S20). Everything else — `modal.exception`, `modal.Secret`, `modal.Retries` — stays modal's own. Each behaviour names its
-semantic point (S1...) from README.md, which says where in modal 1.6.4 it comes from.
+S20), `modal.Secret` (S22). Everything else — `modal.exception`, `modal.Retries` — stays modal's own.
+Each behaviour names its semantic point (S1...) from README.md, which says where in modal 1.6.4 it
+comes from.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import importlib
 import json
 import os
@@ -85,6 +87,10 @@ class _Connection:
             socks.pop(address, None)
             sock.close()
             raise modal.exception.ConnectionError(f"lost the Modal emulator: {exc}") from None
+        except BaseException:  # interrupted (a signal's exception) mid-call: its reply would be read by the next
+            socks.pop(address, None)
+            sock.close()
+            raise
         if code == OK:
             return reply, out
         message = reply.get("message", "")
@@ -305,7 +311,8 @@ class Dict(_Named):
 
 
 class Volume:
-    """A folder of the emulator's (S19): `commit` is counted, nothing more."""
+    """A folder of the emulator's (S19): `commit` is counted; `hydrate` and `remove_file` (S23) act
+    on the folder ($CELLFEED_CHECKPOINT_MOUNT: the emulator has one Volume, always there)."""
 
     commits = 0
 
@@ -314,7 +321,7 @@ class Volume:
 
     @classmethod
     def from_name(cls, name: str, *, environment_name: str | None = None, create_if_missing: bool = False,
-                  version=None, client=None):
+                  version=None, create_options=None, client=None):
         return cls(name)
 
     def commit(self) -> None:
@@ -322,6 +329,39 @@ class Volume:
 
     def reload(self) -> None:
         pass
+
+    def hydrate(self, client=None) -> "Volume":
+        _volume_folder()
+        return self
+
+    def remove_file(self, path: str, recursive: bool = False) -> None:
+        """S23: a missing path is `FileNotFoundError` (modal maps the server's NOT_FOUND so); a
+        directory with something in it needs `recursive=True` (server-side: `InvalidError` here)."""
+        import shutil
+
+        import modal.exception
+
+        root = _volume_folder().resolve()
+        target = (root / path.lstrip("/")).resolve()
+        if root not in target.parents:  # (the emulator's own guard: its folder is on this machine's disk)
+            raise modal.exception.InvalidError(f"{path!r}: the emulator removes paths inside the Volume only")
+        if not target.exists():
+            raise FileNotFoundError(f"{path} not found in Volume {self.name}")
+        if target.is_dir() and not recursive and any(target.iterdir()):
+            raise modal.exception.InvalidError(f"{path} is a directory: pass recursive=True to remove it")
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+
+
+def _volume_folder():
+    """The emulator's Volume folder (S19, S23), as its containers and the test's processes see it."""
+    from pathlib import Path
+
+    import modal.exception
+
+    folder = os.environ.get("CELLFEED_CHECKPOINT_MOUNT")
+    if not folder or not Path(folder).is_dir():
+        raise modal.exception.NotFoundError("the emulator's Volume folder ($CELLFEED_CHECKPOINT_MOUNT) is not here")
+    return Path(folder)
 
 
 def _raise_remote(error: dict):
@@ -500,9 +540,43 @@ class App:
 
         return wrap
 
+    @contextlib.contextmanager
+    def run(self, *, name: str | None = None, client=None, detach: bool = False, interactive: bool = False,
+            environment_name: str | None = None):
+        """S24: what a script wraps its calls in (`with app.run(): ...`). Nothing to start here: the
+        app's functions are reachable already; an app already running is refused, as modal does."""
+        import modal.exception
+
+        if getattr(self, "_running", False):
+            raise modal.exception.InvalidError("App is already running and can't be started again.")
+        self._running = True
+        try:
+            yield self
+        finally:
+            self._running = False
+
+
+class Secret:
+    """S22: a named Secret: `from_name` is lazy (no call); `hydrate()` looks the name up and raises
+    `NotFoundError` for one the emulator does not hold (`ModalEmulator(secrets=...)`). Its variables
+    reach the containers through the emulator's environment."""
+
+    def __init__(self, name: str):
+        self.name, self.object_id = name, None
+
+    @classmethod
+    def from_name(cls, name: str, *, environment_name: str | None = None, required_keys: list[str] = [],
+                  client=None) -> "Secret":
+        return cls(name)
+
+    def hydrate(self, client=None) -> "Secret":
+        if self.object_id is None:
+            self.object_id = _conn.call({"op": "secret.lookup", "name": self.name})[0]["id"]
+        return self
+
 
 _EMULATED = {"Queue": Queue, "Dict": Dict, "App": App, "Function": Function, "FunctionCall": FunctionCall,
-             "Volume": Volume, "Image": Image}
+             "Volume": Volume, "Image": Image, "Secret": Secret}
 _originals: dict = {}
 
 

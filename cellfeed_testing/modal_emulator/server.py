@@ -101,9 +101,11 @@ class Call:
 class Emulated:
     """All state; every method runs under one lock but the long waits."""
 
-    def __init__(self, root: Path, clock: Clock, grace_s: float, retry_delay_s: float, env: dict):
+    def __init__(self, root: Path, clock: Clock, grace_s: float, retry_delay_s: float, env: dict,
+                 secret_names: tuple = ()):
         self.root, self.clock, self.grace_s, self.retry_delay_s = root, clock, grace_s, retry_delay_s
         self.env = env  # environment of every function container
+        self.secret_names = set(secret_names)  # S22: the Secrets that exist (their variables are in `env`)
         self.lock = threading.Condition()
         self.names: dict[tuple[str, str], str] = {}  # (kind, name) -> object id
         self.queues: dict[str, QueueObject] = {}
@@ -117,6 +119,12 @@ class Emulated:
 
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids):06d}{secrets.token_hex(4)}"
+
+    def secret(self, name: str) -> str:
+        """S22: a Secret's id, or NOT_FOUND (modal's client raises `NotFoundError`)."""
+        if name not in self.secret_names:
+            raise Rejected(NOT_FOUND, f"Secret '{name}' not found")
+        return "st-" + name
 
     # ---- names (S1, S2, S3)
 
@@ -468,6 +476,8 @@ class _Handler(socketserver.BaseRequestHandler):
         if kind == "delete":
             w.delete(h["kind"], h["name"], h["allow_missing"])
             return {}, []
+        if kind == "secret.lookup":
+            return {"id": w.secret(h["name"])}, []
         if kind == "q.put":
             w.put(h["id"], h["partition"], values, h["sizes"])
             return {}, []
@@ -533,9 +543,11 @@ def main() -> None:
     parser.add_argument("--grace-s", type=float, default=30.0)
     parser.add_argument("--retry-delay-s", type=float, default=1.0)
     parser.add_argument("--env-file", required=True, help="JSON: the environment of function containers")
+    parser.add_argument("--secret", action="append", default=[], help="a Secret that exists (S22), by name")
     args = parser.parse_args()
     env = json.loads(Path(args.env_file).read_text())
-    world = Emulated(Path(args.root), Clock(args.clock_speed), args.grace_s, args.retry_delay_s, env)
+    world = Emulated(Path(args.root), Clock(args.clock_speed), args.grace_s, args.retry_delay_s, env,
+                     secret_names=args.secret)
     server = Server(world)
     host, port = server.server_address[:2]
     world.env["MODAL_EMULATOR"] = f"{host}:{port}"
