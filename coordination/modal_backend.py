@@ -19,7 +19,7 @@ the emulator, cellfeed_testing/modal_emulator/README.md):
 - a network that fails: Modal's client retries a transient error for under a second, then raises it
   (`ServiceError`, `InternalError`, `ConnectionError`, a raw `StreamTerminatedError`: modal 1.6.4,
   `_utils/grpc_utils.py:499-509, 577-596`, `_grpc_client.py:27-44`). Every call here goes through
-  `retrying`: backoff from 0.5 s to 15 s, for `retry_s` (default 15 minutes: a 10-minute outage
+  `retrying`: backoff from 0.2 s (x1.5) to 10 s, for `retry_s` (default 15 minutes: a 10-minute outage
   passes), then `ModalUnreachable`. A retried call may have been applied already (a lost reply):
   a put then doubles its items (consumers drop duplicates by key), a get's items are gone (the
   consumer stream notices the cells missing and asks for their units again: `trainer/stream.py`),
@@ -36,7 +36,7 @@ from coordination.errors import CellfeedError
 from coordination.queues import MapGone, RequestTooLarge, validate_item, validate_partition
 
 RETRY_S = 900.0  # how long a call to Modal retries transient errors before giving up (the campaign's --modal-retry-s)
-FIRST_DELAY_S, MAX_DELAY_S = 0.5, 15.0
+FIRST_DELAY_S, BACKOFF, MAX_DELAY_S = 0.2, 1.5, 10.0  # a blip costs under a second; an outage, one call per 10 s
 
 
 class ModalUnreachable(CellfeedError):
@@ -73,7 +73,7 @@ def retrying(call, what: str, retry_s: float = RETRY_S):
                 raise ModalUnreachable(f"Modal: {what} kept failing for {retry_s / 60:g} min ({type(exc).__name__}: "
                                        f"{_short(exc)}); the run's state is kept") from exc
             time.sleep(min(delay * random.uniform(0.5, 1.0), max(0.0, first + retry_s - now)))
-            delay = min(delay * 2, MAX_DELAY_S)
+            delay = min(delay * BACKOFF, MAX_DELAY_S)
             continue
         if first is not None:
             print(f"Modal: {what} works again after {time.monotonic() - first:.1f} s", file=sys.stderr, flush=True)

@@ -144,6 +144,18 @@ def test_chaos():
     assert finite(figures["wall_s"]) and figures["overhead_ratio"] is None and figures["calm_wall_s"] is None
 
 
+def test_modal_chaos():
+    """A whole campaign on the Modal emulator through a queue outage past Modal's own retries, a
+    lost reply of a rank's get that reaches the caller, and a producer preempted (SIGINT to its
+    container's every process): every cell trained once, the run's state never deleted early."""
+    figures = figures_of(run_benchmark("modal_chaos", "--tiny"))
+    assert figures["completed"] and figures["faults_injected"] == 3
+    assert figures["fault_kinds"] == {"transport_burst": 1, "lost_reply": 1, "preempt_produce": 1}
+    assert (figures["cells_checked"], figures["cells_lost"], figures["cells_duplicated"]) == (600, 0, 0)
+    assert figures["state_deleted_before_end"] == 0 and figures["units_redone"] >= 1  # the lost items, made again
+    assert finite(figures["wall_s"]) and figures["overhead_ratio"] is None
+
+
 def test_corpus():
     """Three sources over one vocabulary through a real local campaign: each epoch trains every
     source's quota, batches mix them by weight, sampled tokens equal the reference."""

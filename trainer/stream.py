@@ -32,7 +32,7 @@ from coordination.seeds import batch_rng
 from coordination.tokens import PAD
 from coordination.wire import Item, ItemError, unpack_item
 
-STARVED_AFTER_S = 5.0  # a rank with cells still to come and no item for this long asks for the missing units
+STARVED_AFTER_S = 2.0  # a rank with cells still to come and no item for this long asks for the missing units
 
 
 
@@ -98,6 +98,7 @@ class ConsumerStream:
         self._fetched_cells = 0  # written by the fetcher thread only
         self._taken_cells = 0  # written by the consumer only
         self._error: BaseException | None = None
+        self._found_empty = 0.0  # when the last poll that found the partition empty began (written by the fetcher)
         self._closed = threading.Event()
         self._fetcher = threading.Thread(target=self._fetch, daemon=True, name=f"cellfeed-fetch-{rank}")
         self._fetcher.start()
@@ -107,10 +108,12 @@ class ConsumerStream:
     def _fetch(self) -> None:
         try:
             while not self._closed.is_set():
+                asked = time.monotonic()
                 try:
                     raw = self.queue.get_many(self.fetch_items, block=True, timeout=self.poll_s,
                                               partition=self.partition)
                 except Empty:
+                    self._found_empty = asked  # a poll begun then found the partition empty (not: failed to ask)
                     continue
                 for data in raw:
                     item = unpack_item(data, run_tag=self.tag)
@@ -132,7 +135,10 @@ class ConsumerStream:
         while True:
             if self.check is not None:
                 self.check()
-            if starved is not None and time.monotonic() - quiet_since >= self.starved_after_s:
+            # starved: no item for a while, and the partition seen empty since (an outage that keeps the
+            # fetcher retrying is not starvation: the items may be in the partition)
+            if starved is not None and time.monotonic() - quiet_since >= self.starved_after_s \
+                    and self._found_empty >= quiet_since:
                 starved()
                 quiet_since = time.monotonic()
             if self._error is not None:
