@@ -52,7 +52,7 @@ from coordination.modal_backend import RETRY_S, retrying, transient_errors
 APP_NAME = "cellfeed"
 SECRET_NAME = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")
 VOLUME_NAME = "cellfeed-checkpoints"
-CHECKPOINTS = os.environ.get("CELLFEED_CHECKPOINT_MOUNT", "/checkpoints")  # where the Volume is mounted
+CHECKPOINTS = "/checkpoints"  # where train's container mounts the Volume (fixed: never from the laptop's environment)
 PACKAGES = ("producers", "coordination", "trainer", "app")
 PRODUCER_CPU, PRODUCER_MEMORY_MB = 4.0, 16_384
 # 8 ranks pop, verify and decompress items and collate batches on the CPU (Modal's default is 0.125 core)
@@ -142,7 +142,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     started = time.monotonic()
     rank_server()  # it imports torch while the campaign is set up, not inside the preemption-held launch
     cfg, facts = unpacked(config), SetupFacts.of(facts)
-    cfg.checkpoint_dir = CHECKPOINTS
+    cfg.checkpoint_dir = checkpoint_mount()
     queue, store = connect(cfg.backend_spec("modal"))
     ensure_setup(cfg, config, facts, queue, store)
     latest = checkpoint.latest(cfg.run_checkpoint_dir)
@@ -179,6 +179,14 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         return {**summary, "continued_as": after.object_id}
     end_campaign(cfg, fleet, facts, store)
     return summary
+
+
+def checkpoint_mount() -> str:
+    """The Volume's folder in this container: CHECKPOINTS on Modal. A Modal emulator's container is
+    told a host folder standing for it ($CELLFEED_CHECKPOINT_MOUNT), read here, at call time: read at
+    import, a laptop's setting would move the mount in the function's definition and not in its
+    container, and checkpoints would go to the container's own disk."""
+    return os.environ.get("CELLFEED_CHECKPOINT_MOUNT", CHECKPOINTS)
 
 
 @contextlib.contextmanager

@@ -106,6 +106,19 @@ def test_modal_entrypoint_refuses_more_gpus_than_a_container_has_before_any_call
         assert world.describe()["calls"] == []  # refused before setup ran
 
 
+def test_the_volume_mount_is_fixed_whatever_the_laptops_environment(monkeypatch):
+    """Read at import, a laptop's CELLFEED_CHECKPOINT_MOUNT moved the mount in train's definition but
+    not in its container (checkpoints on the container's disk); now only the container reads it."""
+    from tests.conftest import fresh_import
+
+    monkeypatch.setenv("CELLFEED_CHECKPOINT_MOUNT", "/elsewhere")
+    with fresh_import("app.modal_app") as m:
+        assert list(m.train._spec_.volumes) == ["/checkpoints"]
+        assert m.checkpoint_mount() == "/elsewhere"  # (an emulated container's stand-in folder)
+        monkeypatch.delenv("CELLFEED_CHECKPOINT_MOUNT")
+        assert m.checkpoint_mount() == "/checkpoints"
+
+
 def test_modal_functions_declare_their_resources():
     import app.modal_app as m
 

@@ -11,7 +11,7 @@ import pytest
 
 from coordination.errors import CellfeedError
 from coordination.local_backend import LocalMap, LocalQueue, LocalServer, ServerProcess
-from coordination.modal_backend import ModalMap, ModalQueue, run_object_name
+from coordination.modal_backend import ModalMap, ModalQueue, ModalUnreachable, run_object_name
 from coordination.latency import CallCounts, with_latency
 from coordination.queues import MAX_ITEM_BYTES, Empty, Full, ItemTooLarge, MapGone, MemoryMap, MemoryQueue
 
@@ -242,6 +242,48 @@ def test_modal_adapter_translates_calls_and_behaviours():
     assert m.get("k") == 1 and "k" in m and m.keys() == ["k"] and m.pop("k") == 1 and m.pop("k", None) is None
 
 
+def test_modal_calls_retry_transient_errors_for_the_window_and_no_others(capsys):
+    """What Modal's client raises once its own retries are spent (ServiceError, InternalError, its
+    ConnectionError, a raw StreamTerminatedError) is retried with backoff for the window, one line
+    when it starts and one when it ends; any other error is not retried; past the window,
+    ModalUnreachable."""
+    import modal.exception
+    from grpclib.exceptions import StreamTerminatedError
+
+    from coordination.modal_backend import retrying
+
+    for error in (modal.exception.ServiceError("UNAVAILABLE"), modal.exception.InternalError("INTERNAL"),
+                  modal.exception.ConnectionError("refused"), StreamTerminatedError("reset")):
+        calls = []
+
+        def flaky():
+            calls.append(1)
+            if len(calls) < 3:
+                raise error
+            return "done"
+
+        assert retrying(flaky, "queue get (rank-0)", retry_s=30) == "done" and len(calls) == 3
+        err = capsys.readouterr().err
+        assert f"Modal: queue get (rank-0) failed ({type(error).__name__}: " in err and "works again after" in err
+    calls = []
+
+    def wrong():
+        calls.append(1)
+        raise modal.exception.InvalidError("bad argument")
+
+    with pytest.raises(modal.exception.InvalidError):
+        retrying(wrong, "dict put", retry_s=30)
+    assert len(calls) == 1  # not retried
+
+    def down():
+        raise modal.exception.ServiceError("UNAVAILABLE")
+
+    started = time.monotonic()
+    with pytest.raises(ModalUnreachable, match=r"Modal: dict get kept failing for .* min \(ServiceError"):
+        retrying(down, "dict get", retry_s=1.0)
+    assert 1.0 <= time.monotonic() - started < 5.0
+
+
 def test_modal_adapter_named_maps_and_timed_puts_offline():
     import modal.exception
 
@@ -253,9 +295,11 @@ def test_modal_adapter_named_maps_and_timed_puts_offline():
         def put_many(self, values, block=True, timeout=None, partition=None):
             raise modal.exception.TimeoutError("Queue.put could not complete within the provided timeout")
 
-    # a put that could not complete is not a full partition (Modal says Full when it is): it propagates
-    with pytest.raises(modal.exception.TimeoutError):
-        ModalQueue(queue=TimesOut()).put_many([b"a"], block=True, timeout=1, partition="rank-0")
+    # a put that could not complete (its own retries of a network fault ran out) is not a full partition
+    # (Modal says Full when it is): it is retried for the retry window, then the run stops, its state kept
+    with pytest.raises(ModalUnreachable, match="queue put .*kept failing") as failed:
+        ModalQueue(queue=TimesOut(), retry_s=0.5).put_many([b"a"], block=True, timeout=1, partition="rank-0")
+    assert isinstance(failed.value.__cause__.__cause__, modal.exception.TimeoutError)
 
     class Gone(RecordingModalDict):
         def get(self, key, default=None):

@@ -1,7 +1,10 @@
 """The Modal path, whole, on the Modal emulator (not a Modal run): `modal run app/modal_app.py`'s
-entrypoint → setup → train (2 CPU ranks, gloo) → spawned producers → the end, preempted in its
-first minute and again mid-epoch (at Modal's 25 ms a call), with a producer that keeps failing,
-and as a campaign longer than Modal's limit on a call (on the emulator's fast clock)."""
+entrypoint → setup → train (2 CPU ranks, gloo) → spawned producers → the end, each function under
+its own image: preempted in its first minute and again mid-epoch (SIGINT to every process of the
+container, at Modal's 25 ms a call), through a failing network (outages past Modal's own retries,
+lost replies), with a producer that keeps failing (the run stops, keeps its state, and its printed
+command resumes it), and as a campaign longer than Modal's limit on a call (on the emulator's fast
+clock)."""
 
 from __future__ import annotations
 
@@ -103,6 +106,9 @@ def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_mid_epoch(
         assert code == 0, err[-3000:]
         (train,) = world.calls("train")
         assert [a["outcome"] for a in train["attempts"]] == ["preempted", "preempted", "success"]
+        # the second preemption's SIGINT reached every process of the container at once: the function's,
+        # the rank server and both ranks (each took it as a request to checkpoint at its next step)
+        assert train["attempts"][1]["interrupted_processes"] >= 4
         logs = [container_log(world, train["id"], a) for a in range(3)]
         assert all("reusing the 2 producers still running" in log for log in logs[1:])
         assert "preempted: the ranks checkpoint" in logs[1]
@@ -186,6 +192,9 @@ def test_a_campaign_longer_than_a_call_continues_in_new_calls(atlas, tmp_path):
         assert code == 0, err[-3000:]
         trains = world.calls("train")
         assert len(trains) >= 3 and all(c["status"] == "success" for c in trains)
+        # train.with_options(gpu=...) changes the GPUs only: every call keeps the function's 32 cores and
+        # 128 GiB (modal/_function_variants.py: unset options are not sent; S25)
+        assert {(c["gpu"], c["cpu"], c["memory"]) for c in trains} == {("H100:1", 32.0, 131_072)}
         assert out.count("train continues in call") == len(trains) - 1
         assert not [a for c in world.describe()["calls"] for a in c["attempts"] if a["outcome"] == "timeout"]
         check_campaign(world, out, epochs=1, producers=2)

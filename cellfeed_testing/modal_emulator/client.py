@@ -467,10 +467,18 @@ class Function:
     def get_raw_f(self):
         return self.raw_f
 
-    def with_options(self, *, gpu: str | None = None, **options) -> "Function":
+    def with_options(self, *, gpu: str | None = None, cpu: float | None = None, memory: int | None = None,
+                     timeout: int | None = None, retries: int | None = None, **others) -> "Function":
+        """S25: only the options given change; the rest stay the function's (its cpu and memory
+        included: modal sends unset resources as 0 and keeps the base's, _function_variants.py)."""
+        import modal.exception
+
+        if others:
+            raise modal.exception.InvalidError(f"the emulator does not model with_options({', '.join(others)})")
         changed = dict(vars(self.spec))
-        if gpu is not None:
-            changed["gpu"] = gpu
+        for name, value in (("gpu", gpu), ("cpu", cpu), ("memory", memory), ("timeout", timeout), ("retries", retries)):
+            if value:
+                changed[name] = float(value) if name == "timeout" else value
         return Function(self.raw_f, _Spec(**changed))
 
     def spawn(self, *args, **kwargs) -> FunctionCall:
