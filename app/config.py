@@ -274,7 +274,10 @@ def resume_command(cfg: CampaignConfig, program: str = "modal run app/modal_app.
         if name in ("run", "resume") or value is None or value == defaults.get(name):
             continue
         flag = "--" + name.replace("_", "-")
-        words += [flag] if value is True else [f"--no-{name.replace('_', '-')}"] if value is False else [flag, str(value)]
+        if isinstance(value, bool):
+            words.append(flag if value else f"--no-{name.replace('_', '-')}")
+        else:
+            words += [flag, str(value)]
     return " ".join(shlex.quote(w) for w in words + ["--run", cfg.run, "--resume"])
 
 

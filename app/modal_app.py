@@ -63,6 +63,7 @@ PRODUCER_RETRIES = 3
 PRODUCER_HOURS = 23.0  # a producer call returns after this long (Modal ends it at 24 h) and is replaced
 STOP_GRACE_S = 60.0  # at the end: how long all producers together get to stop before being cancelled
 PREEMPT_SAVE_S = 20.0  # of Modal's ~30 s grace after a preemption's SIGINT: the ranks' time to checkpoint
+FAILURE_SAVE_S = 10.0  # after a real failure: ranks still stepping checkpoint; starved ones (no step to end) are killed
 FLEET_CHECK_S = 15.0  # how often `train` looks at its producer calls (soon after the start, then less often)
 FIRST_FLEET_CHECK_S = 1.0  # a producer that cannot start (settings, credentials) is found within seconds
 
@@ -167,7 +168,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
         raise
     except BaseException as exc:  # a real failure stops the campaign; its state stays for --resume
-        checkpoint_and_stop(ranks, timeout=PREEMPT_SAVE_S)  # healthy ranks save a checkpoint; a broken DDP is killed
+        checkpoint_and_stop(ranks, timeout=FAILURE_SAVE_S)  # healthy ranks save a checkpoint; a broken DDP is killed
         stop_campaign(cfg, config, fleet, store, exc)
         raise
     retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)

@@ -10,10 +10,10 @@ checkpoint its successor resumed from are set aside: they were trained again) ar
 the atlas, and the run's queue and dicts are watched for a deletion before the campaign's end.
 The same campaign runs once without faults, for the overhead.
 
-    python benchmarks/modal_chaos.py           # 7 faults over 4 epochs of 40,000 cells
-    python benchmarks/modal_chaos.py --quick   # 7 faults over 3 epochs of 20,000 cells: about 3 minutes on 2 cores
-    python benchmarks/modal_chaos.py --tiny    # a queue outage, a lost reply, a producer preempted: 1 epoch of
-                                               # 600 cells, no calm run (the test suite's)
+    python benchmarks/modal_chaos.py           # 10 faults over 4 epochs of 40,000 cells
+    python benchmarks/modal_chaos.py --quick   # 10 faults over 3 epochs of 20,000 cells: about 3 minutes on 2 cores
+    python benchmarks/modal_chaos.py --tiny    # 9 (train not preempted) over 1 epoch of 600 cells, no calm run
+                                               # (the test suite's)
 
 Ends with one JSON line of the figures. Exits 1 (one line on stderr) when a campaign did not
 finish, a planned fault did not fire, a cell was lost or duplicated, the run's state was deleted
@@ -68,17 +68,21 @@ class Outcome:
 
 
 def network_plan(rng: random.Random, scale: float) -> list[dict]:
-    """Seeded network faults (`ModalEmulator.fault`), each at the n-th matching call: two outages
-    of 2-4 s (emulated clock), far past Modal's own retries (4 attempts in ~0.7 s), of every queue
-    call and of every dict call; two lost replies of a rank's get, one retried past in silence and
-    one reaching the caller; a latency spike."""
+    """Seeded network faults (`ModalEmulator.fault`), each at the n-th matching call: outages of
+    1.5-4 s (emulated clock), far past Modal's own retries (4 attempts in ~0.7 s), of every queue
+    call, every dict call, every spawn and every look at a call's result; lost replies of a rank's
+    get, one retried past in silence and one reaching the caller, and of a producer's task pop; a
+    latency spike."""
     at = lambda a, b: int(rng.randint(a, b) * scale)  # noqa: E731
     return [
         {"kind": "transport", "target": "queue", "after": at(150, 400), "seconds": rng.uniform(2.0, 4.0)},
         {"kind": "transport", "target": "dict", "after": rng.randint(20, 60), "seconds": rng.uniform(2.0, 4.0)},
+        {"kind": "transport", "target": "spawn", "after": rng.randint(1, 2), "seconds": rng.uniform(1.5, 3.0)},
+        {"kind": "transport", "target": "call", "after": rng.randint(2, 6), "seconds": rng.uniform(1.5, 3.0)},
         {"kind": "lost_reply", "target": "queue", "partition": "rank-", "op": "get", "after": at(10, 40)},
         {"kind": "lost_reply", "target": "queue", "partition": "rank-", "op": "get", "after": at(50, 90),
          "surface": True},
+        {"kind": "lost_reply", "target": "queue", "partition": "tasks", "op": "get", "after": rng.randint(3, 10)},
         {"kind": "spike", "target": "queue", "after": at(100, 300), "calls": 40, "delay_s": 0.2},
     ]
 
@@ -153,7 +157,8 @@ def run_campaign(root: Path, dataset: str, *, epochs: int, network: list[dict] =
         watcher.join(timeout=30)
         outcome.returncode, outcome.stdout, outcome.stderr = proc.returncode, out, err
         outcome.rules, outcome.cells = world.faults(), trained_cells(world)
-        outcome.logs = "".join(p.read_text(errors="replace") for p in sorted((root / "containers").glob("*/output.log")))
+        logs = sorted((root / "containers").glob("*/output.log"))
+        outcome.logs = "".join(p.read_text(errors="replace") for p in logs)
     return outcome
 
 
@@ -197,7 +202,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 epochs of 20,000 cells (about 3 minutes on 2 cores)")
     parser.add_argument("--tiny", action="store_true",
-                        help="3 faults over 1 epoch of 600 cells, no calm run (the test suite's)")
+                        help="9 faults over 1 epoch of 600 cells, no calm run (the test suite's)")
     parser.add_argument("--cells", type=int, default=None, help="cells of the synthetic atlas (default 40,000; "
                                                                  "20,000 quick; 600 tiny)")
     parser.add_argument("--epochs", type=int, default=None, help="campaign epochs (default 4; 3 quick; 1 tiny)")
@@ -223,8 +228,8 @@ def main() -> None:
             fail(f"the campaign without faults failed (exit {calm.returncode})")
     network = network_plan(rng, scale=n_cells * epochs / 6000)
     preemptions = preemption_plan(rng, steps)
-    if args.tiny:  # the benchmark's every path, briefly: a queue outage, a lost reply that reaches the caller, a
-        network, preemptions = [network[0], network[3]], preemptions[:1]  # producer preempted
+    if args.tiny:  # every network fault, and a producer preempted (the suite preempts train elsewhere)
+        preemptions = preemptions[:1]
     chaos = run_campaign(work / "chaos", dataset, epochs=epochs, network=network, preemptions=preemptions,
                          timeout_s=timeout_s)
     checked, lost, duplicated = check(chaos, n_cells, epochs)
@@ -239,7 +244,8 @@ def main() -> None:
           f"ranks, 25 ms a queue/map call, a 4 s lease; machine: {platform.machine()}, {os.cpu_count()} cores")
     for r in chaos.rules:
         if r["kind"] == "transport":
-            what = f"every {r['target']} call fails for {r['seconds']:.1f} s"
+            calls = {"spawn": "spawn", "call": "look at a call's result"}.get(r["target"], f"{r['target']} call")
+            what = f"every {calls} fails for {r['seconds']:.1f} s"
         elif r["kind"] == "lost_reply":
             what = f"a {r['partition']}* get's reply is lost" + (" (the caller sees it)" if r["surface"] else
                                                                  " (Modal's client retries past it)")
@@ -251,7 +257,8 @@ def main() -> None:
         print(f"  at step {step:>4}: {function} preempted (SIGINT to every process of its container)")
     print(f"run finished: {'yes' if chaos.returncode == 0 else f'no (exit {chaos.returncode})'}; cells checked "
           f"{checked:,}: lost {lost}, duplicated {duplicated}; run state deleted before its end: {chaos.deleted_early}")
-    print(f"wall: {chaos.wall_s:.1f}s with faults" + (f", {calm.wall_s:.1f}s without ({overhead:.2f}x)" if calm else ""))
+    print(f"wall: {chaos.wall_s:.1f}s with faults"
+          + (f", {calm.wall_s:.1f}s without ({overhead:.2f}x)" if calm else ""))
     if chaos.returncode != 0:
         print(chaos.stderr[-3000:], file=sys.stderr)
     figures = {"faults_injected": len(fired) + len(chaos.preempted), "fault_kinds": dict(kinds),

@@ -145,12 +145,16 @@ def test_chaos():
 
 
 def test_modal_chaos():
-    """A whole campaign on the Modal emulator through a queue outage past Modal's own retries, a
-    lost reply of a rank's get that reaches the caller, and a producer preempted (SIGINT to its
-    container's every process): every cell trained once, the run's state never deleted early."""
+    """A whole campaign on the Modal emulator (`modal run`, each function under its image) through
+    a failing network, each fault at the n-th matching call: outages of every queue call, dict call,
+    spawn and look at a call's result, each far past Modal's own retries (~0.7 s); lost replies of
+    two rank gets (one retried past in silence, one reaching the caller) and of a producer's task
+    pop; a latency spike; and a producer preempted (SIGINT to every process of its container).
+    Every cell trained exactly once (the ranks' cell logs, cell by cell), the lost items asked for
+    again and made again, the run's state never deleted before its end."""
     figures = figures_of(run_benchmark("modal_chaos", "--tiny"))
-    assert figures["completed"] and figures["faults_injected"] == 3
-    assert figures["fault_kinds"] == {"transport_burst": 1, "lost_reply": 1, "preempt_produce": 1}
+    assert figures["completed"] and figures["faults_injected"] == 9
+    assert figures["fault_kinds"] == {"transport_burst": 4, "lost_reply": 3, "latency_spike": 1, "preempt_produce": 1}
     assert (figures["cells_checked"], figures["cells_lost"], figures["cells_duplicated"]) == (600, 0, 0)
     assert figures["state_deleted_before_end"] == 0 and figures["units_redone"] >= 1  # the lost items, made again
     assert finite(figures["wall_s"]) and figures["overhead_ratio"] is None

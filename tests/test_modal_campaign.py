@@ -1,10 +1,11 @@
 """The Modal path, whole, on the Modal emulator (not a Modal run): `modal run app/modal_app.py`'s
 entrypoint → setup → train (2 CPU ranks, gloo) → spawned producers → the end, each function under
 its own image: preempted in its first minute and again mid-epoch (SIGINT to every process of the
-container, at Modal's 25 ms a call), through a failing network (outages past Modal's own retries,
-lost replies), with a producer that keeps failing (the run stops, keeps its state, and its printed
-command resumes it), and as a campaign longer than Modal's limit on a call (on the emulator's fast
-clock)."""
+container, at Modal's 25 ms a call), with a producer that keeps failing (the run stops, keeps its
+state, and its printed command resumes it), and as a campaign longer than Modal's limit on a call
+(on the emulator's fast clock). A failing network (outages past Modal's own retries, lost replies,
+a producer preempted) is tests/test_benchmarks.py::test_modal_chaos: the same campaign, its cells
+checked one by one."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -115,41 +115,6 @@ def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_mid_epoch(
         resumed = re.search(r"resumed from step (\d+) \(epoch (\d+), ([\d,]+) cells of it already trained\)", logs[2])
         assert resumed and int(resumed[1]) >= 6 and int(resumed[2]) == 0, logs[2][-2000:]  # mid-epoch 0
         check_campaign(world, out, epochs=1, producers=2)
-
-
-def test_a_campaign_rides_out_a_network_that_fails_and_replies_that_are_lost(atlas, tmp_path):
-    """Faults fire on events (the n-th matching call): an outage of every queue call far longer than
-    Modal's own retries (4 attempts in ~0.7 s), two gets of a rank's items whose replies are lost
-    (one that Modal's client retries past, silently; one that reaches the caller as an error), a
-    lost reply of a task pop, a dict outage and latency spikes. The campaign completes, every epoch
-    exactly once, nothing is deleted before the end, and the lost items are asked for again within
-    seconds (not after the 600 s no-data wait)."""
-    with ModalEmulator(tmp_path / "world", grace_s=10) as world:
-        world.fault("transport", "queue", after=150, calls=80)  # every queue call fails, for 80 calls (seconds)
-        world.fault("lost_reply", "queue", partition="rank-", op="get", after=20)  # retried past: the items are gone
-        world.fault("lost_reply", "queue", partition="rank-", op="get", after=60, surface=True)  # the caller sees it
-        world.fault("lost_reply", "queue", partition="tasks", op="get", after=5)  # a task that no producer got
-        world.fault("transport", "dict", after=30, calls=40)
-        world.fault("spike", "queue", after=300, calls=50, delay_s=0.2)
-        proc = modal_run(world, flags(atlas, epochs=1, lease_s=3))
-        deleted_early = []
-        while proc.poll() is None:  # (the run's objects are there until its end)
-            now = world.describe()
-            if now["queues"] != [f"cellfeed-{RUN}"] and [c for c in world.calls("train") if c["status"] == "running"]:
-                deleted_early.append(now["queues"])
-            time.sleep(0.5)
-        code, out, err = finish(proc)
-        assert code == 0, err[-3000:]
-        rules = world.faults()
-        assert all(r["hits"] > 0 for r in rules), rules  # each fault fired
-        assert sum(r["items_lost"] for r in rules if r["kind"] == "lost_reply" and r["partition"] == "rank-") >= 2
-        assert not deleted_early
-        check_campaign(world, out, epochs=1, producers=2)
-        logs = "".join(container_log(world, c["id"], a) for c in world.calls("train") for a in range(1))
-        assert "Modal: queue" in logs and "works again after" in logs  # the outage, and its end
-        assert re.search(r"\d+ units were produced again: their items never reached a rank", logs), logs[-3000:]
-        summary = json.loads(out.strip().splitlines()[-1])
-        assert summary["steps"] > 0
 
 
 def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed_command_resumes_it(atlas, tmp_path):
