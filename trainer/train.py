@@ -96,7 +96,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                             pad_to=cfg.pad_to, pad_token=cfg.pad_token, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
                             no_data_timeout_s=cfg.no_data_timeout_s, consumed=progress.consumed,
                             trained_cells=progress.partial, check=driver.check if driver else None,
-                            on_starved=lambda e, it: ask_again(queue, store, cfg, rank, world, e, it, summaries, before))
+                            on_starved=lambda e, batches: ask_again(queue, store, cfg, rank, world, e, batches,
+                                                                     summaries, before))
     cells_log = open(f"{cfg.cells_log}.rank{rank}.jsonl", "a") if cfg.cells_log else None
     tracker = Tracker(rank, cfg.log_path, total_steps, peak_flops(device), cfg.progress_bar)
     if rank == 0:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from coordination.local_backend import _decode_value, _encode_value, _recv_frame, _send_frame
 
-from cellfeed_testing.modal_emulator.limits import (CLIENT_BASE_DELAY_S, CLIENT_MAX_DELAY_S, CLIENT_RETRIES, FULL, INVALID,
-                                                    MAX_TIMEOUT_S, NOT_FOUND, OK, TOO_LARGE, TRANSIENT)
+from cellfeed_testing.modal_emulator.limits import (CLIENT_BASE_DELAY_S, CLIENT_MAX_DELAY_S, CLIENT_RETRIES, FULL,
+                                                    INVALID, MAX_TIMEOUT_S, NOT_FOUND, OK, TOO_LARGE, TRANSIENT)
 
 GET_REQUEST_S = 50.0  # S10: one blocking QueueGet waits at most 50 s server-side; the client loops
 POLL_REQUEST_S = 50.0
