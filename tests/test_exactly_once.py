@@ -27,8 +27,38 @@ from trainer.stream import ConsumerStream
 EPOCHS = [0, 1]
 
 
+class LosesReplies:
+    """A queue whose n-th get of a rank's items (n in `which`) loses them: the server gave them out
+    and the reply never came; the caller's retry sees the next items (modal 1.6.4's client, S21)."""
+
+    def __init__(self, inner, which):
+        self.inner, self.which, self.gets, self.lost = inner, set(which), 0, 0
+        self.lock = threading.Lock()
+
+    def get_many(self, n, block=True, timeout=None, *, partition=None):
+        out = self.inner.get_many(n, block, timeout, partition=partition)
+        if out and (partition or "").startswith("rank-"):
+            with self.lock:
+                self.gets += 1
+                hit = self.gets in self.which
+            if hit:
+                self.lost += len(out)
+                return self.inner.get_many(n, False, partition=partition)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def run_campaign(ds, *, producers: int, world: int, sampling: Sampling, duplicate_units=(), batch_size=32,
-                 run="e2e", subset_filter=None, latency_ms: float = 0.0):
+                 run="e2e", subset_filter=None, latency_ms: float = 0.0, lose_gets=()):
+    """`lose_gets`: the rank gets whose replies are lost (`LosesReplies`); the ranks then ask for
+    the units they miss (`trainer.train.ask_again`), and the driver lingers to answer."""
+    from types import SimpleNamespace
+
+    from trainer.checkpoint import RankProgress
+    from trainer.train import ask_again
+
     queue, store = MemoryQueue(), MemoryMap()
     registry = store._registry
     if latency_ms:  # every call a round trip: a protocol that is O(in-flight) per pass shows up here
@@ -42,7 +72,8 @@ def run_campaign(ds, *, producers: int, world: int, sampling: Sampling, duplicat
     for epoch, unit in duplicate_units:  # a unit produced twice (two producers took it)
         queue.put_many([encode_task(epoch, unit)], partition=TASKS_PARTITION)
     driver = Driver(queue, store, run, poll_s=0.05, stall_timeout_s=60)
-    driver_thread = driver.start(EPOCHS)
+    driver_thread = driver.start(EPOCHS, linger=bool(lose_gets))
+    consumer_queue = LosesReplies(queue, lose_gets) if lose_gets else queue
     producer_threads = [threading.Thread(target=w.run) for w in workers]
     for t in producer_threads:
         t.start()
@@ -51,8 +82,11 @@ def run_campaign(ds, *, producers: int, world: int, sampling: Sampling, duplicat
     errors = []
 
     def consume(rank):
-        stream = ConsumerStream(queue, rank=rank, world_size=world, run=run, batch_size=batch_size,
-                                buffer_cells=200, no_data_timeout_s=60, poll_s=0.05)
+        asked = lambda e, batches: ask_again(queue, store, SimpleNamespace(run=run), rank, world, e, batches,  # noqa
+                                             summaries, RankProgress(0))
+        stream = ConsumerStream(consumer_queue, rank=rank, world_size=world, run=run, batch_size=batch_size,
+                                buffer_cells=200, no_data_timeout_s=60, poll_s=0.05,
+                                on_starved=asked if lose_gets else None, starved_after_s=0.3)
         try:
             for e in EPOCHS:
                 for batch in stream.epoch(e, summaries[e].cells_per_rank):
@@ -66,10 +100,16 @@ def run_campaign(ds, *, producers: int, world: int, sampling: Sampling, duplicat
     consumers = [threading.Thread(target=consume, args=(r,)) for r in range(world)]
     for t in consumers:
         t.start()
-    for t in consumers + producer_threads + [driver_thread]:
+    for t in consumers:
+        t.join(timeout=180)
+    if lose_gets:  # (a lingering driver ends when told; the trainer tells it when training is over)
+        assert consumer_queue.lost > 0
+        driver.stop()
+    for t in producer_threads + [driver_thread]:
         t.join(timeout=180)
     assert not errors, errors
     assert driver.error is None, driver.error
+    run_campaign.last_driver = driver
     return summaries, delivered, steps, registry, workers[0]
 
 
@@ -142,6 +182,57 @@ def test_no_producer_is_a_bounded_reported_wait():
     driver = Driver(MemoryQueue(), store, "idle", poll_s=0.05, stall_timeout_s=0.5)
     with pytest.raises(CellfeedError, match="no unit finished in 0s with 3 left: are the producers running"):
         driver.run_epochs([0])
+
+
+def test_items_a_lost_reply_took_are_asked_for_again_and_every_epoch_is_exact(small_synth):
+    """Three gets of ranks' items lose their replies (the items are gone, the callers never saw
+    them): each rank that misses cells asks, once its partition stays empty, for the units it has
+    not all received; the driver produces again those it had finished (re-opening a complete epoch
+    if it must), and every epoch delivers its exact multiset, boundary cells included."""
+    world = 2
+    summaries, delivered, steps, _, producer = run_campaign(
+        small_synth, producers=2, world=world, sampling=Sampling("block", block_size=8, fetch_factor=2, batch_size=16),
+        batch_size=16, lose_gets=(2, 7, 15))
+    for e in EPOCHS:
+        assert Counter(c for rank in delivered[e] for c in rank) == Counter(range(small_synth.n_cells)), f"epoch {e}"
+        assert len(set(steps[e])) == 1
+    assert run_campaign.last_driver.stats.redone >= 1
+
+
+def test_a_resumed_driver_does_not_produce_again_what_an_earlier_one_produced_ahead(small_synth):
+    """The driver publishes, per epoch, the units it has seen done. A driver resumed at epoch 0
+    issues epoch 0's units again (the checkpoint says what was trained) but not epoch 1's units the
+    earlier driver saw done: their items are in the queue. One a rank then asks for is issued."""
+    import json
+
+    from coordination.routing import EVENTS_PARTITION, decode_task, encode_event, produced_key
+
+    queue, store = MemoryQueue(), MemoryMap()
+    config = ProducerConfig(dataset=small_synth.uri, run="ahead", world_size=1, max_genes=8, idle_timeout_s=0.5,
+                            sampling=Sampling("sequential", unit_cells=100))
+    producer = Producer(config, queue, store, dataset=small_synth)
+    summaries = [PlanSummary.of(producer.plan(e), 1) for e in EPOCHS]
+    for summary in summaries:
+        publish_summary(store, "ahead", summary)
+    n0, n1 = summaries[0].n_units, summaries[1].n_units
+    store.put(produced_key("ahead"), json.dumps({"0": [[0, n0]], "1": [[0, n1 - 2]]}))  # an earlier driver's
+    driver = Driver(queue, store, "ahead", poll_s=0.05, stall_timeout_s=30)
+    thread = driver.start(EPOCHS, resume_epoch=0, linger=True)
+    issued = []
+    while len(issued) < n0 + 2:  # take the tasks as a producer would, and report them done
+        for data in queue.get_many(100, timeout=10, partition=TASKS_PARTITION):
+            issued.append(decode_task(data))
+            queue.put_many([encode_event("p0", done=[issued[-1]])], partition=EVENTS_PARTITION)
+    assert sorted(issued) == [(0, u) for u in range(n0)] + [(1, n1 - 2), (1, n1 - 1)]
+    wait_for(lambda: driver.stats.epochs == 2, "both epochs to complete")
+    assert driver.stats.already_produced == n1 - 2
+    queue.put_many([encode_event("rank-0", redo=[(1, 3)])], partition=EVENTS_PARTITION)  # a rank misses unit 3
+    assert decode_task(queue.get_many(1, timeout=10, partition=TASKS_PARTITION)[0]) == (1, 3)
+    wait_for(lambda: json.loads(store.get(produced_key("ahead")))["1"] == [[0, 3], [4, n1]],
+             "the driver to publish unit 3 as in flight again")
+    driver.stop()
+    thread.join(timeout=10)
+    assert driver.error is None and driver.stats.redone == 1 and driver.stats.reopened == 1
 
 
 def test_driver_reissues_expired_leases(small_synth):

@@ -27,7 +27,7 @@ import torch
 from coordination.summary import steps_per_epoch
 from coordination.errors import CellfeedError
 from coordination.queues import Empty, Queue
-from coordination.routing import rank_partition, run_tag
+from coordination.routing import cell_rank, rank_partition, run_tag, unit_rank
 from coordination.seeds import batch_rng
 from coordination.tokens import PAD
 from coordination.wire import Item, ItemError, unpack_item
@@ -67,6 +67,7 @@ class StreamStats:
     items: int = 0
     duplicates: int = 0
     stale: int = 0
+    misrouted: int = 0
     cells: int = 0
     wait_s: float = 0.0
 
@@ -209,6 +210,10 @@ class EpochIterator:
     def _admit(self, item: Item) -> None:
         s = self.s
         s.stats.items += 1
+        owner = cell_rank(item.key_id, s.world_size) if item.stitched else unit_rank(item.key_id, s.world_size)
+        if owner != s.rank:  # routed under another world size: left in the queue by a run on another number
+            s.stats.misrouted += 1  # of ranks (its owner here gets the unit produced again)
+            return
         if item.stitched:
             self.stitched_received.add(item.key_id)
         else:
