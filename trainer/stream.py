@@ -118,6 +118,7 @@ class ConsumerStream:
                     continue
                 for data in raw:
                     item = unpack_item(data, run_tag=self.tag)
+                    item.raw = bytes(data)  # kept to give it back untrained at a graceful stop (`give_back`)
                     while not self._closed.is_set():
                         try:
                             self._items.put(item, timeout=self.poll_s)
@@ -166,6 +167,36 @@ class ConsumerStream:
         """Batches of `epoch`; `cells_per_rank` are the cells each rank still has to train on
         (the plan's counts, less what a checkpoint says was trained)."""
         return EpochIterator(self, epoch, cells_per_rank)
+
+    def give_back(self, epoch: "EpochIterator | None" = None, timeout: float = 10.0) -> int:
+        """At a graceful stop (a checkpoint was just written): stop fetching, then put the items this
+        rank took and has not finished back into its partition -- prefetched, held for later epochs,
+        and those with cells left in `epoch`'s buffer (a resume skips their trained cells) -- so the
+        resumed run finds them there instead of waiting for them to be made again. What cannot be
+        put back in `timeout` is lost, as in a crash: the rank that misses it asks again. Returns
+        the items put back."""
+        from coordination.queues import Full, request_batches
+
+        self.close(wait=True)
+        held = []
+        while True:
+            try:
+                held.append(self._items.get_nowait())
+            except stdlib_queue.Empty:
+                break
+        held += self._future
+        if epoch is not None:
+            held += list({id(item): item for item, _ in epoch.buffer}.values())
+        raws = [item.raw for item in held if getattr(item, "raw", None) is not None]
+        given, deadline = 0, time.monotonic() + timeout
+        for batch in request_batches(raws):
+            try:
+                self.queue.put_many(batch, block=True, timeout=max(0.1, deadline - time.monotonic()),
+                                    partition=self.partition)
+            except Full:
+                break
+            given += len(batch)
+        return given
 
     def close(self, wait: bool = True) -> None:
         """Stop fetching. What the fetcher pops from now on is not trained (a resume produces its

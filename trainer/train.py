@@ -115,7 +115,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             eval_loss=tracker.evals[-1]["eval_loss"] if tracker.evals else None)
 
     audits: list[dict] = []
-    stopping = False
+    stopping, batches = False, None
     try:
         while epoch < cfg.epochs and step < total_steps:
             summary = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
@@ -185,6 +185,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         if cfg.checkpoint_dir and not stopping:  # (a stop saved at its step already)
             save()
     finally:
+        if stopping:  # asked to stop (a preemption, a hand-over) and checkpointed at this step: what this rank
+            stream.give_back(batches)  # took and did not train goes back to its partition, for the resumed run
         stream.close(wait=False)  # training is over: the rank need not wait out the fetcher's poll (up to 1 s)
         if driver is not None:
             driver.stop()
