@@ -172,15 +172,13 @@ class Driver:
         """Drive epochs in order, each to completion (every unit done), then drop its stitching
         map. The next epoch's units are issued as soon as this epoch has none left to issue, so
         producers never idle on an epoch's last stragglers (consumers hold later-epoch items
-        aside). Each epoch's map is created when it starts. On a resume, the resumed epoch's units
-        are issued again but `skip_units` (trained through, holding no piece of an untrained
-        boundary cell: `PlanSummary.units_to_skip`) and, in it and every later epoch, those an
-        earlier driver of this run saw done (`produced_key`: their items are in the queue, or were
-        given back to it by a rank that stopped), their stitching maps kept; consumers drop what they
-        already trained on by key. An item a stopped trainer's rank took and never gave back (it
-        was killed) is asked for again by the rank that misses it (`_redo`). With no record of what
-        was produced, the resumed epoch's map is dropped and all its units but `skip_units` issued
-        again. With `linger`, the driver
+        aside). Each epoch's map is created fresh when it starts; a resumed epoch's half-finished
+        stitching is dropped first, and its units are issued again but `skip_units` (trained
+        through, holding no piece of an untrained boundary cell: `PlanSummary.units_to_skip`);
+        consumers drop what they already trained on by key. Later epochs' units that an earlier
+        driver of this run saw done (`produced_key`: their items are in the queue) are not issued
+        again, and their maps are kept; an item of them that the ranks of a stopped trainer had
+        popped is asked for again by the rank that misses it (`_redo`). With `linger`, the driver
         goes on after the last epoch until stopped, answering such requests: the trainer stops it
         when training is over."""
         waiting = deque(epochs)
@@ -196,15 +194,13 @@ class Driver:
             self._states[epoch] = EpochState(summary, deque())  # (replaced below; what `_publish` reports)
             units = range(summary.n_units)
             if epoch == resume_epoch:
+                self.store.drop(epoch_map_name(epoch))
                 units = [u for u in units if u not in skip_units]
                 self.stats.skipped_units += summary.n_units - len(units)
-            if epoch in earlier:  # produced before the trainer stopped: in the queue (or given back to it)
-                kept = [u for u in units if u not in earlier[epoch]]
-                self.stats.already_produced += len(units) - len(kept)
-                units = kept
-            elif epoch == resume_epoch:  # (no record of what was produced: every holder offers its piece again)
-                self.store.drop(epoch_map_name(epoch))
-            self.store.named(epoch_map_name(epoch), create=True)  # (an existing map is kept: its stitching goes on)
+            elif epoch in earlier:  # produced ahead before the trainer stopped: in the queue already
+                units = [u for u in units if u not in earlier[epoch]]
+                self.stats.already_produced += summary.n_units - len(units)
+            self.store.named(epoch_map_name(epoch), create=True)  # (an existing map is kept)
             active[epoch] = self._states[epoch] = EpochState(summary, deque(units))
 
         if waiting:
