@@ -24,23 +24,12 @@ from coordination.errors import CellfeedError
 from coordination.summary import PlanSummary, load_summary
 from coordination.queues import Full, Map, Queue
 from coordination.routing import (EVENTS_PARTITION, TASKS_PARTITION, decode_event, encode_task, epoch_map_name,
-                                  produced_key, producers_key)
+                                  producers_key)
 
 LEASE_S = 12.0  # a unit whose producer is silent this long is re-issued (the campaign's --lease-s)
 HEARTBEATS_PER_LEASE = 4  # a producer says what it holds this often per lease: a lease is 4 missed heartbeats
 EVENTS_PER_CALL = 1000
 PUBLISH_EVERY_S = 2.0  # how often the producers' totals are published for monitors
-
-
-def ranges(units: set[int]) -> list[list[int]]:
-    """[[start, end), ...] of a set of ints, ascending."""
-    out: list[list[int]] = []
-    for u in sorted(units):
-        if out and out[-1][1] == u:
-            out[-1][1] = u + 1
-        else:
-            out.append([u, u + 1])
-    return out
 
 
 def heartbeat_interval(lease_s: float) -> float:
@@ -53,7 +42,6 @@ class DriverStats:
     issued: int = 0
     reissued: int = 0
     skipped_units: int = 0  # a resumed epoch's units not produced again (trained through)
-    already_produced: int = 0  # later epochs' units an earlier driver of the run saw done (not produced again)
     redone: int = 0  # units produced again because a rank never got their items (a lost reply)
     reopened: int = 0  # complete epochs opened again for such units
     epochs: int = 0
@@ -95,7 +83,6 @@ class Driver:
         self._issued_seq = 0
         self._published = 0.0
         self._stop = threading.Event()
-        self._states: dict[int, EpochState] = {}  # every epoch this driver started, by epoch (active or not)
         self.error: BaseException | None = None
 
     # ---- calls: a constant number per pass
@@ -125,20 +112,9 @@ class Driver:
                 return events
 
     def _publish(self, force: bool = False) -> None:
-        """The producers' totals (for monitors) and the units produced so far per epoch (for a
-        resumed driver), every PUBLISH_EVERY_S: two puts."""
         if force or time.monotonic() - self._published >= PUBLISH_EVERY_S:
             self.store.put(producers_key(self.run), json.dumps(self.producers))
-            done = {e: [[0, s.summary.n_units]] if not s.todo and not s.flights else
-                    ranges(set(range(s.summary.n_units)) - set(s.todo) - set(s.flights))
-                    for e, s in self._states.items()}
-            self.store.put(produced_key(self.run), json.dumps(done))
             self._published = time.monotonic()
-
-    def _produced_before(self) -> dict[int, set[int]]:
-        """Per epoch, the units an earlier driver of this run saw done."""
-        data = self.store.get(produced_key(self.run))
-        return {int(e): {u for a, b in spans for u in range(a, b)} for e, spans in json.loads(data or "{}").items()}
 
     # ---- the epochs
 
@@ -155,7 +131,7 @@ class Driver:
                 if e not in summaries:
                     continue  # not an epoch of this driver's (a stale request from before a resume)
                 self.store.named(epoch_map_name(e), create=True)
-                state = active[e] = self._states[e] = EpochState(summaries[e], deque())
+                state = active[e] = EpochState(summaries[e], deque())
                 reordered = dict(sorted(active.items()))  # (kept in epoch order)
                 active.clear()
                 active.update(reordered)
@@ -175,14 +151,10 @@ class Driver:
         aside). Each epoch's map is created fresh when it starts; a resumed epoch's half-finished
         stitching is dropped first, and its units are issued again but `skip_units` (trained
         through, holding no piece of an untrained boundary cell: `PlanSummary.units_to_skip`);
-        consumers drop what they already trained on by key. Later epochs' units that an earlier
-        driver of this run saw done (`produced_key`: their items are in the queue) are not issued
-        again, and their maps are kept; an item of them that the ranks of a stopped trainer had
-        popped is asked for again by the rank that misses it (`_redo`). With `linger`, the driver
-        goes on after the last epoch until stopped, answering such requests: the trainer stops it
-        when training is over."""
+        consumers drop what they already trained on by key. With `linger`, the driver goes on after
+        the last epoch until stopped, answering ranks that ask for units again (`_redo`): the
+        trainer stops it when training is over."""
         waiting = deque(epochs)
-        earlier = self._produced_before() if resume_epoch is not None else {}
         active: dict[int, EpochState] = {}  # started and not complete, in epoch order
         order: deque = deque()  # (seq, epoch, unit) in issue order: the FIFO task list's contents and past
         summaries: dict[int, PlanSummary] = {}  # every epoch started (a complete one may be opened again)
@@ -191,17 +163,13 @@ class Driver:
         def start_next() -> None:
             epoch = waiting.popleft()
             summary = summaries[epoch] = load_summary(self.store, self.run, epoch, summary_timeout_s)
-            self._states[epoch] = EpochState(summary, deque())  # (replaced below; what `_publish` reports)
             units = range(summary.n_units)
             if epoch == resume_epoch:
                 self.store.drop(epoch_map_name(epoch))
                 units = [u for u in units if u not in skip_units]
                 self.stats.skipped_units += summary.n_units - len(units)
-            elif epoch in earlier:  # produced ahead before the trainer stopped: in the queue already
-                units = [u for u in units if u not in earlier[epoch]]
-                self.stats.already_produced += summary.n_units - len(units)
-            self.store.named(epoch_map_name(epoch), create=True)  # (an existing map is kept)
-            active[epoch] = self._states[epoch] = EpochState(summary, deque(units))
+            self.store.named(epoch_map_name(epoch), create=True)
+            active[epoch] = EpochState(summary, deque(units))
 
         if waiting:
             start_next()

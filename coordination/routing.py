@@ -83,11 +83,6 @@ def fleet_key(run: str) -> str:
     return f"{run}/fleet"
 
 
-def produced_key(run: str) -> str:
-    """Per epoch, the units the driver has seen done (a resumed driver does not issue them again)."""
-    return f"{run}/produced"
-
-
 def producers_key(run: str) -> str:
     """Every producer's running totals and when it was last heard (the driver publishes them)."""
     return f"{run}/producers"

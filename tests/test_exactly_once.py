@@ -199,42 +199,6 @@ def test_items_a_lost_reply_took_are_asked_for_again_and_every_epoch_is_exact(sm
     assert run_campaign.last_driver.stats.redone >= 1
 
 
-def test_a_resumed_driver_does_not_produce_again_what_an_earlier_one_produced_ahead(small_synth):
-    """The driver publishes, per epoch, the units it has seen done. A driver resumed at epoch 0
-    issues epoch 0's units again (the checkpoint says what was trained) but not epoch 1's units the
-    earlier driver saw done: their items are in the queue. One a rank then asks for is issued."""
-    import json
-
-    from coordination.routing import EVENTS_PARTITION, decode_task, encode_event, produced_key
-
-    queue, store = MemoryQueue(), MemoryMap()
-    config = ProducerConfig(dataset=small_synth.uri, run="ahead", world_size=1, max_genes=8, idle_timeout_s=0.5,
-                            sampling=Sampling("sequential", unit_cells=100))
-    producer = Producer(config, queue, store, dataset=small_synth)
-    summaries = [PlanSummary.of(producer.plan(e), 1) for e in EPOCHS]
-    for summary in summaries:
-        publish_summary(store, "ahead", summary)
-    n0, n1 = summaries[0].n_units, summaries[1].n_units
-    store.put(produced_key("ahead"), json.dumps({"0": [[0, n0]], "1": [[0, n1 - 2]]}))  # an earlier driver's
-    driver = Driver(queue, store, "ahead", poll_s=0.05, stall_timeout_s=30)
-    thread = driver.start(EPOCHS, resume_epoch=0, linger=True)
-    issued = []
-    while len(issued) < n0 + 2:  # take the tasks as a producer would, and report them done
-        for data in queue.get_many(100, timeout=10, partition=TASKS_PARTITION):
-            issued.append(decode_task(data))
-            queue.put_many([encode_event("p0", done=[issued[-1]])], partition=EVENTS_PARTITION)
-    assert sorted(issued) == [(0, u) for u in range(n0)] + [(1, n1 - 2), (1, n1 - 1)]
-    wait_for(lambda: driver.stats.epochs == 2, "both epochs to complete")
-    assert driver.stats.already_produced == n1 - 2
-    queue.put_many([encode_event("rank-0", redo=[(1, 3)])], partition=EVENTS_PARTITION)  # a rank misses unit 3
-    assert decode_task(queue.get_many(1, timeout=10, partition=TASKS_PARTITION)[0]) == (1, 3)
-    wait_for(lambda: json.loads(store.get(produced_key("ahead")))["1"] == [[0, 3], [4, n1]],
-             "the driver to publish unit 3 as in flight again")
-    driver.stop()
-    thread.join(timeout=10)
-    assert driver.error is None and driver.stats.redone == 1 and driver.stats.reopened == 1
-
-
 def test_driver_reissues_expired_leases(small_synth):
     queue, store = MemoryQueue(), MemoryMap()
     config = ProducerConfig(dataset=small_synth.uri, run="lease", world_size=1, max_genes=8, idle_timeout_s=0.3,
