@@ -47,7 +47,7 @@ import modal
 
 from app.config import MODAL_FLAGS, CampaignConfig, flags_signature, resume_command
 from app.pins import pinned
-from coordination.modal_backend import RETRY_S, retrying, transient_errors
+from coordination.modal_backend import RETRY_S, ModalUnreachable, retrying, transient_errors
 
 APP_NAME = "cellfeed"
 SECRET_NAME = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")
@@ -63,6 +63,7 @@ PRODUCER_RETRIES = 3
 PRODUCER_HOURS = 23.0  # a producer call returns after this long (Modal ends it at 24 h) and is replaced
 STOP_GRACE_S = 60.0  # at the end: how long all producers together get to stop before being cancelled
 PREEMPT_SAVE_S = 20.0  # of Modal's ~30 s grace after a preemption's SIGINT: the ranks' time to checkpoint
+NO_DATA_S = 600.0  # a rank with no data this long (past --modal-retry-s of retries) fails: are producers running?
 FAILURE_SAVE_S = 10.0  # after a real failure: ranks still stepping checkpoint; starved ones (no step to end) are killed
 FLEET_CHECK_S = 15.0  # how often `train` looks at its producer calls (soon after the start, then less often)
 FIRST_FLEET_CHECK_S = 1.0  # a producer that cannot start (settings, credentials) is found within seconds
@@ -156,7 +157,10 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     if cfg.audit_cells:  # one file set per train call (a preempted call's steps past its checkpoint are re-trained)
         (Path(cfg.run_checkpoint_dir) / "cells").mkdir(parents=True, exist_ok=True)
         cells_log = {"cells_log": f"{cfg.run_checkpoint_dir}/cells/{time.time_ns()}"}
-    train_cfg = cfg.train_config(cfg.backend_spec("modal"), facts, log_path=str(workdir / "steps.jsonl"), **cells_log)
+    # a rank (or the driver) waits out an outage inside the calls' retries: its no-data wait outlasts them
+    no_data = {"no_data_timeout_s": max(NO_DATA_S, cfg.modal_retry_s + NO_DATA_S)}
+    train_cfg = cfg.train_config(cfg.backend_spec("modal"), facts, log_path=str(workdir / "steps.jsonl"), **cells_log,
+                                 **no_data)
     ranks = []
     try:
         with interrupt_held():  # the ranks are all started, or none: a preemption cannot orphan one
@@ -399,6 +403,10 @@ def main(**flags) -> dict:
     except (Exception, KeyboardInterrupt) as exc:  # one line, and the command that continues the campaign
         if isinstance(exc, KeyboardInterrupt):  # (this process only: with --detach the campaign goes on)
             print("interrupted: the campaign's calls go on in Modal unless you stop the app", file=sys.stderr)
+        elif isinstance(exc, ModalUnreachable):  # this laptop lost Modal: a train call may still be running there
+            print(f"cellfeed: error: {exc}. A train call already started may still be running in Modal: look at "
+                  "the app in Modal's dashboard before resuming (two trainers on one run must not run at once)",
+                  file=sys.stderr)
         else:
             last = (str(exc).strip().splitlines() or [""])[-1]
             print(f"cellfeed: error: {type(exc).__name__}: {last}", file=sys.stderr)

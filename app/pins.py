@@ -1,4 +1,5 @@
-"""The exact versions of every package the Modal images install: one place, used by the images and CI.
+"""The exact versions of every package the Modal images list: one place, used by the images and CI.
+(Their dependencies are not pinned here: pip resolves them when an image is built.)
 
 Why: `app/modal_app.py` builds its images with `pip install`, and Modal rebuilds an image when its
 definition changes (or on `force_build`). With lower bounds only, a rebuild months later installs

@@ -105,10 +105,8 @@ def steps_logged(world: ModalEmulator) -> int:
 
 def audited(world: ModalEmulator, epochs: int) -> bool:
     """Whether the campaign's last epoch has its audit line (after it, the end may delete)."""
-    for log in (world.root / "containers").glob("*/output.log"):
-        if f"epoch {epochs - 1}: " in log.read_text(errors="replace"):
-            return True
-    return False
+    audit = re.compile(rf"epoch {epochs - 1}: [\d,]+ cells trained")
+    return any(audit.search(log.read_text(errors="replace")) for log in (world.root / "containers").glob("*/output.log"))
 
 
 def trained_cells(world: ModalEmulator) -> dict[int, Counter]:
@@ -187,12 +185,13 @@ def watch(world: ModalEmulator, proc: subprocess.Popen, pending: list[Preemption
 
 
 def check(outcome: Outcome, n_cells: int, epochs: int) -> tuple[int, int, int]:
-    """(cells checked, lost, duplicated), each epoch's multiset against the atlas's cells once."""
+    """(cells checked: trained cells read from the logs, lost, duplicated), each epoch's multiset
+    against the atlas's cells once."""
     expected = Counter(range(n_cells))
     checked = lost = duplicated = 0
     for e in range(epochs):
         got = outcome.cells.get(e, Counter())
-        checked += sum(expected.values())
+        checked += sum(got.values())
         lost += sum((expected - got).values())
         duplicated += sum((got - expected).values())
     return checked, lost, duplicated

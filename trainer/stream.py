@@ -137,12 +137,6 @@ class ConsumerStream:
         while True:
             if self.check is not None:
                 self.check()
-            # starved: no item for a while, and the partition seen empty since (an outage that keeps the
-            # fetcher retrying is not starvation: the items may be in the partition)
-            if starved is not None and time.monotonic() - quiet_since >= self.starved_after_s \
-                    and self._found_empty >= quiet_since:
-                starved()
-                quiet_since = time.monotonic()
             if self._error is not None:
                 if isinstance(self._error, ItemError):
                     raise CellfeedError(f"rank {self.rank}: refusing to train on a bad item: {self._error}")
@@ -152,6 +146,12 @@ class ConsumerStream:
             except stdlib_queue.Empty:
                 if time.monotonic() > deadline:
                     return None
+                # starved: nothing fetched for a while, and the partition seen empty since (an outage that
+                # keeps the fetcher retrying is not starvation: the items may be in the partition)
+                if starved is not None and time.monotonic() - quiet_since >= self.starved_after_s \
+                        and self._found_empty >= quiet_since:
+                    starved()
+                    quiet_since = time.monotonic()
                 continue
             self._taken_cells += item.n_cells
             if item.epoch == epoch:

@@ -186,7 +186,11 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             save()
     finally:
         if stopping:  # asked to stop (a preemption, a hand-over) and checkpointed at this step: what this rank
-            stream.give_back(batches)  # took and did not train goes back to its partition, for the resumed run
+            try:  # took and did not train goes back to its partition, for the resumed run
+                stream.give_back(batches)
+            except Exception as exc:  # noqa: BLE001 - what is not given back is asked for again after the resume
+                print(f"rank {rank}: could not give back its untrained items ({type(exc).__name__}: {exc})",
+                      file=sys.stderr, flush=True)
         stream.close(wait=False)  # training is over: the rank need not wait out the fetcher's poll (up to 1 s)
         if driver is not None:
             driver.stop()
@@ -246,7 +250,7 @@ def start_driver(cfg: TrainConfig, queue, store, resumed, epoch: int, summaries:
         skip = summary.units_to_skip(resumed.done_units(), resumed.trained_stitched())
         print(f"{len(skip):,} of epoch {epoch}'s {summary.n_units:,} units were trained through and are not "
               "produced again")
-    driver = Driver(queue, store, cfg.run, lease_s=cfg.lease_s)
+    driver = Driver(queue, store, cfg.run, lease_s=cfg.lease_s, stall_timeout_s=cfg.no_data_timeout_s)
     driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if resumed is not None else None, skip_units=skip,
                  linger=True)  # (after the last epoch it still answers ranks that ask for units again)
     return driver
