@@ -110,12 +110,11 @@ class ModalQueue:
         validate_partition(partition)
         import modal.exception
 
+        options = _blocking(block, timeout)
+
         def once():
             try:
-                if block:
-                    self.queue.put_many(values, block=True, timeout=timeout, partition=partition)
-                else:  # Modal warns when a timeout comes with a non-blocking put
-                    self.queue.put_many(values, block=False, partition=partition)
+                self.queue.put_many(values, partition=partition, **options)
             except modal.exception.RequestSizeError as exc:
                 raise RequestTooLarge(f"{len(values)} items, {sum(map(len, values)):,} bytes: {exc}") from None
             except modal.exception.TimeoutError as exc:
@@ -129,11 +128,9 @@ class ModalQueue:
         self.put_many([value], block, timeout, partition=partition)
 
     def get_many(self, n_values, block=True, timeout=None, *, partition=None) -> list[bytes]:
-        what = f"queue get ({partition or 'default partition'})"
-        if not block:  # Modal warns when a timeout comes with a non-blocking get
-            return retrying(lambda: self.queue.get_many(n_values, block=False, partition=partition), what, self.retry_s)
-        return retrying(lambda: self.queue.get_many(n_values, block=True, timeout=timeout, partition=partition), what,
-                        self.retry_s)
+        options = _blocking(block, timeout)
+        return retrying(lambda: self.queue.get_many(n_values, partition=partition, **options),
+                        f"queue get ({partition or 'default partition'})", self.retry_s)
 
     def get(self, block=True, timeout=None, *, partition=None):
         values = self.get_many(1, block, timeout, partition=partition)
@@ -141,6 +138,12 @@ class ModalQueue:
 
     def len(self, *, partition=None, total=False) -> int:
         return retrying(lambda: self.queue.len(partition=partition, total=total), "queue len", self.retry_s)
+
+
+def _blocking(block: bool, timeout: float | None) -> dict:
+    """A put's or get's blocking options as Modal wants them: it warns when a timeout comes with
+    block=False."""
+    return {"block": True, "timeout": timeout} if block else {"block": False}
 
 
 def _refused_as_too_large(exc: BaseException) -> bool:
