@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,12 +25,25 @@ from coordination.errors import CellfeedError
 from coordination.summary import PlanSummary, load_summary
 from coordination.queues import Full, Map, Queue
 from coordination.routing import (EVENTS_PARTITION, TASKS_PARTITION, decode_event, encode_task, epoch_map_name,
-                                  producers_key)
+                                  produced_key, producers_key)
 
 LEASE_S = 12.0  # a unit whose producer is silent this long is re-issued (the campaign's --lease-s)
 HEARTBEATS_PER_LEASE = 4  # a producer says what it holds this often per lease: a lease is 4 missed heartbeats
 EVENTS_PER_CALL = 1000
 PUBLISH_EVERY_S = 2.0  # how often the producers' totals are published for monitors
+TASK_LIST_S = 1.0  # the task list holds what the producers take in this long (see `Driver._depth`)
+MIN_QUEUED_TASKS = 16
+
+
+def ranges(units: set[int]) -> list[list[int]]:
+    """[[start, end), ...] of a set of ints, ascending."""
+    out: list[list[int]] = []
+    for u in sorted(units):
+        if out and out[-1][1] == u:
+            out[-1][1] = u + 1
+        else:
+            out.append([u, u + 1])
+    return out
 
 
 def heartbeat_interval(lease_s: float) -> float:
@@ -42,6 +56,7 @@ class DriverStats:
     issued: int = 0
     reissued: int = 0
     skipped_units: int = 0  # a resumed epoch's units not produced again (trained through)
+    already_produced: int = 0  # later epochs' units an earlier driver of the run saw done (not produced again)
     redone: int = 0  # units produced again because a rank never got their items (a lost reply)
     reopened: int = 0  # complete epochs opened again for such units
     epochs: int = 0
@@ -73,8 +88,9 @@ class EpochState:
 
 class Driver:
     def __init__(self, queue: Queue, store: Map, run: str, *, lease_s: float = LEASE_S, poll_s: float = 0.25,
-                 max_queued_tasks: int = 128, stall_timeout_s: float = 600.0):
+                 max_queued_tasks: int = 128, stall_timeout_s: float = 600.0, world_size: int | None = None):
         self.queue, self.store, self.run = queue, store, run
+        self.world_size = world_size  # the ranks' number: items in the queue are routed by it
         self.lease_s, self.poll_s = lease_s, poll_s
         self.max_queued_tasks = max_queued_tasks
         self.stall_timeout_s = stall_timeout_s
@@ -83,6 +99,9 @@ class Driver:
         self._issued_seq = 0
         self._published = 0.0
         self._stop = threading.Event()
+        self._taken_at: tuple[int, float] | None = None  # (tasks taken, when) at the last pass
+        self._take_rate: float | None = None  # tasks taken per second, smoothed
+        self._states: dict[int, EpochState] = {}  # every epoch this driver started, by epoch (active or not)
         self.error: BaseException | None = None
 
     # ---- calls: a constant number per pass
@@ -112,9 +131,36 @@ class Driver:
                 return events
 
     def _publish(self, force: bool = False) -> None:
+        """The producers' totals (for monitors) and the units produced so far per epoch (for a
+        resumed driver), every PUBLISH_EVERY_S: two puts."""
         if force or time.monotonic() - self._published >= PUBLISH_EVERY_S:
             self.store.put(producers_key(self.run), json.dumps(self.producers))
+            done = {e: [[0, s.summary.n_units]] if not s.todo and not s.flights else
+                    ranges(set(range(s.summary.n_units)) - set(s.todo) - set(s.flights))
+                    for e, s in self._states.items()}
+            self.store.put(produced_key(self.run), json.dumps({"world_size": self.world_size, "epochs": done}))
             self._published = time.monotonic()
+
+    def _produced_before(self) -> dict[int, set[int]]:
+        """Per epoch, the units an earlier driver of this run saw done; none when it drove another
+        number of ranks (their items in the queue are routed to ranks that no longer exist)."""
+        data = json.loads(self.store.get(produced_key(self.run)) or "{}")
+        if not data or data.get("world_size") != self.world_size:
+            return {}
+        return {int(e): {u for a, b in spans for u in range(a, b)} for e, spans in data["epochs"].items()}
+
+    def _depth(self, taken: int, now: float) -> int:
+        """How many tasks to keep in the list: what the producers take in TASK_LIST_S (their recent
+        rate), at least MIN_QUEUED_TASKS, at most `max_queued_tasks`. A short list keeps a unit
+        issued again (a lease run out, a producer going away, a rank asking) near its head: the
+        list is FIFO, and behind 128 tasks it would wait for all of them to be produced."""
+        if self._taken_at is not None and now > self._taken_at[1]:
+            rate = (taken - self._taken_at[0]) / (now - self._taken_at[1])
+            self._take_rate = rate if self._take_rate is None else 0.8 * self._take_rate + 0.2 * rate
+        self._taken_at = (taken, now)
+        if self._take_rate is None:
+            return min(self.max_queued_tasks, MIN_QUEUED_TASKS)
+        return int(min(self.max_queued_tasks, max(MIN_QUEUED_TASKS, math.ceil(self._take_rate * TASK_LIST_S))))
 
     # ---- the epochs
 
@@ -131,7 +177,7 @@ class Driver:
                 if e not in summaries:
                     continue  # not an epoch of this driver's (a stale request from before a resume)
                 self.store.named(epoch_map_name(e), create=True)
-                state = active[e] = EpochState(summaries[e], deque())
+                state = active[e] = self._states[e] = EpochState(summaries[e], deque())
                 reordered = dict(sorted(active.items()))  # (kept in epoch order)
                 active.clear()
                 active.update(reordered)
@@ -151,10 +197,14 @@ class Driver:
         aside). Each epoch's map is created fresh when it starts; a resumed epoch's half-finished
         stitching is dropped first, and its units are issued again but `skip_units` (trained
         through, holding no piece of an untrained boundary cell: `PlanSummary.units_to_skip`);
-        consumers drop what they already trained on by key. With `linger`, the driver goes on after
-        the last epoch until stopped, answering ranks that ask for units again (`_redo`): the
-        trainer stops it when training is over."""
+        consumers drop what they already trained on by key. Later epochs' units that an earlier
+        driver of this run saw done (`produced_key`: their items are in the queue) are not issued
+        again, and their maps are kept; an item of them that the ranks of a stopped trainer had
+        popped is asked for again by the rank that misses it (`_redo`). With `linger`, the driver
+        goes on after the last epoch until stopped, answering such requests: the trainer stops it
+        when training is over."""
         waiting = deque(epochs)
+        earlier = self._produced_before() if resume_epoch is not None else {}
         active: dict[int, EpochState] = {}  # started and not complete, in epoch order
         order: deque = deque()  # (seq, epoch, unit) in issue order: the FIFO task list's contents and past
         summaries: dict[int, PlanSummary] = {}  # every epoch started (a complete one may be opened again)
@@ -163,13 +213,17 @@ class Driver:
         def start_next() -> None:
             epoch = waiting.popleft()
             summary = summaries[epoch] = load_summary(self.store, self.run, epoch, summary_timeout_s)
+            self._states[epoch] = EpochState(summary, deque())  # (replaced below; what `_publish` reports)
             units = range(summary.n_units)
             if epoch == resume_epoch:
                 self.store.drop(epoch_map_name(epoch))
                 units = [u for u in units if u not in skip_units]
                 self.stats.skipped_units += summary.n_units - len(units)
-            self.store.named(epoch_map_name(epoch), create=True)
-            active[epoch] = EpochState(summary, deque(units))
+            elif epoch in earlier:  # produced ahead before the trainer stopped: in the queue already
+                units = [u for u in units if u not in earlier[epoch]]
+                self.stats.already_produced += summary.n_units - len(units)
+            self.store.named(epoch_map_name(epoch), create=True)  # (an existing map is kept)
+            active[epoch] = self._states[epoch] = EpochState(summary, deque(units))
 
         if waiting:
             start_next()
@@ -190,6 +244,10 @@ class Driver:
                 for e, u in event["held"]:
                     if e in active and u in active[e].flights:
                         active[e].flights[u].seen_at = now
+                for e, u in event["released"]:  # its producer is going away: issued again in this pass
+                    flight = active[e].flights.get(u) if e in active else None
+                    if flight is not None:
+                        flight.taken_at, flight.seen_at = flight.taken_at or now, float("-inf")
             if redo:
                 self._redo(redo, active, summaries, order)
                 last_progress = now
@@ -198,6 +256,7 @@ class Driver:
                 continue
             queued = self.queue.len(partition=TASKS_PARTITION)
             taken_before = self._issued_seq - queued  # FIFO: every task issued before this one was taken
+            depth = self._depth(taken_before, now)
             while order and order[0][0] < taken_before:
                 seq, e, u = order.popleft()
                 flight = active[e].flights.get(u) if e in active else None
@@ -213,7 +272,7 @@ class Driver:
                         self.stats.first_reissue_at = time.monotonic()
                     queued += 1
             for e, state in list(active.items()):
-                room = self.max_queued_tasks - queued
+                room = depth - queued
                 if room > 0 and state.todo:
                     batch = [state.todo.popleft() for _ in range(min(room, len(state.todo)))]
                     issued = self._issue(e, batch, state.flights, order)

@@ -48,12 +48,15 @@ def decode_task(data: bytes) -> tuple[int, int]:
     return int(task["epoch"]), int(task["unit"])
 
 
-def encode_event(producer: str, *, done=(), held=(), totals: dict | None = None, redo=()) -> bytes:
+def encode_event(producer: str, *, done=(), held=(), totals: dict | None = None, redo=(), released=()) -> bytes:
     """A producer's event: units it finished (`done`) and holds now (`held`), as (epoch, unit)
-    pairs, and optionally its running totals. Every event is also a heartbeat. A consumer rank's
-    event (`producer` "rank-<r>") asks for units again (`redo`): their items never reached it."""
+    pairs, and optionally its running totals. Every event is also a heartbeat. A producer that is
+    going away (preempted, failed) names the units it will not finish (`released`): they are issued
+    again at once instead of when their lease runs out. A consumer rank's event (`producer`
+    "rank-<r>") asks for units again (`redo`): their items never reached it."""
     return json.dumps({"p": producer, "done": [list(u) for u in done], "held": [list(u) for u in held],
-                       "totals": totals, "redo": [list(u) for u in redo]}).encode()
+                       "totals": totals, "redo": [list(u) for u in redo],
+                       "released": [list(u) for u in released]}).encode()
 
 
 def decode_event(data: bytes) -> dict:
@@ -61,6 +64,7 @@ def decode_event(data: bytes) -> dict:
     event["done"] = [tuple(u) for u in event["done"]]
     event["held"] = [tuple(u) for u in event["held"]]
     event["redo"] = [tuple(u) for u in event.get("redo", ())]
+    event["released"] = [tuple(u) for u in event.get("released", ())]
     return event
 
 
@@ -81,6 +85,11 @@ def stop_key(run: str) -> str:
 def fleet_key(run: str) -> str:
     """The ids of the run's producer function calls (a re-run of `train` reuses them)."""
     return f"{run}/fleet"
+
+
+def produced_key(run: str) -> str:
+    """Per epoch, the units the driver has seen done (a resumed driver does not issue them again)."""
+    return f"{run}/produced"
 
 
 def producers_key(run: str) -> str:

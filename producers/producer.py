@@ -47,6 +47,7 @@ from producers.stitch import offer_piece
 from producers.tokenizers import make_tokenizer, needs_gene_medians
 
 STOP_POLL_S = 1.0  # how often a waiting producer looks at its stop flag
+RELEASE_TIMEOUT_S = 2.0  # a producer going away tries this long to name the units it will not finish
 FULL_WAIT_MIN_S, FULL_WAIT_MAX_S = 0.1, 2.0  # looking for room in a full partition: this often, backing off
 OUTBOX_JOBS = 16  # jobs (a unit's items, a done event) the courier may be behind the loop
 MAX_READ_AHEAD = 16  # units read ahead at most
@@ -550,13 +551,29 @@ class Producer:
         except Stopped:
             finished = True
         finally:
-            if not finished:  # an error here: the courier stops too
+            if not finished:  # an error here (or Modal's preemption, a KeyboardInterrupt): the courier stops too
                 self._stopping.set()
             self._courier.join(timeout=self.config.put_timeout_s + 10)
             self._courier = None
+            if not finished:
+                self._release()
         if self._courier_error is not None:
             raise self._courier_error
         return self.stats
+
+    def _release(self) -> None:
+        """Going away with units taken and not done: name them in one last event, so the driver
+        issues them again now rather than when their lease runs out. Best effort, one try: the
+        lease still covers a producer that cannot say it (killed outright, the queue down)."""
+        with self._held_lock:
+            held = list(self._held)
+        if not held:
+            return
+        try:
+            self.queue.put_many([encode_event(self.name, released=held)], block=True, timeout=RELEASE_TIMEOUT_S,
+                                partition=EVENTS_PARTITION)
+        except Exception:  # noqa: BLE001 - the lease covers it
+            pass
 
     def stop(self) -> None:
         """Ask a running loop to stop: `run` returns soon; units taken and not done are produced

@@ -199,6 +199,45 @@ def test_items_a_lost_reply_took_are_asked_for_again_and_every_epoch_is_exact(sm
     assert run_campaign.last_driver.stats.redone >= 1
 
 
+def test_a_resumed_driver_does_not_produce_again_what_an_earlier_one_produced_ahead(small_synth):
+    """The driver publishes, per epoch, the units it has seen done. A driver resumed at epoch 0
+    issues epoch 0's units again (the checkpoint says what was trained) but not epoch 1's units the
+    earlier driver saw done: their items are in the queue. One a rank then asks for is issued."""
+    import json
+
+    from coordination.routing import EVENTS_PARTITION, decode_task, encode_event, produced_key
+
+    queue, store = MemoryQueue(), MemoryMap()
+    config = ProducerConfig(dataset=small_synth.uri, run="ahead", world_size=1, max_genes=8, idle_timeout_s=0.5,
+                            sampling=Sampling("sequential", unit_cells=100))
+    producer = Producer(config, queue, store, dataset=small_synth)
+    summaries = [PlanSummary.of(producer.plan(e), 1) for e in EPOCHS]
+    for summary in summaries:
+        publish_summary(store, "ahead", summary)
+    n0, n1 = summaries[0].n_units, summaries[1].n_units
+    earlier = {"world_size": 1, "epochs": {"0": [[0, n0]], "1": [[0, n1 - 2]]}}  # an earlier driver's record
+    store.put(produced_key("ahead"), json.dumps(earlier))
+    other = Driver(queue, store, "ahead", world_size=2)  # on another number of ranks, the record does not hold
+    assert other._produced_before() == {}
+    driver = Driver(queue, store, "ahead", poll_s=0.05, stall_timeout_s=30, world_size=1)
+    thread = driver.start(EPOCHS, resume_epoch=0, linger=True)
+    issued = []
+    while len(issued) < n0 + 2:  # take the tasks as a producer would, and report them done
+        for data in queue.get_many(100, timeout=10, partition=TASKS_PARTITION):
+            issued.append(decode_task(data))
+            queue.put_many([encode_event("p0", done=[issued[-1]])], partition=EVENTS_PARTITION)
+    assert sorted(issued) == [(0, u) for u in range(n0)] + [(1, n1 - 2), (1, n1 - 1)]
+    wait_for(lambda: driver.stats.epochs == 2, "both epochs to complete")
+    assert driver.stats.already_produced == n1 - 2
+    queue.put_many([encode_event("rank-0", redo=[(1, 3)])], partition=EVENTS_PARTITION)  # a rank misses unit 3
+    assert decode_task(queue.get_many(1, timeout=10, partition=TASKS_PARTITION)[0]) == (1, 3)
+    wait_for(lambda: json.loads(store.get(produced_key("ahead")))["epochs"]["1"] == [[0, 3], [4, n1]],
+             "the driver to publish unit 3 as in flight again")
+    driver.stop()
+    thread.join(timeout=10)
+    assert driver.error is None and driver.stats.redone == 1 and driver.stats.reopened == 1
+
+
 def test_driver_reissues_expired_leases(small_synth):
     queue, store = MemoryQueue(), MemoryMap()
     config = ProducerConfig(dataset=small_synth.uri, run="lease", world_size=1, max_genes=8, idle_timeout_s=0.3,
@@ -217,3 +256,82 @@ def test_driver_reissues_expired_leases(small_synth):
     # the unit the dead producer took was issued again, and the epoch completed (how soon after the
     # death is a figure of benchmarks/coordination.py, not a test's)
     assert driver.error is None and driver.stats.reissued >= 1 and driver.stats.epochs == 1
+
+
+def test_a_rank_asks_for_its_epochs_missing_items_while_later_epochs_items_keep_coming():
+    """A rank waiting for epoch 0's last item while epoch 1's items keep arriving (producers run
+    ahead) is starved all the same: it asks for the missing units after `starved_after_s`, not
+    only once its partition falls silent (which, with producers ahead, would be never)."""
+    queue, asked, stop = MemoryQueue(), [], threading.Event()
+    tag = run_tag("ahead")
+
+    def later_items():  # epoch 1's items, one every 50 ms, until the rank has asked
+        seq = 0
+        while not stop.is_set() and seq < 400:
+            queue.put_many([pack_item(Item(1, 5, seq, False, tag, 400, np.array([seq]), np.array([0, 1]),
+                                           np.array([7], dtype=np.uint16)))], partition=rank_partition(0))
+            seq += 1
+            stop.wait(0.05)
+
+    feeder = threading.Thread(target=later_items, daemon=True)
+    feeder.start()
+    # (items come 10 times a poll: neither the rank's nor its fetcher's wait ever runs out)
+    stream = ConsumerStream(queue, rank=0, world_size=1, run="ahead", batch_size=4, no_data_timeout_s=30, poll_s=0.5,
+                            on_starved=lambda e, batches: (asked.append(e), stop.set()), starved_after_s=0.3)
+    batches, got = stream.epoch(0, [3]), []
+    reader = threading.Thread(target=lambda: got.append(next(iter(batches))), daemon=True)  # waits for epoch 0's cells
+    reader.start()
+    try:
+        wait_for(lambda: asked, "the rank to ask for epoch 0's missing units", timeout=15)
+        assert asked[0] == 0 and stream._future  # it had epoch 1's items in hand all the while
+        queue.put_many([pack_item(Item(0, 0, 0, False, tag, 1, np.array([0, 1, 2]), np.array([0, 1, 2, 3]),
+                                       np.array([7, 8, 9], dtype=np.uint16)))], partition=rank_partition(0))
+        reader.join(timeout=15)  # the unit asked for came: the epoch's batch
+        assert sorted(got[0].cell_ids.tolist()) == [0, 1, 2]
+    finally:
+        stop.set()
+        stream.close()
+        feeder.join(timeout=5)
+
+
+def test_a_producer_going_away_names_its_units_and_they_are_issued_at_once(small_synth, monkeypatch):
+    """A producer interrupted mid-unit (Modal's preemption raises KeyboardInterrupt in its body)
+    names the units it took and will not finish in one last event; the driver issues them again in
+    its next pass, long before their lease (60 s here) would run out, and the epoch completes."""
+    from coordination.routing import EVENTS_PARTITION, decode_event
+
+    queue, store = MemoryQueue(), MemoryMap()
+    config = ProducerConfig(dataset=small_synth.uri, run="away", world_size=1, max_genes=8, idle_timeout_s=0.5,
+                            sampling=Sampling("sequential", unit_cells=200), heartbeat_s=30)
+    publish_summary(store, "away", PlanSummary.of(Producer(config, queue, store, dataset=small_synth).plan(0), 1))
+    going = Producer(config, queue, store, dataset=small_synth)
+    done = []
+
+    def preempted_at_second_unit(epoch, unit, rows):
+        if done:
+            raise KeyboardInterrupt
+        done.append(unit)
+        return Producer.process(going, epoch, unit, rows)
+
+    monkeypatch.setattr(going, "process", preempted_at_second_unit)
+    seen = []
+    queue_get = queue.get_many
+
+    def watching_get(n, block=True, timeout=None, *, partition=None):  # the driver's drain: keep what it saw
+        out = queue_get(n, block, timeout, partition=partition)
+        if partition == EVENTS_PARTITION:
+            seen.extend(decode_event(e) for e in out)
+        return out
+
+    monkeypatch.setattr(queue, "get_many", watching_get)
+    driver = Driver(queue, store, "away", lease_s=60, poll_s=0.05, stall_timeout_s=60)
+    thread = driver.start([0])
+    with pytest.raises(KeyboardInterrupt):
+        going.run()
+    wait_for(lambda: any(e["released"] for e in seen), "the driver to read the released units", timeout=10)
+    released = [u for e in seen for u in e["released"]]
+    wait_for(lambda: driver.stats.reissued >= len(released), "the released units to be issued again", timeout=10)
+    Producer(config, queue, store, dataset=small_synth).run()  # a healthy producer does the rest
+    thread.join(timeout=30)
+    assert not thread.is_alive() and driver.error is None and driver.stats.epochs == 1
+    assert released and all(e == 0 for e, _ in released) and done[0] not in {u for _, u in released}

@@ -99,7 +99,7 @@ class ConsumerStream:
         self._fetched_cells = 0  # written by the fetcher thread only
         self._taken_cells = 0  # written by the consumer only
         self._error: BaseException | None = None
-        self._found_empty = 0.0  # when the last poll that found the partition empty began (written by the fetcher)
+        self._answered = 0.0  # when the last poll the queue answered began, items or none (written by the fetcher)
         self._closed = threading.Event()
         self._fetcher = threading.Thread(target=self._fetch, daemon=True, name=f"cellfeed-fetch-{rank}")
         self._fetcher.start()
@@ -114,8 +114,9 @@ class ConsumerStream:
                     raw = self.queue.get_many(self.fetch_items, block=True, timeout=self.poll_s,
                                               partition=self.partition)
                 except Empty:
-                    self._found_empty = asked  # a poll begun then found the partition empty (not: failed to ask)
+                    self._answered = asked  # a poll begun then found the partition empty (not: failed to ask)
                     continue
+                self._answered = asked
                 for data in raw:
                     item = unpack_item(data, run_tag=self.tag)
                     item.raw = bytes(data)  # kept to give it back untrained at a graceful stop (`give_back`)
@@ -144,22 +145,24 @@ class ConsumerStream:
             try:
                 item = self._items.get(timeout=min(self.poll_s, max(0.0, deadline - time.monotonic())) or 0.01)
             except stdlib_queue.Empty:
-                if time.monotonic() > deadline:
-                    return None
-                # starved: nothing fetched for a while, and the partition seen empty since (an outage that
-                # keeps the fetcher retrying is not starvation: the items may be in the partition)
-                if starved is not None and time.monotonic() - quiet_since >= self.starved_after_s \
-                        and self._found_empty >= quiet_since:
-                    starved()
-                    quiet_since = time.monotonic()
-                continue
-            self._taken_cells += item.n_cells
-            if item.epoch == epoch:
-                return item
-            if item.epoch > epoch:
-                self._future.append(item)
-            else:
-                self.stats.stale += 1  # a late duplicate of a finished epoch
+                item = None
+            if item is not None:
+                self._taken_cells += item.n_cells
+                if item.epoch == epoch:
+                    return item
+                if item.epoch > epoch:
+                    self._future.append(item)
+                else:
+                    self.stats.stale += 1  # a late duplicate of a finished epoch
+            now = time.monotonic()
+            if now > deadline:
+                return None
+            # starved: no item of this epoch for a while (later epochs' items may keep coming), and the
+            # queue has answered since (an outage that keeps the fetcher retrying is not starvation:
+            # the items may be in the partition)
+            if starved is not None and now - quiet_since >= self.starved_after_s and self._answered >= quiet_since:
+                starved()
+                quiet_since = time.monotonic()
 
     # ---- foreground: mix and batch
 

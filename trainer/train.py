@@ -90,7 +90,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         total_steps = step + steps_per_epoch(left, cfg.batch_size) // cfg.grad_accum + \
             optimizer_steps(later, cfg.batch_size, cfg.grad_accum)  # (the schedule's total follows: see README)
     resumed = progress if saved is not None else None  # (on rank 0: every rank's, merged)
-    driver = start_driver(cfg, queue, store, resumed, epoch, summaries) if rank == 0 and cfg.run_driver else None
+    driver = start_driver(cfg, queue, store, resumed, epoch, summaries, world) if rank == 0 and cfg.run_driver else None
     before = checkpoint.RankProgress.merged(saved.ranks) if saved is not None else checkpoint.RankProgress(epoch)
     stream = ConsumerStream(queue, rank=rank, world_size=world, run=cfg.run, batch_size=cfg.batch_size,
                             pad_to=cfg.pad_to, pad_token=cfg.pad_token, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
@@ -239,7 +239,7 @@ def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, sc
     return saved.step, saved.epoch, progress, left
 
 
-def start_driver(cfg: TrainConfig, queue, store, resumed, epoch: int, summaries: dict) -> Driver:
+def start_driver(cfg: TrainConfig, queue, store, resumed, epoch: int, summaries: dict, world: int) -> Driver:
     """Rank 0 drives the epochs from `epoch` on; on resume (`resumed`: every rank's progress from
     the checkpoint, merged), units trained through are not produced again
     (`PlanSummary.units_to_skip`). `summaries`: the epochs' plan summaries read so far (`restore`
@@ -250,7 +250,8 @@ def start_driver(cfg: TrainConfig, queue, store, resumed, epoch: int, summaries:
         skip = summary.units_to_skip(resumed.done_units(), resumed.trained_stitched())
         print(f"{len(skip):,} of epoch {epoch}'s {summary.n_units:,} units were trained through and are not "
               "produced again")
-    driver = Driver(queue, store, cfg.run, lease_s=cfg.lease_s, stall_timeout_s=cfg.no_data_timeout_s)
+    driver = Driver(queue, store, cfg.run, lease_s=cfg.lease_s, stall_timeout_s=cfg.no_data_timeout_s,
+                    world_size=world)
     driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if resumed is not None else None, skip_units=skip,
                  linger=True)  # (after the last epoch it still answers ranks that ask for units again)
     return driver
