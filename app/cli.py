@@ -135,13 +135,15 @@ def cmd_local(args) -> int:
     from app.status import print_summary
     from coordination.tokens import layout
 
-    workdir = Path(args.workdir)
+    # every path is made absolute once, here, where it enters: the ranks and producers run in other
+    # folders, and a relative --workdir applied twice put checkpoints in runs/runs/ (a resume missed them)
+    workdir = Path(args.workdir).resolve()
     fields = {k: v for k, v in vars(args).items() if k in CampaignConfig.__dataclass_fields__ and v is not None}
-    for name in ("corpus", "vocabulary", "gene_medians"):  # producer processes may run elsewhere: absolute
-        if fields.get(name):
-            fields[name] = str(Path(fields[name]).resolve())
+    for name in ("corpus", "vocabulary", "gene_medians", "dataset", "checkpoint_dir"):
+        if fields.get(name) and "://" not in fields[name]:
+            fields[name] = str((workdir / fields[name] if name == "checkpoint_dir" else Path(fields[name])).resolve())
     synthesized = not args.dataset and not args.corpus
-    cfg = CampaignConfig(**{**fields, "dataset": "(synthesized)" if synthesized else args.dataset or ""})
+    cfg = CampaignConfig(**{**fields, "dataset": "(synthesized)" if synthesized else fields.get("dataset") or ""})
     place_checkpoints(cfg, workdir)
     if cfg.resume:  # nothing to resume: say so before any work (synthesizing a dataset included)
         describe_resume(cfg)

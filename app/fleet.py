@@ -13,6 +13,7 @@ from app.config import CampaignConfig
 from coordination.backends import connect
 from coordination.errors import CellfeedError
 from coordination.local_backend import ServerProcess
+from coordination.net import exit_when_parent_goes
 from coordination.routing import stop_key
 
 STOP_GRACE_S = 10.0  # how long producers together get to stop at the end before being killed
@@ -21,10 +22,13 @@ RESTART_BACKOFF_S = 1.0
 USER_ERROR_EXIT = 2  # a producer or rank that stopped on a CellfeedError (restarting it would not help)
 
 
-def start_producer(config_path: Path, address: str, name: str) -> subprocess.Popen:
-    """A producer process for the campaign config at `config_path`."""
-    return subprocess.Popen([sys.executable, "-m", "app.fleet", "--produce", str(config_path), "--address", address,
-                             "--name", name], start_new_session=True)  # a terminal's Ctrl-C reaches only the campaign
+def start_producer(config_path: Path, where: dict, name: str) -> subprocess.Popen:
+    """A producer process for the campaign config at `config_path`, reaching the queue server at
+    `where` (`ServerProcess.where`). Its own session: a terminal's Ctrl-C reaches only the
+    campaign. It ends when this process does, however this one ends (a pipe on its stdin)."""
+    return subprocess.Popen([sys.executable, "-m", "app.fleet", "--produce", str(config_path), "--address",
+                             where["address"], "--token-file", where.get("token_file", ""), "--name", name],
+                            start_new_session=True, stdin=subprocess.PIPE)
 
 
 class ProducerFleet:
@@ -32,10 +36,10 @@ class ProducerFleet:
     times each, after RESTART_BACKOFF_S, doubling). Nothing is lost meanwhile: the driver re-issues
     the dead producer's unit once it falls silent, and consumers drop any duplicate."""
 
-    def __init__(self, config_path: Path, address: str, n: int, workdir: Path, retries: int = PRODUCER_RETRIES):
-        self.config_path, self.address, self.workdir, self.retries = config_path, address, workdir, retries
+    def __init__(self, config_path: Path, where: dict, n: int, workdir: Path, retries: int = PRODUCER_RETRIES):
+        self.config_path, self.where, self.workdir, self.retries = config_path, where, workdir, retries
         self.names = [f"producer-{i}" for i in range(n)]
-        self.procs = [start_producer(config_path, address, name) for name in self.names]
+        self.procs = [start_producer(config_path, where, name) for name in self.names]
         self.restarts = [0] * n
         self._due: list[float | None] = [None] * n  # when a dead producer is started again
 
@@ -58,7 +62,7 @@ class ProducerFleet:
                 print(f"{name} exited with code {code}: restarting it in {wait:.0f}s "
                       f"({self.restarts[i] + 1} of {self.retries} restarts)", flush=True)
             elif now >= self._due[i]:
-                self.procs[i] = start_producer(self.config_path, self.address, name)
+                self.procs[i] = start_producer(self.config_path, self.where, name)
                 self.restarts[i] += 1
                 self._due[i] = None
 
@@ -85,12 +89,12 @@ def stop_campaign(store, run: str, producers: list[subprocess.Popen], server: Se
     server.close()
 
 
-def _produce_main(config_path: str, address: str, name: str) -> None:
+def _produce_main(config_path: str, address: str, token_file: str, name: str) -> None:
     from producers.dataset import StorageUnavailable
     from producers.producer import Producer
 
     cfg = CampaignConfig(**json.loads(Path(config_path).read_text()))
-    queue, store = connect(cfg.backend_spec("local", address=address))
+    queue, store = connect(cfg.backend_spec("local", address=address, token_file=token_file))
     try:
         Producer(cfg.producer_config(), queue, store, name=name).run()
     except CellfeedError as exc:  # one line; bad data or settings exit with a code that says "do not retry"
@@ -104,10 +108,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="A local campaign's producer process (started by `cellfeed local`).")
     parser.add_argument("--produce", required=True, help="campaign config JSON")
     parser.add_argument("--address", required=True, help="the local queue server")
+    parser.add_argument("--token-file", default="", help="the file holding the queue server's token")
     parser.add_argument("--name", required=True)
     args = parser.parse_args()
+    exit_when_parent_goes()  # (started with a pipe on stdin by `start_producer`)
     try:
-        _produce_main(args.produce, args.address, args.name)
+        _produce_main(args.produce, args.address, args.token_file, args.name)
     except CellfeedError as exc:
         print(f"cellfeed producer: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -47,6 +47,7 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
     """Run a whole campaign locally; returns the trainer's summary (rank 0). With `audit_cells`,
     each rank writes the cell ids of every step to WORKDIR/RUN/cells.rank<r>.jsonl."""
     cfg.validate()
+    workdir = Path(workdir).resolve()  # (the ranks and producers run in other folders)
     place_checkpoints(cfg, workdir)
     if cfg.resume:
         print(describe_resume(cfg))
@@ -54,8 +55,8 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
     workdir.mkdir(parents=True, exist_ok=True)
     latest = checkpoint.latest(cfg.run_checkpoint_dir) if cfg.resume else None
     cfg.mixtures = record_mixtures(cfg, workdir, latest.epoch if latest else None)
-    server = ServerProcess()
-    backend = cfg.backend_spec("local", address=server.address)
+    server = ServerProcess(token_file=workdir / ".queue-token")
+    backend = cfg.backend_spec("local", **server.where)
     queue, store = connect(backend)
     fleet, ranks = None, []
     try:
@@ -74,7 +75,7 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
               + (f", {facts.held_out_cells:,} held-out cells" if facts.held_out_cells else ""), flush=True)
         config_path = workdir / "campaign.json"
         config_path.write_text(json.dumps(asdict(cfg)))
-        fleet = ProducerFleet(config_path, server.address, cfg.producers, workdir)
+        fleet = ProducerFleet(config_path, server.where, cfg.producers, workdir)
         log = workdir / "steps.jsonl"
         log.unlink(missing_ok=True)
         changes = dict(log_path=str(log), progress_bar=False)

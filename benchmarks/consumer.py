@@ -108,7 +108,7 @@ def main() -> None:
     server = ServerProcess()
     try:
         backends = {"memory": lambda: remote(MemoryQueue(), MemoryMap(), args.rpc_latency_ms)[0],
-                    "local": lambda: remote(LocalQueue(server.address), MemoryMap(), args.rpc_latency_ms)[0]}
+                    "local": lambda: remote(LocalQueue(server.address, server.token), MemoryMap(), args.rpc_latency_ms)[0]}
         results = {}
         for name, make in backends.items():
             for batch in (64, 240):
@@ -117,8 +117,8 @@ def main() -> None:
                     fail(f"the {name} backend at batch {batch} consumed {results[(name, batch)]['cells']:,} of the "
                          f"{reps * per_rep:,} cells fed")
         trips = 30 if args.tiny else 300
-        latency = {"memory": round_trip_us(MemoryQueue(), trips), "local": round_trip_us(LocalQueue(server.address), trips)}
-        LocalMap(server.address).keys()
+        latency = {"memory": round_trip_us(MemoryQueue(), trips), "local": round_trip_us(LocalQueue(server.address, server.token), trips)}
+        LocalMap(server.address, token=server.token).keys()
     finally:
         server.close()
     print(f"\n{reps} x {per_rep:,} cells of scGPT items (max_genes 1024, {len(items)} items, "

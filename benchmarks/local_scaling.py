@@ -43,21 +43,21 @@ def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> 
     cfg = CampaignConfig(dataset=dataset, run=f"scaling-{n_producers}", producers=n_producers, gpus=1,
                          batch_size=batch, max_genes=1024, preset="tiny", rpc_latency_ms=latency_ms).validate()
     server = ServerProcess()
-    queue, store = connect(BackendSpec("local", address=server.address, latency_ms=latency_ms))
+    queue, store = connect(BackendSpec("local", **server.where, latency_ms=latency_ms))
     procs = []
     depth: list[tuple[float, int]] = []
     try:
         facts = prepare(cfg, queue, store)
         config_path = Path(tempfile.mkdtemp()) / "campaign.json"
         config_path.write_text(json.dumps(asdict(cfg)))
-        procs = [start_producer(config_path, server.address, f"producer-{i}") for i in range(n_producers)]
+        procs = [start_producer(config_path, server.where, f"producer-{i}") for i in range(n_producers)]
         driver = Driver(queue, store, cfg.run, poll_s=0.1)
         driver.start([0])
         start = time.monotonic()
         done = threading.Event()
 
         def sample():
-            q, _ = connect(BackendSpec("local", address=server.address))
+            q, _ = connect(BackendSpec("local", **server.where))
             while not done.is_set():
                 depth.append((time.monotonic() - start, q.len(partition=rank_partition(0))))
                 time.sleep(0.25)

@@ -18,6 +18,7 @@ class BackendSpec:
     kind: str
     run: str = ""
     address: str = ""
+    token_file: str = ""  # local: the file holding the queue server's token (the path, never the token)
     latency_ms: float = 0.0
     environment: str | None = None
     retry_s: float = RETRY_S  # modal: how long a call retries transient network errors
@@ -33,9 +34,10 @@ def connect(spec: BackendSpec | dict):
 
     spec = BackendSpec.of(spec)
     if spec.kind == "local":
-        from coordination.local_backend import LocalMap, LocalQueue
+        from coordination.local_backend import LocalMap, LocalQueue, read_token
 
-        return remote(LocalQueue(spec.address), LocalMap(spec.address), spec.latency_ms)
+        token = read_token(spec.token_file) if spec.token_file else None
+        return remote(LocalQueue(spec.address, token), LocalMap(spec.address, token=token), spec.latency_ms)
     if spec.kind == "modal":
         from coordination.modal_backend import run_backends
 

@@ -10,23 +10,37 @@ that tests check, with nothing to install. Frames are bytes — no pickle anywhe
     values    u32 count, then per value: u32 length | bytes
 
 Map values are bytes, str or int (what cellfeed stores), tagged b"b", b"s" or b"i".
+
+The server answers only the run's own processes: it makes a random token and writes it to a file
+only its owner can read (`ServerProcess`: in the run's folder); each connection's first frame
+must carry it (op 11), else the connection is refused with one line and closed. A process is
+given the file's path, never the token (`BackendSpec.token_file`): nothing secret reaches a
+config, a log or an error.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
+import os
+import secrets
 import socket
 import socketserver
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 from coordination.errors import CellfeedError
 from coordination.queues import Empty, Full, ItemTooLarge, MapGone, MemoryMap, MemoryQueue, RequestTooLarge
 
 OK, FULL, EMPTY, TOO_LARGE, MISSING, ERROR, GONE, REQUEST_TOO_LARGE = range(8)
+AUTH = 11  # a connection's first request when the server has a token: {"token": ...}
+REFUSED = ("refused: this queue server answers only its run's processes, which read its token from the "
+           "run's folder (is this the right run, or its folder another user's?)")
 _U32 = struct.Struct("<I")
 CONNECT_TIMEOUT_S = 10.0
 REPLY_MARGIN_S = 30.0  # how much longer than the server-side wait a client waits for the reply
@@ -103,6 +117,19 @@ def serve_frames(sock: socket.socket, answer) -> None:
 
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
+        token = self.server.token
+        if token is not None:  # the first frame proves the caller is one of the run's processes
+            try:
+                op, h, _ = _recv_frame(self.request)
+            except (ConnectionError, OSError, ValueError):
+                return
+            if op != AUTH or not hmac.compare_digest(str(h.get("token", "")).encode(), token.encode()):
+                try:
+                    _send_frame(self.request, ERROR, {"message": REFUSED})
+                except OSError:
+                    pass
+                return
+            _send_frame(self.request, OK, {})
         serve_frames(self.request, self.answer)
 
     def answer(self, op: int, h: dict, values: list[bytes]):
@@ -157,9 +184,10 @@ class LocalServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
         super().__init__((host, port), _Handler)
         self.queue, self.store = MemoryQueue(), MemoryMap()
+        self.token = token  # None: any caller (a server inside one test process)
 
     @property
     def address(self) -> str:
@@ -172,17 +200,34 @@ class LocalServer(socketserver.ThreadingTCPServer):
 
 
 class ServerProcess:
-    """The server in its own process (what the local campaign uses); stopped on `close`."""
+    """The server in its own process (what the local campaign uses); stopped on `close`. It makes
+    a token and writes it to `token_file` (created anew, readable by its owner only; by default in
+    a private temporary folder); `where` is what a `BackendSpec` needs to reach it. It ends with
+    this process, however this process ends: it watches the pipe on its stdin."""
 
-    def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", "coordination.local_backend"], start_new_session=True,
-                                     stdout=subprocess.PIPE,
-                                     text=True)
+    def __init__(self, token_file: str | os.PathLike | None = None):
+        if token_file is None:
+            token_file = Path(tempfile.mkdtemp(prefix="cellfeed-server-")) / "token"  # (mode 0700)
+        self.token_file = str(Path(token_file).resolve())
+        Path(self.token_file).unlink(missing_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "coordination.local_backend", "--token-file",
+                                      self.token_file], start_new_session=True, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline().strip()
         if not line.startswith("listening "):
             self.proc.kill()
             raise CellfeedError("the local queue server did not start")
         self.address = line.split()[1]
+
+    @property
+    def token(self) -> str:
+        """The token, for a client in this process (`LocalQueue(server.address, server.token)`)."""
+        return read_token(self.token_file)
+
+    @property
+    def where(self) -> dict:
+        """The `BackendSpec` fields that reach this server."""
+        return {"address": self.address, "token_file": self.token_file}
 
     def close(self) -> None:
         self.proc.terminate()
@@ -190,6 +235,24 @@ class ServerProcess:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        Path(self.token_file).unlink(missing_ok=True)
+
+
+def write_token(path: str) -> str:
+    """A new random token in a new file only its owner can read (refusing a file that exists)."""
+    token = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+def read_token(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise CellfeedError(f"cannot read the queue server's token {path} ({exc.strerror}): is the campaign "
+                            "running, and this its user?") from None
 
 
 # ----------------------------------------------------------------------------------------- client
@@ -198,8 +261,8 @@ class ServerProcess:
 class _Client:
     """One connection per thread to the server; every wait is bounded."""
 
-    def __init__(self, address: str):
-        self.address = address
+    def __init__(self, address: str, token: str | None = None):
+        self.address, self.token = address, token
         host, port = address.rsplit(":", 1)
         self._target = (host, int(port))
         self._local = threading.local()
@@ -214,6 +277,17 @@ class _Client:
                     f"the local queue server at {self.address} is unreachable (has the campaign stopped?)"
                 ) from None
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.token is not None:
+                sock.settimeout(CONNECT_TIMEOUT_S)
+                try:
+                    _send_frame(sock, AUTH, {"token": self.token})
+                    code, reply, _ = _recv_frame(sock)
+                except (OSError, ConnectionError):
+                    sock.close()
+                    raise CellfeedError(f"the local queue server at {self.address} closed the connection") from None
+                if code != OK:
+                    sock.close()
+                    raise CellfeedError(f"the local queue server at {self.address}: {reply.get('message')}")
             self._local.sock = sock
         return sock
 
@@ -249,8 +323,8 @@ class _Client:
 class LocalQueue:
     """`Queue` over the local server."""
 
-    def __init__(self, address: str):
-        self.client = _Client(address)
+    def __init__(self, address: str, token: str | None = None):
+        self.client = _Client(address, token)
 
     def put_many(self, values, block=True, timeout=None, *, partition=None) -> None:
         values = list(values)
@@ -278,8 +352,9 @@ class LocalQueue:
 class LocalMap:
     """`Map` over the local server (`name`: one of its named maps, None: the run's map)."""
 
-    def __init__(self, address: str, name: str | None = None, client: _Client | None = None):
-        self.client = client or _Client(address)
+    def __init__(self, address: str, name: str | None = None, client: _Client | None = None,
+                 token: str | None = None):
+        self.client = client or _Client(address, token)
         self.name = name
 
     def _call(self, op: int, header: dict, values: list[bytes] = ()):
@@ -322,8 +397,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Run the local cellfeed queue/map server.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--token-file", help="write a new token here (owner-only) and answer only callers "
+                                             "that send it; with it, the server ends when its stdin closes")
     args = parser.parse_args()
-    server = LocalServer(args.host, args.port)
+    token = None
+    if args.token_file:
+        from coordination.net import exit_when_parent_goes
+
+        token = write_token(args.token_file)
+        exit_when_parent_goes()
+    server = LocalServer(args.host, args.port, token)
     print(f"listening {server.address}", flush=True)
     try:
         server.serve_forever()

@@ -3,10 +3,13 @@ servers; a child that dies with the process that started it."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
+import threading
 
+PARENT_GONE_EXIT = 3  # a child that ended because its parent had
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
@@ -23,3 +26,19 @@ def die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
+def exit_when_parent_goes() -> None:
+    """(in a child started with `stdin=subprocess.PIPE`) End this process at once when the pipe's
+    other end closes: the parent exited, however it ended (SIGKILL included). Works from any
+    thread of the parent and on any platform, unlike `die_with_parent`."""
+
+    def watch() -> None:
+        try:
+            while sys.stdin.buffer.read(1 << 16):
+                pass
+        except (OSError, ValueError):
+            pass
+        os._exit(PARENT_GONE_EXIT)
+
+    threading.Thread(target=watch, daemon=True, name="cellfeed-parent-watch").start()

@@ -3,6 +3,8 @@ adapter tests for the Modal backend against a recording stand-in (these are not 
 
 from __future__ import annotations
 
+import json
+import os
 import queue as stdlib_queue
 import threading
 import time
@@ -155,7 +157,7 @@ def test_latency_wrapper_costs_each_call_and_counts_it(monkeypatch):
 
 def test_server_process_and_its_disappearance():
     server = ServerProcess()
-    q = LocalQueue(server.address)
+    q = LocalQueue(server.address, server.token)
     q.put_many([b"a"], partition="p")
     assert q.get_many(1, partition="p") == [b"a"]
     server.close()
@@ -165,6 +167,25 @@ def test_server_process_and_its_disappearance():
     # a refused connection fails at once; 15 s (the client's bounded waits, generously for a busy machine) only
     # separates failing from hanging on a server that is gone
     assert time.monotonic() - start < 15
+
+
+def test_the_server_answers_only_its_runs_processes(tmp_path):
+    """The local server's token is in a file only its owner can read; a client without it, or
+    with another, is refused with one line naming the problem, and nothing is served."""
+    import stat
+
+    server = ServerProcess(token_file=tmp_path / "token")
+    try:
+        assert stat.S_IMODE(os.stat(server.token_file).st_mode) == 0o600
+        LocalQueue(server.address, server.token).put_many([b"kept"], partition="p")
+        for token in (None, "0" * 64):
+            with pytest.raises(CellfeedError, match="refused: this queue server answers only its run's processes"):
+                LocalQueue(server.address, token).get_many(1, block=False, partition="p")
+        assert LocalQueue(server.address, server.token).get_many(1, block=False, partition="p") == [b"kept"]
+        assert server.token not in json.dumps(server.where)  # a spec names the file, never the token
+    finally:
+        server.close()
+    assert not os.path.exists(server.token_file)
 
 
 # ------------------------------------------------------------------------- modal adapter tests

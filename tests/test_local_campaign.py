@@ -254,6 +254,24 @@ def test_ctrl_c_stops_every_child_with_one_line(counts_atlas, tmp_path, to_group
              "the queue server, producers and ranks to be gone after the campaign", timeout=30)
 
 
+def test_a_sigkilled_campaign_leaves_no_process_behind(counts_atlas, tmp_path):
+    """`cellfeed local` killed outright (SIGKILL: no clean-up runs): its queue server and producers
+    end with it (each watches a pipe from it), its ranks with their rank server."""
+    proc = start_local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--run", "killed", "--epochs", "20",
+                        "--max-genes", "24", "--quiet"], start_new_session=True)
+    try:
+        training_began(proc, tmp_path / "killed" / "steps.jsonl")
+        started = {pid: started_at(pid) for pid in descendants(proc.pid)}
+        kinds = " ".join(" ".join(cmdline(pid)) for pid in started)
+        assert all(k in kinds for k in ("coordination.local_backend", "app.fleet --produce", "trainer.launch")), kinds
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        interrupt(proc)
+    wait_for(lambda: not [pid for pid, at in started.items() if running(pid, at)],
+             "the queue server, producers and ranks to end with the killed campaign", timeout=30)
+
+
 # --------------------------------------------------- this test's own processes, from /proc (Linux)
 
 

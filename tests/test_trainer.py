@@ -56,7 +56,8 @@ class Campaign:
                                 world_size=world,
                                 max_genes=24, cells_per_item=40, sampling=sampling,
                                 idle_timeout_s=300, subset_filter=subset_filter)
-        first = Producer(config, LocalQueue(self.server.address), LocalMap(self.server.address), dataset=ds)
+        first = Producer(config, LocalQueue(self.server.address, self.server.token),
+                         LocalMap(self.server.address, token=self.server.token), dataset=ds)
         self.vocab_size = first.vocab.size  # the model's embedding: the campaign's vocabulary, as the setup gives it
         self.plans = [first.plan(e) for e in range(epochs)]
         if held_out is not None:
@@ -64,14 +65,15 @@ class Campaign:
         self.summaries = [PlanSummary.of(first.plan(e), world) for e in range(epochs)]
         for s in self.summaries:
             publish_summary(first.store, run, s)
-        self.producers = [Producer(config, LocalQueue(self.server.address), LocalMap(self.server.address), dataset=ds)
+        self.producers = [Producer(config, LocalQueue(self.server.address, self.server.token),
+                                    LocalMap(self.server.address, token=self.server.token), dataset=ds)
                           for _ in range(producers)]
         self.threads = [threading.Thread(target=p.run, daemon=True) for p in self.producers]
         for t in self.threads:
             t.start()
 
     def train_config(self, tmp: Path, **changes) -> TrainConfig:
-        base = dict(run=self.run, backend={"kind": "local", "address": self.server.address}, vocab_size=self.vocab_size,
+        base = dict(run=self.run, backend={"kind": "local", **self.server.where}, vocab_size=self.vocab_size,
                     preset="tiny", batch_size=BATCH, lr=3e-3, warmup_steps=5, epochs=self.epochs, seed=3,
                     checkpoint_dir=str(tmp / "ckpt"), checkpoint_every=10, log_path=str(tmp / "steps.jsonl"),
                     cells_log=str(tmp / "cells"), progress_bar=False, no_data_timeout_s=120)
@@ -80,7 +82,7 @@ class Campaign:
     def close(self) -> None:
         if self.server is None:
             return
-        LocalMap(self.server.address).put(stop_key(self.run), "stop")
+        LocalMap(self.server.address, token=self.server.token).put(stop_key(self.run), "stop")
         for p in self.producers:  # at once, not at their next look at the stop key (a heartbeat away)
             p.stop()
         for t in self.threads:
