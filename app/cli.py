@@ -133,6 +133,7 @@ def cmd_local(args) -> int:
     from app.config import CampaignConfig
     from app.local import default_dataset, describe_resume, place_checkpoints, run_local
     from app.status import print_summary
+    from coordination.audit import verdict
     from coordination.tokens import layout
 
     # every path is made absolute once, here, where it enters: the ranks and producers run in other
@@ -150,8 +151,13 @@ def cmd_local(args) -> int:
     if synthesized:
         cfg.dataset = default_dataset(workdir, args.cells, args.seed)
     summary = run_local(cfg, workdir, quiet=args.quiet, audit_cells=args.audit_cells)
+    if summary.get("already_complete"):
+        print(summary["already_complete"])
+        return 0
     print_summary(summary, workdir / cfg.run, layout(cfg.tokenizer).objective)
-    return 0
+    ok, line = verdict(summary["epochs"], summary.get("stopped"), summary.get("last_step"))
+    print(line, flush=True)  # the last line tells the truth: an epoch short or unaudited exits non-zero
+    return 0 if ok else 1
 
 
 def describe(ds, n_values: int = 3) -> str:

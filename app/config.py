@@ -254,7 +254,7 @@ class CampaignConfig:
                     vocab_fingerprint=facts.vocab_fingerprint, preset=self.preset,
                     objective=spec.objective, n_bins=self.n_bins,
                     batch_size=self.batch_size, grad_accum=self.grad_accum, lr=self.lr, warmup_steps=self.warmup_steps,
-                    max_steps=facts.total_steps, epochs=facts.epochs, seed=self.seed, compile=self.compile,
+                    max_steps=self.steps, epochs=facts.epochs, seed=self.seed, compile=self.compile,
                     pad_to=spec.sequence_length(self.genes_per_cell),
                     checkpoint_dir=self.run_checkpoint_dir, checkpoint_every=self.checkpoint_every,
                     keep_checkpoints=self.keep_checkpoints, lease_s=self.lease_s,

@@ -177,7 +177,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         raise
     retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
     summary = json.loads((workdir / "summary.rank0").read_text())
-    if not summary["complete"]:  # this call's time is up: a new call continues from the checkpoint
+    if summary["stopped"] == "asked":  # this call's time is up: a new call continues from the checkpoint
         after = spawn(train.with_options(gpu=f"H100:{cfg.gpus}"), config, asdict(facts), retry=cfg.modal_retry_s)
         print(f"train ran {cfg.attempt_hours:g} h: a new call {after.object_id} continues from the checkpoint",
               flush=True)
@@ -380,6 +380,7 @@ def main(**flags) -> dict:
     """Start (or, with --resume, continue) a pretraining campaign on Modal. The flags are
     `cellfeed local`'s (described by `cellfeed local --help`; Modal 1.6's `modal run --help` can
     show no help text), plus --attempt-hours."""
+    from coordination.audit import verdict
     from coordination.errors import CellfeedError
 
     cfg = CampaignConfig.from_flags(flags)
@@ -414,6 +415,10 @@ def main(**flags) -> dict:
               file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "audits") if k in summary}), flush=True)
+    ok, line = verdict(summary["epochs"], summary.get("stopped"), summary.get("last_step"))
+    print(line, flush=True)  # the last line tells the truth: an epoch short or unaudited exits non-zero
+    if not ok:
+        raise SystemExit(1)
     return summary
 
 

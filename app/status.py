@@ -71,9 +71,10 @@ def print_summary(summary: dict, workdir: Path, objective: str = "bins") -> None
     busy = sum(p.get("busy_s", 0) for p in summary["producers"])
     print(f"\nproducers: {produced:,} cells in {busy:.1f} busy seconds "
           f"({produced / max(busy, 1e-9):,.0f} cells/s per busy producer)")
-    print(f"trainer: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
-          f"{summary['cells_per_s']:,.0f} cells/s, median step {summary['median_step_s'] * 1000:.1f} ms, "
-          f"median dataloader wait {summary['median_wait_ms']:.1f} ms")
+    if summary["steps"]:
+        print(f"trainer: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
+              f"{summary['cells_per_s']:,.0f} cells/s, median step {summary['median_step_s'] * 1000:.1f} ms, "
+              f"median dataloader wait {summary['median_wait_ms']:.1f} ms")
     for e in summary.get("eval", []):
         print(f"  held-out at step {e['step']}: masked-{objective[:-1]} accuracy {e['eval_accuracy']:.3f}, loss {e['eval_loss']:.3f}")
     audits = summary.get("audits", [])

@@ -21,3 +21,34 @@ def cells_hash(cells) -> int:
     A rank's trained cells hash to the plan's value exactly when (but for a 2**-64 chance) they
     are the planned cells, each once: a lost and a duplicated cell do not cancel."""
     return int(cell_hashes(cells).sum(dtype=np.uint64))
+
+
+def verdict(epochs: list[dict], stopped: str | None = None, steps: int | None = None) -> tuple[bool, str]:
+    """A run's last line, and whether it did all it was asked. `epochs`: every asked epoch's
+    `{"epoch", "planned", "trained", "audited"}` (the trainer's ledger, across resumes);
+    `stopped`: "steps" (an explicit `--steps` run reached them) or "asked" (the user asked it to
+    stop), else None. A run that trained every epoch's planned cells, each audited, is complete;
+    one stopped by `--steps` or by the user says where it stopped and is not a failure; anything
+    else -- an epoch short, over, not audited, not reached -- is INCOMPLETE, with the numbers."""
+    def cells(e):
+        return f"epoch {e['epoch']}: {e['trained']:,} of {e['planned']:,} cells"
+
+    total = sum(e["planned"] for e in epochs)
+    if epochs and all(e["trained"] == e["planned"] and e["audited"] for e in epochs):
+        return True, (f"complete: {len(epochs)} epoch{'s' * (len(epochs) != 1)}, {total:,} cells, every epoch "
+                      "trained exactly once (audited)")
+    short = [e for e in epochs if not (e["trained"] == e["planned"] and e["audited"])]
+    if stopped in ("steps", "asked"):
+        why = f"at step {steps:,} as --steps asked" if stopped == "steps" else "as asked"
+        started = [cells(e) for e in short if e["trained"]]
+        return True, (f"stopped {why}: " + "; ".join([f"{len(epochs) - len(short)} of {len(epochs)} epochs complete"]
+                                                      + started))
+    parts = []
+    for e in short:
+        if e["trained"] == e["planned"]:
+            parts.append(f"epoch {e['epoch']}: {e['trained']:,} cells trained but not audited")
+        elif e["trained"] == 0:
+            parts.append(f"epoch {e['epoch']}: not trained ({e['planned']:,} cells planned)")
+        else:
+            parts.append(cells(e) + " trained")
+    return False, "INCOMPLETE: " + "; ".join(parts)

@@ -335,3 +335,23 @@ def test_a_producer_going_away_names_its_units_and_they_are_issued_at_once(small
     thread.join(timeout=30)
     assert not thread.is_alive() and driver.error is None and driver.stats.epochs == 1
     assert released and all(e == 0 for e, _ in released) and done[0] not in {u for _, u in released}
+
+
+def test_the_last_line_says_complete_only_when_every_epoch_was_trained_and_audited():
+    from coordination.audit import verdict
+
+    def ep(e, trained, audited=True, planned=6000):
+        return {"epoch": e, "planned": planned, "trained": trained, "audited": audited}
+
+    assert verdict([ep(0, 6000), ep(1, 6000)]) == \
+        (True, "complete: 2 epochs, 12,000 cells, every epoch trained exactly once (audited)")
+    ok, line = verdict([ep(0, 6000), ep(1, 5472, False)])  # a resume that cut an epoch short
+    assert not ok and line == "INCOMPLETE: epoch 1: 5,472 of 6,000 cells trained"
+    ok, line = verdict([ep(0, 6000, audited=False), ep(1, 0, False)])
+    assert not ok and line == ("INCOMPLETE: epoch 0: 6,000 cells trained but not audited; "
+                               "epoch 1: not trained (6,000 cells planned)")
+    assert verdict([ep(0, 6001, False)])[0] is False  # more than planned is no success either
+    assert verdict([ep(0, 6000), ep(1, 960, False)], "steps", 250) == \
+        (True, "stopped at step 250 as --steps asked: 1 of 2 epochs complete; epoch 1: 960 of 6,000 cells")
+    assert verdict([ep(0, 3000, False)], "asked", 10) == \
+        (True, "stopped as asked: 0 of 1 epochs complete; epoch 0: 3,000 of 6,000 cells")

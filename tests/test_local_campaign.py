@@ -93,7 +93,10 @@ def test_every_tokenizer_trains_with_a_held_out_split_and_steps_beyond_an_epoch(
     assert sum(epochs[1].values()) > 0
     assert "held-out at step" in out.stdout
     assert f"epoch 0: {len(train):,} cells trained, 0 missing, 0 duplicated" in out.stdout  # the audit
-    assert "epoch 1: " not in out.stdout  # a partial epoch is not audited
+    assert "epoch 1: 0 missing" not in out.stdout and "epoch 1: " not in out.stdout.replace("complete; epoch 1: ", "")
+    assert out.stdout.strip().splitlines()[-1].startswith(f"stopped at step {steps} as --steps asked: 1 of 2 epochs "
+                                                          "complete; epoch 1: ")  # partial, as asked: exit 0
+    # (a partial epoch has no audit line of its own; the last line counts its cells)
 
 
 def test_steps_beyond_the_given_epochs_is_refused(counts_atlas, tmp_path):
@@ -226,6 +229,12 @@ def test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact(counts_at
     epochs = trained_per_epoch(run_dir)
     everything = Counter(range(counts_atlas.n_cells))
     assert [epochs[e] for e in range(4)] == [everything] * 4  # 0 lost, 0 duplicated, in every epoch
+    assert out.strip().splitlines()[-1] == \
+        f"complete: 4 epochs, {4 * counts_atlas.n_cells:,} cells, every epoch trained exactly once (audited)"
+    again = local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--run", "kill", "--max-genes", "24",
+                   "--batch-size", "16", "--epochs", "4", "--resume", "--quiet"])  # a finished run: nothing to do
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-2000:]
+    assert again.stdout.strip().splitlines()[-1].startswith("run kill is complete: its 4 epochs were trained")
 
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["main-process", "process-group"])
@@ -308,3 +317,25 @@ def running(pid: int, at: str | None) -> bool:
     """Whether the process `pid` that started at `at` still runs (not gone, not a zombie)."""
     fields = _stat(pid)
     return bool(fields) and fields[19] == at and fields[0] not in ("Z", "X")
+
+
+def test_an_incomplete_run_ends_with_its_numbers_and_a_non_zero_exit(tmp_path, monkeypatch, capsys):
+    """The last line of `cellfeed local` is the verdict on the trainer's ledger of every asked
+    epoch: a run whose epoch came out short (here forced: the ledger as such a run leaves it)
+    prints INCOMPLETE with the numbers and exits 1; the same run complete exits 0."""
+    import app.local
+    from app.cli import main
+
+    def finished(epoch_1_trained):
+        ledger = [{"epoch": 0, "planned": 6000, "trained": 6000, "audited": True},
+                  {"epoch": 1, "planned": 6000, "trained": epoch_1_trained, "audited": epoch_1_trained == 6000}]
+        return lambda cfg, workdir, **kw: {"steps": 0, "producers": [], "epochs": ledger, "stopped": None,
+                                          "last_step": 750, "audits": []}
+
+    args = ["local", "--dataset", str(tmp_path / "ds"), "--workdir", str(tmp_path), "--epochs", "2", "--quiet"]
+    monkeypatch.setattr(app.local, "run_local", finished(5472))
+    assert main(args) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "INCOMPLETE: epoch 1: 5,472 of 6,000 cells trained"
+    monkeypatch.setattr(app.local, "run_local", finished(6000))
+    assert main(args) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("complete: 2 epochs, 12,000 cells")

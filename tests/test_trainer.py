@@ -247,7 +247,10 @@ def second_world(tmp_path: Path) -> int:
 
 
 @pytest.mark.parametrize("sampling", [Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
-                                      Sampling("sequential", unit_cells=60)], ids=["block", "sequential"])
+                                      Sampling("sequential", unit_cells=60),
+                                      Sampling("mixture", unit_cells=60, n_scanners=3),
+                                      Sampling("random", fetch_factor=2, batch_size=BATCH)],
+                         ids=["block", "sequential", "mixture", "random"])
 def test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_trains_every_cell_once(atlas,
                                                                                                  tmp_path, sampling):
     """Elastic, both ways in one epoch: 2 ranks SIGKILLed mid-epoch, resumed on 3 (each re-run set

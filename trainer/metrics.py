@@ -53,12 +53,13 @@ class StepMetrics:
 
 
 class Tracker:
-    def __init__(self, rank: int, log_path: str | None, total_steps: int, peak: float | None, bar: bool = True):
+    def __init__(self, rank: int, log_path: str | None, total_steps: int, peak: float | None, bar: bool = True,
+                 first_step: int = 0):
         self.rank, self.peak = rank, peak
         self.rows: list[dict] = []
         self.evals: list[dict] = []
         self.log = open(log_path, "a") if (log_path and rank == 0) else None
-        self.bar = tqdm(total=total_steps, desc="train", unit="step", disable=rank != 0 or not bar)
+        self.bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step", disable=rank != 0 or not bar)
 
     def record(self, m: StepMetrics) -> dict:
         world = dist.get_world_size()

@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,13 +40,15 @@ from trainer.model import CellTransformer, ModelConfig, masked_loss, train_flops
 from trainer.stream import ConsumerStream
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warm-up, then cosine decay to 10% over `total` steps."""
-    if step < warmup:
-        return (step + 1) / warmup
+def lr_factor(done: float, warmup: float, total: float) -> float:
+    """Linear warm-up over `warmup`, then cosine decay to 10% at `total`; `done` counts this step
+    in. A campaign of epochs counts cells (the same curve on any number of ranks, across resumes
+    on another number); a `--steps` run counts steps."""
+    if done <= warmup:
+        return max(done, 1e-9) / max(warmup, 1e-9)
     if total <= warmup:
         return 1.0
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (done - warmup) / (total - warmup))))
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -80,15 +82,19 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     step_model = torch.compile(ddp) if cfg.compile else ddp
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     summaries = {e: load_summary(store, cfg.run, e) for e in range(1 if cfg.max_steps else cfg.epochs)}
+    # a campaign of epochs ends when every epoch's cells are trained, on any number of ranks; its
+    # step count (for the progress bar) follows from this run's ranks. `max_steps` (--steps) is an
+    # explicit partial run.
     total_steps = cfg.max_steps or optimizer_steps(list(summaries.values()), cfg.batch_size, cfg.grad_accum)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps))
+    total_cells = sum(sum(s.cells_per_rank) for s in summaries.values())  # (the schedule's, without --steps)
 
     saved = checkpoint.load(cfg.checkpoint_dir, device) if cfg.resume and cfg.checkpoint_dir else None
-    step, epoch, progress, left = restore(saved, cfg, rank, world, model, optimizer, scheduler, store, summaries)
+    step, epoch, progress, left = restore(saved, cfg, rank, world, model, optimizer, store, summaries)
+    schedule = Schedule.of(saved, cfg, world, summaries)  # cells trained so far, the warm-up: kept in checkpoints
     if left is not None and not cfg.max_steps:  # a resume: the epoch's rest (maybe on other ranks), then the others
         later = [summaries.get(e) or load_summary(store, cfg.run, e) for e in range(epoch + 1, cfg.epochs)]
         total_steps = step + steps_per_epoch(left, cfg.batch_size) // cfg.grad_accum + \
-            optimizer_steps(later, cfg.batch_size, cfg.grad_accum)  # (the schedule's total follows: see README)
+            optimizer_steps(later, cfg.batch_size, cfg.grad_accum)
     resumed = progress if saved is not None else None  # (on rank 0: every rank's, merged)
     driver = start_driver(cfg, queue, store, resumed, epoch, summaries, world) if rank == 0 and cfg.run_driver else None
     before = checkpoint.RankProgress.merged(saved.ranks) if saved is not None else checkpoint.RankProgress(epoch)
@@ -99,7 +105,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                             on_starved=lambda e, batches: ask_again(queue, store, cfg, rank, world, e, batches,
                                                                      summaries, before))
     cells_log = open(f"{cfg.cells_log}.rank{rank}.jsonl", "a") if cfg.cells_log else None
-    tracker = Tracker(rank, cfg.log_path, total_steps, peak_flops(device), cfg.progress_bar)
+    tracker = Tracker(rank, cfg.log_path, total_steps, peak_flops(device), cfg.progress_bar, first_step=step)
     if rank == 0:
         print(f"model {cfg.preset}: {model.n_params() / 1e6:.1f}M parameters "
               f"({model.n_params(embeddings=False) / 1e6:.1f}M outside embeddings); world size {world}, {device}")
@@ -110,14 +116,16 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
 
     def save():
         checkpoint.save(cfg.checkpoint_dir, step, epoch, rank, world, progress, lambda: {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "config": json.dumps(asdict(cfg))}, dist.barrier, keep=cfg.keep_checkpoints,
-            eval_loss=tracker.evals[-1]["eval_loss"] if tracker.evals else None)
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": json.dumps(asdict(cfg)),
+            "schedule": json.dumps(asdict(schedule)), "audits": json.dumps(earlier_audits + audits)},
+            dist.barrier, keep=cfg.keep_checkpoints, eval_loss=tracker.evals[-1]["eval_loss"] if tracker.evals else None)
 
+    earlier_audits = json.loads(saved.state.get("audits", "[]")) if saved is not None else []  # epochs done before
     audits: list[dict] = []
     stopping, batches = False, None
+    steps_done = lambda: cfg.max_steps is not None and step >= cfg.max_steps  # noqa: E731 - a --steps run's end
     try:
-        while epoch < cfg.epochs and step < total_steps:
+        while epoch < cfg.epochs and not steps_done():
             summary = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
             progress.plan_id = summary.plan_id
             left = left or summary.cells_per_rank  # (a resumed epoch's: its cells not trained yet)
@@ -127,7 +135,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 # ---- one training step (gradients accumulate over `grad_accum` batches) ----------
                 if micro == 0:  # the step's totals, over all its batches (waits included)
                     started, waited, cells, lengths, masked = time.perf_counter() - batch.wait_s, 0.0, 0, [], 0
-                    totals = torch.zeros(4, device=device)
+                    totals = torch.zeros(5, device=device)
                 batch = batch.to(device)
                 generator = torch.Generator().manual_seed(mask_seed(cfg.seed, rank, step, micro))
                 sync = micro == cfg.grad_accum - 1
@@ -135,7 +143,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                     loss_sum, n_masked, correct = masked_loss(step_model, batch, cfg.mask_ratio, generator,
                                                               cfg.n_bins, model.config)
                     counts = torch.stack([n_masked.float(), loss_sum.detach().float(), correct.float(),
-                                          torch.tensor(float(bool(stop_asked)), device=device)])
+                                          torch.tensor(float(bool(stop_asked)), device=device),
+                                          torch.tensor(float(batch.size), device=device)])
                     dist.all_reduce(counts)  # global masked count: every position weighs the same
                     loss = loss_sum * world / counts[0].clamp(min=1)
                     if int(n_masked) == 0:  # an empty batch (this rank ran out first): zero gradients,
@@ -153,26 +162,30 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                     continue
                 micro = 0
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                schedule.cells_done += int(totals[4])  # every rank's cells of this step
+                lr = cfg.lr * (lr_factor(step + 1, cfg.warmup_steps, cfg.max_steps) if cfg.max_steps else
+                               lr_factor(schedule.cells_done, schedule.warmup_cells, total_cells))
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
                 optimizer.step()
-                scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 # ---------------------------------------------------------------------------
                 lengths = torch.cat(lengths)
                 tracker.record(StepMetrics(
                     step=step, epoch=epoch, loss=float(totals[1] / totals[0].clamp(min=1)),
-                    accuracy=float(totals[2] / totals[0].clamp(min=1)), lr=scheduler.get_last_lr()[0],
+                    accuracy=float(totals[2] / totals[0].clamp(min=1)), lr=lr,
                     grad_norm=float(grad_norm), seconds=time.perf_counter() - started, wait_s=waited, cells=cells,
                     tokens=int(lengths.sum()), flops=train_flops(model_cfg, lengths, masked), device=device,
                     ready_cells=batches.ready_cells))
                 if held_out is not None and step % cfg.eval_every == 0:
                     tracker.note(step, evaluate(model, held_out, cfg, autocast))
                 stopping = bool(totals[3] > 0)  # a rank was asked to stop: all stop after this step
-                if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or step == total_steps or stopping):
+                if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or steps_done() or stopping):
                     save()
-                if step >= total_steps or stopping:
+                if steps_done() or stopping:
                     break
-            if batches.step < batches.steps:  # stopped inside the epoch (the steps are done, or asked to stop)
+            if batches.step < batches.steps:  # stopped inside the epoch (--steps are done, or asked to stop)
                 break
             audits.append(audit_epoch(epoch, progress, summary, world, device))  # the epoch is complete
             if rank == 0:
@@ -196,12 +209,20 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             driver.stop()
         if cells_log is not None:
             cells_log.close()
+    in_progress = None
+    if epoch < cfg.epochs:  # stopped inside an epoch: every rank's cells of it so far (all ranks are here)
+        mine = torch.tensor([progress.trained + progress.carried], dtype=torch.int64, device=device)
+        dist.all_reduce(mine)
+        in_progress = int(mine)
     summary = tracker.finish()
     if driver is not None and driver.stats.redone:
         print(f"{driver.stats.redone} units were produced again: their items never reached a rank (lost in transit)",
               flush=True)
     summary["audits"] = audits
-    summary["complete"] = step >= total_steps or epoch >= cfg.epochs  # false: asked to stop before the end
+    summary["epochs"] = epoch_ledger(cfg, store, summaries, earlier_audits + audits, epoch, in_progress)
+    summary["complete"] = epoch >= cfg.epochs  # every epoch trained (its audit is in `epochs`)
+    summary["stopped"] = "asked" if stopping else "steps" if steps_done() and epoch < cfg.epochs else None
+    summary["last_step"] = step
     summary["resume_skipped_units"] = driver.stats.skipped_units if driver is not None else 0
     summary["units_reissued"] = driver.stats.reissued if driver is not None else 0  # their holders fell silent
     summary["units_redone"] = driver.stats.redone if driver is not None else 0  # their items never reached a rank
@@ -211,7 +232,47 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
 
 
 
-def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, scheduler, store, summaries: dict):
+@dataclass
+class Schedule:
+    """Where the learning-rate schedule stands: cells trained in the campaign so far (every rank's,
+    every epoch's) and the warm-up in cells, fixed when the campaign starts (`--warmup-steps` of
+    that run's global batch), so a resume on another number of ranks follows the same curve."""
+
+    cells_done: int = 0
+    warmup_cells: int = 0
+
+    @classmethod
+    def of(cls, saved, cfg: TrainConfig, world: int, summaries: dict) -> "Schedule":
+        if saved is not None and "schedule" in saved.state:
+            return cls(**json.loads(saved.state["schedule"]))
+        fresh = cls(0, cfg.warmup_steps * cfg.batch_size * cfg.grad_accum * world)
+        if saved is not None:  # a checkpoint from before the schedule was kept: the cells its epochs held
+            fresh.cells_done = sum(sum(summaries[e].cells_per_rank) for e in range(saved.epoch) if e in summaries) + \
+                sum(r.trained + r.carried for r in saved.ranks)
+        return fresh
+
+
+def epoch_ledger(cfg: TrainConfig, store, summaries: dict, audits: list[dict], epoch: int,
+                 in_progress: int | None) -> list[dict]:
+    """Every asked epoch: cells planned, cells trained (in this run and the runs it resumed), and
+    whether its exactly-once audit passed: what the run's last line is made of
+    (`coordination.audit.verdict`)."""
+    done = {a["epoch"]: a for a in audits}
+    out = []
+    for e in range(cfg.epochs):
+        summary = summaries.get(e)
+        if summary is None:
+            summary = summaries[e] = load_summary(store, cfg.run, e)
+        planned = sum(summary.cells_per_rank)
+        if e in done:
+            out.append({"epoch": e, "planned": planned, "trained": done[e]["cells"], "audited": done[e]["audited"]})
+        else:
+            out.append({"epoch": e, "planned": planned, "trained": in_progress if e == epoch and in_progress else 0,
+                        "audited": False})
+    return out
+
+
+def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, store, summaries: dict):
     """(step, epoch, this rank's progress, the cells each rank has left of the epoch): a
     checkpoint's -- its weights and optimizer state loaded, written by this many ranks or another
     (the epoch's untrained cells are then re-planned over these ranks) -- or a fresh start."""
@@ -222,7 +283,6 @@ def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, sc
     check_resume(saved, cfg, model, store)
     model.load_state_dict(saved.state["model"])
     optimizer.load_state_dict(saved.state["optimizer"])
-    scheduler.load_state_dict(saved.state["scheduler"])
     everything = checkpoint.RankProgress.merged(saved.ranks)
     progress = everything if rank == 0 else everything.without_totals()  # rank 0 carries the totals
     left = None
