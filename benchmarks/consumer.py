@@ -29,7 +29,8 @@ from benchmarks._checks import check_figures, fail  # noqa: E402
 from coordination.local_backend import LocalMap, LocalQueue, ServerProcess  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
 from coordination.latency import remote  # noqa: E402
-from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
+from coordination.errors import CellfeedError  # noqa: E402
+from coordination.queues import MemoryMap, MemoryQueue, request_batches  # noqa: E402
 from coordination.routing import TASKS_PARTITION, encode_task, rank_partition  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
 from producers.producer import Producer, ProducerConfig  # noqa: E402
@@ -56,14 +57,24 @@ def make_items(n_cells: int, atlas_cells: int = 20_000) -> list[bytes]:
 
 def consume(queue, items: list[bytes], n_cells_per_rep: int, reps: int, batch_size: int) -> dict:
     """Feed `reps` epochs' worth of items while one stream consumes them; cells/s end to end."""
+    died: list[BaseException] = []
+
     def feed():
-        for epoch in range(reps):
-            # re-tag each repetition's items with its epoch: the stream checks epochs and keys
-            for i in range(0, len(items), 32):
-                queue.put_many([_retag(b, epoch) for b in items[i:i + 32]], partition=rank_partition(0))
+        try:
+            for epoch in range(reps):
+                # re-tag each repetition's items with its epoch: the stream checks epochs and keys; one
+                # request stays within the backend's size limit (32 scGPT items of 1,024 genes are ~8 MB)
+                for batch in request_batches([_retag(b, epoch) for b in items]):
+                    queue.put_many(batch, partition=rank_partition(0))
+        except BaseException as exc:  # noqa: BLE001 - the consumer raises it (`check`) within a poll
+            died.append(exc)
+
+    def check():  # the feeder's death ends the measurement at once, not after the stream's 600 s wait
+        if died:
+            raise CellfeedError(f"the feeder thread died: {type(died[0]).__name__}: {died[0]}") from died[0]
 
     stream = ConsumerStream(queue, rank=0, world_size=1, run="bench", batch_size=batch_size, pad_to=1025,
-                            buffer_cells=4096, poll_s=0.05)
+                            buffer_cells=4096, poll_s=0.05, check=check)
     feeder = threading.Thread(target=feed, daemon=True)
     start = time.perf_counter()
     feeder.start()
@@ -112,7 +123,10 @@ def main() -> None:
         results = {}
         for name, make in backends.items():
             for batch in (64, 240):
-                results[(name, batch)] = consume(make(), items, per_rep, reps, batch)
+                try:
+                    results[(name, batch)] = consume(make(), items, per_rep, reps, batch)
+                except CellfeedError as exc:
+                    fail(f"the {name} backend at batch {batch}: {exc}")
                 if results[(name, batch)]["cells"] != reps * per_rep:
                     fail(f"the {name} backend at batch {batch} consumed {results[(name, batch)]['cells']:,} of the "
                          f"{reps * per_rep:,} cells fed")

@@ -59,6 +59,24 @@ def test_train_step():
     assert figures["mfu"] is None or finite(figures["mfu"])  # n/a on a CPU
 
 
+def test_a_consumer_benchmark_whose_feeder_dies_ends_at_once_with_its_error():
+    """The feeder thread's death (a put the queue refuses) ends the measurement within a poll,
+    naming the error, instead of leaving the stream to wait out its 600 s for data."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import consumer
+    from coordination.errors import CellfeedError
+    from coordination.queues import MemoryQueue, RequestTooLarge
+
+    class Refuses(MemoryQueue):
+        def put_many(self, *args, **kwargs):
+            raise RequestTooLarge("request of 8.2 MB: too large")
+
+    start = time.monotonic()
+    with pytest.raises(CellfeedError, match="the feeder thread died: RequestTooLarge: request of 8.2 MB"):
+        consumer.consume(Refuses(), [bytes(64)], 10, 1, 4)
+    assert time.monotonic() - start < 60  # (bounds a hang only; the stream would wait 600 s)
+
+
 def test_consumer():
     figures = figures_of(run_benchmark("consumer", "--tiny"))
     for key in ("consumer_cells_per_s_batch64", "consumer_cells_per_s_batch240",
