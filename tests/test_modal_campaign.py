@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cellfeed_testing.modal_emulator import ModalEmulator
@@ -84,7 +85,30 @@ def check_campaign(world: ModalEmulator, out: str, *, epochs: int, producers: in
     assert world_now["queues"] == [] and world_now["dicts"] == []  # deleted at the end
     assert not [c for c in world_now["calls"] if c["status"] in ("running", "pending")]
     assert len(world.calls("produce")) == producers  # reused across attempts, never doubled
-    assert len(world.calls("setup")) == 1 and json.loads(out.strip().splitlines()[-1])["steps"] > 0
+    lines = out.strip().splitlines()
+    assert len(world.calls("setup")) == 1 and json.loads(lines[-2])["steps"] > 0
+    assert re.match(rf"complete: {epochs} epochs?, [\d,]+ cells, every epoch trained exactly once \(audited\)$",
+                    lines[-1]), lines[-1]
+
+
+def trained_cells(world: ModalEmulator) -> dict:
+    """Per epoch, the multiset of cells the ranks trained, from every train call's --audit-cells
+    files on the emulated Volume (one set per call, by start time): a call's rows at or past the
+    step its successor resumed from were trained again there, so they are set aside."""
+    from collections import Counter
+
+    calls: dict[str, list[dict]] = {}
+    for path in sorted((world.volume_dir / RUN / "cells").glob("*.rank*.jsonl")):
+        calls.setdefault(path.name.split(".")[0], []).extend(
+            json.loads(line) for line in path.read_text().splitlines() if line.endswith("}"))
+    out: dict = {}
+    cut = float("inf")
+    for started in sorted(calls, key=int, reverse=True):
+        for row in calls[started]:
+            if row["step"] < cut:
+                out.setdefault(row["epoch"], Counter()).update(row["cells"])
+        cut = min([cut] + [row["step"] for row in calls[started]])
+    return out
 
 
 def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_mid_epoch(atlas, tmp_path):
@@ -227,10 +251,19 @@ def test_a_rerun_with_another_gpus_count_resumes_the_epoch_on_it(atlas, tmp_path
     across both runs."""
     with ModalEmulator(tmp_path / "world") as world:
         # batches of 32: 21 steps an epoch, so step 30 is inside epoch 1
-        code, out, err = finish(modal_run(world, flags(atlas, steps=30, checkpoint_every=10, batch_size=32)))
+        code, out, err = finish(modal_run(world, flags(atlas, steps=30, checkpoint_every=10, batch_size=32)
+                                          + ["--audit-cells"]))
         assert code == 0, out[-2000:] + err[-3000:]
-        code, out, err = finish(modal_run(world, flags(atlas, gpus=1, batch_size=32) + ["--resume"]))
+        assert out.strip().splitlines()[-1].startswith("stopped at step 30 as --steps asked: 1 of 2 epochs complete")
+        code, out, err = finish(modal_run(world, flags(atlas, gpus=1, batch_size=32) + ["--resume", "--audit-cells"]))
         assert code == 0, out[-2000:] + err[-3000:]
+        assert out.strip().splitlines()[-1].startswith("complete: 2 epochs, ")
+        from collections import Counter
+
+        held_out = set(np.flatnonzero(np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) == "plate14").tolist())
+        train_cells = Counter(c for c in range(atlas.n_cells) if c not in held_out)
+        cells = trained_cells(world)  # the cell logs of both runs: every epoch exactly once, across 2 -> 1 ranks
+        assert [cells.get(e) for e in (0, 1)] == [train_cells, train_cells]
         trains = world.calls("train")
         logs = container_log(world, trains[-1]["id"], 0)
         assert "written by 2 ranks, its" in logs and "re-planned over 1" in logs, logs[-3000:]

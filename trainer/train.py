@@ -122,7 +122,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
 
     earlier_audits = json.loads(saved.state.get("audits", "[]")) if saved is not None else []  # epochs done before
     audits: list[dict] = []
-    stopping, batches = False, None
+    stopping, batches, save_after_audit = False, None, False
     steps_done = lambda: cfg.max_steps is not None and step >= cfg.max_steps  # noqa: E731 - a --steps run's end
     try:
         while epoch < cfg.epochs and not steps_done():
@@ -182,7 +182,10 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                     tracker.note(step, evaluate(model, held_out, cfg, autocast))
                 stopping = bool(totals[3] > 0)  # a rank was asked to stop: all stop after this step
                 if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or steps_done() or stopping):
-                    save()
+                    if batches.step < batches.steps:
+                        save()
+                    else:  # the epoch's last step: saved once its audit is done, as the next epoch's start
+                        save_after_audit = True
                 if steps_done() or stopping:
                     break
             if batches.step < batches.steps:  # stopped inside the epoch (--steps are done, or asked to stop)
@@ -193,6 +196,9 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             epoch += 1
             progress.next_epoch(epoch)
             left = None
+            if save_after_audit:  # (a resume from it starts the next epoch, the audit in its ledger)
+                save()
+                save_after_audit = False
             if stopping:
                 break
         if cfg.checkpoint_dir and not stopping:  # (a stop saved at its step already)
@@ -221,7 +227,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     summary["audits"] = audits
     summary["epochs"] = epoch_ledger(cfg, store, summaries, earlier_audits + audits, epoch, in_progress)
     summary["complete"] = epoch >= cfg.epochs  # every epoch trained (its audit is in `epochs`)
-    summary["stopped"] = "asked" if stopping else "steps" if steps_done() and epoch < cfg.epochs else None
+    summary["stopped"] = None if epoch >= cfg.epochs else "asked" if stopping else "steps" if steps_done() else None
     summary["last_step"] = step
     summary["resume_skipped_units"] = driver.stats.skipped_units if driver is not None else 0
     summary["units_reissued"] = driver.stats.reissued if driver is not None else 0  # their holders fell silent
