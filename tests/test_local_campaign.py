@@ -339,3 +339,50 @@ def test_an_incomplete_run_ends_with_its_numbers_and_a_non_zero_exit(tmp_path, m
     monkeypatch.setattr(app.local, "run_local", finished(6000))
     assert main(args) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("complete: 2 epochs, 12,000 cells")
+
+
+def test_a_trainer_killed_on_three_ranks_resumes_on_one_from_the_default_workdir(counts_atlas, tmp_path):
+    """As the README says it, from a user's own folder and the default (relative) `runs`: a
+    3-rank campaign whose whole trainer is SIGKILLed mid-epoch after a checkpoint, then `--resume
+    --gpus 1` from the same folder. From the cell logs (the first run's up to its checkpoint, the
+    resumed run's whole): every epoch trains every cell exactly once, across 3 -> 1 ranks."""
+    import re
+    import shutil
+
+    common = ["--dataset", counts_atlas.uri, "--run", "el", "--producers", "2", "--epochs", "2", "--batch-size", "8",
+              "--max-genes", "24", "--checkpoint-every", "10", "--audit-cells", "--quiet"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run_dir = tmp_path / "runs" / "el"
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "local", *common, "--gpus", "3"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # 25 steps an epoch: past step 15 a checkpoint (step 10) is written and epoch 0 is not done
+        wait_for(lambda: proc.poll() is not None or ((run_dir / "steps.jsonl").exists() and
+                 (run_dir / "steps.jsonl").read_text().count('"loss"') >= 15), "step 15", timeout=300)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        ranks = [pid for pid in descendants(proc.pid) if "trainer." in " ".join(cmdline(pid))]
+        assert ranks
+        for pid in ranks:  # the whole trainer, at once (the rank server and its ranks: this campaign's own)
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        interrupt(proc)
+    first = tmp_path / "first"
+    first.mkdir()
+    for log in run_dir.glob("cells.rank*.jsonl"):
+        shutil.copy(log, first / log.name)
+    out = subprocess.run([sys.executable, "-m", "app.cli", "local", *common, "--gpus", "1", "--resume"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    resumed_at = int(re.search(r"checkpoint at step ([\d,]+)", out.stdout).group(1).replace(",", ""))
+    assert 0 < resumed_at < 25  # inside epoch 0
+    epochs: dict = {}
+    for folder, before in ((first, resumed_at), (run_dir, None)):
+        for log in folder.glob("cells.rank*.jsonl"):
+            for row in map(json.loads, log.read_text().splitlines()):
+                if before is None or row["step"] < before:
+                    epochs.setdefault(row["epoch"], Counter()).update(row["cells"])
+    assert len(list(first.glob("cells.rank*.jsonl"))) == 3 and len(list(run_dir.glob("cells.rank*.jsonl"))) == 1
+    assert [epochs.get(e) for e in (0, 1)] == [Counter(range(counts_atlas.n_cells))] * 2
+    assert out.stdout.strip().splitlines()[-1] == \
+        f"complete: 2 epochs, {2 * counts_atlas.n_cells:,} cells, every epoch trained exactly once (audited)"
