@@ -66,7 +66,15 @@ def prepare(cfg, queue, store, vocab_path=None) -> SetupFacts:
         steps_per_epoch=optimizer_steps(summaries[:1], cfg.batch_size, cfg.grad_accum),
         total_steps=cfg.steps or optimizer_steps(summaries, cfg.batch_size, cfg.grad_accum),
         held_out_cells=held_out, held_out_items=held_out_items,
-        sources=tuple((s.spec.name, int(q), c.line()) for s, q, c in zip(producer.sources, quotas, coverage)))
+        sources=tuple((s.spec.name, int(q), c.line()) for s, q, c in zip(producer.sources, quotas, coverage)),
+        data_id=data_identity(producer.sources))
+
+
+def data_identity(sources) -> str:
+    """The data a run trains on, for its checkpoints: one dataset's identity, or every source's."""
+    if len(sources) == 1:
+        return sources[0].ds.identity
+    return "; ".join(f"{s.spec.name}: {s.ds.identity}" for s in sources)
 
 
 def record_mixtures(cfg, run_dir: Path, resumed_epoch: int | None) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import numpy as np
 
@@ -58,6 +59,12 @@ def cmd_inspect(args) -> int:
 
     ds = open_dataset(args.dataset)
     print(describe(ds, n_values=args.values))
+    if args.check:  # every row read: each belongs to the cell the offsets give it, the fragments hold the manifest's
+        start = time.monotonic()
+        rows = ds.check_all(progress=None if args.quiet else
+                            lambda done, total: print(f"\rchecked {done:,} of {total:,} rows", end="", flush=True))
+        print(f"{'' if args.quiet else chr(10)}check: ok: {rows:,} rows in {len(ds.fragments)} fragments read, each "
+              f"belongs to the cell its offsets give it ({time.monotonic() - start:.1f} s)")
     return 0
 
 
@@ -224,8 +231,16 @@ def add_campaign_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=kind, default=default, choices=choices.get(name), help=text, metavar=metavar)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A mistake on the command line is one line, naming it and where the help is (argparse would
+    print the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="cellfeed", formatter_class=HelpFormatter,
         description="Feed single-cell data (SLAF-layout Lance datasets, local or S3) to GPU training.",
         epilog="S3 addresses (s3://bucket/prefix) use AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
@@ -288,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "(per source: cells, genes matched, non-zeros kept, quota per epoch)")
     p.add_argument("dataset", help="a local path or s3://bucket/prefix, or a corpus file (.toml)")
     p.add_argument("--values", type=int, default=3, help="example values per obs column")
+    p.add_argument("--check", action="store_true",
+                   help="read every expression row and check it against the cell offsets and the manifest (opening "
+                        "a dataset checks the metadata, the offsets' order and range, and a sample of cells)")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_inspect)
     return parser
 

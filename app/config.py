@@ -4,6 +4,7 @@ it: the producers' config and the trainer's config."""
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import time
 import typing
@@ -164,6 +165,11 @@ class CampaignConfig:
             raise CellfeedError(f"--modal-retry-s must be within 1..604800 seconds, got {self.modal_retry_s}")
         if not 3 <= self.n_bins <= 255:
             raise CellfeedError(f"--n-bins must be within 3..255, got {self.n_bins}")
+        if not (math.isfinite(self.lr) and 0 < self.lr <= 1):
+            raise CellfeedError(f"--lr {self.lr}: the peak learning rate must be a finite number in (0, 1] "
+                                f"(e.g. 3e-4 for the GPU presets, 3e-3 for tiny)")
+        if int(self.warmup_steps) < 0:
+            raise CellfeedError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         self.sampling.validate()
         return self
 
@@ -251,7 +257,7 @@ class CampaignConfig:
         spec = layout(self.tokenizer)
         base = dict(run=self.run, backend=backend, vocab_size=facts.vocab_size, pad_token=facts.pad_token,
                     mask_token=facts.mask_token, special_tokens=facts.special_tokens,
-                    vocab_fingerprint=facts.vocab_fingerprint, preset=self.preset,
+                    vocab_fingerprint=facts.vocab_fingerprint, data_id=facts.data_id, preset=self.preset,
                     objective=spec.objective, n_bins=self.n_bins,
                     batch_size=self.batch_size, grad_accum=self.grad_accum, lr=self.lr, warmup_steps=self.warmup_steps,
                     max_steps=self.steps, epochs=facts.epochs, seed=self.seed, compile=self.compile,

@@ -9,6 +9,8 @@ status line (steps, cells/s, queue depth, producer rates, dataloader wait) and a
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import time
 from dataclasses import asdict
@@ -26,6 +28,7 @@ from trainer import checkpoint
 from trainer.launch import launch, wait_all
 
 STATUS_EVERY_S = 2.0
+MIN_LOCAL_RANKS = 4  # `cellfeed local --gpus` may go to twice the cores, and at least this far
 CHECK_EVERY_S = 0.5  # how often the ranks and producers are looked at
 
 
@@ -47,20 +50,42 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
     """Run a whole campaign locally; returns the trainer's summary (rank 0). With `audit_cells`,
     each rank writes the cell ids of every step to WORKDIR/RUN/cells.rank<r>.jsonl."""
     cfg.validate()
+    most = max(MIN_LOCAL_RANKS, 2 * (os.cpu_count() or 1))
+    if cfg.gpus > most:
+        raise CellfeedError(f"--gpus {cfg.gpus}: cellfeed local runs each rank as a CPU process, and this machine has "
+                            f"{os.cpu_count()} cores; use --gpus {most} or fewer (Modal runs up to 8 per container)")
     workdir = Path(workdir).resolve()  # (the ranks and producers run in other folders)
     place_checkpoints(cfg, workdir)
     if cfg.resume:
         print(describe_resume(cfg))
     workdir = Path(workdir) / cfg.run
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        fresh = not workdir.exists()  # a run that fails before training leaves no folder it made
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CellfeedError(f"cannot make the run folder {workdir} ({exc.strerror}): choose a --workdir you can "
+                            "write to") from None
+    ranks = []
+    try:
+        return _run(cfg, workdir, quiet, audit_cells, ranks)
+    except BaseException:
+        if fresh and not ranks:  # never started training: nothing of it to keep
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+
+
+def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ranks: list) -> dict:
+    """`run_local`'s campaign in its run folder; `ranks` is filled as they start."""
     latest = checkpoint.latest(cfg.run_checkpoint_dir) if cfg.resume else None
     cfg.mixtures = record_mixtures(cfg, workdir, latest.epoch if latest else None)
     server = ServerProcess(token_file=workdir / ".queue-token")
     backend = cfg.backend_spec("local", **server.where)
     queue, store = connect(backend)
-    fleet, ranks = None, []
+    fleet = None
     try:
         facts = prepare(cfg, queue, store, vocab_path=workdir / "vocab.json")
+        if latest is not None:  # refused here, before any producer or rank starts
+            checkpoint.check_same_data(latest.step, latest.data_id, facts.data_id)
         if latest is not None and latest.epoch >= facts.epochs:  # a finished run: nothing to train
             return {"already_complete": f"run {cfg.run} is complete: its {plural(facts.epochs, 'epoch')} were trained "
                                         f"(last checkpoint at step {latest.step:,}, {latest.folder}); nothing to "
@@ -88,7 +113,7 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
                 old.unlink()
             changes["cells_log"] = str(workdir / "cells")
         train_cfg = cfg.train_config(backend, facts, **changes)
-        ranks = launch(train_cfg, cfg.gpus, workdir, summary_path=str(workdir / "summary"), log_ranks=True)
+        ranks += launch(train_cfg, cfg.gpus, workdir, summary_path=str(workdir / "summary"), log_ranks=True)
         started = time.monotonic()
         printed = 0.0
         while any(p.poll() is None for p in ranks):

@@ -155,6 +155,7 @@ class SetupFacts:
     held_out_cells: int
     held_out_items: int  # what the eval partition holds when complete
     sources: tuple = ()  # per source: name, cells per epoch, coverage line
+    data_id: str = ""  # the data's identity (`producers.dataset.Dataset.identity`, every source's), for checkpoints
 
     @classmethod
     def of(cls, facts: "SetupFacts | dict") -> "SetupFacts":

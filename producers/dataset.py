@@ -17,6 +17,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 import lance
 import numpy as np
@@ -31,6 +32,7 @@ TABLES = {"expression": "expression.lance", "cells": "cells.lance", "genes": "ge
 EXPRESSION_COLUMNS = ("cell_integer_id", "gene_integer_id", "value")
 LANCE_FILE_VERSION = "2.2"  # what SLAF 0.5 pins
 MAX_UINT16_GENES = 65_535
+SPOT_CELLS = 64  # cells whose offsets `Dataset.verify` checks against the expression table, evenly + at random
 TAKE_BELOW_MEAN_ROWS = 5_000  # mean rows per range under which one `take` beats per-range slices
 # fragment slices read at once: on local disk enough to keep the cores busy decoding; on object
 # storage enough that a unit's few hundred slices (~3 GETs each) take a few round trips, not hundreds
@@ -69,6 +71,14 @@ class RowBlock:
 
     def __len__(self) -> int:
         return len(self.gene)
+
+
+class DatasetDamaged(CellfeedError):
+    """The dataset's files disagree with each other (metadata, offsets, fragments): training on it
+    would train wrong rows as cells. Not retried: converting it again is the fix."""
+
+    def __init__(self, message: str):
+        super().__init__(f"{message}. The dataset is damaged: convert it again (or copy it whole)")
 
 
 class StorageUnavailable(CellfeedError):
@@ -116,10 +126,89 @@ class Dataset:
             raise CellfeedError(
                 f"{tables['expression']} at {self.uri} has columns {sorted(names)}; expected {list(EXPRESSION_COLUMNS)}"
             )
-        self.n_cells = int(config.get("n_cells", self.cells.count_rows()))
+        cell_rows = self.cells.count_rows()
+        if "n_cells" in config and int(config["n_cells"]) != cell_rows:
+            raise DatasetDamaged(f"{self.uri}/config.json says {int(config['n_cells']):,} cells, but "
+                                 f"{tables['cells']} holds {cell_rows:,}: the metadata does not match the data")
+        self.n_cells = cell_rows
         self.n_genes = int(config.get("n_genes", self.genes.count_rows()))
         self.n_rows = self.expression.count_rows()
         self.value_type = self.expression.schema.field("value").type
+
+    def verify(self, spot_cells: int = SPOT_CELLS) -> "Dataset":
+        """The cheap checks at open, in time proportional to the metadata (not the data): every
+        expression fragment's files exist (local storage); the cell offsets are monotone, start at
+        0 and stay within the expression table, whose rows they share out exactly; and for
+        `spot_cells` cells, evenly spread and seeded-random, the first and last expression rows the
+        offsets give them do belong to them (their `cell_integer_id`: one `take` of 2 rows a
+        cell). Raises `DatasetDamaged` naming the file and the fault. `cellfeed inspect --check`
+        reads everything instead (`check_all`)."""
+        self._check_fragment_files()
+        starts = self.cell_row_start
+        steps = np.diff(starts)
+        if len(starts) > 1 and (starts[0] != 0 or (steps < 0).any()):
+            bad = 0 if starts[0] != 0 else int(np.flatnonzero(steps < 0)[0])
+            raise DatasetDamaged(f"{self.uri}/{TABLES['cells']}: cell_start_index is not increasing from 0 (at cell "
+                                 f"{bad:,}: {int(starts[bad]):,}, then {int(starts[bad + 1]):,})")
+        if len(starts) > 1 and starts[-2] > self.n_rows:
+            raise DatasetDamaged(f"{self.uri}/{TABLES['cells']}: cell_start_index points past the expression table's "
+                                 f"{self.n_rows:,} rows (cell {self.n_cells - 1:,} starts at {int(starts[-2]):,})")
+        with_rows = np.flatnonzero(steps > 0)
+        if len(with_rows) and spot_cells:
+            even = with_rows[np.linspace(0, len(with_rows) - 1, min(spot_cells, len(with_rows))).astype(np.int64)]
+            rng = np.random.default_rng(len(with_rows))
+            chosen = np.unique(np.concatenate([even, rng.choice(with_rows, min(spot_cells, len(with_rows)),
+                                                                 replace=False)]))
+            rows = np.stack([starts[chosen], starts[chosen + 1] - 1], axis=1).reshape(-1)
+            owners = self.expression.take(rows, columns=["cell_integer_id"]).column(0).to_numpy()
+            wrong = np.flatnonzero(owners != np.repeat(chosen, 2))
+            if len(wrong):
+                cell, row = int(np.repeat(chosen, 2)[wrong[0]]), int(rows[wrong[0]])
+                raise DatasetDamaged(
+                    f"{self.uri}: {TABLES['cells']}'s cell_start_index disagrees with {TABLES['expression']}: cell "
+                    f"{cell:,} is given row {row:,}, which belongs to cell {int(owners[wrong[0]]):,} (checked "
+                    f"{len(chosen):,} cells; `cellfeed inspect --check` reads them all)")
+        return self
+
+    def _check_fragment_files(self) -> None:
+        """(local storage) every data file the expression table's manifest lists exists."""
+        if not isinstance(self.location, LocalLocation):
+            return  # on object storage a missing object fails its first read, naming it
+        root = Path(self.location.join(self.config["tables"]["expression"])) / "data"
+        for frag in self._lance_fragments:
+            for data in frag.data_files():
+                if not (root / data.path).exists():
+                    raise DatasetDamaged(f"{self.uri}: expression fragment {frag.fragment_id}'s file "
+                                         f"{root / data.path} is missing")
+
+    def check_all(self, progress=None) -> int:
+        """`cellfeed inspect --check`: read every expression fragment whole and check that each of
+        its rows belongs to the cell the offsets give it, and that the fragments hold the manifest's
+        rows. Returns the rows checked; raises `DatasetDamaged` at the first fault."""
+        self.verify(spot_cells=0)
+        starts = self.cell_row_start
+        checked = 0
+        for frag in self._lance_fragments:
+            try:
+                ids = pa.concat_arrays([b.column(0) for b in frag.to_batches(columns=["cell_integer_id"])]
+                                       ).to_numpy(zero_copy_only=False) if frag.count_rows() else np.zeros(0, np.int64)
+            except Exception as exc:  # noqa: BLE001 - a damaged file: one line
+                raise DatasetDamaged(f"{self.uri}: expression fragment {frag.fragment_id} cannot be read "
+                                     f"({error_text(exc)})") from None
+            first = checked
+            want = np.searchsorted(starts, np.arange(first, first + len(ids)), side="right") - 1
+            wrong = np.flatnonzero(ids != want)
+            if len(wrong):
+                row = first + int(wrong[0])
+                raise DatasetDamaged(f"{self.uri}: expression row {row:,} (fragment {frag.fragment_id}) belongs to cell "
+                                     f"{int(ids[wrong[0]]):,}, but cell_start_index gives it to cell {int(want[wrong[0]]):,}")
+            checked += len(ids)
+            if progress is not None:
+                progress(checked, self.n_rows)
+        if checked != self.n_rows:
+            raise DatasetDamaged(f"{self.uri}: the expression fragments hold {checked:,} rows, the manifest "
+                                 f"{self.n_rows:,}")
+        return checked
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -199,7 +288,7 @@ class Dataset:
 
     def _read_error(self, exc: Exception, where: str) -> CellfeedError:
         text = error_text(exc)
-        if UNREACHABLE.search(text):
+        if UNREACHABLE.search(text) and not isinstance(self.location, LocalLocation):  # (a local file is no store)
             return StorageUnavailable(f"cannot reach the rows of {self.uri} ({where}): {text}; is the object store up?")
         return CellfeedError(f"cannot read rows of {self.uri} ({where}): {text}; the dataset is damaged or was "
                              "changed while in use: write it again (`cellfeed convert`/`synth`) or restore it")
@@ -257,6 +346,19 @@ class Dataset:
         return np.unique(cell[cut])
 
     @cached_property
+    def identity(self) -> str:
+        """What a checkpoint records of the data it was trained on (a resume onto other data is
+        refused): the cell count and a content fingerprint -- the one `convert`/`synth` wrote
+        (every cell's row count, genes and values), else one of the shape and the cell offsets.
+        Where the dataset lives is not part of it: a copy resumes."""
+        content = self.config.get("metadata", {}).get("content_sha256")
+        if content is None:
+            h = hashlib.sha256(json.dumps([self.n_cells, self.n_genes, self.n_rows]).encode())
+            h.update(np.ascontiguousarray(self.cell_row_start).tobytes())
+            content = h.hexdigest()
+        return f"{self.n_cells:,} cells, content {content[:12]}"
+
+    @cached_property
     def fingerprint(self) -> str:
         """Identifies this exact dataset content (epoch plans are functions of it)."""
         desc = {
@@ -268,8 +370,9 @@ class Dataset:
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def open_dataset(uri: str | os.PathLike, settings: S3Settings | None = None) -> Dataset:
-    """Open a dataset (ours or written by `slaf convert`) at a local path or s3://bucket/prefix."""
+def open_dataset(uri: str | os.PathLike, settings: S3Settings | None = None, verify: bool = True) -> Dataset:
+    """Open a dataset (ours or written by `slaf convert`) at a local path or s3://bucket/prefix,
+    checked cheaply (`Dataset.verify`) unless `verify` is False."""
     loc = location(uri, settings)
     if isinstance(loc, LocalLocation) and not loc.exists():
         raise CellfeedError(f"no dataset at {loc.uri}: the path does not exist")
@@ -286,7 +389,8 @@ def open_dataset(uri: str | os.PathLike, settings: S3Settings | None = None) -> 
         raise CellfeedError(f"{loc.uri}/config.json is not valid JSON ({exc.msg}); the dataset is damaged") from None
     if not isinstance(config, dict):
         raise CellfeedError(f"{loc.uri}/config.json is not a JSON object; the dataset is damaged")
-    return Dataset(loc, config)
+    dataset = Dataset(loc, config)
+    return dataset.verify() if verify else dataset
 
 
 # ----------------------------------------------------------------------------------------- writing
@@ -377,6 +481,7 @@ class DatasetWriter:
         self.rows_per_fragment = rows_per_fragment
         self.n_cells = 0
         self.n_rows = 0
+        self._content = hashlib.sha256()  # of every cell's row count, genes and values, in order (`Dataset.identity`)
         self._expression: _LanceStream | None = None
         self._cells: _LanceStream | None = None
         self._done = False
@@ -417,6 +522,8 @@ class DatasetWriter:
                 schema=schema,
             )
         )
+        for part in (counts, genes, values):
+            self._content.update(np.ascontiguousarray(part).tobytes())
         self.n_cells += n
         self.n_rows += int(counts.sum())
 
@@ -447,6 +554,7 @@ class DatasetWriter:
                 "value_type": str(self.value_type),
                 "rows_per_fragment": self.rows_per_fragment,
                 "writer": "cellfeed",
+                "content_sha256": self._content.hexdigest(),
                 **(metadata or {}),
             },
         }

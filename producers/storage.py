@@ -68,8 +68,17 @@ class S3Settings:
     @classmethod
     def from_env(cls, env: dict | None = None) -> "S3Settings":
         env = os.environ if env is None else env
+        name = "AWS_ENDPOINT_URL_S3" if env.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL"
+        endpoint = env.get(name) or None
+        if endpoint is not None:
+            from urllib.parse import urlparse
+
+            parts = urlparse(endpoint)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise CellfeedError(f"{name}={endpoint!r} is not an http(s) URL: set it to the object store's "
+                                    "address (e.g. http://127.0.0.1:8333), or unset it for AWS S3")
         return cls(
-            endpoint=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None,
+            endpoint=endpoint,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
             access_key_id=env.get("AWS_ACCESS_KEY_ID") or None,
             secret_access_key=env.get("AWS_SECRET_ACCESS_KEY") or None,

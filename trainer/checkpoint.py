@@ -41,6 +41,7 @@ class RankProgress:
     # the epoch's audit then checks every rank's cells together
     carried: int = 0
     carried_hash: int | None = 0
+    data_id: str = ""  # the data the run trains on (`Dataset.identity`, every source's): a resume onto other data is refused
 
     def record(self, batch) -> None:
         self.trained += batch.size
@@ -58,6 +59,7 @@ class RankProgress:
     def next_epoch(self, epoch: int) -> None:
         self.epoch, self.trained, self.consumed, self.partial, self.cells_hash = epoch, 0, set(), {}, 0
         self.unit_items, self.plan_id, self.unit_trained, self.carried, self.carried_hash = {}, "", {}, 0, 0
+        # (data_id stays: it is the run's, not the epoch's)
 
     @classmethod
     def merged(cls, ranks: list["RankProgress"]) -> "RankProgress":
@@ -65,7 +67,7 @@ class RankProgress:
         checkpoint: all their item keys and partial items (a unit's items now go to rank u mod the
         new world size), the cells trained per unit, and the cells trained in all with their hash,
         carried for the epoch's audit (`without_totals` for every rank but one)."""
-        out = cls(ranks[0].epoch, plan_id=ranks[0].plan_id)
+        out = cls(ranks[0].epoch, plan_id=ranks[0].plan_id, data_id=ranks[0].data_id)
         hashes = [r.cells_hash for r in ranks] + [r.carried_hash for r in ranks]
         for r in ranks:  # (after an earlier resume every rank holds the keys it started from: sets)
             out.consumed |= r.consumed
@@ -98,7 +100,7 @@ class RankProgress:
         return json.dumps({"epoch": self.epoch, "trained": self.trained, "cells_hash": self.cells_hash,
                            "unit_items": sorted(self.unit_items.items()), "plan_id": self.plan_id,
                            "unit_trained": sorted(self.unit_trained.items()), "carried": self.carried,
-                           "carried_hash": self.carried_hash,
+                           "carried_hash": self.carried_hash, "data_id": self.data_id,
                            "consumed": sorted(list(k) for k in self.consumed),
                            "partial": [[list(k), sorted(v)] for k, v in self.partial.items()]})
 
@@ -109,7 +111,8 @@ class RankProgress:
                    {_key(k): set(v) for k, v in d["partial"]},
                    d.get("cells_hash"),  # a checkpoint from before the audit: this epoch is not audited
                    dict((u, n) for u, n in d.get("unit_items", [])), d.get("plan_id", ""),
-                   dict((u, n) for u, n in d.get("unit_trained", [])), d.get("carried", 0), d.get("carried_hash", 0))
+                   dict((u, n) for u, n in d.get("unit_trained", [])), d.get("carried", 0), d.get("carried_hash", 0),
+                   d.get("data_id", ""))
 
 
 @dataclass
@@ -173,6 +176,7 @@ class Latest:
     epoch: int
     trained: list[int]  # cells trained this epoch, per rank
     plan_id: str = ""  # the plan of the epoch it was trained on
+    data_id: str = ""  # the data it was trained on (`RankProgress.data_id`)
 
 
 def latest(directory: str | os.PathLike) -> Latest | None:
@@ -184,7 +188,16 @@ def latest(directory: str | os.PathLike) -> Latest | None:
     ranks = [RankProgress.from_json(f.read_text()) for f in sorted(folder.glob("progress-rank*.json"))]
     step = int(folder.name.removeprefix("step-"))
     return Latest(folder, step, ranks[0].epoch if ranks else 0, [r.trained + r.carried for r in ranks],
-                  ranks[0].plan_id if ranks else "")
+                  ranks[0].plan_id if ranks else "", ranks[0].data_id if ranks else "")
+
+
+def check_same_data(step: int, trained_on: str, this: str) -> None:
+    """A resume continues on the data its checkpoint was trained on (`Dataset.identity`): refused
+    in one line otherwise, whatever the epoch (a run's plan id is empty between epochs). Checked by
+    `cellfeed local` before it starts any process, and by every rank."""
+    if trained_on and this and trained_on != this:
+        raise CellfeedError(f"--resume: the checkpoint at step {step:,} was trained on other data ({trained_on}); this "
+                            f"campaign's is {this}: resume with the data it was trained on, or start a new --run")
 
 
 def check_same_plan(step: int, epoch: int, trained_on: str, store, run: str, epochs: int) -> None:

@@ -48,6 +48,7 @@ class TrainConfig:
     mask_token: int = MASK
     special_tokens: tuple = (PAD, CLS, EOS, MASK)
     vocab_fingerprint: str = ""  # checkpoints record it: a resume under another vocabulary is refused
+    data_id: str = ""  # the data's identity (`SetupFacts.data_id`): a resume onto other data is refused
 
     def __post_init__(self):
         self.backend = BackendSpec.of(self.backend)

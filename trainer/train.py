@@ -95,6 +95,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         later = [summaries.get(e) or load_summary(store, cfg.run, e) for e in range(epoch + 1, cfg.epochs)]
         total_steps = step + steps_per_epoch(left, cfg.batch_size) // cfg.grad_accum + \
             optimizer_steps(later, cfg.batch_size, cfg.grad_accum)
+    progress.data_id = cfg.data_id  # (kept in every checkpoint: a resume onto other data is refused)
     resumed = progress if saved is not None else None  # (on rank 0: every rank's, merged)
     driver = start_driver(cfg, queue, store, resumed, epoch, summaries, world) if rank == 0 and cfg.run_driver else None
     before = checkpoint.RankProgress.merged(saved.ranks) if saved is not None else checkpoint.RankProgress(epoch)
@@ -388,6 +389,7 @@ def check_resume(saved: checkpoint.Checkpoint, cfg: TrainConfig, model, store) -
         raise CellfeedError(f"--resume: the checkpoint at step {saved.step} was trained on another gene vocabulary "
                             f"({theirs_vocab}, this campaign's {cfg.vocab_fingerprint}): its token ids mean other genes; "
                             "resume with the run's own --vocabulary and sources, or start a new --run")
+    checkpoint.check_same_data(saved.step, saved.ranks[0].data_id, cfg.data_id)
     checkpoint.check_same_plan(saved.step, saved.epoch, saved.ranks[0].plan_id, store, cfg.run, cfg.epochs)
     mine = model.state_dict()
     theirs = saved.state["model"]
