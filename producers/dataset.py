@@ -471,7 +471,11 @@ class DatasetWriter:
         if isinstance(self.final, LocalLocation):
             parent, name = self.final.path.parent, self.final.path.name
             self.staging: Location = LocalLocation(parent / f".{name}.partial-{uuid.uuid4().hex[:8]}")
-            self.staging.path.mkdir()
+            try:
+                self.staging.path.mkdir()
+            except OSError as exc:
+                raise CellfeedError(f"cannot write {self.final.uri} ({exc.strerror}): choose an output path in a "
+                                    "folder you can write to") from None
         else:
             if overwrite:
                 self.final.delete()

@@ -119,3 +119,15 @@ def test_an_endpoint_that_is_not_a_url_names_the_setting(tmp_path):
                          env={"AWS_ENDPOINT_URL": "not a url"})
     refused(out, seconds, "AWS_ENDPOINT_URL='not a url' is not an http(s) URL")
     assert not (tmp_path / "w" / "r").exists()
+
+
+def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "app.cli", "synth", "/proc/cellfeed-atlas", "--cells", "100", "--quiet"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "cellfeed: error: cannot write /proc/cellfeed-atlas (No such file or directory): choose an output path in a "
+        "folder you can write to"], out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-m", "app.cli", "synth", str(tmp_path / "new" / "atlas"), "--cells", "100",
+                          "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"cellfeed: error: cannot write {tmp_path}/new/atlas: folder {tmp_path}/new does not exist; create it first"]
