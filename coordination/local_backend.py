@@ -25,6 +25,7 @@ import hmac
 import json
 import os
 import secrets
+import shutil
 import socket
 import socketserver
 import struct
@@ -39,6 +40,7 @@ from coordination.queues import Empty, Full, ItemTooLarge, MapGone, MemoryMap, M
 
 OK, FULL, EMPTY, TOO_LARGE, MISSING, ERROR, GONE, REQUEST_TOO_LARGE = range(8)
 AUTH = 11  # a connection's first request when the server has a token: {"token": ...}
+MAX_AUTH_FRAME = 4096  # the hello's size at most (read before the caller is known)
 REFUSED = ("refused: this queue server answers only its run's processes, which read its token from the "
            "run's folder (is this the right run, or its folder another user's?)")
 _U32 = struct.Struct("<I")
@@ -67,7 +69,11 @@ def _send_frame(sock: socket.socket, code: int, header: dict, values: list[bytes
 
 
 def _recv_frame(sock: socket.socket) -> tuple[int, dict, list[bytes]]:
-    body = memoryview(_recv_exact(sock, _U32.unpack(_recv_exact(sock, 4))[0]))
+    return _parse_frame(_recv_exact(sock, _U32.unpack(_recv_exact(sock, 4))[0]))
+
+
+def _parse_frame(data: bytes) -> tuple[int, dict, list[bytes]]:
+    body = memoryview(data)
     code, (head_len,) = body[0], _U32.unpack_from(body, 1)
     header = json.loads(bytes(body[5:5 + head_len]))
     pos = 5 + head_len
@@ -120,8 +126,13 @@ class _Handler(socketserver.BaseRequestHandler):
         token = self.server.token
         if token is not None:  # the first frame proves the caller is one of the run's processes
             try:
-                op, h, _ = _recv_frame(self.request)
-            except (ConnectionError, OSError, ValueError):
+                self.request.settimeout(CONNECT_TIMEOUT_S)  # (a caller that sends nothing holds no thread long)
+                (size,) = _U32.unpack(_recv_exact(self.request, 4))
+                if size > MAX_AUTH_FRAME:
+                    return
+                op, h, _ = _parse_frame(_recv_exact(self.request, size))
+                self.request.settimeout(None)
+            except Exception:  # noqa: BLE001 - anything else than the run's hello: the connection is closed
                 return
             if op != AUTH or not hmac.compare_digest(str(h.get("token", "")).encode(), token.encode()):
                 try:
@@ -206,8 +217,10 @@ class ServerProcess:
     this process, however this process ends: it watches the pipe on its stdin."""
 
     def __init__(self, token_file: str | os.PathLike | None = None):
+        self._own_folder = None
         if token_file is None:
-            token_file = Path(tempfile.mkdtemp(prefix="cellfeed-server-")) / "token"  # (mode 0700)
+            self._own_folder = tempfile.mkdtemp(prefix="cellfeed-server-")  # (mode 0700)
+            token_file = Path(self._own_folder) / "token"
         self.token_file = str(Path(token_file).resolve())
         Path(self.token_file).unlink(missing_ok=True)
         self.proc = subprocess.Popen([sys.executable, "-m", "coordination.local_backend", "--token-file",
@@ -236,6 +249,8 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         Path(self.token_file).unlink(missing_ok=True)
+        if self._own_folder is not None:
+            shutil.rmtree(self._own_folder, ignore_errors=True)
 
 
 def write_token(path: str) -> str:

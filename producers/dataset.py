@@ -144,7 +144,10 @@ class Dataset:
         cell). Raises `DatasetDamaged` naming the file and the fault. `cellfeed inspect --check`
         reads everything instead (`check_all`)."""
         self._check_fragment_files()
-        starts = self.cell_row_start
+        try:
+            starts = self.cell_row_start
+        except Exception as exc:  # noqa: BLE001 - one line naming the table
+            raise self._read_error(exc, f"{TABLES['cells']}'s cell_start_index") from None
         steps = np.diff(starts)
         if len(starts) > 1 and (starts[0] != 0 or (steps < 0).any()):
             bad = 0 if starts[0] != 0 else int(np.flatnonzero(steps < 0)[0])
@@ -160,7 +163,10 @@ class Dataset:
             chosen = np.unique(np.concatenate([even, rng.choice(with_rows, min(spot_cells, len(with_rows)),
                                                                  replace=False)]))
             rows = np.stack([starts[chosen], starts[chosen + 1] - 1], axis=1).reshape(-1)
-            owners = self.expression.take(rows, columns=["cell_integer_id"]).column(0).to_numpy()
+            try:
+                owners = self.expression.take(rows, columns=["cell_integer_id"]).column(0).to_numpy()
+            except Exception as exc:  # noqa: BLE001 - a truncated or unreachable fragment: one line
+                raise self._read_error(exc, "checking a sample of cells' rows") from None
             wrong = np.flatnonzero(owners != np.repeat(chosen, 2))
             if len(wrong):
                 cell, row = int(np.repeat(chosen, 2)[wrong[0]]), int(rows[wrong[0]])
@@ -485,7 +491,9 @@ class DatasetWriter:
         self.rows_per_fragment = rows_per_fragment
         self.n_cells = 0
         self.n_rows = 0
-        self._content = hashlib.sha256()  # of every cell's row count, genes and values, in order (`Dataset.identity`)
+        # of every cell's row count, genes and values, each in order and as stored (`Dataset.identity`):
+        # the same data gives the same hash however it is cut into appends
+        self._content = [hashlib.sha256() for _ in range(3)]
         self._expression: _LanceStream | None = None
         self._cells: _LanceStream | None = None
         self._done = False
@@ -526,8 +534,10 @@ class DatasetWriter:
                 schema=schema,
             )
         )
-        for part in (counts, genes, values):
-            self._content.update(np.ascontiguousarray(part).tobytes())
+        stored = (counts.astype(np.int64), np.asarray(genes).astype(schema.field(1).type.to_pandas_dtype(), copy=False),
+                  np.asarray(values).astype(schema.field(2).type.to_pandas_dtype(), copy=False))
+        for h, part in zip(self._content, stored):
+            h.update(np.ascontiguousarray(part).tobytes())
         self.n_cells += n
         self.n_rows += int(counts.sum())
 
@@ -558,7 +568,7 @@ class DatasetWriter:
                 "value_type": str(self.value_type),
                 "rows_per_fragment": self.rows_per_fragment,
                 "writer": "cellfeed",
-                "content_sha256": self._content.hexdigest(),
+                "content_sha256": hashlib.sha256("".join(h.hexdigest() for h in self._content).encode()).hexdigest(),
                 **(metadata or {}),
             },
         }

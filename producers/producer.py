@@ -553,10 +553,10 @@ class Producer:
         finally:
             if not finished:  # an error here (or Modal's preemption, a KeyboardInterrupt): the courier stops too
                 self._stopping.set()
+            if self._stopping.is_set():  # going away with units taken: named now, not after the courier's join
+                self._release()  # (a courier retrying a put may outlast a preemption's grace)
             self._courier.join(timeout=self.config.put_timeout_s + 10)
             self._courier = None
-            if not finished:
-                self._release()
         if self._courier_error is not None:
             raise self._courier_error
         return self.stats

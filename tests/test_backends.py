@@ -181,6 +181,15 @@ def test_the_server_answers_only_its_runs_processes(tmp_path):
         for token in (None, "0" * 64):
             with pytest.raises(CellfeedError, match="refused: this queue server answers only its run's processes"):
                 LocalQueue(server.address, token).get_many(1, block=False, partition="p")
+        import socket
+
+        host, port = server.address.rsplit(":", 1)
+        for garbage in (b"\xff\xff\xff\xff", b"\x03\x00\x00\x00abc", b""):  # before the hello: closed, no harm
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(garbage)
+                s.shutdown(socket.SHUT_WR)
+                s.settimeout(15)
+                assert s.recv(100) == b""
         assert LocalQueue(server.address, server.token).get_many(1, block=False, partition="p") == [b"kept"]
         assert server.token not in json.dumps(server.where)  # a spec names the file, never the token
     finally:

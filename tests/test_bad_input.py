@@ -31,7 +31,7 @@ def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-input")
     for name, cells in (("a", 600), ("b", 400)):
         assert cli(["synth", str(root / name), "--cells", str(cells), "--genes", "2000", "--seed", "3", "--quiet"]) == 0
-    for name in ("shifted", "lying", "nofrag"):
+    for name in ("shifted", "lying", "nofrag", "truncated"):
         shutil.copytree(root / "a", root / name)
     cells = lance.dataset(str(root / "shifted" / "cells.lance")).to_table()
     starts = cells["cell_start_index"].to_numpy().copy()
@@ -42,6 +42,8 @@ def data(tmp_path_factory):
     config["n_cells"] += 1000
     (root / "lying" / "config.json").write_text(json.dumps(config))
     os.remove(sorted(glob.glob(str(root / "nofrag" / "expression.lance" / "data" / "*")))[0])
+    for path in glob.glob(str(root / "truncated" / "expression.lance" / "data" / "*")):
+        os.truncate(path, 1000)  # every fragment cut short: the sample at open reads one
     return root
 
 
@@ -66,11 +68,13 @@ def refused(out: subprocess.CompletedProcess, seconds: float, says: str) -> None
     ("lying", "config.json says 1,600 cells, but cells.lance holds 600: the metadata does not match the data"),
     ("shifted", "cells.lance's cell_start_index disagrees with expression.lance: cell "),
     ("nofrag", "expression fragment 0's file "),
-], ids=["damaged-metadata", "damaged-offsets", "missing-fragment"])
+    ("truncated", "cannot read rows of "),
+], ids=["damaged-metadata", "damaged-offsets", "missing-fragment", "truncated-fragment"])
 def test_a_damaged_dataset_is_refused_at_open(data, tmp_path, name, says):
     out, seconds = local("--dataset", str(data / name), *COMMON, "--workdir", str(tmp_path / "w"), "--run", "r")
     refused(out, seconds, says)
-    assert out.stderr.strip().endswith("The dataset is damaged: convert it again (or copy it whole)")
+    assert out.stderr.strip().endswith(("The dataset is damaged: convert it again (or copy it whole)",
+                                        "write it again (`cellfeed convert`/`synth`) or restore it"))
     assert not (tmp_path / "w" / "r").exists()  # no run folder left behind
 
 

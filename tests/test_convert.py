@@ -226,3 +226,24 @@ def test_dataset_written_by_slaf_convert_opens_unchanged():
     assert ds.config["format_version"] == "0.5" and len(ds.fragments) > 1 and len(ds.straddling_cells()) > 0
     assert_same_cells(ds, random_counts(150, 400, seed=42))
     assert ds.obs(["plate"]).num_rows == 150
+
+
+def test_the_content_hash_is_the_datas_however_it_was_appended(tmp_path):
+    """`metadata.content_sha256` (what a checkpoint ties itself to) is the same for the same cells
+    written in one append or in three, from int32 or int64 input arrays."""
+    indptr, genes, values = np.array([0, 2, 3, 3, 6]), np.array([0, 4, 1, 0, 2, 3]), np.array([1, 2, 3, 4, 5, 6])
+    obs = pa.table({"cell_id": ["a", "b", "c", "d"]})
+    var = pa.table({"gene_id": [f"g{i}" for i in range(5)]})
+    with DatasetWriter(tmp_path / "one", n_genes=5, value_type=pa.uint16(), rows_per_fragment=3) as w:
+        w.append(obs, indptr, genes, values)
+        one = w.commit(var)
+    with DatasetWriter(tmp_path / "three", n_genes=5, value_type=pa.uint16(), rows_per_fragment=3) as w:
+        for a, b in ((0, 1), (1, 3), (3, 4)):
+            w.append(obs.slice(a, b - a), (indptr[a:b + 1] - indptr[a]).astype(np.int32),
+                     genes[indptr[a]:indptr[b]].astype(np.int32), values[indptr[a]:indptr[b]].astype(np.int32))
+        three = w.commit(var)
+    assert one.config["metadata"]["content_sha256"] == three.config["metadata"]["content_sha256"]
+    assert one.identity == three.identity and one.identity.startswith("4 cells, content ")
+    with DatasetWriter(tmp_path / "other", n_genes=5, value_type=pa.uint16(), rows_per_fragment=3) as w:
+        w.append(obs, indptr, genes, values + 1)
+        assert w.commit(var).identity != one.identity

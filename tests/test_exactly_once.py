@@ -355,3 +355,21 @@ def test_the_last_line_says_complete_only_when_every_epoch_was_trained_and_audit
         (True, "stopped at step 250 as --steps asked: 1 of 2 epochs complete; epoch 1: 960 of 6,000 cells")
     assert verdict([ep(0, 3000, False)], "asked", 10) == \
         (True, "stopped as asked: 0 of 1 epochs complete; epoch 0: 3,000 of 6,000 cells")
+
+
+def test_the_drivers_record_and_its_task_list_depth():
+    """What a resumed driver reads (the units seen done, as ranges) and how long the task list is
+    kept: about a second of the producers' take, doubling when it was found empty."""
+    from collections import deque
+
+    from coordination.driver import MIN_QUEUED_TASKS, EpochState, Flight, done_ranges
+
+    summary = PlanSummary(0, "p", 10, 100, 1, [100])
+    state = EpochState(summary, deque([7, 8]), {2: Flight(0), 3: Flight(1)})
+    assert done_ranges(state) == [[0, 2], [4, 7], [9, 10]]
+    assert done_ranges(EpochState(summary, deque(range(10)))) == []
+    driver = Driver(MemoryQueue(), MemoryMap(), "d", max_queued_tasks=128)
+    assert driver._depth(0, 0, 0.0) == MIN_QUEUED_TASKS  # no rate yet
+    assert driver._depth(60, 5, 1.0) == 60  # 60 tasks taken in a second
+    assert driver._depth(80, 0, 2.0) == 120  # found empty: at least twice the last depth
+    assert driver._depth(81, 0, 3.0) == 128  # (at most max_queued_tasks)

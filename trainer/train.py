@@ -121,7 +121,10 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             "schedule": json.dumps(asdict(schedule)), "audits": json.dumps(earlier_audits + audits)},
             dist.barrier, keep=cfg.keep_checkpoints, eval_loss=tracker.evals[-1]["eval_loss"] if tracker.evals else None)
 
-    earlier_audits = json.loads(saved.state.get("audits", "[]")) if saved is not None else []  # epochs done before
+    earlier_audits = json.loads(saved.state["audits"]) if saved is not None and "audits" in saved.state else \
+        [{"epoch": e, "cells": sum((summaries.get(e) or load_summary(store, cfg.run, e)).cells_per_rank),
+          "audited": True} for e in range(saved.epoch if saved is not None else 0)]  # (a checkpoint that predates
+    # the ledger: its trainer audited every epoch it finished, or stopped)
     audits: list[dict] = []
     stopping, batches, save_after_audit = False, None, False
     steps_done = lambda: cfg.max_steps is not None and step >= cfg.max_steps  # noqa: E731 - a --steps run's end
