@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from coordination.feistel import mix64
+from coordination.summary import load_summary
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -52,3 +53,24 @@ def verdict(epochs: list[dict], stopped: str | None = None, steps: int | None = 
         else:
             parts.append(cells(e) + " trained")
     return False, "INCOMPLETE: " + "; ".join(parts)
+
+
+def epoch_ledger(run: str, epochs: int, store, summaries: dict, audits: list[dict], epoch: int,
+                 in_progress: int | None) -> list[dict]:
+    """Every asked epoch: cells planned, cells trained (in this run and the runs it resumed), and
+    whether its exactly-once audit passed: what the run's last line is made of (`verdict`).
+    `audits`: the epochs finished (this run's and the checkpoint's); `in_progress`: every rank's
+    cells of `epoch` so far, when the run stopped inside it."""
+    done = {a["epoch"]: a for a in audits}
+    out = []
+    for e in range(epochs):
+        summary = summaries.get(e)
+        if summary is None:
+            summary = summaries[e] = load_summary(store, run, e)
+        planned = sum(summary.cells_per_rank)
+        if e in done:
+            out.append({"epoch": e, "planned": planned, "trained": done[e]["cells"], "audited": done[e]["audited"]})
+        else:
+            out.append({"epoch": e, "planned": planned, "trained": in_progress if e == epoch and in_progress else 0,
+                        "audited": False})
+    return out

@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from coordination.audit import epoch_ledger
 from coordination.backends import connect
 from coordination.driver import Driver
 from coordination.errors import CellfeedError
@@ -36,19 +36,9 @@ from coordination.wire import unpack_item
 from trainer import checkpoint
 from trainer.config import STOP_SIGNAL, TrainConfig
 from trainer.metrics import StepMetrics, Tracker, peak_flops
+from trainer.schedule import Schedule, lr_factor
 from trainer.model import CellTransformer, ModelConfig, masked_loss, train_flops
 from trainer.stream import ConsumerStream
-
-
-def lr_factor(done: float, warmup: float, total: float) -> float:
-    """Linear warm-up over `warmup`, then cosine decay to 10% at `total`; `done` counts this step
-    in. A campaign of epochs counts cells (the same curve on any number of ranks, across resumes
-    on another number); a `--steps` run counts steps."""
-    if done <= warmup:
-        return max(done, 1e-9) / max(warmup, 1e-9)
-    if total <= warmup:
-        return 1.0
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (done - warmup) / (total - warmup))))
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -229,7 +219,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         print(f"{driver.stats.redone} units were produced again: their items never reached a rank (lost in transit)",
               flush=True)
     summary["audits"] = audits
-    summary["epochs"] = epoch_ledger(cfg, store, summaries, earlier_audits + audits, epoch, in_progress)
+    summary["epochs"] = epoch_ledger(cfg.run, cfg.epochs, store, summaries, earlier_audits + audits, epoch, in_progress)
     summary["complete"] = epoch >= cfg.epochs  # every epoch trained (its audit is in `epochs`)
     summary["stopped"] = None if epoch >= cfg.epochs else "asked" if stopping else "steps" if steps_done() else None
     summary["last_step"] = step
@@ -240,46 +230,6 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     summary["final_params_checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
     return summary
 
-
-
-@dataclass
-class Schedule:
-    """Where the learning-rate schedule stands: cells trained in the campaign so far (every rank's,
-    every epoch's) and the warm-up in cells, fixed when the campaign starts (`--warmup-steps` of
-    that run's global batch), so a resume on another number of ranks follows the same curve."""
-
-    cells_done: int = 0
-    warmup_cells: int = 0
-
-    @classmethod
-    def of(cls, saved, cfg: TrainConfig, world: int, summaries: dict) -> "Schedule":
-        if saved is not None and "schedule" in saved.state:
-            return cls(**json.loads(saved.state["schedule"]))
-        fresh = cls(0, cfg.warmup_steps * cfg.batch_size * cfg.grad_accum * world)
-        if saved is not None:  # a checkpoint from before the schedule was kept: the cells its epochs held
-            fresh.cells_done = sum(sum(summaries[e].cells_per_rank) for e in range(saved.epoch) if e in summaries) + \
-                sum(r.trained + r.carried for r in saved.ranks)
-        return fresh
-
-
-def epoch_ledger(cfg: TrainConfig, store, summaries: dict, audits: list[dict], epoch: int,
-                 in_progress: int | None) -> list[dict]:
-    """Every asked epoch: cells planned, cells trained (in this run and the runs it resumed), and
-    whether its exactly-once audit passed: what the run's last line is made of
-    (`coordination.audit.verdict`)."""
-    done = {a["epoch"]: a for a in audits}
-    out = []
-    for e in range(cfg.epochs):
-        summary = summaries.get(e)
-        if summary is None:
-            summary = summaries[e] = load_summary(store, cfg.run, e)
-        planned = sum(summary.cells_per_rank)
-        if e in done:
-            out.append({"epoch": e, "planned": planned, "trained": done[e]["cells"], "audited": done[e]["audited"]})
-        else:
-            out.append({"epoch": e, "planned": planned, "trained": in_progress if e == epoch and in_progress else 0,
-                        "audited": False})
-    return out
 
 
 def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, store, summaries: dict):
