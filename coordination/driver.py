@@ -103,7 +103,6 @@ class Driver:
         self._stop = threading.Event()
         self._taken_at: tuple[int, float] | None = None  # (tasks taken, when) at the last pass
         self._take_rate: float | None = None  # tasks taken per second, smoothed
-        self._depth_now: int | None = None  # the task list's length aimed at in the last pass
         self._states: dict[int, EpochState] = {}  # every epoch this driver started, by epoch (active or not)
         self.error: BaseException | None = None
 
@@ -151,21 +150,21 @@ class Driver:
             return {}
         return {int(e): {u for a, b in spans for u in range(a, b)} for e, spans in data["epochs"].items()}
 
-    def _depth(self, taken: int, queued: int, now: float) -> int:
-        """How many tasks to keep in the list: what the producers take in TASK_LIST_S (their recent
-        rate), at least MIN_QUEUED_TASKS, at most `max_queued_tasks`. A short list keeps a unit
-        issued again (a lease run out, a producer going away, a rank asking) near its head: the
-        list is FIFO, and behind 128 tasks it would wait for all of them to be produced. A list
-        found empty was too short (the rate measured is only what it offered): it doubles."""
+    def _depth(self, taken: int, now: float) -> int:
+        """How many tasks to keep in the list: what the producers take in TASK_LIST_S, or in two
+        passes if a pass takes longer (their recent rate), at least MIN_QUEUED_TASKS, at most
+        `max_queued_tasks`. A short list keeps a unit issued again (a lease run out, a producer
+        going away, a rank asking) near its head: the list is FIFO, and behind 128 tasks it would
+        wait for all of them to be produced."""
+        horizon = TASK_LIST_S
         if self._taken_at is not None and now > self._taken_at[1]:
-            rate = (taken - self._taken_at[0]) / (now - self._taken_at[1])
+            interval = now - self._taken_at[1]
+            rate = (taken - self._taken_at[0]) / interval
             self._take_rate = rate if self._take_rate is None else 0.8 * self._take_rate + 0.2 * rate
+            horizon = max(TASK_LIST_S, 2 * interval)  # (slow passes: the list must last until the next one)
         self._taken_at = (taken, now)
-        wanted = MIN_QUEUED_TASKS if self._take_rate is None else math.ceil(self._take_rate * TASK_LIST_S)
-        if queued == 0 and self._depth_now is not None:  # ran dry since the last pass
-            wanted = max(wanted, 2 * self._depth_now)
-        self._depth_now = int(min(self.max_queued_tasks, max(MIN_QUEUED_TASKS, wanted)))
-        return self._depth_now
+        wanted = MIN_QUEUED_TASKS if self._take_rate is None else math.ceil(self._take_rate * horizon)
+        return int(min(self.max_queued_tasks, max(MIN_QUEUED_TASKS, wanted)))
 
     # ---- the epochs
 
@@ -261,7 +260,7 @@ class Driver:
                 continue
             queued = self.queue.len(partition=TASKS_PARTITION)
             taken_before = self._issued_seq - queued  # FIFO: every task issued before this one was taken
-            depth = self._depth(taken_before, queued, now)
+            depth = self._depth(taken_before, now)
             while order and order[0][0] < taken_before:
                 seq, e, u = order.popleft()
                 flight = active[e].flights.get(u) if e in active else None

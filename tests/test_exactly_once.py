@@ -359,7 +359,7 @@ def test_the_last_line_says_complete_only_when_every_epoch_was_trained_and_audit
 
 def test_the_drivers_record_and_its_task_list_depth():
     """What a resumed driver reads (the units seen done, as ranges) and how long the task list is
-    kept: about a second of the producers' take, doubling when it was found empty."""
+    kept: about a second of the producers' take (two passes' worth when passes are slow)."""
     from collections import deque
 
     from coordination.driver import MIN_QUEUED_TASKS, EpochState, Flight, done_ranges
@@ -369,7 +369,10 @@ def test_the_drivers_record_and_its_task_list_depth():
     assert done_ranges(state) == [[0, 2], [4, 7], [9, 10]]
     assert done_ranges(EpochState(summary, deque(range(10)))) == []
     driver = Driver(MemoryQueue(), MemoryMap(), "d", max_queued_tasks=128)
-    assert driver._depth(0, 0, 0.0) == MIN_QUEUED_TASKS  # no rate yet
-    assert driver._depth(60, 5, 1.0) == 60  # 60 tasks taken in a second
-    assert driver._depth(80, 0, 2.0) == 120  # found empty: at least twice the last depth
-    assert driver._depth(81, 0, 3.0) == 128  # (at most max_queued_tasks)
+    assert driver._depth(0, 0.0) == MIN_QUEUED_TASKS  # no rate yet
+    assert driver._depth(15, 0.25) == 60  # 60 tasks a second: a second's worth
+    assert driver._depth(30, 0.5) == 60
+    assert driver._depth(35, 0.75) == 52  # the rate falls (smoothed): the list shortens
+    assert driver._depth(75, 2.75) == 128  # a 2 s pass: two passes' worth (4 s at ~40/s), at most 128
+    assert Driver(MemoryQueue(), MemoryMap(), "d", max_queued_tasks=32)._depth(0, 0.0) == 16
+
