@@ -41,7 +41,7 @@ def prepare(cfg, queue, store, vocab_path=None) -> SetupFacts:
     plans are the same, the held-out set is replaced, and a stop left by an earlier end is
     cleared. Every source's genes are checked against the vocabulary first (`check_coverage`);
     `vocab_path`: where to write the vocabulary (the run folder)."""
-    producer = Producer(cfg.producer_config(), queue, store)
+    producer = Producer(cfg.producer_config(), queue, store, verify=True)  # every source checked, once per campaign
     vocab = producer.vocab
     coverage = check_coverage(producer.sources, vocab)
     summaries = plan_epochs(cfg, producer)

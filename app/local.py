@@ -86,11 +86,10 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
         facts = prepare(cfg, queue, store, vocab_path=workdir / "vocab.json")
         if latest is not None:  # refused here, before any producer or rank starts
             checkpoint.check_same_data(latest.step, latest.data_id, facts.data_id)
-        if latest is not None and latest.epoch >= facts.epochs:  # a finished run: nothing to train
-            return {"already_complete": f"run {cfg.run} is complete: its {plural(facts.epochs, 'epoch')} were trained "
-                                        f"(last checkpoint at step {latest.step:,}, {latest.folder}); nothing to "
-                                        "resume. Raise --epochs to train on, or start another --run"}
-        if latest is not None:  # refused here, before any producer or rank starts
+            if latest.epoch >= facts.epochs:  # a finished run: nothing to train
+                return {"already_complete": f"run {cfg.run} is complete: its {plural(facts.epochs, 'epoch')} were "
+                                            f"trained (last checkpoint at step {latest.step:,}, {latest.folder}); "
+                                            "nothing to resume. Raise --epochs to train on, or start another --run"}
             checkpoint.check_same_plan(latest.step, latest.epoch, latest.plan_id, store, cfg.run, facts.epochs)
         total_steps = facts.total_steps
         if cfg.corpus:

@@ -15,8 +15,8 @@ exactly-once").
 from __future__ import annotations
 
 import json
-import threading
 import math
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field

@@ -356,7 +356,7 @@ class Dataset:
         """What a checkpoint records of the data it was trained on (a resume onto other data is
         refused): the cell count and a content fingerprint -- the one `convert`/`synth` wrote
         (every cell's row count, genes and values), else one of the shape and the cell offsets.
-        Where the dataset lives is not part of it: a copy resumes."""
+        Where the dataset lives is not part of it (the epoch plan's id, checked inside an epoch, has it)."""
         content = self.config.get("metadata", {}).get("content_sha256")
         if content is None:
             h = hashlib.sha256(json.dumps([self.n_cells, self.n_genes, self.n_rows]).encode())

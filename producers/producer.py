@@ -163,12 +163,14 @@ class Producer:
     """Turns work units into items on the queue; all setup and validation happens here, up front."""
 
     def __init__(self, config: ProducerConfig, queue: Queue, store: Map, dataset: Dataset | None = None,
-                 name: str | None = None, vocab: GeneVocab | None = None):
+                 name: str | None = None, vocab: GeneVocab | None = None, verify: bool = False):
         self.config = config.validate()
         self.queue, self.store = queue, store
         self.mixtures = config.corpus_mixtures()
         self.spec = self.mixtures.union if self.mixtures is not None else config.corpus_spec()
-        self.sources = open_sources(self.spec, subset_ids=config.subset_ids,
+        # `verify`: the sources are checked at open (the campaign's setup does it, once; the fleet's
+        # producers, started after it, do not pay for it again at every start)
+        self.sources = open_sources(self.spec, subset_ids=config.subset_ids, verify=verify,
                                     datasets={config.dataset: dataset} if dataset is not None else None)
         self.ds = self.sources[0].ds
         # the setup's vocabulary once published (the same, built or read the same way, before): built

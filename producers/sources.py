@@ -45,11 +45,13 @@ def gene_identifiers(ds: Dataset, column: str, source: str) -> list[str]:
     return [str(g) for g in ds.var([column]).column(0).to_pylist()]
 
 
-def open_sources(spec: CorpusSpec, *, subset_ids=None, datasets: dict | None = None) -> list[Source]:
-    """Each source opened, its training cells selected (its held-out cells taken out), ids placed."""
+def open_sources(spec: CorpusSpec, *, subset_ids=None, datasets: dict | None = None,
+                 verify: bool = True) -> list[Source]:
+    """Each source opened (checked at open unless not `verify`: `Dataset.verify`), its training
+    cells selected (its held-out cells taken out), ids placed."""
     sources, offset = [], 0
     for s in spec.sources:
-        ds = (datasets or {}).get(s.dataset) or open_dataset(s.dataset)
+        ds = (datasets or {}).get(s.dataset) or open_dataset(s.dataset, verify=verify)
         column = spec.gene_column_of(s)
         selection = select_cells(ds, s.subset_filter, subset_ids if len(spec.sources) == 1 else None, s.eval_filter)
         sources.append(Source(s, ds, column, gene_identifiers(ds, column, s.name), selection, offset))

@@ -114,9 +114,8 @@ class ConsumerStream:
                     raw = self.queue.get_many(self.fetch_items, block=True, timeout=self.poll_s,
                                               partition=self.partition)
                 except Empty:
-                    self._answered = asked  # a poll begun then found the partition empty (not: failed to ask)
-                    continue
-                self._answered = asked
+                    raw = []
+                self._answered = asked  # a poll begun then was answered, items or none (not: failed to ask)
                 for data in raw:
                     item = unpack_item(data, run_tag=self.tag)
                     item.raw = bytes(data)  # kept to give it back untrained at a graceful stop (`give_back`)
