@@ -13,6 +13,7 @@ from coordination.routing import EVAL_PARTITION, stop_key
 from coordination.errors import CellfeedError
 from coordination.vocab import publish_vocab
 from producers.producer import Producer
+from producers.held_out import produce_held_out
 from producers.selection import filter_cells
 from producers.sources import check_coverage
 
@@ -56,7 +57,7 @@ def prepare(cfg, queue, store, vocab_path=None) -> SetupFacts:
         pass
     cells = held_out_cells(producer, cfg.eval_cells)
     if cells is not None:
-        held_out, held_out_items = len(cells), producer.produce_held_out(cells)
+        held_out, held_out_items = len(cells), produce_held_out(producer, cells)
     quotas = producer.quotas if producer.quotas is not None else [summaries[0].n_cells]
     return SetupFacts(
         n_genes=vocab.n_genes, vocab_size=vocab.size, pad_token=vocab.pad, mask_token=vocab.mask,
@@ -83,7 +84,7 @@ def record_mixtures(cfg, run_dir: Path, resumed_epoch: int | None) -> str | None
     changes it from the epoch after the one in progress, which finishes under its plan; one line
     says so. A change that would alter an epoch already planned is refused in one line
     (`Mixtures.changed`)."""
-    from coordination.corpus import CorpusSpec, Mixtures
+    from coordination.corpus_file import CorpusSpec, Mixtures
 
     if not cfg.corpus:
         return None
@@ -104,7 +105,7 @@ def record_mixtures(cfg, run_dir: Path, resumed_epoch: int | None) -> str | None
 def held_out_cells(producer: Producer, n: int):
     """The held-out cells (global ids): the first that match each source's eval filter, `n` in
     all, split among the sources by weight; None when no source has one."""
-    from coordination.corpus import quotas
+    from coordination.corpus_file import quotas
 
     filtered = [s for s in producer.sources if s.spec.eval_filter]
     if not filtered:

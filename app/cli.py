@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 
-from coordination.errors import CellfeedError
 from app.config import DEFAULT_LENGTHS
+from coordination.errors import CellfeedError
 
 ROWS_PER_FRAGMENT = 1 << 22
 
@@ -70,7 +70,7 @@ def cmd_inspect(args) -> int:
 
 def describe_corpus(path: str) -> str:
     """Per source of a corpus file: cells, genes in the vocabulary, non-zeros kept, quota per epoch."""
-    from coordination.corpus import CorpusSpec, quotas
+    from coordination.corpus_file import CorpusSpec, quotas
     from producers.sources import attach_vocab, campaign_vocab, coverage, open_sources
 
     spec = CorpusSpec.read(path)
@@ -113,7 +113,7 @@ def corpus_stats(args) -> int:
     import json
     from pathlib import Path
 
-    from coordination.corpus import CorpusSpec
+    from coordination.corpus_file import CorpusSpec
     from producers.gene_stats import compute_gene_medians
     from producers.sources import attach_vocab, campaign_vocab, open_sources
 
@@ -141,7 +141,7 @@ def cmd_local(args) -> int:
     from app.local import default_dataset, describe_resume, place_checkpoints, run_local
     from app.status import print_summary
     from coordination.audit import verdict
-    from coordination.tokens import layout
+    from producers.tokenizers import layout
 
     # every path is made absolute once, here, where it enters: the ranks and producers run in other
     # folders, and a relative --workdir applied twice put checkpoints in runs/runs/ (a resume missed them)
@@ -179,13 +179,16 @@ def describe(ds, n_values: int = 3) -> str:
         f"non-zeros   {ds.n_rows:,} ({ds.n_rows / max(1, ds.n_cells):,.0f} per cell, values {ds.value_type})",
         f"fragments   {len(sizes)} (rows per fragment: min {min(sizes, default=0):,}, max {max(sizes, default=0):,})",
         f"straddling  {len(straddling):,} cells cut by a fragment boundary",
-        "obs columns:",
     ]
-    head = ds.cells.head(max(n_values, 1)).to_pydict()
-    for name in ds.obs_columns:
-        field = ds.cells.schema.field(name)
-        shown = ", ".join(repr(v) for v in head[name][:n_values])
-        lines.append(f"  {name:<20} {str(field.type):<10} {shown}")
+    # var too: its columns are what a corpus's `gene_column` (`--gene-column`) may name, and the
+    # example values show which one holds the identifiers a vocabulary uses (Ensembl ids, symbols)
+    for title, table, names in (("obs columns:", ds.cells, ds.obs_columns),
+                                ("var columns (gene_column names one):", ds.genes, ds.genes.schema.names)):
+        lines.append(title)
+        head = table.head(max(n_values, 1)).to_pydict()
+        for name in names:
+            shown = ", ".join(repr(v) for v in head[name][:n_values])
+            lines.append(f"  {name:<20} {str(table.schema.field(name).type):<10} {shown}".rstrip())
     return "\n".join(lines)
 
 
@@ -299,10 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no live status line")
     p.set_defaults(func=cmd_local)
 
-    p = command("inspect", "summarise a dataset (shape, fragments, straddling cells, obs columns) or a corpus file "
-                "(per source: cells, genes matched, non-zeros kept, quota per epoch)")
+    p = command("inspect", "summarise a dataset (shape, fragments, straddling cells, obs and var columns) or a corpus "
+                "file (per source: cells, genes matched, non-zeros kept, quota per epoch)")
     p.add_argument("dataset", help="a local path or s3://bucket/prefix, or a corpus file (.toml)")
-    p.add_argument("--values", type=int, default=3, help="example values per obs column")
+    p.add_argument("--values", type=int, default=3, help="example values per obs and var column")
     p.add_argument("--check", action="store_true",
                    help="read every expression row and check it against the cell offsets and the manifest (opening "
                         "a dataset checks the metadata, the offsets' order and range, and a sample of cells)")

@@ -14,8 +14,8 @@ from coordination.driver import LEASE_S, heartbeat_interval
 from coordination.errors import CellfeedError
 from coordination.modal_backend import RETRY_S as MODAL_RETRY_S
 from coordination.plan import STRATEGIES, Sampling
-from coordination.presets import MODEL_PRESETS
-from coordination.tokens import LAYOUTS, layout
+from producers.tokenizers import LAYOUTS, layout
+from trainer.presets import MODEL_PRESETS
 
 PRESETS = tuple(MODEL_PRESETS)
 
@@ -86,7 +86,7 @@ MAX_ATTEMPT_HOURS = 23.0  # an hour short of Modal's 24 h limit on a call: time 
 @dataclass
 class CampaignConfig:
     dataset: str = ""  # local path or s3://bucket/prefix (S3 settings from the environment / a Modal Secret)
-    corpus: str | None = None  # instead of dataset: a corpus file (TOML, `coordination.corpus.CorpusSpec`)
+    corpus: str | None = None  # instead of dataset: a corpus file (TOML, `coordination.corpus_file.CorpusSpec`)
     vocabulary: str | None = None  # a gene vocabulary file; None: built from the sources
     gene_column: str = "gene_id"
     gene_medians: str | None = None
@@ -96,7 +96,7 @@ class CampaignConfig:
     eval_cells: int = 512  # how many held-out cells (the first that match)
     eval_every: int = 100
     tokenizer: str = "scgpt"
-    max_genes: int | None = None  # None: the tokenizer's own length (coordination.tokens.LAYOUTS)
+    max_genes: int | None = None  # None: the tokenizer's own length (producers.tokenizers.LAYOUTS)
     n_bins: int = 51
     strategy: str = "block"
     block_size: int = 64
@@ -189,7 +189,7 @@ class CampaignConfig:
         from dataclasses import replace
         from pathlib import Path
 
-        from coordination.corpus import CorpusSpec
+        from coordination.corpus_file import CorpusSpec
 
         carried, vocabulary = {}, self.vocabulary
         if self.corpus:
@@ -238,7 +238,7 @@ class CampaignConfig:
                         block_size=self.block_size, fetch_factor=self.fetch_factor, batch_size=self.batch_size)
 
     def producer_config(self, idle_timeout_s: float = 3600.0):
-        from producers.producer import ProducerConfig
+        from producers.config import ProducerConfig
 
         params = {"n_bins": self.n_bins} if self.tokenizer == "scgpt" else {}
         return ProducerConfig(dataset=self.dataset, corpus=self.corpus, mixtures=self.mixtures,
@@ -289,7 +289,7 @@ def resume_command(cfg: CampaignConfig, program: str = "modal run app/modal_app.
 
 def flag_choices() -> dict[str, tuple]:
     """The flags whose values come from a fixed list."""
-    from coordination.tokens import TOKENIZER_NAMES
+    from producers.tokenizers import TOKENIZER_NAMES
 
     trainable = tuple(n for n in TOKENIZER_NAMES if layout(n).objective)
     return {"tokenizer": trainable, "strategy": tuple(STRATEGIES), "preset": PRESETS}

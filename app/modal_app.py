@@ -35,10 +35,8 @@ emulator (cellfeed_testing/modal_emulator): no Modal run has been made from this
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import sys
 import time
 from dataclasses import asdict
@@ -46,8 +44,9 @@ from dataclasses import asdict
 import modal
 
 from app.config import MODAL_FLAGS, CampaignConfig, flags_signature, resume_command
+from app.modal_calls import PRODUCER_RETRIES, Fleet, interrupt_held, result, spawn
 from app.pins import pinned
-from coordination.modal_backend import RETRY_S, ModalUnreachable, retrying, transient_errors
+from coordination.modal_backend import ModalUnreachable, retrying
 
 APP_NAME = "cellfeed"
 SECRET_NAME = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")
@@ -59,7 +58,6 @@ PRODUCER_CPU, PRODUCER_MEMORY_MB = 4.0, 16_384
 TRAINER_CPU, TRAINER_MEMORY_MB = 32.0, 131_072
 DAY = 24 * 3600  # Modal's longest timeout for a call
 MAX_GPUS = 8  # Modal's largest GPU count for one container ("H100:8")
-PRODUCER_RETRIES = 3
 PRODUCER_HOURS = 23.0  # a producer call returns after this long (Modal ends it at 24 h) and is replaced
 STOP_GRACE_S = 60.0  # at the end: how long all producers together get to stop before being cancelled
 PREEMPT_SAVE_S = 20.0  # of Modal's ~30 s grace after a preemption's SIGINT: the ranks' time to checkpoint
@@ -90,16 +88,6 @@ def unpacked(config: dict) -> CampaignConfig:
     import tempfile
 
     return CampaignConfig(**config).unpack_files(tempfile.mkdtemp(prefix="cellfeed-files-")).validate()
-
-
-def spawn(function, *args, retry: float = RETRY_S):
-    """`function.spawn(*args)`, retried on Modal's transient errors."""
-    return retrying(lambda: function.spawn(*args), f"spawning {function.__name__}", retry)
-
-
-def result(call, retry: float = RETRY_S):
-    """The call's result (waiting for it), its own error raised; transient errors retried."""
-    return retrying(call.get, f"waiting for {call.object_id}", retry)
 
 
 def setup_body(config: dict) -> dict:
@@ -151,7 +139,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     if latest is not None and not cfg.resume:  # a re-run of this input (preemption) or a continuation
         print(f"run {cfg.run} has a checkpoint at step {latest.step}: resuming from it", flush=True)
         cfg.resume = True
-    fleet = Fleet(cfg, config, store)
+    fleet = Fleet(cfg, config, store, produce)
     workdir = Path(tempfile.gettempdir()) / "cellfeed" / cfg.run
     cells_log = {}
     if cfg.audit_cells:  # one file set per train call (a preempted call's steps past its checkpoint are re-trained)
@@ -194,19 +182,6 @@ def checkpoint_mount() -> str:
     return os.environ.get("CELLFEED_CHECKPOINT_MOUNT", CHECKPOINTS)
 
 
-@contextlib.contextmanager
-def interrupt_held():
-    """A SIGINT (Modal's preemption) that arrives inside the block is raised when it ends."""
-    got = []
-    previous = signal.signal(signal.SIGINT, lambda *_: got.append(True))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if got:
-            raise KeyboardInterrupt
-
-
 def ensure_setup(cfg: CampaignConfig, config: dict, facts, queue, store) -> None:
     """The setup's work is still there: every epoch's plan (a Dict entry expires after 7 days
     unused: looking at it is a use) and the held-out set (a queue partition is cleared 24 h after
@@ -244,88 +219,6 @@ def watch(ranks, fleet: "Fleet", deadline: float) -> None:
             gap = min(2 * gap, FLEET_CHECK_S)
             next_look = time.monotonic() + gap
         time.sleep(0.5)
-
-
-class Fleet:
-    """The run's producer calls, by name (`producer-<i>`), their ids kept in the run's map: those
-    of an earlier call of this run still running are reused, never doubled; a producer that
-    ended (its hours, or an idle hour) is replaced; one that failed all Modal's retries ends
-    the run."""
-
-    def __init__(self, cfg: CampaignConfig, config: dict, store):
-        from coordination.routing import fleet_key
-
-        self.cfg, self.config, self.store, self.key = cfg, config, store, fleet_key(cfg.run)
-        known = json.loads(store.get(self.key) or "{}")
-        self.calls = {}
-        for i in range(cfg.producers):
-            name = f"producer-{i}"
-            call = modal.FunctionCall.from_id(known[name]) if name in known else None
-            if call is not None and call_state(call, cfg.modal_retry_s)[0] == "running":
-                self.calls[name] = call
-        if self.calls:
-            print(f"reusing the {len(self.calls)} producers still running from an earlier call of this run", flush=True)
-        for i in range(cfg.producers):
-            if f"producer-{i}" not in self.calls:
-                self._spawn(f"producer-{i}")
-
-    def _spawn(self, name: str) -> None:
-        with interrupt_held():  # spawned and recorded, or neither: a re-run must not spawn it twice
-            self.calls[name] = spawn(produce, self.config, name, retry=self.cfg.modal_retry_s)
-            self.store.put(self.key, json.dumps({n: c.object_id for n, c in self.calls.items()}))
-
-    def check(self) -> None:
-        from coordination.errors import CellfeedError
-
-        for name, call in list(self.calls.items()):
-            state, error = call_state(call, self.cfg.modal_retry_s)
-            if state == "failed":
-                last_line = (str(error).strip().splitlines() or [""])[-1]
-                raise CellfeedError(f"{name} failed {1 + PRODUCER_RETRIES} times, Modal's retries spent "
-                                    f"({type(error).__name__}: {last_line}); the run stops: mend the cause, "
-                                    "then run again with --resume")
-            if state == "ended":
-                print(f"{name} ended: a new call takes its place", flush=True)
-                self._spawn(name)
-
-    def stop(self, deadline_s: float, retry: float = RETRY_S) -> None:
-        """One deadline for all to return (they read the stop key), then cancel the rest."""
-        deadline = time.monotonic() + deadline_s
-        transient = transient_errors()
-
-        def stop_one(call):
-            try:
-                call.get(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:  # still running past the deadline (builtin TimeoutError: modal/_functions.py)
-                call.cancel()
-            except transient:
-                raise  # retried
-            except Exception:  # noqa: BLE001 - it failed: nothing to stop
-                pass
-
-        for call in self.calls.values():
-            retrying(lambda: stop_one(call), f"stopping {call.object_id}", retry)
-
-
-def call_state(call, retry: float = RETRY_S) -> tuple[str, BaseException | None]:
-    """("running" | "ended" | "failed", its error) of a function call, without waiting. Modal
-    raises the builtin TimeoutError while a call runs (not modal.exception.TimeoutError, whose
-    subclasses FunctionTimeoutError and OutputExpiredError mean it is over). A transient network
-    error says nothing of the call: it is retried (for `retry` seconds), never taken for a failure."""
-    transient = transient_errors()
-
-    def look():
-        try:
-            call.get(timeout=0)
-        except TimeoutError:
-            return "running", None
-        except transient:
-            raise
-        except Exception as exc:  # noqa: BLE001 - its error, Modal's retries spent
-            return "failed", exc
-        return "ended", None
-
-    return retrying(look, f"looking at {call.object_id}", retry)
 
 
 def end_campaign(cfg: CampaignConfig, fleet: Fleet, facts, store) -> None:

@@ -33,7 +33,8 @@ from coordination.errors import CellfeedError  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue, request_batches  # noqa: E402
 from coordination.routing import TASKS_PARTITION, encode_task, rank_partition  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
-from producers.producer import Producer, ProducerConfig  # noqa: E402
+from producers.config import ProducerConfig  # noqa: E402
+from producers.producer import Producer  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
 from trainer.stream import ConsumerStream  # noqa: E402
 

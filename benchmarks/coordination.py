@@ -48,7 +48,8 @@ from coordination.summary import PlanSummary, publish_summary  # noqa: E402
 from coordination.queues import Empty, MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import TASKS_PARTITION, rank_partition, run_tag, unit_rank  # noqa: E402
 from coordination.wire import HEADER, MAGIC, VERSION  # noqa: E402
-from producers.producer import Producer, ProducerConfig, ProducerStats  # noqa: E402
+from producers.config import ProducerConfig  # noqa: E402
+from producers.producer import Producer, ProducerStats  # noqa: E402
 
 TAHOE_CELLS, TAHOE_GENES = 100_000_000, 62_710
 ROWS_PER_FRAGMENT = 1 << 22
@@ -100,7 +101,7 @@ class SimulatedProducer(Producer):
         return self.plans[epoch]
 
     def read(self, epoch, unit):
-        return None, NO_ROWS  # (unit, rows): nothing is read; the loop sizes its read-ahead by the rows' bytes
+        return None, [NO_ROWS]  # (unit, rows per part): nothing is read; the loop sizes its read-ahead by the rows' bytes
 
     def process(self, epoch, unit_id, rows=None):
         cells = int(self.plans[epoch].unit_cell_counts[unit_id])
@@ -110,7 +111,7 @@ class SimulatedProducer(Producer):
         n_items = -(-cells // CELLS_PER_ITEM)
         items = [fake_item(epoch, unit_id, s, n_items, min(CELLS_PER_ITEM, cells - s * CELLS_PER_ITEM), self.payload)
                  for s in range(n_items)]
-        self._put(items, rank_partition(unit_rank(unit_id, WORLD)))
+        self.hand_off(items, rank_partition(unit_rank(unit_id, WORLD)))
         self.stats.cells += cells
         self.stats.units += 1
 
@@ -298,7 +299,7 @@ if {what!r} == "setup":
     assert sum(summary.cells_per_rank) == {n_cells}
 else:
     unit = plan.unit(plan.n_units // 2)
-    assert len(unit.cells) > 0
+    assert unit.n_cells > 0
 print(json.dumps({{"seconds": time.perf_counter() - t, "index_s": t_index, "n_units": plan.n_units,
                   "rss_mb": peak_rss_mb()}}))
 """

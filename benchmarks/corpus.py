@@ -134,7 +134,9 @@ def reference_scgpt(genes: list[str], vocab, values: np.ndarray, ids: list[str])
 def token_mismatches(corpus: Path, per_source: int) -> tuple[int, int]:
     """(cells that differ from the reference, cells compared): `per_source` cells of each source
     through the producer (its held-out path: the same mapping, tokenizer and packing)."""
-    from producers.producer import Producer, ProducerConfig
+    from producers.config import ProducerConfig
+    from producers.producer import Producer
+    from producers.held_out import produce_held_out
 
     producer = Producer(ProducerConfig(dataset="", corpus=str(corpus), run="tokens", max_genes=MAX_GENES,
                                        threads=1), MemoryQueue(), MemoryMap())
@@ -142,8 +144,8 @@ def token_mismatches(corpus: Path, per_source: int) -> tuple[int, int]:
     chosen = np.concatenate([s.offset + np.sort(rng.choice(s.ds.n_cells, size=min(per_source, s.ds.n_cells),
                                                            replace=False)) for s in producer.sources])
     queue = MemoryQueue()
-    producer.queue = queue
-    producer.produce_held_out(chosen)
+    producer.queue = producer.courier.queue = queue
+    produce_held_out(producer, chosen)
     got = {}
     for data in queue.get_many(10**6, block=False, partition=EVAL_PARTITION):
         item = unpack_item(data)
@@ -167,7 +169,8 @@ def producer_rate(corpus: Path | None, dataset: Path | None, min_cells: int,
     """(cells/s, non-zeros/s) of one producer (2 tokenizing threads) processing units in-process,
     epoch after epoch, until `min_cells`: the work a producer process does, its rows read first
     (not timed: the same reads either way) and its items dropped."""
-    from producers.producer import Producer, ProducerConfig
+    from producers.config import ProducerConfig
+    from producers.producer import Producer
 
     # units as a campaign's default (64 batches of 240 cells), not shrunk for a small atlas (min_units):
     # a unit's fixed costs weigh as they do at scale
@@ -185,9 +188,9 @@ def producer_rate(corpus: Path | None, dataset: Path | None, min_cells: int,
             t = time.perf_counter()
             producer.process(epoch, u, (unit, blocks))
             seconds += time.perf_counter() - t
-            producer.queue = MemoryQueue()  # drop the items
-            cells += unit.n_cells if hasattr(unit, "parts") else len(unit.cells)
-            rows += sum(len(b.gene) for b in (blocks if isinstance(blocks, list) else [blocks]))
+            producer.queue = producer.courier.queue = MemoryQueue()  # drop the items
+            cells += unit.n_cells
+            rows += sum(len(b.gene) for b in blocks)
             if cells >= min_cells:
                 break
         epoch += 1
@@ -202,7 +205,8 @@ sys.path.insert(0, {str(ROOT)!r})
 from benchmarks._checks import peak_rss_mb
 t = time.perf_counter()
 from benchmarks.coordination import tahoe_geometry
-from coordination.corpus import CorpusPlan, CorpusSource, quotas
+from coordination.corpus_file import quotas
+from coordination.corpus import CorpusPlan, CorpusSource
 from coordination.plan import Sampling
 from coordination.summary import PlanSummary
 sizes = (100_000_000, 49_000_000, 1_000_000)
@@ -234,7 +238,8 @@ def main() -> None:
     try:
         sources = build_sources(cache, n_a, n_b, n_genes)
         corpus = corpus_file(work / "corpus.toml", sources)
-        from producers.producer import Producer, ProducerConfig
+        from producers.config import ProducerConfig
+        from producers.producer import Producer
         from producers.sources import coverage
 
         planner = Producer(ProducerConfig(dataset="", corpus=str(corpus), run="corpus", world_size=2), MemoryQueue(),

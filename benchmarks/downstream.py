@@ -24,12 +24,14 @@ from coordination.plan import Sampling
 from coordination.summary import PlanSummary, publish_summary
 from coordination.queues import MemoryMap, MemoryQueue
 from coordination.routing import stop_key
-from coordination.tokens import GENE_OFFSET, PAD
-from producers.producer import Producer, ProducerConfig
+from coordination.vocab import GENE_OFFSET, PAD
+from producers.config import ProducerConfig
+from producers.producer import Producer
+from producers.held_out import produce_held_out
 from producers.selection import filter_cells, label_codes
 from trainer.stream import Batch, ConsumerStream
 from trainer.config import TrainConfig
-from trainer.train import load_held_out
+from trainer.evaluation import load_held_out
 
 LABELS = ("cell_line", "dose")  # plate-independent in the synthetic atlas (producers/synth.py)
 MAX_GENES = 4096  # more than any synthetic cell expresses: the probe sees every expressed gene
@@ -55,7 +57,7 @@ def pipeline_epoch(ds, sampling: Sampling, *, seed: int = 0, batch_size: int = 6
     held = []
     if held_out_filter is not None:
         held_cells = filter_cells(ds, held_out_filter, "--eval-filter")
-        producer.produce_held_out(held_cells)
+        produce_held_out(producer, held_cells)
         n_held = len(held_cells)
         held = load_held_out(queue, TrainConfig(run=run, backend={"kind": "memory"}, vocab_size=ds.n_genes + GENE_OFFSET,
                                                 batch_size=512, eval_cells=n_held, no_data_timeout_s=120),

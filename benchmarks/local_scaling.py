@@ -6,14 +6,16 @@ queue depth over time as a PNG.
     python benchmarks/local_scaling.py --quick    # a 20k-cell atlas
     python benchmarks/local_scaling.py --tiny     # a 3k-cell atlas, the PNG in a temp dir (the test suite's)
 
-Ends with one JSON line of the figures. Needs matplotlib for the PNG (`pip install -e ".[bench]"`),
-checked before it starts; `--no-png` does without. Exits 1 (one line on stderr) when the consumer
-got fewer cells than the epoch holds or a figure is missing.
+Ends with one JSON line of the figures. Draws the PNG with matplotlib, the `bench` extra (`pip
+install -e ".[bench]"`): without it, one line says no PNG is drawn and the figures still come (an
+explicit `--png` needs it, checked before any work; `--no-png` does without). Exits 1 (one line on
+stderr) when the consumer got fewer cells than the epoch holds or a figure is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -28,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.campaign import prepare  # noqa: E402
-from benchmarks._checks import check_figures, fail, require  # noqa: E402
 from app.config import CampaignConfig  # noqa: E402
 from app.fleet import start_producer, stop_campaign  # noqa: E402
+from benchmarks._checks import BENCH_EXTRA, check_figures, fail, require, script  # noqa: E402
 from coordination.backends import BackendSpec, connect  # noqa: E402
 from coordination.driver import Driver  # noqa: E402
 from coordination.local_backend import ServerProcess  # noqa: E402
@@ -73,7 +75,8 @@ def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> 
         done.set()
         stream.close()
         if cells != facts.cells_per_epoch:
-            fail(f"{n_producers} producer(s): the consumer got {cells:,} of the epoch's {facts.cells_per_epoch:,} cells")
+            fail(f"{n_producers} producer(s): the consumer got {cells:,} of the epoch's "
+                 f"{facts.cells_per_epoch:,} cells")
         # steady state: the rate between 10% and 90% of the epoch delivered (start-up excluded)
         t10 = next(t for t, c in arrivals if c >= 0.1 * cells)
         t90 = next(t for t, c in arrivals if c >= 0.9 * cells)
@@ -96,6 +99,10 @@ def main() -> None:
                         help="where to draw the queue depth (default benchmarks/local_scaling.png; --tiny: a temp dir)")
     parser.add_argument("--no-png", action="store_true", help="no PNG (and no need for matplotlib)")
     args = parser.parse_args()
+    if not args.no_png and args.png is None and importlib.util.find_spec("matplotlib") is None:
+        # the README's set-up installs the `test` extra, not `bench`: the figures are the point, the PNG a bonus
+        print(f"{script()}: no PNG: matplotlib is not installed ({BENCH_EXTRA} draws it)", file=sys.stderr)
+        args.no_png = True
     if not args.no_png:
         require({"matplotlib": "the queue-depth PNG"}, hint=", or --no-png")
         args.png = args.png or (str(Path(tempfile.mkdtemp(prefix="cellfeed-scaling-")) / "local_scaling.png")

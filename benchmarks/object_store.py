@@ -36,7 +36,8 @@ from benchmarks.producer import STRATEGIES, run_config  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
 from cellfeed_testing.object_store import REGION, S3Proxy, SeaweedServer  # noqa: E402
-from producers.producer import Producer, ProducerConfig  # noqa: E402
+from producers.config import ProducerConfig  # noqa: E402
+from producers.producer import Producer  # noqa: E402
 from producers.storage import S3Settings  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
 

@@ -35,7 +35,8 @@ from coordination.routing import TASKS_PARTITION, encode_task  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
 from producers.gene_stats import compute_gene_medians, load_gene_medians, store_gene_stats  # noqa: E402
 from producers.items import CHUNK_CELLS  # noqa: E402
-from producers.producer import Producer, ProducerConfig  # noqa: E402
+from producers.config import ProducerConfig  # noqa: E402
+from producers.producer import Producer  # noqa: E402
 from coordination.arrays import offsets_of  # noqa: E402
 from producers.ranking import CellRows, rank_order  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
@@ -86,7 +87,7 @@ def run_config(ds, tokenizer: str, max_genes: int, sampling: Sampling, cell_budg
     if tokenizer != "raw":
         for u in units[:4]:
             unit = plan.unit(u)
-            block = ds.read_row_ranges(unit.ranges)
+            block = ds.read_row_ranges(unit.parts[0].ranges)
             cell_ids, counts = np.unique(block.cell, return_counts=True)
             offsets = offsets_of(counts)
             for lo in range(0, len(cell_ids), CHUNK_CELLS):
@@ -117,7 +118,7 @@ def floor_cells_per_s(ds, units, plan_sampling) -> tuple[float, int]:
     producer = Producer(ProducerConfig(dataset=ds.uri, run="floor", sampling=plan_sampling), MemoryQueue(),
                         MemoryMap(), dataset=ds)
     plan = producer.plan(0)
-    blocks = [ds.read_row_ranges(plan.unit(u).ranges) for u in units]
+    blocks = [ds.read_row_ranges(plan.unit(u).parts[0].ranges) for u in units]
     frame = pl.DataFrame({"cell": np.concatenate([b.cell for b in blocks]),
                           "gene": np.concatenate([b.gene for b in blocks]),
                           "value": np.concatenate([b.value for b in blocks])})

@@ -17,15 +17,18 @@ strategy:
 
 Every epoch holds out plate14 (the probe's test plate), so batches come from 13 plates stored in
 order: sequential batches see one plate (entropy ~0 bits), truly random batches of 64 most of
-them. Draws two PNGs (score vs throughput; macro-F1 vs cells seen: matplotlib, checked before it
-starts; `--no-png` does without) and ends with one JSON line. Needs scikit-learn for macro-F1 (both
-from `pip install -e ".[bench]"`). Exits 1 (one line on stderr) when a figure is missing.
+them. Draws two PNGs (score vs throughput; macro-F1 vs cells seen) with matplotlib, the `bench`
+extra (`pip install -e ".[bench]"`): without it, one line says no PNGs are drawn and the figures
+still come (an explicit `--png` needs it, checked before any work; `--no-png` does without). Ends
+with one JSON line. Needs scikit-learn for macro-F1 (the `test` and `bench` extras). Exits 1 (one
+line on stderr) when a figure is missing.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import importlib.util
 import json
 import os
 import platform
@@ -40,15 +43,22 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import check_figures, require  # noqa: E402
+from benchmarks._checks import BENCH_EXTRA, check_figures, require, script  # noqa: E402
 from benchmarks.downstream import (  # noqa: E402
-    EVAL_POINTS, LABELS, MAX_GENES, ProbeRun, parity_codes, pipeline_epoch, train_probe)
+    EVAL_POINTS,
+    LABELS,
+    MAX_GENES,
+    ProbeRun,
+    parity_codes,
+    pipeline_epoch,
+    train_probe,
+)
 from benchmarks.producer import run_config  # noqa: E402
+from cellfeed_testing.sampling_quality import block_entropy_bounds, entropy_bits, index_score  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
 from producers.selection import label_codes, select_cells  # noqa: E402
 from producers.synth import SynthSpec, cached_atlas, synthesize  # noqa: E402
-from cellfeed_testing.sampling_quality import block_entropy_bounds, entropy_bits, index_score  # noqa: E402
 
 BATCH = 64
 HELD_OUT = "plate = 'plate14'"  # the campaign's --eval-filter: never trained on; the probe's test set
@@ -114,7 +124,8 @@ def throughput_ratio(ds, a: Sampling, b: Sampling, budget: int, repeats: int = 3
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a 15k-cell atlas, the 5 parity settings, one seed (a minute)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a 15k-cell atlas, the 5 parity settings, one seed (a minute)")
     parser.add_argument("--tiny", action="store_true",
                         help="as --quick on an atlas of 1k cells and 3k genes (the probe's steps cost its vocabulary), "
                              "one throughput pair, a 512-cell buffer, the PNGs in a temp dir (the test suite's)")
@@ -130,6 +141,10 @@ def main() -> None:
     parser.add_argument("--no-png", action="store_true", help="no PNGs (and no need for matplotlib)")
     args = parser.parse_args()
     require({"sklearn": "the probe's macro-F1"})
+    if not args.no_png and args.png is None and importlib.util.find_spec("matplotlib") is None:
+        # the README's set-up installs the `test` extra, not `bench`: the figures are the point, the PNGs a bonus
+        print(f"{script()}: no PNGs: matplotlib is not installed ({BENCH_EXTRA} draws them)", file=sys.stderr)
+        args.no_png = True
     if not args.no_png:
         require({"matplotlib": "the PNGs"}, hint=", or --no-png")
         args.png = args.png or (str(Path(tempfile.mkdtemp(prefix="cellfeed-randomness-")) / "randomness.png")
@@ -184,8 +199,8 @@ def main() -> None:
     figures["mixture_index_score"] = figures[f"{key_of(DEFAULTS['mixture'])}_index_score"]
     figures["mixture_vs_sequential_throughput"] = round(
         throughput_ratio(ds, rows[DEFAULTS["mixture"]][4], rows["sequential"][4], budget, 1 if args.tiny else 3), 3)
-    print(f"{DEFAULTS['mixture']} / sequential producer throughput, median of {1 if args.tiny else 3} back-to-back pairs: "
-          f"{figures['mixture_vs_sequential_throughput']:.3f}")
+    print(f"{DEFAULTS['mixture']} / sequential producer throughput, median of {1 if args.tiny else 3} back-to-back "
+          f"pairs: {figures['mixture_vs_sequential_throughput']:.3f}")
     for name in ("block b=16 f=256", DEFAULTS["block"]):
         figures[f"{key_of(name)}_minus_random_bits"] = round(rows[name][0] - reference, 4)
 
@@ -223,7 +238,8 @@ def draw(rows: dict, reference: float, png: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, (mean, _, score, speed, sampling) in rows.items():
-        color = {"sequential": "tab:red", "random": "tab:gray", "mixture": "tab:orange"}.get(sampling.strategy, "tab:blue")
+        color = {"sequential": "tab:red", "random": "tab:gray", "mixture": "tab:orange"}.get(sampling.strategy,
+                                                                                              "tab:blue")
         for ax, y in zip(axes, (score, mean - reference)):
             ax.scatter(speed, y, color=color)
             ax.annotate(name, (speed, y), fontsize=7, xytext=(3, 3), textcoords="offset points")

@@ -28,3 +28,17 @@ def positions_in_ranges(ranges: np.ndarray, rows: np.ndarray) -> np.ndarray:
     ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
     i = np.searchsorted(ranges[:, 0], rows, side="right") - 1
     return offsets_of(ranges[:, 1] - ranges[:, 0])[i] + np.asarray(rows, dtype=np.int64) - ranges[i, 0]
+
+
+def merge_ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """Sorted [start, stop) ranges with touching neighbours merged; empty ranges dropped."""
+    keep = stops > starts
+    starts, stops = starts[keep], stops[keep]
+    if len(starts) == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    order = np.argsort(starts, kind="stable")
+    starts, stops = starts[order], stops[order]
+    new = np.ones(len(starts), dtype=bool)
+    new[1:] = starts[1:] > stops[:-1]
+    merged_stops = np.maximum.reduceat(stops, np.flatnonzero(new))
+    return np.stack([starts[new], merged_stops], axis=1).astype(np.int64)

@@ -13,7 +13,7 @@ Map values are bytes, str or int (what cellfeed stores), tagged b"b", b"s" or b"
 
 The server answers only the run's own processes: it makes a random token and writes it to a file
 only its owner can read (`ServerProcess`: in the run's folder); each connection's first frame
-must carry it (op 11), else the connection is refused with one line and closed. A process is
+must carry it (`Op.AUTH`), else the connection is refused with one line and closed. A process is
 given the file's path, never the token (`BackendSpec.token_file`): nothing secret reaches a
 config, a log or an error.
 """
@@ -21,6 +21,7 @@ config, a log or an error.
 from __future__ import annotations
 
 import argparse
+import enum
 import hmac
 import json
 import os
@@ -38,8 +39,24 @@ from pathlib import Path
 from coordination.errors import CellfeedError
 from coordination.queues import Empty, Full, ItemTooLarge, MapGone, MemoryMap, MemoryQueue, RequestTooLarge
 
-OK, FULL, EMPTY, TOO_LARGE, MISSING, ERROR, GONE, REQUEST_TOO_LARGE = range(8)
-AUTH = 11  # a connection's first request when the server has a token: {"token": ...}
+
+class Op(enum.IntEnum):
+    """A request's op: its frame's first byte (the numbers are the wire format)."""
+
+    PUT_MANY = 1  # the queue
+    GET_MANY = 2
+    LEN = 3
+    MAP_PUT = 4  # a map: the run's, or the named map the header's "map" names
+    MAP_GET = 5
+    MAP_POP = 6
+    MAP_KEYS = 7
+    PING = 8
+    CREATE_MAP = 9  # the named map the header's "map" names
+    DROP_MAP = 10
+    AUTH = 11  # a connection's first request when the server has a token: {"token": ...}
+
+
+OK, FULL, EMPTY, TOO_LARGE, MISSING, ERROR, GONE, REQUEST_TOO_LARGE = range(8)  # a response's status
 MAX_AUTH_FRAME = 4096  # the hello's size at most (read before the caller is known)
 REFUSED = ("refused: this queue server answers only its run's processes, which read its token from the "
            "run's folder (is this the right run, or its folder another user's?)")
@@ -134,7 +151,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 self.request.settimeout(None)
             except Exception:  # noqa: BLE001 - anything else than the run's hello: the connection is closed
                 return
-            if op != AUTH or not hmac.compare_digest(str(h.get("token", "")).encode(), token.encode()):
+            if op != Op.AUTH or not hmac.compare_digest(str(h.get("token", "")).encode(), token.encode()):
                 try:
                     _send_frame(self.request, ERROR, {"message": REFUSED})
                 except OSError:
@@ -161,32 +178,32 @@ class _Handler(socketserver.BaseRequestHandler):
 
     @staticmethod
     def _dispatch(op, h, values, queue, store):
-        if h.get("map") is not None:  # a named map (ops 4-7 on it; 9 creates, 10 drops)
-            if op == 9:
+        if h.get("map") is not None:  # a named map: the MAP_ ops act on it, CREATE_MAP and DROP_MAP make and drop it
+            if op == Op.CREATE_MAP:
                 store.named(h["map"], create=True)
                 return OK, {}, []
-            if op == 10:
+            if op == Op.DROP_MAP:
                 store.drop(h["map"])
                 return OK, {}, []
             store = store.named(h["map"])
-        if op == 1:
+        if op == Op.PUT_MANY:
             queue.put_many(values, h["block"], h["timeout"], partition=h["partition"])
             return OK, {}, []
-        if op == 2:
+        if op == Op.GET_MANY:
             return OK, {}, queue.get_many(h["n"], h["block"], h["timeout"], partition=h["partition"])
-        if op == 3:
+        if op == Op.LEN:
             return OK, {"len": queue.len(partition=h["partition"], total=h["total"])}, []
-        if op == 4:
+        if op == Op.MAP_PUT:
             return OK, {"stored": store.put(h["key"], _decode_value(values[0]),
                                             skip_if_exists=h["skip_if_exists"])}, []
-        if op == 5:
+        if op == Op.MAP_GET:
             value = store.get(h["key"])
             return OK, {"found": value is not None}, [] if value is None else [_encode_value(value)]
-        if op == 6:
+        if op == Op.MAP_POP:
             return OK, {}, [_encode_value(store.pop(h["key"]))]
-        if op == 7:
+        if op == Op.MAP_KEYS:
             return OK, {"keys": store.keys()}, []
-        if op == 8:
+        if op == Op.PING:
             return OK, {"pong": True}, []
         raise ValueError(f"unknown op {op}")
 
@@ -295,7 +312,7 @@ class _Client:
             if self.token is not None:
                 sock.settimeout(CONNECT_TIMEOUT_S)
                 try:
-                    _send_frame(sock, AUTH, {"token": self.token})
+                    _send_frame(sock, Op.AUTH, {"token": self.token})
                     code, reply, _ = _recv_frame(sock)
                 except (OSError, ConnectionError):
                     sock.close()
@@ -306,7 +323,7 @@ class _Client:
             self._local.sock = sock
         return sock
 
-    def call(self, op: int, header: dict, values: list[bytes] = (), wait_s: float | None = 0.0):
+    def call(self, op: Op, header: dict, values: list[bytes] = (), wait_s: float | None = 0.0):
         sock = self._sock()
         sock.settimeout(None if wait_s is None else wait_s + REPLY_MARGIN_S)
         try:
@@ -346,22 +363,22 @@ class LocalQueue:
         for v in values:
             if not isinstance(v, (bytes, bytearray, memoryview)):
                 raise TypeError(f"queue items are bytes (no pickle on the data path), got {type(v).__name__}")
-        self.client.call(1, {"block": block, "timeout": timeout, "partition": partition}, values,
+        self.client.call(Op.PUT_MANY, {"block": block, "timeout": timeout, "partition": partition}, values,
                          wait_s=timeout if block else 0.0)
 
     def put(self, value, block=True, timeout=None, *, partition=None) -> None:
         self.put_many([value], block, timeout, partition=partition)
 
     def get_many(self, n_values, block=True, timeout=None, *, partition=None) -> list[bytes]:
-        return self.client.call(2, {"n": n_values, "block": block, "timeout": timeout, "partition": partition},
-                                wait_s=timeout if block else 0.0)[1]
+        header = {"n": n_values, "block": block, "timeout": timeout, "partition": partition}
+        return self.client.call(Op.GET_MANY, header, wait_s=timeout if block else 0.0)[1]
 
     def get(self, block=True, timeout=None, *, partition=None):
         values = self.get_many(1, block, timeout, partition=partition)
         return values[0] if values else None
 
     def len(self, *, partition=None, total=False) -> int:
-        return self.client.call(3, {"partition": partition, "total": total})[0]["len"]
+        return self.client.call(Op.LEN, {"partition": partition, "total": total})[0]["len"]
 
 
 class LocalMap:
@@ -372,19 +389,20 @@ class LocalMap:
         self.client = client or _Client(address, token)
         self.name = name
 
-    def _call(self, op: int, header: dict, values: list[bytes] = ()):
+    def _call(self, op: Op, header: dict, values: list[bytes] = ()):
         return self.client.call(op, {**header, "map": self.name}, values)
 
     def put(self, key, value, *, skip_if_exists=False) -> bool:
-        return self._call(4, {"key": key, "skip_if_exists": skip_if_exists}, [_encode_value(value)])[0]["stored"]
+        header = {"key": key, "skip_if_exists": skip_if_exists}
+        return self._call(Op.MAP_PUT, header, [_encode_value(value)])[0]["stored"]
 
     def get(self, key, default=None):
-        reply, values = self._call(5, {"key": key})
+        reply, values = self._call(Op.MAP_GET, {"key": key})
         return _decode_value(values[0]) if reply["found"] else default
 
     def pop(self, key, *default):
         try:
-            return _decode_value(self._call(6, {"key": key})[1][0])
+            return _decode_value(self._call(Op.MAP_POP, {"key": key})[1][0])
         except KeyError:
             if default:
                 return default[0]
@@ -394,18 +412,18 @@ class LocalMap:
         return self.get(key) is not None
 
     def keys(self) -> list[str]:
-        return self._call(7, {})[0]["keys"]
+        return self._call(Op.MAP_KEYS, {})[0]["keys"]
 
     def __len__(self) -> int:
         return len(self.keys())
 
     def named(self, name: str, create: bool = False) -> "LocalMap":
         if create:
-            self.client.call(9, {"map": name})
+            self.client.call(Op.CREATE_MAP, {"map": name})
         return LocalMap(self.client.address, name, self.client)
 
     def drop(self, name: str) -> None:
-        self.client.call(10, {"map": name})
+        self.client.call(Op.DROP_MAP, {"map": name})
 
 
 def main() -> None:

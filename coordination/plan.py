@@ -12,6 +12,10 @@ Strategies (see docs/DESIGN.md):
 Scanner chunks never cross a fragment, so a cell whose rows straddle a fragment edge is a
 *boundary cell*: each unit holding a piece of it stitches it through the map. Block units read
 whole cells wherever they lie, so they have no boundary cells.
+
+Every plan, this one-dataset `EpochPlan` and the corpus's `coordination.corpus.CorpusPlan`, is a
+`Plan`: numbered units (`Unit`), each part of which names the source its cells come from, so a
+producer reads and tokenizes any unit the same way.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
+from typing import Protocol
 
 import numpy as np
 
+from coordination.arrays import merge_ranges
 from coordination.audit import cell_hashes
 from coordination.errors import CellfeedError
 from coordination.feistel import FeistelPermutation
@@ -78,23 +84,78 @@ class Sampling:
         return 1 if self.strategy == "random" else self.block_size
 
 
+NO_ROWS = np.zeros((0, 2), dtype=np.int64)
+NO_CELLS = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class UnitPart:
+    """The cells of one source that a unit emits whole, and the rows it reads of that source."""
+
+    source: int  # the source's index in the campaign (0: a one-dataset campaign's dataset)
+    cells: np.ndarray  # int64 local cell ids, sorted
+    ranges: np.ndarray  # int64[k, 2], sorted, disjoint: the rows to read (pieces' rows too, below)
+
+
 @dataclass
-class WorkUnit:
-    """Rows to read and the cells they yield. `pieces[i]` is a boundary cell of which this unit
-    holds piece `piece_index[i]` out of `piece_count[i]` (pieces numbered in row order)."""
+class Unit:
+    """One work unit: per source it draws from, a part. A one-dataset scanner unit may also hold
+    pieces of boundary cells, in its one part's rows: `pieces[i]` is the cell of which it holds
+    piece `piece_index[i]` of `piece_count[i]` (numbered in row order), on global rows
+    `piece_rows[i]`; it stitches them through the epoch's map."""
 
     epoch: int
     id: int
-    ranges: np.ndarray  # int64[k, 2], sorted, disjoint
-    cells: np.ndarray  # int64 whole cells emitted by this unit
-    pieces: np.ndarray
-    piece_index: np.ndarray
-    piece_count: np.ndarray
-    piece_rows: np.ndarray  # int64[len(pieces), 2]: the global rows of each piece
+    parts: list[UnitPart]
+    pieces: np.ndarray = field(default_factory=lambda: NO_CELLS)
+    piece_index: np.ndarray = field(default_factory=lambda: NO_CELLS)
+    piece_count: np.ndarray = field(default_factory=lambda: NO_CELLS)
+    piece_rows: np.ndarray = field(default_factory=lambda: NO_ROWS)
+
+    @property
+    def n_cells(self) -> int:
+        """Cells emitted whole (boundary pieces not counted)."""
+        return sum(len(p.cells) for p in self.parts)
 
     @property
     def n_rows(self) -> int:
-        return int((self.ranges[:, 1] - self.ranges[:, 0]).sum()) if len(self.ranges) else 0
+        return int(sum((p.ranges[:, 1] - p.ranges[:, 0]).sum() for p in self.parts))
+
+
+class Plan(Protocol):
+    """What the campaign's setup, the driver, the audit and the producers need of an epoch's plan."""
+
+    epoch: int
+    n_units: int
+    unit_cell_counts: np.ndarray  # int64[n_units]: cells each unit emits whole
+    boundary_cells: np.ndarray  # cells stitched from pieces (a one-dataset scanner plan's only)
+    boundary_piece_counts: np.ndarray
+    boundary_piece_units: np.ndarray
+
+    @property
+    def plan_id(self) -> str: ...  # identifies the plan's inputs: items carry it to reject foreign data
+
+    @property
+    def n_cells(self) -> int: ...
+
+    def unit(self, u: int) -> Unit: ...
+
+    def cells_per_rank(self, world_size: int) -> np.ndarray: ...
+
+    def cell_hash_per_rank(self, world_size: int) -> list[int]: ...
+
+
+def shrunk(per_unit: int, n: int, sampling: "Sampling") -> int:
+    """`per_unit`, made smaller where needed so that n things fill at least `min_units` units:
+    every producer and every rank gets work on a small dataset too. The one rule for unit sizes
+    and block sizes."""
+    return max(1, min(per_unit, n // sampling.min_units))
+
+
+def block_order(n_blocks: int, key: int, slots: np.ndarray | None = None) -> np.ndarray:
+    """The blocks at `slots` (default: every slot) of the Feistel order of `n_blocks` blocks keyed by
+    `key`: the order of `block` and `random` plans, one-dataset and corpus alike (O(1) memory)."""
+    return FeistelPermutation(n_blocks, key)(np.arange(n_blocks) if slots is None else slots)
 
 
 def cell_ids_within(ids, n_cells: int) -> np.ndarray:
@@ -104,20 +165,6 @@ def cell_ids_within(ids, n_cells: int) -> np.ndarray:
     if len(ids) and (ids[0] < 0 or ids[-1] >= n_cells):
         raise CellfeedError(f"cell ids must lie in 0..{n_cells - 1}, got {int(ids[0] if ids[0] < 0 else ids[-1])}")
     return ids
-
-
-def _merge_ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-    """Sorted [start, stop) ranges with touching neighbours merged; empty ranges dropped."""
-    keep = stops > starts
-    starts, stops = starts[keep], stops[keep]
-    if len(starts) == 0:
-        return np.zeros((0, 2), dtype=np.int64)
-    order = np.argsort(starts, kind="stable")
-    starts, stops = starts[order], stops[order]
-    new = np.ones(len(starts), dtype=bool)
-    new[1:] = starts[1:] > stops[:-1]
-    merged_stops = np.maximum.reduceat(stops, np.flatnonzero(new))
-    return np.stack([starts[new], merged_stops], axis=1).astype(np.int64)
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -152,21 +199,16 @@ class EpochPlan:
         h.update(b"all" if self.subset is None else self.subset.tobytes())
         return h.hexdigest()
 
-    def _units_of(self, n: int, per_unit: int) -> int:
-        """`per_unit`, made smaller where needed so that n things fill at least `min_units` units."""
-        return max(1, min(per_unit, n // self.sampling.min_units))
-
     # ---- block / random
 
     def _plan_blocks(self) -> None:
         s = self.sampling
         n_sel = self.n_cells
         # blocks too shrink on a dataset with fewer than min_units blocks' worth of cells
-        self.block_size = bs = self._units_of(n_sel, s.effective_block_size)
+        self.block_size = bs = shrunk(s.effective_block_size, n_sel, s)
         self.n_blocks = -(-n_sel // bs)
-        self.blocks_per_unit = self._units_of(self.n_blocks, max(1, -(-s.fetch_factor * s.batch_size // bs)))
-        perm = FeistelPermutation(self.n_blocks, plan_key(self.seed, self.epoch, "blocks"))
-        self.block_order = perm(np.arange(self.n_blocks))
+        self.blocks_per_unit = shrunk(max(1, -(-s.fetch_factor * s.batch_size // bs)), self.n_blocks, s)
+        self.block_order = block_order(self.n_blocks, plan_key(self.seed, self.epoch, "blocks"))
         self.n_units = -(-self.n_blocks // self.blocks_per_unit)
         sizes = np.full(self.n_blocks, bs, dtype=np.int64)
         sizes[-1] = n_sel - bs * (self.n_blocks - 1)
@@ -177,15 +219,13 @@ class EpochPlan:
         self.boundary_piece_counts = np.zeros(0, dtype=np.int64)
         self.boundary_piece_units = np.zeros(0, dtype=np.int64)
 
-    def _block_unit(self, u: int) -> WorkUnit:
+    def _block_unit(self, u: int) -> Unit:
         bs = self.block_size
         blocks = np.sort(self.block_order[u * self.blocks_per_unit:(u + 1) * self.blocks_per_unit])
         idx = (blocks[:, None] * bs + np.arange(bs)[None, :]).ravel()
         cells = self.cells_at(idx[idx < self.n_cells])
         starts = self.geometry.cell_row_start
-        empty = np.zeros(0, dtype=np.int64)
-        return WorkUnit(self.epoch, u, _merge_ranges(starts[cells], starts[cells + 1]), cells, empty, empty, empty,
-                        np.zeros((0, 2), dtype=np.int64))
+        return Unit(self.epoch, u, [UnitPart(0, cells, merge_ranges(starts[cells], starts[cells + 1]))])
 
     # ---- sequential / mixture
 
@@ -214,7 +254,7 @@ class EpochPlan:
         last = np.searchsorted(frag, starts[straddlers + 1] - 1, side="right") - 1
         # chunks: runs of unit_cells positions within a fragment (a mixture unit holds several)
         group = min(self.sampling.n_scanners, n_frags) if self.sampling.strategy == "mixture" else 1
-        k = max(1, self._units_of(n_sel, self.sampling.unit_cells * group) // group)
+        k = max(1, shrunk(self.sampling.unit_cells * group, n_sel, self.sampling) // group)
         chunks = [(f, a, min(a + k, int(hi[f]))) for f in range(n_frags) for a in range(int(lo[f]), int(hi[f]), k)]
         if self.sampling.strategy == "sequential":
             self._unit_chunks = [[c] for c in chunks]
@@ -283,7 +323,14 @@ class EpochPlan:
             remaining[chosen] -= 1
         return rounds
 
-    def _scanner_unit(self, u: int) -> WorkUnit:
+    def scanner_positions(self) -> np.ndarray:
+        """Selection positions in the order this scanner plan's units take them (a cell cut by a
+        fragment edge, in two chunks, at its first): a corpus's `mixture` pass order."""
+        order = np.concatenate([np.arange(a, b) for rnd in self._unit_chunks for _, a, b in rnd])
+        _, first = np.unique(order, return_index=True)
+        return order[np.sort(first)]
+
+    def _scanner_unit(self, u: int) -> Unit:
         starts, frag = self.geometry.cell_row_start, self.geometry.fragment_row_start
         groups = [(f, self.cells_at(np.arange(a, b))) for f, a, b in self._unit_chunks[u]]
         cells = np.concatenate([c for _, c in groups])
@@ -297,15 +344,13 @@ class EpochPlan:
         whole[straddling] = self._straddler_owner[k[straddling]] == u
         piece = ~whole
         kp = k[piece]
-        return WorkUnit(
-            self.epoch, u, _merge_ranges(lo, hi), np.unique(cells[whole]),
-            cells[piece], f[piece] - self._straddler_first[kp], self._straddler_span[kp],
-            np.stack([lo[piece], hi[piece]], axis=1),
-        )
+        return Unit(self.epoch, u, [UnitPart(0, np.unique(cells[whole]), merge_ranges(lo, hi))],
+                    cells[piece], f[piece] - self._straddler_first[kp], self._straddler_span[kp],
+                    np.stack([lo[piece], hi[piece]], axis=1))
 
     # ---- queries
 
-    def unit(self, u: int) -> WorkUnit:
+    def unit(self, u: int) -> Unit:
         if not 0 <= u < self.n_units:
             raise IndexError(f"unit {u} out of range 0..{self.n_units - 1}")
         return self._block_unit(u) if self.sampling.strategy in ("block", "random") else self._scanner_unit(u)

@@ -1,12 +1,13 @@
 """The gene vocabulary: gene identifiers -> token ids, with the special tokens, defined once for
 producers (which map each source's genes to tokens) and the trainer (which pads, masks and sizes
-its embedding by it).
+its embedding by it). Which special tokens frame a cell is the tokenizer's layout
+(`producers.tokenizers.Layout`); their ids are the vocabulary's.
 
 Three ways to get one:
 - built from the corpus (the default): the special tokens first (`<pad>` 0, `<cls>` 1, `<eos>` 2,
-  `<mask>` 3, as `coordination.tokens` numbers them), then every source's gene identifiers, the
+  `<mask>` 3: `PAD`, `CLS`, `EOS`, `MASK` below), then every source's gene identifiers, the
   first source's in its own order, then each further source's new ones in theirs: a one-dataset
-  run's tokens are what they always were (gene g -> g + 4);
+  run's tokens are what they always were (gene g -> g + `GENE_OFFSET`);
 - scGPT's `vocab.json` / `default_gene_vocab.json` (a JSON object symbol -> id): scGPT appends
   `<pad>`, `<cls>`, `<eoc>` after the highest id when they are missing (scgpt/tokenizer/
   gene_tokenizer.py, `GeneVocab.append_token`), and so does this; `<eoc>` is its end-of-cell
@@ -38,6 +39,11 @@ SPECIAL_NAMES = {"pad": ("<pad>",), "cls": ("<cls>",), "eos": ("<eos>", "<eoc>")
 APPENDED_NAMES = {"pad": "<pad>", "cls": "<cls>", "eos": "<eoc>", "mask": "<mask>"}  # scGPT's names (+ <mask>)
 OUTSIDE_16 = np.iinfo(np.uint16).max  # a uint16 lookup's "outside the vocabulary" (ids stay below it)
 MIN_MATCHED_SHARE = 0.5  # a source whose non-zeros fall below this share inside the vocabulary is refused
+
+# The special tokens' ids in the vocabulary built from a corpus (`GeneVocab.build`, SPECIAL_NAMES' order), and
+# its first gene's: the defaults of whatever has no vocabulary at hand (a vocabulary file has its own ids)
+PAD, CLS, EOS, MASK = 0, 1, 2, 3
+GENE_OFFSET = 4
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,7 @@ def run_campaign(run: str, dataset: str, timeout_minutes: float) -> dict:
 
 
 def audited_cells(summary: dict) -> int:
-    """The cells trained, once each epoch's exactly-once audit is clean (trainer/train.py: audit_epoch)."""
+    """The cells trained, once each epoch's exactly-once audit is clean (trainer/exactly_once.py: audit_epoch)."""
     audits, epochs = summary.get("audits") or [], CAMPAIGN["epochs"]
     clean = [a for a in audits if a.get("audited") and a.get("missing") == 0 and a.get("duplicated") == 0]
     if not summary.get("complete") or len(audits) != epochs or len(clean) != epochs:

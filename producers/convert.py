@@ -19,7 +19,8 @@ import scipy.sparse as sp
 from tqdm import tqdm
 
 from coordination.errors import CellfeedError
-from producers.dataset import Dataset, DatasetWriter
+from producers.dataset import Dataset
+from producers.writer import DatasetWriter
 
 FLOAT32_EXACT_INT = 1 << 24
 RESERVED_OBS = ("cell_integer_id", "cell_start_index")
@@ -126,7 +127,8 @@ def _choose_value_type(sources: list[_Source], chunk_rows: int, allow_negative: 
                 if np.issubdtype(values.dtype, np.floating):
                     if not np.isfinite(values).all():
                         raise CellfeedError(
-                            f"{src.path}: matrix holds NaN or infinite values (near entry {where}); clean the input first"
+                            f"{src.path}: matrix holds NaN or infinite values (near entry {where}); "
+                            "clean the input first"
                         )
                     if integral:
                         integral = bool(np.all(values == np.floor(values)))
@@ -134,7 +136,8 @@ def _choose_value_type(sources: list[_Source], chunk_rows: int, allow_negative: 
                 if lo < 0 and not allow_negative:
                     raise CellfeedError(
                         f"{src.path}: matrix holds negative values (min {float(lo):.3g}), so it is not counts; "
-                        "choose the counts matrix (--layer raw.X or a layer name) or pass --allow-negative to store floats"
+                        "choose the counts matrix (--layer raw.X or a layer name) or pass --allow-negative to "
+                        "store floats"
                     )
                 vmax = max(vmax, float(values.max()))
             bar.update(1)
@@ -142,7 +145,8 @@ def _choose_value_type(sources: list[_Source], chunk_rows: int, allow_negative: 
         return pa.uint16()
     if integral and vmax > FLOAT32_EXACT_INT:
         raise CellfeedError(
-            f"counts up to {vmax:.0f} exceed what float32 stores exactly ({FLOAT32_EXACT_INT}); refusing to lose precision"
+            f"counts up to {vmax:.0f} exceed what float32 stores exactly ({FLOAT32_EXACT_INT}); "
+            "refusing to lose precision"
         )
     return pa.float32()
 

@@ -1,5 +1,6 @@
-"""A unit's cells -> items: map genes to tokens, rank, tokenize and pack whole cells into items
-(the producer numbers a unit's items once every source's are packed: `interleave`).
+"""A unit's cells -> numbered items: map genes to tokens, rank, tokenize and pack whole cells into
+items, source by source, then merge the sources' items in proportion and number them
+(`unit_items`).
 
 A pure function of its inputs (cells and their rows, the tokenizer, the generator): the same unit
 gives the same items on any producer, any number of times, which is what makes a re-issued unit
@@ -14,16 +15,58 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
 import numpy as np
 
 from coordination.arrays import offsets_of, ragged_arange
 from coordination.vocab import inside
-from coordination.wire import pack_cells
+from coordination.wire import number_items, pack_cells
 from producers.dataset import RowBlock
 from producers.ranking import CellRows
 
 CHUNK_CELLS = 256  # cells tokenized at once: their rows (~0.4M at 1,600 genes per cell) fit in cache
+
+
+@dataclass(frozen=True)
+class SourceCells:
+    """Cells of one source to tokenize: cell i (local id `cells[i]`) has the rows
+    `rows[first[i]:first[i] + counts[i]]` of what was read."""
+
+    source: int  # index into the campaign's sources (`producers.sources.Source`)
+    cells: np.ndarray  # int64 local cell ids
+    first: np.ndarray  # int64
+    counts: np.ndarray  # int64
+    rows: RowBlock
+
+    def shuffled(self, rng: np.random.Generator) -> "SourceCells":
+        order = rng.permutation(len(self.cells))
+        return SourceCells(self.source, self.cells[order], self.first[order], self.counts[order], self.rows)
+
+
+def unit_items(parts: list[SourceCells], sources, tokenizer, *, epoch: int, key_id: int, run_tag: int,
+               rng: np.random.Generator, cells_per_item: int, labels: np.ndarray | None = None,
+               stitched: bool = False, shuffle: bool = False, pool: Executor | None = None,
+               ) -> tuple[list[bytes], float, float]:
+    """The numbered items of cells from one or more sources (`sources[p.source]` gives each part's
+    global id offset and gene-to-token lookup), and the seconds spent tokenizing and packing. Each
+    source's cells are tokenized apart (a source's rows share a dtype, which ranking's fast path
+    needs) and, with several sources, their items interleaved in proportion (`interleave`), so any
+    stretch of a unit's items (what a rank's mixing buffer holds) has every source by its share.
+    `shuffle`: each part's cells are shuffled first, with its own child of `rng` (one part: `rng`)."""
+    groups, tokenize_s, pack_s = [], 0.0, 0.0
+    rngs = rng.spawn(len(parts)) if len(parts) > 1 else [rng]
+    for part, part_rng in zip(parts, rngs):
+        if shuffle:
+            part = part.shuffled(part_rng)
+        src = sources[part.source]
+        packed, t, p = cells_to_packed(part.cells + src.offset, part.first, part.counts, part.rows, tokenizer,
+                                       epoch=epoch, key_id=key_id, run_tag=run_tag, rng=part_rng,
+                                       cells_per_item=cells_per_item, labels=labels, stitched=stitched,
+                                       gene_tokens=src.gene_tokens, pool=pool)
+        groups.append(packed)
+        tokenize_s, pack_s = tokenize_s + t, pack_s + p
+    return number_items(interleave(groups) if len(groups) > 1 else groups[0]), tokenize_s, pack_s
 
 
 def cells_to_packed(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, block: RowBlock, tokenizer, *,

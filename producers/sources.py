@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordination.corpus import CorpusSource, CorpusSpec, SourceSpec
+from coordination.corpus import CorpusPlan, CorpusSource
+from coordination.corpus_file import CorpusSpec, Mixtures, SourceSpec
 from coordination.errors import CellfeedError
-from coordination.plan import DatasetGeometry
+from coordination.plan import DatasetGeometry, EpochPlan, Plan, Sampling
 from coordination.vocab import MIN_MATCHED_SHARE, GeneVocab, inside
 from producers.dataset import Dataset, open_dataset
 from producers.gene_stats import load_gene_medians
@@ -57,6 +58,17 @@ def open_sources(spec: CorpusSpec, *, subset_ids=None, datasets: dict | None = N
         sources.append(Source(s, ds, column, gene_identifiers(ds, column, s.name), selection, offset))
         offset += ds.n_cells
     return sources
+
+
+def epoch_plan(sources: list[Source], mixtures: Mixtures | None, sampling: Sampling, seed: int, epoch: int) -> Plan:
+    """Epoch `epoch`'s plan over the sources: a corpus's (each source its quota under the epoch's
+    mixture), or one dataset's selected cells (which a scanner strategy cuts at fragment edges,
+    stitching the cells cut there)."""
+    if mixtures is None:
+        return EpochPlan(DatasetGeometry.of(sources[0].ds), sampling, seed, epoch, sources[0].selection)
+    selected = {s.spec.name: s.n_selected for s in sources}
+    return CorpusPlan([s.planned() for s in sources], mixtures.quotas_at(epoch, selected), sampling, seed, epoch,
+                      mixtures.starts(epoch, selected))
 
 
 def campaign_vocab(spec: CorpusSpec, sources: list[Source]) -> GeneVocab:

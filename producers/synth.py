@@ -29,7 +29,8 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from coordination.errors import CellfeedError
-from producers.dataset import Dataset, DatasetWriter
+from producers.dataset import Dataset
+from producers.writer import DatasetWriter
 
 VERSION = 2  # raised whenever a spec yields other data than before (2: cell-line and dose signal)
 CHUNK_CELLS = 4096

@@ -1,19 +1,32 @@
-"""Tokenizers: whole cells (`CellRows`) → ragged token sequences (`Tokens`), by name.
+"""Tokenizers: whole cells (`CellRows`) → ragged token sequences (`Tokens`), by name, and their layouts.
 
 A tokenizer's input rows already carry token ids in `genes`: the producer maps each source's
 genes through the vocabulary and drops those outside it first (`producers.items.to_tokens`), as
 scGPT and Geneformer do, so ranking ties ("gene ascending") go by token id, the same in every
-source. Each tokenizer's layout (special tokens by role, default length) is defined once, in
-`coordination.tokens`; the special tokens' ids come from the vocabulary (`coordination.vocab`).
+source. A tokenizer's `Layout` (defined once, here; the campaign config reads it too) says which
+special tokens frame a cell (by role: "cls", "eos"), how many genes it keeps by default, and what
+rides beside the tokens; the special tokens' ids come from the vocabulary (`coordination.vocab`):
+
+| tokenizer       | a cell's tokens                         | default genes | values beside tokens |
+|-----------------|-----------------------------------------|---------------|----------------------|
+| `scgpt`         | CLS g1 .. gn                            | 1,024         | expression bins      |
+| `geneformer-v1` | g1 .. gn            (Geneformer V1)     | 2,048         | none                 |
+| `geneformer-v2` | CLS g1 .. gn EOS    (Geneformer V2)     | 4,094         | none                 |
+| `raw`           | g1 .. gn in gene order                  | 1,024         | raw values (float32) |
+
+`geneformer` is another name for `geneformer-v2`. An empty cell (no non-zero value) keeps only
+its special tokens: CLS for scgpt, CLS EOS for V2, and no token at all for V1 and raw; it is still
+delivered, trained on as a sequence with nothing to predict.
 
 - `scgpt`: [CLS] g1..gn, genes in rank order (value descending, gene ascending) or, with
   gene_selection="random", a seeded random subset; a parallel `values` stream holds each gene's
   expression bin (1..n_bins-1, by the cell's own quantiles, see `ranking.quantile_bins`), 0 under
   CLS.
 - `geneformer-v1` / `geneformer-v2` (alias `geneformer`): rank value encoding: counts / cell
-  total (over all its genes, those outside the vocabulary included, as Geneformer's n_counts) * 10,000 / the gene's non-zero median of those normalised values over the dataset
-  (`gene_stats`, indexed by token id), ranked descending (ties: lower gene id first); V1 is g1..gn (2,048 genes), V2
-  is [CLS] g1..gn [EOS] (4,094 genes). Needs integer counts and the medians.
+  total (over all its genes, those outside the vocabulary included, as Geneformer's n_counts) *
+  10,000 / the gene's non-zero median of those normalised values over the dataset (`gene_stats`,
+  indexed by token id), ranked descending (ties: lower gene id first); V1 is g1..gn (2,048
+  genes), V2 is [CLS] g1..gn [EOS] (4,094 genes). Needs integer counts and the medians.
 - `raw`: the cell's non-zero genes in gene order with their raw values (float32), no ranking,
   at most `max_genes`.
 """
@@ -26,9 +39,44 @@ import numpy as np
 
 from coordination.arrays import offsets_of
 from coordination.errors import CellfeedError
-from coordination.tokens import Layout, layout
 from coordination.vocab import GeneVocab
 from producers.ranking import CellRows, gene_order, quantile_bins, random_order, rank_order, truncate
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    head: str | None  # the role of the token before the genes ("cls") or None
+    tail: str | None  # the role of the token after the genes ("eos") or None
+    default_genes: int
+    values: str | None  # "bins", "raw" or None: what the `values` stream beside the tokens holds
+
+    def sequence_length(self, max_genes: int) -> int:
+        """The longest token sequence of a cell: the genes plus the special tokens around them."""
+        return max_genes + (self.head is not None) + (self.tail is not None)
+
+    @property
+    def objective(self) -> str | None:
+        """What masked modelling predicts: expression bins, gene ids, or None (not trainable here)."""
+        return {"bins": "bins", None: "genes"}.get(self.values)
+
+
+LAYOUTS = {
+    "scgpt": Layout("scgpt", "cls", None, 1024, "bins"),
+    "geneformer-v1": Layout("geneformer-v1", None, None, 2048, None),
+    "geneformer-v2": Layout("geneformer-v2", "cls", "eos", 4094, None),
+    "raw": Layout("raw", None, None, 1024, "raw"),
+}
+ALIASES = {"geneformer": "geneformer-v2"}
+TOKENIZER_NAMES = tuple(LAYOUTS) + tuple(ALIASES)
+
+
+def layout(tokenizer: str) -> Layout:
+    """The layout of a tokenizer by name (aliases accepted)."""
+    name = ALIASES.get(tokenizer, tokenizer)
+    if name not in LAYOUTS:
+        raise CellfeedError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZER_NAMES)}")
+    return LAYOUTS[name]
 
 
 @dataclass
@@ -151,7 +199,7 @@ def needs_gene_medians(name: str) -> bool:
 
 def make_tokenizer(name: str, vocab: GeneVocab, *, max_genes: int | None = None, values_are_counts: bool = True,
                    gene_medians: np.ndarray | None = None, **params):
-    """A tokenizer by name (see `coordination.tokens` for names and layouts) over a vocabulary,
+    """A tokenizer by name (see `LAYOUTS` for names and layouts) over a vocabulary,
     validated before any work starts. `max_genes` None: the layout's default length;
     `gene_medians`: geneformer's, one per token id."""
     spec = layout(name)

@@ -189,7 +189,7 @@ def test_modal_carries_the_corpus_vocabulary_and_medians_files_into_containers(t
     import shutil
     from dataclasses import asdict
 
-    from coordination.corpus import CorpusSpec
+    from coordination.corpus_file import CorpusSpec
 
     laptop = tmp_path / "laptop"
     laptop.mkdir()

@@ -15,7 +15,8 @@ import scipy.sparse as sp
 from app.cli import main as cli
 from coordination.errors import CellfeedError
 from producers.convert import convert
-from producers.dataset import DatasetWriter, RowBlock, open_dataset
+from producers.dataset import RowBlock, open_dataset
+from producers.writer import DatasetWriter
 from tests.conftest import PBMC, random_counts, write_h5ad
 
 
@@ -93,6 +94,21 @@ def test_real_pbmc_scaled_x_refused_then_stored_as_float(tmp_path, capsys):
     ds = open_dataset(out)
     assert ds.value_type == pa.float32()
     assert_same_cells(ds, sp.csr_matrix(dense))
+
+
+def test_inspect_shows_obs_and_var_columns_with_example_values(tmp_path, capsys):
+    """The var columns too (names, types, values): a user picks a corpus's `gene_column` from them."""
+    h5 = write_h5ad(tmp_path / "in.h5ad", random_counts(20, 6, seed=2), genes=["TP53", "CD3E", "MS4A1", "A", "B", "C"])
+    assert cli(["convert", str(h5), str(tmp_path / "ds"), "--quiet"]) == 0
+    capsys.readouterr()
+    assert cli(["inspect", str(tmp_path / "ds"), "--values", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    obs, var = out.index("obs columns:"), out.index("var columns (gene_column names one):")
+    assert [line.split()[:2] for line in out[obs + 1:var]] == [
+        ["cell_id", "string"], ["plate", "string"], ["score", "float"], ["cell_integer_id", "uint32"]]
+    assert out[var + 1] == "  gene_id              string     'TP53', 'CD3E'"  # the var index: here, symbols
+    assert out[var + 2].split()[:2] == ["chrom", "string"]
+    assert out[var + 3:] == ["  gene_integer_id      uint16     0, 1"]
 
 
 def test_several_inputs_concatenate_and_reorder_genes(tmp_path):

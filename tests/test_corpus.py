@@ -14,14 +14,17 @@ import numpy as np
 import pytest
 
 from coordination.audit import cells_hash
-from coordination.corpus import CorpusPlan, CorpusSource, CorpusSpec, quotas, source_of
+from coordination.corpus_file import CorpusSpec, quotas
+from coordination.corpus import CorpusPlan, CorpusSource, source_of
 from coordination.errors import CellfeedError
 from coordination.plan import DatasetGeometry, Sampling
 from coordination.queues import MemoryMap, MemoryQueue
 from coordination.routing import EVAL_PARTITION
 from coordination.vocab import GeneVocab, published_vocab
 from coordination.wire import unpack_item
-from producers.producer import Producer, ProducerConfig
+from producers.config import ProducerConfig
+from producers.producer import Producer
+from producers.held_out import produce_held_out
 
 TEST_DATA = Path(__file__).parent / "data"
 SCGPT_VOCAB = TEST_DATA / "scgpt_default_gene_vocab.json"
@@ -63,7 +66,7 @@ def test_corpus_epochs_give_exact_quotas_and_every_cell_once_before_any_twice(st
         per_source = [[], [], []]
         for u in range(plan.n_units):
             unit = plan.unit(u)
-            for s, cells, ranges in unit.parts:
+            for s, cells, ranges in ((p.source, p.cells, p.ranges) for p in unit.parts):
                 assert len(np.unique(cells)) == len(cells)  # a unit never holds a cell twice
                 starts = sources[s].geometry.cell_row_start
                 assert (ranges[:, 1] - ranges[:, 0]).sum() == (starts[cells + 1] - starts[cells]).sum()
@@ -186,8 +189,8 @@ def reference_bins(values: np.ndarray, n_bins: int) -> np.ndarray:
 def every_cell(producer: Producer, n_cells: int) -> dict:
     """Every cell's (tokens, values) as the producer makes them (through the held-out path: all cells, once)."""
     queue = MemoryQueue()
-    producer.queue = queue
-    producer.produce_held_out(np.arange(n_cells))
+    producer.queue = producer.courier.queue = queue
+    produce_held_out(producer, np.arange(n_cells))
     out = {}
     for data in queue.get_many(10**6, block=False, partition=EVAL_PARTITION):
         item = unpack_item(data)
@@ -337,7 +340,7 @@ def test_a_resume_with_a_changed_corpus_applies_it_from_the_next_epoch_or_refuse
     name but changes its dataset or filters, or another vocabulary, is refused in one line."""
     from app.campaign import record_mixtures
     from app.config import CampaignConfig
-    from coordination.corpus import Mixtures
+    from coordination.corpus_file import Mixtures
 
     corpus_file = tmp_path / "corpus.toml"
     corpus_file.write_text('[[source]]\nname = "a"\ndataset = "s3://b/a"\nweight = 0.6\n\n'

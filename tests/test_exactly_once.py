@@ -21,7 +21,8 @@ from coordination.latency import with_latency
 from coordination.queues import MemoryMap, MemoryQueue
 from coordination.routing import TASKS_PARTITION, encode_task, rank_partition, run_tag
 from coordination.wire import Item, pack_item
-from producers.producer import Producer, ProducerConfig
+from producers.config import ProducerConfig
+from producers.producer import Producer
 from trainer.stream import ConsumerStream
 
 EPOCHS = [0, 1]
@@ -53,11 +54,11 @@ class LosesReplies:
 def run_campaign(ds, *, producers: int, world: int, sampling: Sampling, duplicate_units=(), batch_size=32,
                  run="e2e", subset_filter=None, latency_ms: float = 0.0, lose_gets=()):
     """`lose_gets`: the rank gets whose replies are lost (`LosesReplies`); the ranks then ask for
-    the units they miss (`trainer.train.ask_again`), and the driver lingers to answer."""
+    the units they miss (`trainer.exactly_once.ask_again`), and the driver lingers to answer."""
     from types import SimpleNamespace
 
     from trainer.checkpoint import RankProgress
-    from trainer.train import ask_again
+    from trainer.exactly_once import ask_again
 
     queue, store = MemoryQueue(), MemoryMap()
     registry = store._registry

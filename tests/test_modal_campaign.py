@@ -226,7 +226,7 @@ def test_modal_run_trains_a_corpus_with_its_files_carried_into_the_containers(co
     so the entrypoint carries them; every source trains its quota, the vocabulary is the file's."""
     from coordination.vocab import GeneVocab
     from producers.sources import open_sources
-    from coordination.corpus import CorpusSpec
+    from coordination.corpus_file import CorpusSpec
 
     path, offsets, quotas = corpus
     identifiers = [s.identifiers for s in open_sources(CorpusSpec.read(path))]

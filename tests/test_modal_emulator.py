@@ -213,7 +213,8 @@ def test_a_named_map_handle_reaches_the_map_a_resumed_epoch_made_again(world):
 def emulated_producer(world, small_synth):
     """A real producer whose queue and map are Modal's (emulated)."""
     from coordination.modal_backend import run_backends
-    from producers.producer import Producer, ProducerConfig
+    from producers.config import ProducerConfig
+    from producers.producer import Producer
 
     def make(run: str, **config):
         queue, store = run_backends(run)
@@ -230,7 +231,7 @@ def test_a_full_partition_is_waited_on_not_sent_to_again_and_again(world, emulat
     queue.put_many([b"x" * 8] * 5000, partition="rank-0")  # full
     before = world.describe()["stats"]["rank-*"]
     batch = [b"item-%d" % i for i in range(4)]
-    sender = threading.Thread(target=producer._send, args=(batch, "rank-0"))
+    sender = threading.Thread(target=producer.courier.send, args=(batch, "rank-0"))
     sender.start()
     since = lambda what: world.describe()["stats"]["rank-*"].get(what, 0) - before.get(what, 0)  # noqa: E731
     wait_for(lambda: since("len_requests") >= 3, "the producer to look at the partition's length")
@@ -253,7 +254,7 @@ def test_a_request_too_large_is_split_not_reported_full(world, emulated_producer
     with pytest.raises(RequestTooLarge):
         queue.put_many(items, block=True, timeout=1.0, partition="rank-1")
     refused_full = world.describe()["stats"]["rank-*"].get("put_full", 0)
-    producer._send(items, "rank-1")
+    producer.courier.send(items, "rank-1")
     assert sorted(queue.get_many(10, block=False, partition="rank-1")) == items
     assert world.describe()["stats"]["rank-*"].get("put_full", 0) == refused_full  # never taken for "full"
 
@@ -263,16 +264,16 @@ def test_a_running_call_is_running(world):
     check used to catch modal's TimeoutError, judge a running fleet dead and spawn a second."""
     from tests.conftest import fresh_import
 
-    with fresh_import("app.modal_app") as modal_app:
+    with fresh_import("app.modal_calls") as modal_calls:
         calls = _probe_app(world)
         running = calls("sleeps", 30)
-        assert modal_app.call_state(running) == ("running", None)
+        assert modal_calls.call_state(running) == ("running", None)
         done = calls("adds", 1, 2)
         done.get(timeout=60)
-        assert modal_app.call_state(done) == ("ended", None)
+        assert modal_calls.call_state(done) == ("ended", None)
         failed = calls("adds", -1, 2)
-        wait_for(lambda: modal_app.call_state(failed)[0] != "running", "the failing call to end")
-        state, error = modal_app.call_state(failed)
+        wait_for(lambda: modal_calls.call_state(failed)[0] != "running", "the failing call to end")
+        state, error = modal_calls.call_state(failed)
         assert state == "failed" and isinstance(error, ValueError)
         running.cancel()
 
@@ -280,7 +281,7 @@ def test_a_running_call_is_running(world):
 def test_a_held_out_set_larger_than_a_partition_is_refused_up_front():
     from coordination.errors import CellfeedError
     from coordination.queues import MAX_PARTITION_BYTES
-    from producers.producer import check_fits_partition
+    from producers.held_out import check_fits_partition
 
     check_fits_partition(1000, 5000, MAX_PARTITION_BYTES)
     with pytest.raises(CellfeedError, match="does not fit one queue partition.*lower --eval-cells"):

@@ -61,16 +61,18 @@ def check_exact_coverage(plan: EpochPlan) -> None:
     emitted, pieces = [], {}
     rows_read = []
     for unit in plan.units():
-        emitted.append(unit.cells)
+        (part,) = unit.parts  # a one-dataset plan: one part, source 0
+        assert part.source == 0
+        emitted.append(part.cells)
         for c, i, p in zip(unit.pieces.tolist(), unit.piece_index.tolist(), unit.piece_count.tolist()):
             pieces.setdefault(c, []).append((i, p))
-        rows_read.append(unit.ranges)
-        for a, b in unit.ranges:  # units read only rows of their cells
+        rows_read.append(part.ranges)
+        for a, b in part.ranges:  # units read only rows of their cells
             assert a < b
         # every whole cell's rows are inside the unit's ranges
-        for c in unit.cells[:50]:
+        for c in part.cells[:50]:
             lo, hi = starts[c], starts[c + 1]
-            assert lo == hi or np.any((unit.ranges[:, 0] <= lo) & (unit.ranges[:, 1] >= hi))
+            assert lo == hi or np.any((part.ranges[:, 0] <= lo) & (part.ranges[:, 1] >= hi))
     emitted = np.concatenate(emitted)
     assert len(emitted) == len(np.unique(emitted))
     assert set(emitted.tolist()).isdisjoint(pieces)
@@ -84,7 +86,7 @@ def check_exact_coverage(plan: EpochPlan) -> None:
     for unit in plan.units():
         for c, i, (a, b) in zip(unit.pieces.tolist(), unit.piece_index.tolist(), unit.piece_rows.tolist()):
             tiles.setdefault(c, []).append((i, a, b))
-            assert np.any((unit.ranges[:, 0] <= a) & (unit.ranges[:, 1] >= b))
+            assert np.any((unit.parts[0].ranges[:, 0] <= a) & (unit.parts[0].ranges[:, 1] >= b))
     for c, parts in tiles.items():
         parts.sort()
         assert parts[0][1] == starts[c] and parts[-1][2] == starts[c + 1]
@@ -127,7 +129,7 @@ def test_subset_is_covered_exactly(sampling):
 
 
 def unit_signature(plan):
-    return [(u.cells.tolist(), u.ranges.tolist(), u.pieces.tolist()) for u in plan.units()]
+    return [(u.parts[0].cells.tolist(), u.parts[0].ranges.tolist(), u.pieces.tolist()) for u in plan.units()]
 
 
 @pytest.mark.parametrize("sampling", STRATEGY_PARAMS[1:], ids=lambda s: s.strategy)
@@ -144,9 +146,9 @@ def test_block_units_hold_fetch_factor_batches_of_sorted_blocks():
     geometry = synthetic_geometry(4, 1000, 300)
     plan = EpochPlan(geometry, Sampling("block", block_size=10, fetch_factor=4, batch_size=20, min_units=1), seed=1,
                      epoch=0)
-    unit = plan.unit(0)
-    assert len(unit.cells) == 80 and np.all(np.diff(unit.cells) > 0)  # 8 blocks of 10, sorted
-    blocks = np.unique(unit.cells // 10)
+    cells = plan.unit(0).parts[0].cells
+    assert len(cells) == 80 and np.all(np.diff(cells) > 0)  # 8 blocks of 10, sorted
+    blocks = np.unique(cells // 10)
     assert len(blocks) == 8 and not np.array_equal(blocks, np.arange(8))
 
 
@@ -171,7 +173,7 @@ def test_small_datasets_get_enough_units_for_every_producer_and_rank(strategy, n
     assert plan.n_units >= min(min_units, n_cells)
     assert plan.n_units >= big.n_units  # units only get smaller
     assert (plan.cells_per_rank(2) > 0).all() or n_cells < 2
-    cells = np.concatenate([u.cells for u in plan.units()] + [plan.boundary_cells])
+    cells = np.concatenate([u.parts[0].cells for u in plan.units()] + [plan.boundary_cells])
     np.testing.assert_array_equal(np.sort(cells), np.arange(n_cells))  # still every cell exactly once
 
 
@@ -192,12 +194,12 @@ def test_expected_cell_hash_per_rank_equals_the_units_cells(strategy, subset, mo
     for world in (1, 3):
         by_rank = [[] for _ in range(world)]
         for u in plan.units():
-            by_rank[u.id % world].append(u.cells)
+            by_rank[u.id % world].append(u.parts[0].cells)
         for c in plan.boundary_cells.tolist():
             by_rank[c % world].append(np.array([c]))
         expected = [cells_hash(np.concatenate(parts)) for parts in by_rank]
         assert plan.cell_hash_per_rank(world) == expected
-    everything = np.concatenate([u.cells for u in plan.units()] + [plan.boundary_cells])
+    everything = np.concatenate([u.parts[0].cells for u in plan.units()] + [plan.boundary_cells])
     assert cells_hash(everything) == plan.cell_hash_per_rank(1)[0]
     holders: dict[int, list[int]] = {}  # the units holding each boundary cell's pieces (what a resume keeps)
     for u in plan.units():

@@ -14,10 +14,11 @@ from coordination.plan import Sampling
 from coordination.queues import MemoryMap, MemoryQueue
 from coordination.routing import (EVENTS_PARTITION, TASKS_PARTITION, decode_event, decode_task, encode_task, epoch_map_name,
                                   rank_partition, run_tag)
+from coordination.vocab import CLS
 from coordination.wire import unpack_item
-from producers.producer import Producer, ProducerConfig
+from producers.config import ProducerConfig
+from producers.producer import Producer
 from producers.selection import label_codes
-from coordination.tokens import CLS
 from tests.conftest import wait_for
 from tests.test_tokenizers import reference_bins
 
@@ -123,13 +124,13 @@ def test_chunked_threaded_tokenizing_equals_one_pass(small_synth, monkeypatch, t
                             cells_per_item=20, tokenizer=tokenizer, sampling=sampling, threads=3)
     producer = Producer(config, MemoryQueue(), MemoryMap(), dataset=small_synth)
     unit = producer.plan(0).unit(2)
-    assert len(unit.cells) > 3 * 40
+    assert unit.n_cells > 3 * 40
     queue = MemoryQueue()
-    producer.queue = queue
+    producer.queue = producer.courier.queue = queue
     producer.process(0, 2)
     got = queue.get_many(10**6, block=False, partition=rank_partition(0))
 
-    cells = unit.cells[unit_rng(0, 0, 2).permutation(len(unit.cells))]  # the one-pass reference
+    cells = unit.parts[0].cells[unit_rng(0, 0, 2).permutation(unit.n_cells)]  # the one-pass reference
     block = small_synth.read_cells(cells)
     rows = CellRows(cells, np.concatenate([[0], np.cumsum(np.diff(small_synth.cell_row_start)[cells])]),
                     block.gene.astype(np.int64) + 4, block.value)  # the built vocabulary: gene g is token g + 4
@@ -250,7 +251,7 @@ def test_cells_cut_into_many_pieces(tmp_path, strategy):
 
 
 def _counts_dataset(path, dense: np.ndarray, rows_per_fragment: int):
-    from producers.dataset import DatasetWriter
+    from producers.writer import DatasetWriter
 
     import pyarrow as pa
 

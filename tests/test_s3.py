@@ -54,7 +54,7 @@ def test_convert_to_s3_and_inspect(s3, tmp_path, capsys):
 def test_failed_s3_write_leaves_no_objects(s3):
     import pyarrow as pa
 
-    from producers.dataset import DatasetWriter
+    from producers.writer import DatasetWriter
 
     uri = f"s3://{s3}/half"
     with pytest.raises(RuntimeError):
@@ -158,7 +158,8 @@ def test_producers_ride_out_an_s3_server_restart(tmp_path):
     from coordination.routing import TASKS_PARTITION, encode_task, epoch_map_name, rank_partition
     from coordination.wire import unpack_item
     from cellfeed_testing.object_store import SeaweedServer
-    from producers.producer import Producer, ProducerConfig
+    from producers.config import ProducerConfig
+    from producers.producer import Producer
 
     with SeaweedServer() as server:
         server.client().create_bucket(Bucket="outage")

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 from coordination.errors import CellfeedError
+from coordination.vocab import CLS, EOS, GeneVocab
 from producers.ranking import CellRows, gene_order, rank_order, truncate
-from coordination.tokens import CLS, EOS, layout
-from coordination.vocab import GeneVocab
-from producers.tokenizers import make_tokenizer
+from producers.tokenizers import layout, make_tokenizer
 
 VOCAB = GeneVocab.build([[f"G{g}" for g in range(3000)]])  # gene g -> token g + 4, as a one-dataset run's
 

@@ -18,9 +18,11 @@ from coordination.summary import PlanSummary, publish_summary
 from coordination.local_backend import LocalMap, LocalQueue, ServerProcess
 from coordination.plan import Sampling
 from coordination.routing import stop_key
-from producers.producer import Producer, ProducerConfig
+from coordination.vocab import CLS, EOS
+from producers.config import ProducerConfig
+from producers.producer import Producer
+from producers.held_out import produce_held_out
 from trainer.launch import launch, wait_all
-from coordination.tokens import CLS, EOS
 from trainer.model import CellTransformer, ModelConfig, mask_positions, masked_loss, train_flops
 from trainer.stream import Batch
 from trainer.config import TrainConfig
@@ -61,7 +63,7 @@ class Campaign:
         self.vocab_size = first.vocab.size  # the model's embedding: the campaign's vocabulary, as the setup gives it
         self.plans = [first.plan(e) for e in range(epochs)]
         if held_out is not None:
-            first.produce_held_out(held_out)
+            produce_held_out(first, held_out)
         self.summaries = [PlanSummary.of(first.plan(e), world) for e in range(epochs)]
         for s in self.summaries:
             publish_summary(first.store, run, s)
@@ -158,7 +160,8 @@ def test_a_corpus_resumed_on_three_ranks_with_a_new_mixture_trains_each_epoch_as
     other weights (0.2 / 0.3 / 0.5) from epoch 1: epoch 0 finishes under its plan, epoch 1 trains
     the new quotas, each source's stream continuing where epoch 0 left it."""
     from benchmarks.chaos import trained_per_epoch
-    from coordination.corpus import CorpusSpec, Mixtures, SourceSpec, source_of
+    from coordination.corpus_file import CorpusSpec, Mixtures, SourceSpec
+    from coordination.corpus import source_of
 
     path, offsets, quotas = corpus
     old = CorpusSpec.read(path)
@@ -394,7 +397,7 @@ def test_a_resume_under_another_gene_vocabulary_is_refused_in_one_line():
     from dataclasses import asdict
 
     from trainer.checkpoint import Checkpoint, RankProgress
-    from trainer.train import check_resume
+    from trainer.resume import check_resume
 
     cfg = TrainConfig(run="v", backend={"kind": "memory"}, vocab_size=100, vocab_fingerprint="aaaa")
     saved = Checkpoint(10, 0, {"config": json.dumps(asdict(TrainConfig(**{**asdict(cfg), "vocab_fingerprint": "bbbb"})))},

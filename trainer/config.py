@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from coordination.backends import BackendSpec
 from coordination.driver import LEASE_S
-from coordination.tokens import CLS, EOS, MASK, PAD
+from coordination.vocab import CLS, EOS, MASK, PAD
 
 STOP_SIGNAL = signal.SIGUSR2  # "checkpoint and stop after this step" (`trainer.launch.ask_to_stop`)
 

@@ -16,9 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from coordination.presets import preset_shape
-from coordination.tokens import CLS, EOS, MASK, PAD
-
+from coordination.vocab import CLS, EOS, MASK, PAD
+from trainer.presets import preset_shape
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from coordination.summary import steps_per_epoch
 from coordination.errors import CellfeedError
 from coordination.queues import Empty, Queue
 from coordination.routing import cell_rank, rank_partition, run_tag, unit_rank
 from coordination.seeds import batch_rng
-from coordination.tokens import PAD
+from coordination.summary import steps_per_epoch
+from coordination.vocab import PAD
 from coordination.wire import Item, ItemError, unpack_item
 
 STARVED_AFTER_S = 2.0  # a rank with cells still to come and no item for this long asks for the missing units
@@ -129,7 +129,18 @@ class ConsumerStream:
         except BaseException as exc:  # noqa: BLE001 - raised in the consumer's thread
             self._error = exc
 
-    def _next_item(self, epoch: int, deadline: float, starved=None) -> Item | None:
+    # ---- what an epoch's iterator asks of the stream
+
+    @property
+    def held_cells(self) -> int:
+        """Decoded cells held outside any epoch's buffer: prefetched and not yet taken, or taken and held
+        for a later epoch."""
+        return self._fetched_cells - self._taken_cells + sum(i.n_cells for i in self._future)
+
+    def next_item(self, epoch: int, deadline: float, starved=None) -> Item | None:
+        """The next decoded item of `epoch` (items of later epochs are held for them, those of earlier
+        ones counted stale), or None at `deadline`. `starved` is called after `starved_after_s` with
+        no item of this epoch while the queue keeps answering, and as often again while it lasts."""
         for i, item in enumerate(self._future):
             if item.epoch == epoch:
                 return self._future.pop(i)
@@ -214,7 +225,8 @@ class EpochIterator:
 
     def __init__(self, stream: ConsumerStream, epoch: int, cells_per_rank: list[int]):
         if len(cells_per_rank) != stream.world_size:
-            raise CellfeedError(f"plan lists {len(cells_per_rank)} ranks, the stream has world size {stream.world_size}")
+            raise CellfeedError(f"plan lists {len(cells_per_rank)} ranks, the stream has world size "
+                                f"{stream.world_size}")
         self.s, self.epoch = stream, epoch
         self.expected = int(cells_per_rank[stream.rank])
         self.steps = steps_per_epoch(cells_per_rank, stream.batch_size)
@@ -237,8 +249,7 @@ class EpochIterator:
     @property
     def ready_cells(self) -> int:
         """Decoded cells this rank holds and has not batched yet (prefetched, buffered, later epochs')."""
-        s = self.s
-        return s._fetched_cells - s._taken_cells + len(self.buffer) + sum(i.n_cells for i in s._future)
+        return self.s.held_cells + len(self.buffer)
 
     def _admit(self, item: Item) -> None:
         s = self.s
@@ -268,7 +279,7 @@ class EpochIterator:
         while self.received < self.expected and len(self.buffer) < s.buffer_cells:
             start = time.monotonic()
             starved = (lambda: s.on_starved(self.epoch, self)) if s.on_starved is not None else None
-            item = s._next_item(self.epoch, start + s.no_data_timeout_s, starved)
+            item = s.next_item(self.epoch, start + s.no_data_timeout_s, starved)
             waited += time.monotonic() - start
             if item is None:
                 raise CellfeedError(

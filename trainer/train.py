@@ -27,18 +27,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from coordination.audit import epoch_ledger
 from coordination.backends import connect
-from coordination.driver import Driver
 from coordination.errors import CellfeedError
 from coordination.summary import load_summary, optimizer_steps, steps_per_epoch
-from coordination.routing import run_tag
 from coordination.seeds import mask_seed
-from coordination.wire import unpack_item
 from trainer import checkpoint
 from trainer.config import STOP_SIGNAL, TrainConfig
 from trainer.metrics import StepMetrics, Tracker, peak_flops
 from trainer.schedule import Schedule, lr_factor
 from trainer.model import CellTransformer, ModelConfig, masked_loss, train_flops
 from trainer.stream import ConsumerStream
+from trainer.evaluation import evaluate, load_held_out
+from trainer.exactly_once import ask_again, audit_epoch
+from trainer.resume import restore, start_driver
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -230,183 +230,6 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     summary["final_params_checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
     return summary
 
-
-
-def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, store, summaries: dict):
-    """(step, epoch, this rank's progress, the cells each rank has left of the epoch): a
-    checkpoint's -- its weights and optimizer state loaded, written by this many ranks or another
-    (the epoch's untrained cells are then re-planned over these ranks) -- or a fresh start."""
-    if saved is None:
-        if cfg.resume and rank == 0:
-            print(f"no checkpoint in {cfg.checkpoint_dir}: starting at step 0")
-        return 0, 0, checkpoint.RankProgress(), None
-    check_resume(saved, cfg, model, store)
-    model.load_state_dict(saved.state["model"])
-    optimizer.load_state_dict(saved.state["optimizer"])
-    everything = checkpoint.RankProgress.merged(saved.ranks)
-    progress = everything if rank == 0 else everything.without_totals()  # rank 0 carries the totals
-    left = None
-    if saved.epoch < cfg.epochs:
-        if saved.epoch not in summaries:
-            summaries[saved.epoch] = load_summary(store, cfg.run, saved.epoch)
-        left = summaries[saved.epoch].cells_left_per_rank(world, everything.unit_trained,
-                                                          everything.trained_stitched())
-    if rank == 0:
-        before = sum(r.trained + r.carried for r in saved.ranks)
-        moved = "" if len(saved.ranks) == world else \
-            (f"; written by {len(saved.ranks)} ranks, its {sum(left or []):,} cells left are re-planned over {world}")
-        print(f"resumed from step {saved.step} (epoch {saved.epoch}, {before:,} cells of it already trained{moved})")
-    return saved.step, saved.epoch, progress, left
-
-
-def start_driver(cfg: TrainConfig, queue, store, resumed, epoch: int, summaries: dict, world: int) -> Driver:
-    """Rank 0 drives the epochs from `epoch` on; on resume (`resumed`: every rank's progress from
-    the checkpoint, merged), units trained through are not produced again
-    (`PlanSummary.units_to_skip`). `summaries`: the epochs' plan summaries read so far (`restore`
-    added the resumed epoch's)."""
-    skip = set()
-    if resumed is not None and epoch < cfg.epochs:
-        summary = summaries[epoch]
-        skip = summary.units_to_skip(resumed.done_units(), resumed.trained_stitched())
-        print(f"{len(skip):,} of epoch {epoch}'s {summary.n_units:,} units were trained through and are not "
-              "produced again")
-    driver = Driver(queue, store, cfg.run, lease_s=cfg.lease_s, stall_timeout_s=cfg.no_data_timeout_s,
-                    world_size=world)
-    driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if resumed is not None else None, skip_units=skip,
-                 linger=True)  # (after the last epoch it still answers ranks that ask for units again)
-    return driver
-
-
-MAX_REDO_UNITS = 4000  # units one request names (~50 KB of JSON); the rest at the next request
-HELD_OUT_QUIET_S = 5.0  # the held-out partition empty this long with the set short: some of it was lost
-
-
-def ask_again(queue, store, cfg: TrainConfig, rank: int, world: int, epoch: int, batches, summaries: dict,
-              before: checkpoint.RankProgress) -> None:
-    """This rank has waited for cells that do not come: ask the driver for the units whose items
-    never reached it (`PlanSummary.units_missing`; `before`: what a checkpoint says was trained of
-    the epoch it resumed). The driver produces again only those it has finished."""
-    from coordination.queues import Full
-    from coordination.routing import EVENTS_PARTITION, encode_event
-
-    summary = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
-    resumed = before.epoch == epoch
-    missing = summary.units_missing(rank, world, batches.complete_units(), batches.stitched_received,
-                                    before.unit_trained if resumed else {},
-                                    before.trained_stitched() if resumed else set())
-    if not missing:
-        return
-    try:
-        queue.put_many([encode_event(f"rank-{rank}", redo=[(epoch, u) for u in missing[:MAX_REDO_UNITS]])],
-                       block=True, timeout=5.0, partition=EVENTS_PARTITION)
-    except Full:
-        pass  # the events are backed up: the next request, a few seconds on
-
-
-def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
-    """The fixed evaluation batches: every held-out item, popped once (bounded wait)."""
-    from coordination.queues import request_batches
-    from coordination.routing import EVAL_PARTITION
-    from trainer.stream import collate_items
-
-    from coordination.queues import Empty
-
-    raw, items = [], []
-    deadline = time.monotonic() + cfg.no_data_timeout_s
-    while sum(i.n_cells for i in items) < cfg.eval_cells:
-        if time.monotonic() > deadline:
-            raise CellfeedError(f"held-out set incomplete after {cfg.no_data_timeout_s:.0f}s: did the setup produce it?")
-        try:
-            got = queue.get_many(64, timeout=HELD_OUT_QUIET_S, partition=EVAL_PARTITION)
-        except Empty:
-            if not items:
-                continue
-            # the partition is empty, the set short: a get's reply was lost (its items are gone). Evaluate
-            # on the rest; the next train call finds the set short and runs the setup again (ensure_setup)
-            print(f"held-out set: {sum(i.n_cells for i in items):,} of {cfg.eval_cells:,} cells (the rest were lost "
-                  "in transit): evaluating on these; the next setup restores the set", flush=True)
-            break
-        raw += got
-        items += [unpack_item(b, run_tag=run_tag(cfg.run)) for b in got]
-    for batch in request_batches(raw):  # put back: a re-run of this trainer (preemption) reads them too
-        queue.put_many(batch, partition=EVAL_PARTITION)
-    return [b.to(device) for b in collate_items(items, cfg.batch_size, cfg.pad_to, cfg.pad_token)]
-
-
-def check_resume(saved: checkpoint.Checkpoint, cfg: TrainConfig, model, store) -> None:
-    """A resume continues the same run: the checkpoint's epoch must have the plan it was trained
-    on (same dataset, sampling, seed, splits), its vocabulary must be this one, and its weights must
-    fit this model (the number of ranks may differ: `restore` re-plans the epoch's rest)."""
-    theirs_vocab = json.loads(saved.state.get("config", "{}")).get("vocab_fingerprint", "")
-    if theirs_vocab and cfg.vocab_fingerprint and theirs_vocab != cfg.vocab_fingerprint:
-        raise CellfeedError(f"--resume: the checkpoint at step {saved.step} was trained on another gene vocabulary "
-                            f"({theirs_vocab}, this campaign's {cfg.vocab_fingerprint}): its token ids mean other genes; "
-                            "resume with the run's own --vocabulary and sources, or start a new --run")
-    checkpoint.check_same_data(saved.step, saved.ranks[0].data_id, cfg.data_id)
-    checkpoint.check_same_plan(saved.step, saved.epoch, saved.ranks[0].plan_id, store, cfg.run, cfg.epochs)
-    mine = model.state_dict()
-    theirs = saved.state["model"]
-    wrong = sorted(k for k in set(mine) | set(theirs)
-                   if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
-    if wrong:
-        raise CellfeedError(f"--resume: the checkpoint at step {saved.step} does not fit the model of these settings "
-                            f"({len(wrong)} tensors differ, e.g. {wrong[0]}): --preset, --tokenizer, --max-genes or "
-                            "--n-bins changed; resume with the run's own settings, or start a new --run")
-
-
-def audit_epoch(epoch: int, progress: checkpoint.RankProgress, summary, world: int, device) -> dict:
-    """The end-of-epoch exactly-once check, on every rank: each rank's trained-cell count and the
-    order-independent hash of their ids (`coordination.audit.cells_hash`, kept in checkpoints
-    across restarts) against the plan's. An epoch resumed from a checkpoint (on any number of
-    ranks) is checked as a whole: the cells trained before (carried by rank 0) and by every rank
-    since, against the whole plan. Raises, naming the rank where it can, when cells were lost or
-    duplicated; cheap at any scale (one all-gather of five numbers per rank)."""
-    def signed(h):
-        return 0 if h is None else h - 2**64 if h >= 2**63 else h
-
-    h, c = progress.cells_hash, progress.carried_hash
-    mine = torch.tensor([progress.trained, signed(h), h is not None and c is not None, progress.carried, signed(c)],
-                        dtype=torch.int64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    counts = [int(t[0]) for t in every]
-    hashes = [int(t[1]) % 2**64 for t in every]
-    carried, carried_hash = sum(int(t[3]) for t in every), sum(int(t[4]) for t in every) % 2**64
-    trained, expected = sum(counts) + carried, sum(summary.cells_per_rank)
-    if not summary.cell_hash_per_rank or not all(int(t[2]) for t in every):
-        return {"epoch": epoch, "cells": trained, "audited": False,
-                "line": f"epoch {epoch}: {trained:,} cells trained (not audited: the plan or a checkpoint predates it)"}
-    fail = ("epoch {epoch} failed its exactly-once audit: {who} trained {what} ({got:,} of {want:,}): cells were lost "
-            "or duplicated; the last checkpoint is kept, and --audit-cells records which cells each step trained")
-    checks = [("rank " + str(r), counts[r], hashes[r], summary.cells_per_rank[r], summary.cell_hash_per_rank[r])
-              for r in range(world)] if not carried else \
-        [("the resumed epoch's ranks, before and after", trained, (sum(hashes) + carried_hash) % 2**64, expected,
-          sum(summary.cell_hash_per_rank) % 2**64)]
-    for who, got, got_hash, want, want_hash in checks:
-        if got != want or got_hash != want_hash:
-            what = (f"{want - got:,} fewer cells than planned" if got < want else
-                    f"{got - want:,} more cells than planned" if got > want else
-                    "the planned number of cells, but not the planned cells")
-            raise CellfeedError(fail.format(epoch=epoch, who=who, what=what, got=got, want=want))
-    scope = "every rank" if not carried else "the whole epoch, across the resume"
-    return {"epoch": epoch, "cells": trained, "audited": True, "missing": 0, "duplicated": 0,
-            "line": f"epoch {epoch}: {trained:,} cells trained, 0 missing, 0 duplicated "
-                    f"(of {expected:,} planned; count and cell-id hash checked on {scope})"}
-
-
-@torch.no_grad()
-def evaluate(model, batches: list, cfg: TrainConfig, autocast) -> dict:
-    """Masked-bin (or masked-gene) accuracy on the fixed held-out batches, same masks every time."""
-    model.eval()
-    generator = torch.Generator().manual_seed(cfg.seed)
-    totals = torch.zeros(3)
-    for batch in batches:
-        with autocast:
-            loss_sum, n, correct = masked_loss(model, batch, cfg.mask_ratio, generator, cfg.n_bins, model.config)
-        totals += torch.tensor([float(loss_sum), float(n), float(correct)])
-    model.train()
-    return {"eval_loss": round(float(totals[0] / totals[1].clamp(min=1)), 5),
-            "eval_accuracy": round(float(totals[2] / totals[1].clamp(min=1)), 4)}
 
 
 def main() -> None:

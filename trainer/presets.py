@@ -1,5 +1,6 @@
-"""Model presets: the transformer shapes a campaign can train. Torch-free, so the campaign
-config, the command lines and the trainer read the one table."""
+"""Model presets: the transformer shapes a campaign can train. Torch-free (no import of the model
+here), so the campaign config and the command lines read the one table the model builds from, on
+a laptop without torch."""
 
 from __future__ import annotations
 

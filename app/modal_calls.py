@@ -1,0 +1,123 @@
+"""Calls to Modal functions from inside the app: spawn one and wait for its result, see how a call
+stands (`call_state`), hold a preemption's SIGINT over a step that must not be cut in two
+(`interrupt_held`), and the run's producer calls (`Fleet`). Every call retries Modal's transient
+errors for the campaign's `--modal-retry-s` (`coordination.modal_backend.retrying`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import time
+
+import modal
+
+from app.config import CampaignConfig
+from coordination.errors import CellfeedError
+from coordination.modal_backend import RETRY_S, retrying, transient_errors
+
+PRODUCER_RETRIES = 3  # the producer function's retries (`app.modal_app.produce`)
+
+
+def spawn(function, *args, retry: float = RETRY_S):
+    """`function.spawn(*args)`, retried on Modal's transient errors."""
+    return retrying(lambda: function.spawn(*args), f"spawning {function.__name__}", retry)
+
+
+def result(call, retry: float = RETRY_S):
+    """The call's result (waiting for it), its own error raised; transient errors retried."""
+    return retrying(call.get, f"waiting for {call.object_id}", retry)
+
+
+@contextlib.contextmanager
+def interrupt_held():
+    """A SIGINT (Modal's preemption) that arrives inside the block is raised when it ends."""
+    got = []
+    previous = signal.signal(signal.SIGINT, lambda *_: got.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if got:
+            raise KeyboardInterrupt
+
+
+class Fleet:
+    """The run's producer calls (of `produce`, the app's producer function), by name (`producer-<i>`), their ids kept in the run's map: those
+    of an earlier call of this run still running are reused, never doubled; a producer that
+    ended (its hours, or an idle hour) is replaced; one that failed all Modal's retries ends
+    the run."""
+
+    def __init__(self, cfg: CampaignConfig, config: dict, store, produce):
+        from coordination.routing import fleet_key
+
+        self.cfg, self.config, self.store, self.key = cfg, config, store, fleet_key(cfg.run)
+        self.produce = produce  # the app's producer function
+        known = json.loads(store.get(self.key) or "{}")
+        self.calls = {}
+        for i in range(cfg.producers):
+            name = f"producer-{i}"
+            call = modal.FunctionCall.from_id(known[name]) if name in known else None
+            if call is not None and call_state(call, cfg.modal_retry_s)[0] == "running":
+                self.calls[name] = call
+        if self.calls:
+            print(f"reusing the {len(self.calls)} producers still running from an earlier call of this run", flush=True)
+        for i in range(cfg.producers):
+            if f"producer-{i}" not in self.calls:
+                self._spawn(f"producer-{i}")
+
+    def _spawn(self, name: str) -> None:
+        with interrupt_held():  # spawned and recorded, or neither: a re-run must not spawn it twice
+            self.calls[name] = spawn(self.produce, self.config, name, retry=self.cfg.modal_retry_s)
+            self.store.put(self.key, json.dumps({n: c.object_id for n, c in self.calls.items()}))
+
+    def check(self) -> None:
+        for name, call in list(self.calls.items()):
+            state, error = call_state(call, self.cfg.modal_retry_s)
+            if state == "failed":
+                last_line = (str(error).strip().splitlines() or [""])[-1]
+                raise CellfeedError(f"{name} failed {1 + PRODUCER_RETRIES} times, Modal's retries spent "
+                                    f"({type(error).__name__}: {last_line}); the run stops: mend the cause, "
+                                    "then run again with --resume")
+            if state == "ended":
+                print(f"{name} ended: a new call takes its place", flush=True)
+                self._spawn(name)
+
+    def stop(self, deadline_s: float, retry: float = RETRY_S) -> None:
+        """One deadline for all to return (they read the stop key), then cancel the rest."""
+        deadline = time.monotonic() + deadline_s
+        transient = transient_errors()
+
+        def stop_one(call):
+            try:
+                call.get(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:  # still running past the deadline (builtin TimeoutError: modal/_functions.py)
+                call.cancel()
+            except transient:
+                raise  # retried
+            except Exception:  # noqa: BLE001 - it failed: nothing to stop
+                pass
+
+        for call in self.calls.values():
+            retrying(lambda: stop_one(call), f"stopping {call.object_id}", retry)
+
+
+def call_state(call, retry: float = RETRY_S) -> tuple[str, BaseException | None]:
+    """("running" | "ended" | "failed", its error) of a function call, without waiting. Modal
+    raises the builtin TimeoutError while a call runs (not modal.exception.TimeoutError, whose
+    subclasses FunctionTimeoutError and OutputExpiredError mean it is over). A transient network
+    error says nothing of the call: it is retried (for `retry` seconds), never taken for a failure."""
+    transient = transient_errors()
+
+    def look():
+        try:
+            call.get(timeout=0)
+        except TimeoutError:
+            return "running", None
+        except transient:
+            raise
+        except Exception as exc:  # noqa: BLE001 - its error, Modal's retries spent
+            return "failed", exc
+        return "ended", None
+
+    return retrying(look, f"looking at {call.object_id}", retry)
