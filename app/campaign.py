@@ -8,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from coordination.summary import PlanSummary, SetupFacts, optimizer_steps, publish_summary
-from coordination.routing import EVAL_PARTITION, stop_key
 from coordination.errors import CellfeedError
+from coordination.routing import EVAL_PARTITION, stop_key
+from coordination.summary import PlanSummary, SetupFacts, optimizer_steps, publish_summary
 from coordination.vocab import publish_vocab
-from producers.producer import Producer
 from producers.held_out import produce_held_out
+from producers.producer import Producer
 from producers.selection import filter_cells
 from producers.sources import check_coverage
 
@@ -30,9 +30,11 @@ def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
         summaries.append(PlanSummary.of(producer.plan(len(summaries)), cfg.gpus))
         steps += optimizer_steps(summaries[-1:], cfg.batch_size, cfg.grad_accum)
     if cfg.steps and steps < cfg.steps:
-        raise CellfeedError(f"--steps {cfg.steps} is more than --epochs {cfg.epochs} hold ({steps} steps of "
-                            f"{cfg.batch_size} cells per rank): raise --epochs, or leave it out to train as many "
-                            "epochs as the steps need")
+        raise CellfeedError(
+            f"--steps {cfg.steps} is more than --epochs {cfg.epochs} hold ({steps} steps of "
+            f"{cfg.batch_size} cells per rank): raise --epochs, or leave it out to train as many "
+            "epochs as the steps need"
+        )
     return summaries
 
 
@@ -60,15 +62,23 @@ def prepare(cfg, queue, store, vocab_path=None) -> SetupFacts:
         held_out, held_out_items = len(cells), produce_held_out(producer, cells)
     quotas = producer.quotas if producer.quotas is not None else [summaries[0].n_cells]
     return SetupFacts(
-        n_genes=vocab.n_genes, vocab_size=vocab.size, pad_token=vocab.pad, mask_token=vocab.mask,
-        special_tokens=vocab.special_ids, vocab_fingerprint=vocab.fingerprint, epochs=len(summaries),
-        cells_per_epoch=summaries[0].n_cells, units_per_epoch=summaries[0].n_units,
+        n_genes=vocab.n_genes,
+        vocab_size=vocab.size,
+        pad_token=vocab.pad,
+        mask_token=vocab.mask,
+        special_tokens=vocab.special_ids,
+        vocab_fingerprint=vocab.fingerprint,
+        epochs=len(summaries),
+        cells_per_epoch=summaries[0].n_cells,
+        units_per_epoch=summaries[0].n_units,
         units_total=sum(s.n_units for s in summaries),
         steps_per_epoch=optimizer_steps(summaries[:1], cfg.batch_size, cfg.grad_accum),
         total_steps=cfg.steps or optimizer_steps(summaries, cfg.batch_size, cfg.grad_accum),
-        held_out_cells=held_out, held_out_items=held_out_items,
+        held_out_cells=held_out,
+        held_out_items=held_out_items,
         sources=tuple((s.spec.name, int(q), c.line()) for s, q, c in zip(producer.sources, quotas, coverage)),
-        data_id=data_identity(producer.sources))
+        data_id=data_identity(producer.sources),
+    )
 
 
 def data_identity(sources) -> str:
@@ -94,8 +104,11 @@ def record_mixtures(cfg, run_dir: Path, resumed_epoch: int | None) -> str | None
         mixtures = Mixtures.from_json(path.read_text(), str(path))
         if new.to_toml() != mixtures.history[-1][1].to_toml():
             mixtures = mixtures.changed(new, resumed_epoch + 1)
-            print(f"the corpus changed: its new mixture applies from epoch {resumed_epoch + 1} "
-                  f"(epoch {resumed_epoch} finishes under its plan)", flush=True)
+            print(
+                f"the corpus changed: its new mixture applies from epoch {resumed_epoch + 1} "
+                f"(epoch {resumed_epoch} finishes under its plan)",
+                flush=True,
+            )
     else:
         mixtures = Mixtures([(0, new)])
     path.write_text(mixtures.to_json())
@@ -115,7 +128,9 @@ def held_out_cells(producer: Producer, n: int):
     for s, k in zip(filtered, shares):
         mine = filter_cells(s.ds, s.spec.eval_filter, "--eval-filter")
         if len(mine) == 0:
-            raise CellfeedError(f"--eval-filter {s.spec.eval_filter!r} matches no cells of {s.spec.name}; check the "
-                                "filter (`cellfeed inspect DATASET` lists the obs columns and their values)")
+            raise CellfeedError(
+                f"--eval-filter {s.spec.eval_filter!r} matches no cells of {s.spec.name}; check the "
+                "filter (`cellfeed inspect DATASET` lists the obs columns and their values)"
+            )
         cells.append(mine[:k] + s.offset)
     return np.concatenate(cells)

@@ -29,10 +29,13 @@ def cmd_synth(args) -> int:
     from producers.synth import SynthSpec, synthesize
 
     spec = SynthSpec(n_cells=args.cells, n_genes=args.genes, n_plates=args.plates, seed=args.seed)
-    ds = synthesize(args.out, spec, rows_per_fragment=args.rows_per_fragment, overwrite=args.overwrite,
-                    progress=not args.quiet)
-    print(f"wrote {ds.uri}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros, "
-          f"{plural(len(ds.fragments), 'fragment')}")
+    ds = synthesize(
+        args.out, spec, rows_per_fragment=args.rows_per_fragment, overwrite=args.overwrite, progress=not args.quiet
+    )
+    print(
+        f"wrote {ds.uri}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros, "
+        f"{plural(len(ds.fragments), 'fragment')}"
+    )
     return 0
 
 
@@ -43,11 +46,20 @@ def cmd_convert(args) -> int:
     *inputs, out = args.paths
     if not inputs:
         raise CellfeedError("usage: cellfeed convert IN.h5ad [IN2.h5ad ...] OUT")
-    ds = convert(inputs, out, layer=args.layer, rows_per_fragment=args.rows_per_fragment,
-                 chunk_cells=args.chunk_cells, allow_negative=args.allow_negative, overwrite=args.overwrite,
-                 progress=not args.quiet)
-    print(f"wrote {ds.uri}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros "
-          f"({ds.value_type}), {plural(len(ds.fragments), 'fragment')}")
+    ds = convert(
+        inputs,
+        out,
+        layer=args.layer,
+        rows_per_fragment=args.rows_per_fragment,
+        chunk_cells=args.chunk_cells,
+        allow_negative=args.allow_negative,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    print(
+        f"wrote {ds.uri}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros "
+        f"({ds.value_type}), {plural(len(ds.fragments), 'fragment')}"
+    )
     return 0
 
 
@@ -61,10 +73,15 @@ def cmd_inspect(args) -> int:
     print(describe(ds, n_values=args.values))
     if args.check:  # every row read: each belongs to the cell the offsets give it, the fragments hold the manifest's
         start = time.monotonic()
-        rows = ds.check_all(progress=None if args.quiet else
-                            lambda done, total: print(f"\rchecked {done:,} of {total:,} rows", end="", flush=True))
-        print(f"{'' if args.quiet else chr(10)}check: ok: {rows:,} rows in {len(ds.fragments)} fragments read, each "
-              f"belongs to the cell its offsets give it ({time.monotonic() - start:.1f} s)")
+        rows = ds.check_all(
+            progress=None
+            if args.quiet
+            else lambda done, total: print(f"\rchecked {done:,} of {total:,} rows", end="", flush=True)
+        )
+        print(
+            f"{'' if args.quiet else chr(10)}check: ok: {rows:,} rows in {len(ds.fragments)} fragments read, each "
+            f"belongs to the cell its offsets give it ({time.monotonic() - start:.1f} s)"
+        )
     return 0
 
 
@@ -79,15 +96,19 @@ def describe_corpus(path: str) -> str:
     attach_vocab(sources, vocab)
     size = spec.epoch_cells or sum(s.n_selected for s in sources)
     shares = quotas([s.spec.weight for s in sources], size)
-    lines = [f"corpus      {path}: {len(sources)} sources, {size:,} cells per epoch",
-             f"vocabulary  {vocab.origin}: {vocab.n_genes:,} genes, {vocab.size:,} token ids",
-             f"{'source':<16} {'weight':>6} {'cells':>12} {'selected':>12} {'genes matched':>18} "
-             f"{'non-zeros kept':>14} {'per epoch':>12} {'passes':>7}"]
+    lines = [
+        f"corpus      {path}: {len(sources)} sources, {size:,} cells per epoch",
+        f"vocabulary  {vocab.origin}: {vocab.n_genes:,} genes, {vocab.size:,} token ids",
+        f"{'source':<16} {'weight':>6} {'cells':>12} {'selected':>12} {'genes matched':>18} "
+        f"{'non-zeros kept':>14} {'per epoch':>12} {'passes':>7}",
+    ]
     for s, q in zip(sources, shares):
         c = coverage(s)
-        lines.append(f"{s.spec.name:<16} {s.spec.weight:>6g} {s.ds.n_cells:>12,} {s.n_selected:>12,} "
-                     f"{f'{c.genes_matched:,} / {c.genes:,}':>18} {c.nonzeros_kept:>14.1%} {int(q):>12,} "
-                     f"{q / max(1, s.n_selected):>7.2f}")
+        lines.append(
+            f"{s.spec.name:<16} {s.spec.weight:>6g} {s.ds.n_cells:>12,} {s.n_selected:>12,} "
+            f"{f'{c.genes_matched:,} / {c.genes:,}':>18} {c.nonzeros_kept:>14.1%} {int(q):>12,} "
+            f"{q / max(1, s.n_selected):>7.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -102,8 +123,10 @@ def cmd_stats(args) -> int:
     store_gene_stats(ds, medians)
     expressed = medians > 0
     typical = float(np.median(medians[expressed])) if expressed.any() else 0.0
-    print(f"stored the non-zero medians of normalised counts (x / cell total * 10,000) of {int(expressed.sum()):,} "
-          f"expressed genes (of {ds.n_genes:,}) in {ds.uri}/gene_stats.lance; median of medians {typical:.3g}")
+    print(
+        f"stored the non-zero medians of normalised counts (x / cell total * 10,000) of {int(expressed.sum()):,} "
+        f"expressed genes (of {ds.n_genes:,}) in {ds.uri}/gene_stats.lance; median of medians {typical:.3g}"
+    )
     return 0
 
 
@@ -118,19 +141,22 @@ def corpus_stats(args) -> int:
     from producers.sources import attach_vocab, campaign_vocab, open_sources
 
     if not args.out:
-        raise CellfeedError("over a corpus, give --out FILE.json: the median dictionary to write (then train with "
-                            "--gene-medians FILE.json)")
+        raise CellfeedError(
+            "over a corpus, give --out FILE.json: the median dictionary to write (then train with "
+            "--gene-medians FILE.json)"
+        )
     spec = CorpusSpec.read(args.dataset)
     sources = open_sources(spec)
     vocab = campaign_vocab(spec, sources)
     attach_vocab(sources, vocab)
-    medians = compute_gene_medians([(s.ds, s.gene_tokens) for s in sources], progress=not args.quiet,
-                                   n_out=vocab.size)
+    medians = compute_gene_medians([(s.ds, s.gene_tokens) for s in sources], progress=not args.quiet, n_out=vocab.size)
     names = {i: g for g, i in vocab.ids.items()}
     out = {names[i]: float(m) for i, m in enumerate(medians) if m > 0 and i in names}
     Path(args.out).write_text(json.dumps(out))
-    print(f"wrote the non-zero medians of normalised counts of {len(out):,} expressed vocabulary genes over "
-          f"{len(sources)} sources to {args.out} (use it with --gene-medians)")
+    print(
+        f"wrote the non-zero medians of normalised counts of {len(out):,} expressed vocabulary genes over "
+        f"{len(sources)} sources to {args.out} (use it with --gene-medians)"
+    )
     return 0
 
 
@@ -182,8 +208,10 @@ def describe(ds, n_values: int = 3) -> str:
     ]
     # var too: its columns are what a corpus's `gene_column` (`--gene-column`) may name, and the
     # example values show which one holds the identifiers a vocabulary uses (Ensembl ids, symbols)
-    for title, table, names in (("obs columns:", ds.cells, ds.obs_columns),
-                                ("var columns (gene_column names one):", ds.genes, ds.genes.schema.names)):
+    for title, table, names in (
+        ("obs columns:", ds.cells, ds.obs_columns),
+        ("var columns (gene_column names one):", ds.genes, ds.genes.schema.names),
+    ):
         lines.append(title)
         head = table.head(max(n_values, 1)).to_pydict()
         for name in names:
@@ -197,17 +225,33 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if not action.option_strings or "default" in text or action.default is None or action.default is False \
-                or action.default == argparse.SUPPRESS:
+        if (
+            not action.option_strings
+            or "default" in text
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+        ):
             return text
         return f"{text} (default: %(default)s)"
 
 
 # `cellfeed local` runs the tiny model on CPU: these defaults replace CampaignConfig's (made for 8 GPUs)
-LOCAL_DEFAULTS = dict(producers=2, gpus=2, batch_size=32, max_genes=256, preset="tiny", eval_every=20,
-                      checkpoint_every=50, lr=3e-3, warmup_steps=10, eval_cells=512)
-LOCAL_HELP = {"max_genes": f"genes per cell (default: 256, short for CPU; the tokenizers' own are "
-                           f"{', '.join(DEFAULT_LENGTHS)})"}
+LOCAL_DEFAULTS = dict(
+    producers=2,
+    gpus=2,
+    batch_size=32,
+    max_genes=256,
+    preset="tiny",
+    eval_every=20,
+    checkpoint_every=50,
+    lr=3e-3,
+    warmup_steps=10,
+    eval_cells=512,
+)
+LOCAL_HELP = {
+    "max_genes": f"genes per cell (default: 256, short for CPU; the tokenizers' own are {', '.join(DEFAULT_LENGTHS)})"
+}
 
 
 def add_campaign_flags(p: argparse.ArgumentParser) -> None:
@@ -244,7 +288,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog="cellfeed", formatter_class=HelpFormatter,
+        prog="cellfeed",
+        formatter_class=HelpFormatter,
         description="Feed single-cell data (SLAF-layout Lance datasets, local or S3) to GPU training.",
         epilog="S3 addresses (s3://bucket/prefix) use AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
         "AWS_SECRET_ACCESS_KEY and AWS_REGION from the environment. Options may come before, between or after "
@@ -253,8 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name, help, **kwargs):
-        return sub.add_parser(name, help=help, description=kwargs.pop("description", help[0].upper() + help[1:] + "."),
-                              formatter_class=HelpFormatter, **kwargs)
+        return sub.add_parser(
+            name,
+            help=help,
+            description=kwargs.pop("description", help[0].upper() + help[1:] + "."),
+            formatter_class=HelpFormatter,
+            **kwargs,
+        )
 
     p = command("synth", "write a synthetic Tahoe-like atlas (plates stored in order)")
     p.add_argument("out", help="output dataset: a local path or s3://bucket/prefix")
@@ -264,51 +314,78 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed; the same seed writes the same dataset")
     p.set_defaults(func=cmd_synth)
 
-    p = command("convert", "convert h5ad file(s) with the same genes into one dataset",
-                description="Convert h5ad file(s) with the same genes into one dataset (concatenated in order). "
-                "Counts are stored as uint16 when they fit, else float32.")
+    p = command(
+        "convert",
+        "convert h5ad file(s) with the same genes into one dataset",
+        description="Convert h5ad file(s) with the same genes into one dataset (concatenated in order). "
+        "Counts are stored as uint16 when they fit, else float32.",
+    )
     p.add_argument("paths", nargs="+", metavar="PATH", help="IN.h5ad [IN2.h5ad ...] OUT (local path or s3://)")
     p.add_argument("--layer", default="X", help="matrix to store: X, raw.X, or a layer name")
     p.add_argument("--chunk-cells", type=_positive_int, default=8192, help="cells read per chunk")
-    p.add_argument("--allow-negative", action="store_true",
-                   help="store a matrix with negative values (e.g. scaled data) as float32 instead of refusing")
+    p.add_argument(
+        "--allow-negative",
+        action="store_true",
+        help="store a matrix with negative values (e.g. scaled data) as float32 instead of refusing",
+    )
     p.set_defaults(func=cmd_convert)
 
     for p in (sub.choices["synth"], sub.choices["convert"]):
-        p.add_argument("--rows-per-fragment", type=_positive_int, default=ROWS_PER_FRAGMENT,
-                       help="expression rows per Lance fragment; cells straddle fragment boundaries as in "
-                       "compacted datasets")
+        p.add_argument(
+            "--rows-per-fragment",
+            type=_positive_int,
+            default=ROWS_PER_FRAGMENT,
+            help="expression rows per Lance fragment; cells straddle fragment boundaries as in compacted datasets",
+        )
         p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at the output")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    p = command("stats", "compute and store Geneformer's gene medians (the geneformer tokenizers need them)",
-                description="Compute each gene's non-zero median of normalised counts (x / cell total * 10,000), "
-                "exactly, in a few streaming passes, and store them with the dataset.")
-    p.add_argument("dataset", help="a local path or s3://bucket/prefix, or a corpus file (.toml): medians per "
-                   "vocabulary gene over every source, written to --out")
+    p = command(
+        "stats",
+        "compute and store Geneformer's gene medians (the geneformer tokenizers need them)",
+        description="Compute each gene's non-zero median of normalised counts (x / cell total * 10,000), "
+        "exactly, in a few streaming passes, and store them with the dataset.",
+    )
+    p.add_argument(
+        "dataset",
+        help="a local path or s3://bucket/prefix, or a corpus file (.toml): medians per "
+        "vocabulary gene over every source, written to --out",
+    )
     p.add_argument("--out", default=None, help="with a corpus: the median dictionary (JSON) to write")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_stats)
 
-    p = command("local", "run a whole pretraining campaign on this machine (processes, DDP on CPU)",
-                description="A pretraining campaign on this machine: the local queue server, producer processes, "
-                "DDP trainer ranks over gloo on CPU. With no --dataset, a small synthetic atlas is written first. "
-                "Defaults suit the tiny CPU model; the same flags drive `modal run app/modal_app.py`.")
+    p = command(
+        "local",
+        "run a whole pretraining campaign on this machine (processes, DDP on CPU)",
+        description="A pretraining campaign on this machine: the local queue server, producer processes, "
+        "DDP trainer ranks over gloo on CPU. With no --dataset, a small synthetic atlas is written first. "
+        "Defaults suit the tiny CPU model; the same flags drive `modal run app/modal_app.py`.",
+    )
     add_campaign_flags(p)
     p.add_argument("--cells", type=_positive_int, default=4000, help="cells to synthesize when no --dataset is given")
     p.add_argument("--workdir", default="runs", help="where runs, logs and checkpoints go")
-    p.add_argument("--audit-cells", action="store_true",
-                   help="write each rank's trained cell ids per step to WORKDIR/RUN/cells.rank<r>.jsonl")
+    p.add_argument(
+        "--audit-cells",
+        action="store_true",
+        help="write each rank's trained cell ids per step to WORKDIR/RUN/cells.rank<r>.jsonl",
+    )
     p.add_argument("--quiet", action="store_true", help="no live status line")
     p.set_defaults(func=cmd_local)
 
-    p = command("inspect", "summarise a dataset (shape, fragments, straddling cells, obs and var columns) or a corpus "
-                "file (per source: cells, genes matched, non-zeros kept, quota per epoch)")
+    p = command(
+        "inspect",
+        "summarise a dataset (shape, fragments, straddling cells, obs and var columns) or a corpus "
+        "file (per source: cells, genes matched, non-zeros kept, quota per epoch)",
+    )
     p.add_argument("dataset", help="a local path or s3://bucket/prefix, or a corpus file (.toml)")
     p.add_argument("--values", type=int, default=3, help="example values per obs and var column")
-    p.add_argument("--check", action="store_true",
-                   help="read every expression row and check it against the cell offsets and the manifest (opening "
-                        "a dataset checks the metadata, the offsets' order and range, and a sample of cells)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="read every expression row and check it against the cell offsets and the manifest (opening "
+        "a dataset checks the metadata, the offsets' order and range, and a sample of cells)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_inspect)
     return parser

@@ -27,19 +27,19 @@ DEFAULT_LENGTHS = tuple(f"{name} {spec.default_genes}" for name, spec in LAYOUTS
 FLAG_HELP = {
     "dataset": "the dataset: a local path or s3://bucket/prefix (S3 settings from AWS_* variables)",
     "corpus": "instead of --dataset: a corpus file (TOML) of several datasets with weights, each with its own "
-              "filters, trained over one gene vocabulary (README, \"Pretraining on a corpus\")",
+    'filters, trained over one gene vocabulary (README, "Pretraining on a corpus")',
     "vocabulary": "a gene vocabulary file: scGPT's vocab.json, Geneformer's token dictionary (.pkl, read without "
-                  "running code) or JSON (default: built from the dataset(s), written to the run folder)",
+    "running code) or JSON (default: built from the dataset(s), written to the run folder)",
     "gene_column": "the var column whose values name genes in the vocabulary, e.g. feature_name for symbols",
-    "gene_medians": "geneformer over a corpus: Geneformer's gene median dictionary (.pkl or JSON, identifier -> median)",
+    "gene_medians": "geneformer over a corpus: Geneformer's gene median dictionary (.pkl or JSON, id -> median)",
     "run": "run name: names the queue, the map and the checkpoints; --resume continues it (default: a timestamp)",
     "subset_filter": "training cells as an obs filter in Lance SQL, e.g. \"plate != 'plate14'\" (default: all cells)",
     "eval_filter": "held-out cells as an obs filter, e.g. \"plate = 'plate14'\": never trained on, evaluated "
-                   "every --eval-every steps (default: no evaluation)",
+    "every --eval-every steps (default: no evaluation)",
     "eval_cells": "how many held-out cells to evaluate on (the first that match --eval-filter)",
     "eval_every": "evaluate on the held-out cells every N steps",
     "tokenizer": "scgpt (genes in rank order + expression bins), geneformer-v1 (no special tokens) or "
-                 "geneformer-v2 (CLS, genes, EOS; alias geneformer); geneformer needs `cellfeed stats`",
+    "geneformer-v2 (CLS, genes, EOS; alias geneformer); geneformer needs `cellfeed stats`",
     "max_genes": f"genes per cell (default: the tokenizer's own: {', '.join(DEFAULT_LENGTHS)})",
     "n_bins": "scgpt expression bins per cell",
     "strategy": "sampling: sequential, mixture (of scanners), block (shuffled blocks of cells) or random",
@@ -59,26 +59,56 @@ FLAG_HELP = {
     "compile": "torch.compile the model",
     "checkpoint_every": "checkpoint every N steps (and at the end)",
     "keep_checkpoints": "checkpoints kept: the last N, and the best by held-out loss",
-    "resume": "continue --run from its latest checkpoint, saying from which step (locally, a run with none is an error)",
+    "resume": "continue --run from its latest checkpoint, saying which step (locally: a run with none is an error)",
     "seed": "seed of plans, shuffles, masks and weights: the same seed gives the same run",
     "lease_s": "seconds a producer may fall silent before the units it holds are issued to another (it says what "
-               "it holds 4 times a lease): shorter finds a dead or stalled producer sooner, at more calls",
+    "it holds 4 times a lease): shorter finds a dead or stalled producer sooner, at more calls",
     "rpc_latency_ms": "make every queue/map call cost this many ms (± 40%), as a round trip to Modal does: "
-                      "run locally under the remote world's costs",
+    "run locally under the remote world's costs",
     "modal_retry_s": "Modal: how long each call to Modal retries a failing network (with backoff) before the run "
-                     "stops, its state kept for --resume; the default rides out a 10-minute outage",
+    "stops, its state kept for --resume; the default rides out a 10-minute outage",
     "audit_cells": "Modal: write the cell ids each step trained, per rank (JSON lines), to the checkpoints Volume "
-                   "under RUN/cells/, one file set per train call: an audit of exactly-once, cell by cell",
+    "under RUN/cells/, one file set per train call: an audit of exactly-once, cell by cell",
     "attempt_hours": "Modal: after this many hours a train call checkpoints and continues in a new call "
-                     "(Modal ends any call at 24 h)",
+    "(Modal ends any call at 24 h)",
 }
 
 # The flags of `cellfeed local` and of `modal run app/modal_app.py`, in the order --help lists them.
-CAMPAIGN_FLAGS = ("dataset", "corpus", "vocabulary", "gene_column", "gene_medians", "run", "tokenizer", "max_genes",
-                  "n_bins", "strategy", "block_size", "fetch_factor",
-                  "n_scanners", "unit_cells", "subset_filter", "eval_filter", "eval_cells", "eval_every", "producers",
-                  "gpus", "batch_size", "grad_accum", "steps", "epochs", "preset", "lr", "warmup_steps",
-                  "checkpoint_every", "keep_checkpoints", "resume", "seed", "lease_s", "rpc_latency_ms")
+CAMPAIGN_FLAGS = (
+    "dataset",
+    "corpus",
+    "vocabulary",
+    "gene_column",
+    "gene_medians",
+    "run",
+    "tokenizer",
+    "max_genes",
+    "n_bins",
+    "strategy",
+    "block_size",
+    "fetch_factor",
+    "n_scanners",
+    "unit_cells",
+    "subset_filter",
+    "eval_filter",
+    "eval_cells",
+    "eval_every",
+    "producers",
+    "gpus",
+    "batch_size",
+    "grad_accum",
+    "steps",
+    "epochs",
+    "preset",
+    "lr",
+    "warmup_steps",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "resume",
+    "seed",
+    "lease_s",
+    "rpc_latency_ms",
+)
 MODAL_FLAGS = CAMPAIGN_FLAGS + ("attempt_hours", "modal_retry_s", "audit_cells")
 MAX_ATTEMPT_HOURS = 23.0  # an hour short of Modal's 24 h limit on a call: time to checkpoint and hand over
 
@@ -143,12 +173,27 @@ class CampaignConfig:
             raise CellfeedError(f"run name {self.run!r}: use 1-41 letters, digits, '.', '_' or '-'")
         if layout(self.tokenizer).objective is None:
             trainable = ", ".join(n for n, spec in LAYOUTS.items() if spec.objective)
-            raise CellfeedError(f"--tokenizer {self.tokenizer}: the trainer learns from {trainable} tokens; raw values "
-                                "are for feeding other models (producers.producer.produce)")
+            raise CellfeedError(
+                f"--tokenizer {self.tokenizer}: the trainer learns from {trainable} tokens; raw values "
+                "are for feeding other models (producers.producer.produce)"
+            )
         if self.preset not in PRESETS:
             raise CellfeedError(f"unknown model preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
-        for name in ("producers", "gpus", "batch_size", "grad_accum", "checkpoint_every", "block_size", "fetch_factor",
-                     "keep_checkpoints", "n_scanners", "unit_cells", "cells_per_item", "eval_every", "eval_cells"):
+        for name in (
+            "producers",
+            "gpus",
+            "batch_size",
+            "grad_accum",
+            "checkpoint_every",
+            "block_size",
+            "fetch_factor",
+            "keep_checkpoints",
+            "n_scanners",
+            "unit_cells",
+            "cells_per_item",
+            "eval_every",
+            "eval_cells",
+        ):
             if int(getattr(self, name)) < 1:
                 raise CellfeedError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("max_genes", "steps", "epochs"):  # optional
@@ -159,15 +204,19 @@ class CampaignConfig:
         if not 0 <= self.rpc_latency_ms <= 10_000:
             raise CellfeedError(f"--rpc-latency-ms must be within 0..10000, got {self.rpc_latency_ms}")
         if not 0 < self.attempt_hours <= MAX_ATTEMPT_HOURS:
-            raise CellfeedError(f"--attempt-hours must be within 0..{MAX_ATTEMPT_HOURS:g} (Modal ends a call at 24 h), "
-                                f"got {self.attempt_hours}")
+            raise CellfeedError(
+                f"--attempt-hours must be within 0..{MAX_ATTEMPT_HOURS:g} (Modal ends a call at 24 h), "
+                f"got {self.attempt_hours}"
+            )
         if not 1 <= self.modal_retry_s <= 7 * 24 * 3600:
             raise CellfeedError(f"--modal-retry-s must be within 1..604800 seconds, got {self.modal_retry_s}")
         if not 3 <= self.n_bins <= 255:
             raise CellfeedError(f"--n-bins must be within 3..255, got {self.n_bins}")
         if not (math.isfinite(self.lr) and 0 < self.lr <= 1):
-            raise CellfeedError(f"--lr {self.lr}: the peak learning rate must be a finite number in (0, 1] "
-                                f"(e.g. 3e-4 for the GPU presets, 3e-3 for tiny)")
+            raise CellfeedError(
+                f"--lr {self.lr}: the peak learning rate must be a finite number in (0, 1] "
+                f"(e.g. 3e-4 for the GPU presets, 3e-3 for tiny)"
+            )
         if int(self.warmup_steps) < 0:
             raise CellfeedError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         self.sampling.validate()
@@ -234,38 +283,75 @@ class CampaignConfig:
 
     @property
     def sampling(self) -> Sampling:
-        return Sampling(self.strategy, unit_cells=self.unit_cells, n_scanners=self.n_scanners,
-                        block_size=self.block_size, fetch_factor=self.fetch_factor, batch_size=self.batch_size)
+        return Sampling(
+            self.strategy,
+            unit_cells=self.unit_cells,
+            n_scanners=self.n_scanners,
+            block_size=self.block_size,
+            fetch_factor=self.fetch_factor,
+            batch_size=self.batch_size,
+        )
 
     def producer_config(self, idle_timeout_s: float = 3600.0):
         from producers.config import ProducerConfig
 
         params = {"n_bins": self.n_bins} if self.tokenizer == "scgpt" else {}
-        return ProducerConfig(dataset=self.dataset, corpus=self.corpus, mixtures=self.mixtures,
-                              vocabulary=self.vocabulary, gene_column=self.gene_column, gene_medians=self.gene_medians,
-                              run=self.run, seed=self.seed, sampling=self.sampling,
-                              tokenizer=self.tokenizer, max_genes=self.genes_per_cell, tokenizer_params=params,
-                              world_size=self.gpus, cells_per_item=self.cells_per_item,
-                              label_column=self.label_column, subset_filter=self.subset_filter,
-                              exclude_filter=self.eval_filter, idle_timeout_s=idle_timeout_s,
-                              heartbeat_s=heartbeat_interval(self.lease_s))
+        return ProducerConfig(
+            dataset=self.dataset,
+            corpus=self.corpus,
+            mixtures=self.mixtures,
+            vocabulary=self.vocabulary,
+            gene_column=self.gene_column,
+            gene_medians=self.gene_medians,
+            run=self.run,
+            seed=self.seed,
+            sampling=self.sampling,
+            tokenizer=self.tokenizer,
+            max_genes=self.genes_per_cell,
+            tokenizer_params=params,
+            world_size=self.gpus,
+            cells_per_item=self.cells_per_item,
+            label_column=self.label_column,
+            subset_filter=self.subset_filter,
+            exclude_filter=self.eval_filter,
+            idle_timeout_s=idle_timeout_s,
+            heartbeat_s=heartbeat_interval(self.lease_s),
+        )
 
     def train_config(self, backend, facts, **changes):
         """The trainer's config; `facts` (`coordination.summary.SetupFacts`) come from the setup step."""
         from trainer.config import TrainConfig
 
         spec = layout(self.tokenizer)
-        base = dict(run=self.run, backend=backend, vocab_size=facts.vocab_size, pad_token=facts.pad_token,
-                    mask_token=facts.mask_token, special_tokens=facts.special_tokens,
-                    vocab_fingerprint=facts.vocab_fingerprint, data_id=facts.data_id, preset=self.preset,
-                    objective=spec.objective, n_bins=self.n_bins,
-                    batch_size=self.batch_size, grad_accum=self.grad_accum, lr=self.lr, warmup_steps=self.warmup_steps,
-                    max_steps=self.steps, epochs=facts.epochs, seed=self.seed, compile=self.compile,
-                    pad_to=spec.sequence_length(self.genes_per_cell),
-                    checkpoint_dir=self.run_checkpoint_dir, checkpoint_every=self.checkpoint_every,
-                    keep_checkpoints=self.keep_checkpoints, lease_s=self.lease_s,
-                    resume=self.resume, eval_every=self.eval_every if facts.held_out_cells else None,
-                    eval_cells=facts.held_out_cells)
+        base = dict(
+            run=self.run,
+            backend=backend,
+            vocab_size=facts.vocab_size,
+            pad_token=facts.pad_token,
+            mask_token=facts.mask_token,
+            special_tokens=facts.special_tokens,
+            vocab_fingerprint=facts.vocab_fingerprint,
+            data_id=facts.data_id,
+            preset=self.preset,
+            objective=spec.objective,
+            n_bins=self.n_bins,
+            batch_size=self.batch_size,
+            grad_accum=self.grad_accum,
+            lr=self.lr,
+            warmup_steps=self.warmup_steps,
+            max_steps=self.steps,
+            epochs=facts.epochs,
+            seed=self.seed,
+            compile=self.compile,
+            pad_to=spec.sequence_length(self.genes_per_cell),
+            checkpoint_dir=self.run_checkpoint_dir,
+            checkpoint_every=self.checkpoint_every,
+            keep_checkpoints=self.keep_checkpoints,
+            lease_s=self.lease_s,
+            resume=self.resume,
+            eval_every=self.eval_every if facts.held_out_cells else None,
+            eval_cells=facts.held_out_cells,
+        )
         return TrainConfig(**{**base, **changes})
 
 

@@ -26,9 +26,23 @@ def start_producer(config_path: Path, where: dict, name: str) -> subprocess.Pope
     """A producer process for the campaign config at `config_path`, reaching the queue server at
     `where` (`ServerProcess.where`). Its own session: a terminal's Ctrl-C reaches only the
     campaign. It ends when this process does, however this one ends (a pipe on its stdin)."""
-    return subprocess.Popen([sys.executable, "-m", "app.fleet", "--produce", str(config_path), "--address",
-                             where["address"], "--token-file", where.get("token_file", ""), "--name", name],
-                            start_new_session=True, stdin=subprocess.PIPE)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "app.fleet",
+            "--produce",
+            str(config_path),
+            "--address",
+            where["address"],
+            "--token-file",
+            where.get("token_file", ""),
+            "--name",
+            name,
+        ],
+        start_new_session=True,
+        stdin=subprocess.PIPE,
+    )
 
 
 class ProducerFleet:
@@ -51,16 +65,22 @@ class ProducerFleet:
             if code in (None, 0):
                 continue
             if code == USER_ERROR_EXIT:  # a damaged or changed dataset does not mend on a restart
-                raise CellfeedError(f"{name} stopped on the error above; the campaign stops (checkpoints are in "
-                                    f"{self.workdir.parent})")
+                raise CellfeedError(
+                    f"{name} stopped on the error above; the campaign stops (checkpoints are in {self.workdir.parent})"
+                )
             if self.restarts[i] >= self.retries:
-                raise CellfeedError(f"{name} died {self.restarts[i] + 1} times (last exit code {code}); the campaign "
-                                    f"stops (its output is above; checkpoints are in {self.workdir.parent})")
+                raise CellfeedError(
+                    f"{name} died {self.restarts[i] + 1} times (last exit code {code}); the campaign "
+                    f"stops (its output is above; checkpoints are in {self.workdir.parent})"
+                )
             if self._due[i] is None:
                 wait = RESTART_BACKOFF_S * 2 ** self.restarts[i]
                 self._due[i] = now + wait
-                print(f"{name} exited with code {code}: restarting it in {wait:.0f}s "
-                      f"({self.restarts[i] + 1} of {self.retries} restarts)", flush=True)
+                print(
+                    f"{name} exited with code {code}: restarting it in {wait:.0f}s "
+                    f"({self.restarts[i] + 1} of {self.retries} restarts)",
+                    flush=True,
+                )
             elif now >= self._due[i]:
                 self.procs[i] = start_producer(self.config_path, self.where, name)
                 self.restarts[i] += 1

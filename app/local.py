@@ -17,9 +17,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.campaign import prepare, record_mixtures
+from app.config import CampaignConfig
 from app.fleet import ProducerFleet, stop_campaign
 from app.status import last_step, plural, status_line
-from app.config import CampaignConfig
 from coordination.backends import connect
 from coordination.errors import CellfeedError
 from coordination.local_backend import ServerProcess
@@ -30,7 +30,6 @@ from trainer.launch import launch, wait_all
 STATUS_EVERY_S = 2.0
 MIN_LOCAL_RANKS = 4  # `cellfeed local --gpus` may go to twice the cores, and at least this far
 CHECK_EVERY_S = 0.5  # how often the ranks and producers are looked at
-
 
 
 def default_dataset(workdir: Path, cells: int, seed: int) -> str:
@@ -45,15 +44,18 @@ def default_dataset(workdir: Path, cells: int, seed: int) -> str:
     return str(path)
 
 
-def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = False,
-              audit_cells: bool = False) -> dict:
+def run_local(
+    cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = False, audit_cells: bool = False
+) -> dict:
     """Run a whole campaign locally; returns the trainer's summary (rank 0). With `audit_cells`,
     each rank writes the cell ids of every step to WORKDIR/RUN/cells.rank<r>.jsonl."""
     cfg.validate()
     most = max(MIN_LOCAL_RANKS, 2 * (os.cpu_count() or 1))
     if cfg.gpus > most:
-        raise CellfeedError(f"--gpus {cfg.gpus}: cellfeed local runs each rank as a CPU process, and this machine has "
-                            f"{os.cpu_count()} cores; use --gpus {most} or fewer (Modal runs up to 8 per container)")
+        raise CellfeedError(
+            f"--gpus {cfg.gpus}: cellfeed local runs each rank as a CPU process, and this machine has "
+            f"{os.cpu_count()} cores; use --gpus {most} or fewer (Modal runs up to 8 per container)"
+        )
     workdir = Path(workdir).resolve()  # (the ranks and producers run in other folders)
     place_checkpoints(cfg, workdir)
     if cfg.resume:
@@ -63,8 +65,9 @@ def run_local(cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = F
         fresh = not workdir.exists()  # a run that fails before training leaves no folder it made
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise CellfeedError(f"cannot make the run folder {workdir} ({exc.strerror}): choose a --workdir you can "
-                            "write to") from None
+        raise CellfeedError(
+            f"cannot make the run folder {workdir} ({exc.strerror}): choose a --workdir you can write to"
+        ) from None
     ranks = []
     try:
         return _run(cfg, workdir, quiet, audit_cells, ranks)
@@ -87,20 +90,27 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
         if latest is not None:  # refused here, before any producer or rank starts
             checkpoint.check_same_data(latest.step, latest.data_id, facts.data_id)
             if latest.epoch >= facts.epochs:  # a finished run: nothing to train
-                return {"already_complete": f"run {cfg.run} is complete: its {plural(facts.epochs, 'epoch')} were "
-                                            f"trained (last checkpoint at step {latest.step:,}, {latest.folder}); "
-                                            "nothing to resume. Raise --epochs to train on, or start another --run"}
+                return {
+                    "already_complete": f"run {cfg.run} is complete: its {plural(facts.epochs, 'epoch')} were "
+                    f"trained (last checkpoint at step {latest.step:,}, {latest.folder}); "
+                    "nothing to resume. Raise --epochs to train on, or start another --run"
+                }
             checkpoint.check_same_plan(latest.step, latest.epoch, latest.plan_id, store, cfg.run, facts.epochs)
         total_steps = facts.total_steps
         if cfg.corpus:
-            print(f"corpus {cfg.corpus}: {len(facts.sources)} sources; vocabulary {facts.n_genes:,} genes "
-                  f"({workdir / 'vocab.json'})")
+            print(
+                f"corpus {cfg.corpus}: {len(facts.sources)} sources; vocabulary {facts.n_genes:,} genes "
+                f"({workdir / 'vocab.json'})"
+            )
             for name, cells, line in facts.sources:
                 print(f"  {cells:>10,} cells per epoch from {line}")
-        print(f"campaign {cfg.run}: {facts.cells_per_epoch:,} cells/epoch in {plural(facts.units_per_epoch, 'unit')}, "
-              f"{plural(cfg.producers, 'producer')}, {plural(cfg.gpus, 'rank')} (gloo, CPU), "
-              f"{plural(total_steps, 'step')} of {cfg.batch_size} cells per rank over {plural(facts.epochs, 'epoch')}"
-              + (f", {facts.held_out_cells:,} held-out cells" if facts.held_out_cells else ""), flush=True)
+        print(
+            f"campaign {cfg.run}: {facts.cells_per_epoch:,} cells/epoch in {plural(facts.units_per_epoch, 'unit')}, "
+            f"{plural(cfg.producers, 'producer')}, {plural(cfg.gpus, 'rank')} (gloo, CPU), "
+            f"{plural(total_steps, 'step')} of {cfg.batch_size} cells per rank over {plural(facts.epochs, 'epoch')}"
+            + (f", {facts.held_out_cells:,} held-out cells" if facts.held_out_cells else ""),
+            flush=True,
+        )
         config_path = workdir / "campaign.json"
         config_path.write_text(json.dumps(asdict(cfg)))
         fleet = ProducerFleet(config_path, server.where, cfg.producers, workdir)
@@ -122,8 +132,12 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
             row = last_step(log)
             due = time.monotonic() - printed >= STATUS_EVERY_S
             if due and not quiet and not (row and row["step"] >= total_steps):  # rank 0 prints the final table
-                print(status_line(cfg, queue, store, log, started, total_steps, fleet.names, fleet.procs,
-                                  facts.units_total), flush=True)
+                print(
+                    status_line(
+                        cfg, queue, store, log, started, total_steps, fleet.names, fleet.procs, facts.units_total
+                    ),
+                    flush=True,
+                )
                 printed = time.monotonic()
             time.sleep(CHECK_EVERY_S)
         codes = wait_all(ranks, timeout=60)
@@ -156,9 +170,11 @@ def describe_resume(cfg: CampaignConfig) -> str:
     directory = cfg.run_checkpoint_dir
     latest = checkpoint.latest(directory)
     if latest is None:
-        raise CellfeedError(f"--resume: run {cfg.run!r} has no checkpoint in {directory}; leave out --resume to start "
-                            "it, or name an existing run with --run")
-    return (f"resuming run {cfg.run} from its checkpoint at step {latest.step:,} (epoch {latest.epoch}, "
-            f"{sum(latest.trained):,} cells of that epoch already trained): {latest.folder}")
-
-
+        raise CellfeedError(
+            f"--resume: run {cfg.run!r} has no checkpoint in {directory}; leave out --resume to start "
+            "it, or name an existing run with --run"
+        )
+    return (
+        f"resuming run {cfg.run} from its checkpoint at step {latest.step:,} (epoch {latest.epoch}, "
+        f"{sum(latest.trained):,} cells of that epoch already trained): {latest.folder}"
+    )

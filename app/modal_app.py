@@ -66,14 +66,17 @@ FAILURE_SAVE_S = 10.0  # after a real failure: ranks still stepping checkpoint; 
 FLEET_CHECK_S = 15.0  # how often `train` looks at its producer calls (soon after the start, then less often)
 FIRST_FLEET_CHECK_S = 1.0  # a producer that cannot start (settings, credentials) is found within seconds
 
-PRODUCER_PIP = pinned("pylance", "pyarrow", "polars", "numpy", "zstandard", "boto3", "anndata", "h5py", "scipy", "tqdm",
-                      "pandas")
+PRODUCER_PIP = pinned(
+    "pylance", "pyarrow", "polars", "numpy", "zstandard", "boto3", "anndata", "h5py", "scipy", "tqdm", "pandas"
+)
 TRAINER_PIP = pinned("torch", "numpy", "zstandard", "tqdm")  # no Lance, no Polars
 
-producer_image = modal.Image.debian_slim(python_version="3.11").pip_install(*PRODUCER_PIP) \
-    .add_local_python_source(*PACKAGES)
-trainer_image = modal.Image.debian_slim(python_version="3.11").pip_install(*TRAINER_PIP) \
-    .add_local_python_source(*PACKAGES)
+producer_image = (
+    modal.Image.debian_slim(python_version="3.11").pip_install(*PRODUCER_PIP).add_local_python_source(*PACKAGES)
+)
+trainer_image = (
+    modal.Image.debian_slim(python_version="3.11").pip_install(*TRAINER_PIP).add_local_python_source(*PACKAGES)
+)
 
 app = modal.App(APP_NAME)
 secret = modal.Secret.from_name(SECRET_NAME)
@@ -81,6 +84,7 @@ checkpoints = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True)
 
 
 # ---- the bodies (plain functions: tests run them on the Modal emulator, and against local backends)
+
 
 def unpacked(config: dict) -> CampaignConfig:
     """The campaign's config in a container: the files `main` carried from the laptop (a corpus
@@ -114,8 +118,13 @@ def produce_body(config: dict, name: str) -> dict:
     retire.start()
     stats = producer.run()
     retire.cancel()
-    return {"cells": stats.cells, "units": stats.units, "items": stats.items, "bytes": stats.bytes,
-            "seconds": dict(stats.seconds)}
+    return {
+        "cells": stats.cells,
+        "units": stats.units,
+        "items": stats.items,
+        "bytes": stats.bytes,
+        "seconds": dict(stats.seconds),
+    }
 
 
 def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summary.SetupFacts as a dict
@@ -124,10 +133,9 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     from pathlib import Path
 
     from coordination.backends import connect
+    from coordination.summary import SetupFacts
     from trainer import checkpoint
     from trainer.launch import checkpoint_and_stop, launch, rank_server
-
-    from coordination.summary import SetupFacts
 
     started = time.monotonic()
     rank_server()  # it imports torch while the campaign is set up, not inside the preemption-held launch
@@ -147,8 +155,9 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         cells_log = {"cells_log": f"{cfg.run_checkpoint_dir}/cells/{time.time_ns()}"}
     # a rank (or the driver) waits out an outage inside the calls' retries: its no-data wait outlasts them
     no_data = {"no_data_timeout_s": max(NO_DATA_S, cfg.modal_retry_s + NO_DATA_S)}
-    train_cfg = cfg.train_config(cfg.backend_spec("modal"), facts, log_path=str(workdir / "steps.jsonl"), **cells_log,
-                                 **no_data)
+    train_cfg = cfg.train_config(
+        cfg.backend_spec("modal"), facts, log_path=str(workdir / "steps.jsonl"), **cells_log, **no_data
+    )
     ranks = []
     try:
         with interrupt_held():  # the ranks are all started, or none: a preemption cannot orphan one
@@ -167,8 +176,9 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     summary = json.loads((workdir / "summary.rank0").read_text())
     if summary["stopped"] == "asked":  # this call's time is up: a new call continues from the checkpoint
         after = spawn(train.with_options(gpu=f"H100:{cfg.gpus}"), config, asdict(facts), retry=cfg.modal_retry_s)
-        print(f"train ran {cfg.attempt_hours:g} h: a new call {after.object_id} continues from the checkpoint",
-              flush=True)
+        print(
+            f"train ran {cfg.attempt_hours:g} h: a new call {after.object_id} continues from the checkpoint", flush=True
+        )
         return {**summary, "continued_as": after.object_id}
     end_campaign(cfg, fleet, facts, store)
     return summary
@@ -191,8 +201,11 @@ def ensure_setup(cfg: CampaignConfig, config: dict, facts, queue, store) -> None
     missing = [e for e in range(facts.epochs) if summary_key(cfg.run, e) not in store]
     held_out = queue.len(partition=EVAL_PARTITION) if facts.held_out_items else 0
     if missing or held_out != facts.held_out_items:
-        print(f"the run's setup is incomplete ({len(missing)} epoch plans missing, held-out items "
-              f"{held_out} of {facts.held_out_items}): running setup again", flush=True)
+        print(
+            f"the run's setup is incomplete ({len(missing)} epoch plans missing, held-out items "
+            f"{held_out} of {facts.held_out_items}): running setup again",
+            flush=True,
+        )
         result(spawn(setup, config, retry=cfg.modal_retry_s), cfg.modal_retry_s)
 
 
@@ -242,32 +255,50 @@ def stop_campaign(cfg: CampaignConfig, config: dict, fleet: "Fleet | None", stor
             store.put(stop_key(cfg.run), "stop")  # (a resume's setup clears it)
             fleet.stop(STOP_GRACE_S, retry=60.0)
         except Exception as exc:  # noqa: BLE001 - the failure being reported matters more
-            print(f"could not stop the producers ({type(exc).__name__}: {exc}); each stops after an idle hour",
-                  flush=True)
-    print(f"the campaign stopped; its queue, plans and checkpoints are kept. Resume it with:\n  "
-          f"{resume_command(CampaignConfig(**config))}", flush=True)  # (the laptop's file paths, not this container's)
+            print(
+                f"could not stop the producers ({type(exc).__name__}: {exc}); each stops after an idle hour", flush=True
+            )
+    print(
+        f"the campaign stopped; its queue, plans and checkpoints are kept. Resume it with:\n  "
+        f"{resume_command(CampaignConfig(**config))}",
+        flush=True,
+    )  # (the laptop's file paths, not this container's)
 
 
 # ---- the functions
+
 
 @app.function(image=producer_image, secrets=[secret], cpu=2.0, memory=8192, timeout=DAY)  # many epochs' plans
 def setup(config: dict) -> dict:
     return setup_body(config)
 
 
-@app.function(image=producer_image, secrets=[secret], cpu=PRODUCER_CPU, memory=PRODUCER_MEMORY_MB,
-              retries=PRODUCER_RETRIES, timeout=DAY)
+@app.function(
+    image=producer_image,
+    secrets=[secret],
+    cpu=PRODUCER_CPU,
+    memory=PRODUCER_MEMORY_MB,
+    retries=PRODUCER_RETRIES,
+    timeout=DAY,
+)
 def produce(config: dict, name: str) -> dict:
     return produce_body(config, name)
 
 
-@app.function(image=trainer_image, gpu="H100:8", volumes={CHECKPOINTS: checkpoints}, timeout=DAY,
-              cpu=TRAINER_CPU, memory=TRAINER_MEMORY_MB)
+@app.function(
+    image=trainer_image,
+    gpu="H100:8",
+    volumes={CHECKPOINTS: checkpoints},
+    timeout=DAY,
+    cpu=TRAINER_CPU,
+    memory=TRAINER_MEMORY_MB,
+)
 def train(config: dict, facts: dict) -> dict:
     return train_body(config, facts)
 
 
 # ---- the laptop's side
+
 
 def main(**flags) -> dict:
     """Start (or, with --resume, continue) a pretraining campaign on Modal. The flags are
@@ -280,13 +311,19 @@ def main(**flags) -> dict:
     if cfg.gpus > MAX_GPUS:
         raise CellfeedError(f"--gpus {cfg.gpus}: a Modal container has at most {MAX_GPUS} GPUs")
     config = asdict(cfg.carry_files())  # containers cannot read this machine's files: their bytes travel
-    print(f"campaign {cfg.run}: {cfg.producers} producers -> {cfg.gpus} x H100, "
-          f"{'corpus ' + cfg.corpus if cfg.corpus else 'dataset ' + cfg.dataset}", flush=True)
+    print(
+        f"campaign {cfg.run}: {cfg.producers} producers -> {cfg.gpus} x H100, "
+        f"{'corpus ' + cfg.corpus if cfg.corpus else 'dataset ' + cfg.dataset}",
+        flush=True,
+    )
     try:
         facts = result(spawn(setup, config, retry=cfg.modal_retry_s), cfg.modal_retry_s)  # SetupFacts, as a dict
-        print(f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units, "
-              f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s); vocabulary of "
-              f"{facts['n_genes']:,} genes", flush=True)
+        print(
+            f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units, "
+            f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s); vocabulary of "
+            f"{facts['n_genes']:,} genes",
+            flush=True,
+        )
         for name, cells, line in facts.get("sources", ()) if cfg.corpus else ():
             print(f"  {cells:>10,} cells per epoch from {line}", flush=True)
         call = spawn(train.with_options(gpu=f"H100:{cfg.gpus}"), config, facts, retry=cfg.modal_retry_s)
@@ -298,14 +335,19 @@ def main(**flags) -> dict:
         if isinstance(exc, KeyboardInterrupt):  # (this process only: with --detach the campaign goes on)
             print("interrupted: the campaign's calls go on in Modal unless you stop the app", file=sys.stderr)
         elif isinstance(exc, ModalUnreachable):  # this laptop lost Modal: a train call may still be running there
-            print(f"cellfeed: error: {exc}. A train call already started may still be running in Modal: look at "
-                  "the app in Modal's dashboard before resuming (two trainers on one run must not run at once)",
-                  file=sys.stderr)
+            print(
+                f"cellfeed: error: {exc}. A train call already started may still be running in Modal: look at "
+                "the app in Modal's dashboard before resuming (two trainers on one run must not run at once)",
+                file=sys.stderr,
+            )
         else:
             last = (str(exc).strip().splitlines() or [""])[-1]
             print(f"cellfeed: error: {type(exc).__name__}: {last}", file=sys.stderr)
-        print(f"the campaign's queue, plans and checkpoints are kept. Resume it with:\n  {resume_command(cfg)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"the campaign's queue, plans and checkpoints are kept. Resume it with:\n  {resume_command(cfg)}",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(1) from None
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "audits") if k in summary}), flush=True)
     ok, line = verdict(summary["epochs"], summary.get("stopped"), summary.get("last_step"))

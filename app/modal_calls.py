@@ -43,10 +43,10 @@ def interrupt_held():
 
 
 class Fleet:
-    """The run's producer calls (of `produce`, the app's producer function), by name (`producer-<i>`), their ids kept in the run's map: those
-    of an earlier call of this run still running are reused, never doubled; a producer that
-    ended (its hours, or an idle hour) is replaced; one that failed all Modal's retries ends
-    the run."""
+    """The run's producer calls (of `produce`, the app's producer function), by name
+    (`producer-<i>`), their ids kept in the run's map: those of an earlier call of this run still
+    running are reused, never doubled; a producer that ended (its hours, or an idle hour) is
+    replaced; one that failed all Modal's retries ends the run."""
 
     def __init__(self, cfg: CampaignConfig, config: dict, store, produce):
         from coordination.routing import fleet_key
@@ -76,9 +76,11 @@ class Fleet:
             state, error = call_state(call, self.cfg.modal_retry_s)
             if state == "failed":
                 last_line = (str(error).strip().splitlines() or [""])[-1]
-                raise CellfeedError(f"{name} failed {1 + PRODUCER_RETRIES} times, Modal's retries spent "
-                                    f"({type(error).__name__}: {last_line}); the run stops: mend the cause, "
-                                    "then run again with --resume")
+                raise CellfeedError(
+                    f"{name} failed {1 + PRODUCER_RETRIES} times, Modal's retries spent "
+                    f"({type(error).__name__}: {last_line}); the run stops: mend the cause, "
+                    "then run again with --resume"
+                )
             if state == "ended":
                 print(f"{name} ended: a new call takes its place", flush=True)
                 self._spawn(name)

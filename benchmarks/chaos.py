@@ -15,7 +15,7 @@ Fault kinds:
 
     python benchmarks/chaos.py            # 10 faults over a 20-epoch campaign
     python benchmarks/chaos.py --quick    # 6 faults over 12 epochs, within 3 minutes on 2 cores
-    python benchmarks/chaos.py --tiny     # a kill, a stall and a pause past a 4 s lease over 2 epochs of 400 cells (tests)
+    python benchmarks/chaos.py --tiny     # the tests': a kill, a stall, a pause past a 4 s lease; 2 x 400 cells
 
 Ends with one JSON line of the figures. Exits 1 (one line on stderr) when a campaign did not finish
 (or timed out), a planned fault was not injected, a cell was lost or duplicated, or a figure is
@@ -68,8 +68,15 @@ class Outcome:
     timed_out: bool = False
 
 
-def fault_plan(seed: int, n_faults: int, span_steps: int, kinds=KINDS, pause_s: float = 4.0,
-               lease_s: float = LEASE_S, past_lease_s: float = 4.0) -> list[Fault]:
+def fault_plan(
+    seed: int,
+    n_faults: int,
+    span_steps: int,
+    kinds=KINDS,
+    pause_s: float = 4.0,
+    lease_s: float = LEASE_S,
+    past_lease_s: float = 4.0,
+) -> list[Fault]:
     """Seeded faults spread over the first `span_steps` training steps: at least one of each
     kind, the rest kills; a stall lasts `past_lease_s` past the lease, a pause `pause_s`."""
     rng = random.Random(seed)
@@ -132,14 +139,46 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
-def run_campaign(dataset: str, workdir: Path, run: str, *, epochs: int, producers: int = PRODUCERS, gpus: int = GPUS,
-                 faults: list[Fault] = (), extra: list[str] = (), timeout_s: float = 600.0,
-                 seed: int = 0) -> Outcome:
+def run_campaign(
+    dataset: str,
+    workdir: Path,
+    run: str,
+    *,
+    epochs: int,
+    producers: int = PRODUCERS,
+    gpus: int = GPUS,
+    faults: list[Fault] = (),
+    extra: list[str] = (),
+    timeout_s: float = 600.0,
+    seed: int = 0,
+) -> Outcome:
     """`cellfeed local` with `--audit-cells`, each fault applied once the ranks have logged its step,
     to this campaign's own children."""
-    args = [sys.executable, "-m", "app.cli", "local", "--dataset", dataset, "--workdir", str(workdir), "--run", run,
-            "--producers", str(producers), "--gpus", str(gpus), "--epochs", str(epochs), "--max-genes", "24",
-            "--batch-size", str(BATCH), "--audit-cells", "--quiet", *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "local",
+        "--dataset",
+        dataset,
+        "--workdir",
+        str(workdir),
+        "--run",
+        run,
+        "--producers",
+        str(producers),
+        "--gpus",
+        str(gpus),
+        "--epochs",
+        str(epochs),
+        "--max-genes",
+        "24",
+        "--batch-size",
+        str(BATCH),
+        "--audit-cells",
+        "--quiet",
+        *extra,
+    ]
     start = time.monotonic()
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done: list = []
@@ -234,22 +273,39 @@ def training_steps(run_dir: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="6 faults over a 12-epoch campaign (under 3 minutes)")
-    parser.add_argument("--tiny", action="store_true",
-                        help="a kill, a stall and a pause past a 4 s lease over a 2-epoch campaign of 400 cells, "
-                             "without the calm run (the test suite's)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a kill, a stall and a pause past a 4 s lease over a 2-epoch campaign of 400 cells, "
+        "without the calm run (the test suite's)",
+    )
     parser.add_argument("--faults", type=int, default=None, help="faults to inject (default 10; 6 quick; 3 tiny)")
     parser.add_argument("--epochs", type=int, default=None, help="campaign epochs (default 20; 12 quick; 2 tiny)")
-    parser.add_argument("--cells", type=int, default=None, help="cells of the synthetic atlas (default 3,000; 400 tiny)")
+    parser.add_argument(
+        "--cells", type=int, default=None, help="cells of the synthetic atlas (default 3,000; 400 tiny)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault plan")
-    parser.add_argument("--rpc-latency-ms", type=float, default=25.0,
-                        help="every queue/map call costs this many ms, as on Modal (default 25): production then "
-                             "spans the campaign, so faults land on producers mid-unit, not on idle ones")
-    parser.add_argument("--lease-s", type=float, default=None,
-                        help=f"the campaign's --lease-s (default {LEASE_S:g}, the product's; tiny: 4): a stalled "
-                             "producer's unit is issued again after it")
-    parser.add_argument("--pause-s", type=float, default=None,
-                        help="how long the trainer is paused (its wall time is added to the run's by construction; "
-                             "default 4; tiny: the lease + 2 s, past it)")
+    parser.add_argument(
+        "--rpc-latency-ms",
+        type=float,
+        default=25.0,
+        help="every queue/map call costs this many ms, as on Modal (default 25): production then "
+        "spans the campaign, so faults land on producers mid-unit, not on idle ones",
+    )
+    parser.add_argument(
+        "--lease-s",
+        type=float,
+        default=None,
+        help=f"the campaign's --lease-s (default {LEASE_S:g}, the product's; tiny: 4): a stalled "
+        "producer's unit is issued again after it",
+    )
+    parser.add_argument(
+        "--pause-s",
+        type=float,
+        default=None,
+        help="how long the trainer is paused (its wall time is added to the run's by construction; "
+        "default 4; tiny: the lease + 2 s, past it)",
+    )
     args = parser.parse_args()
     n_faults = args.faults or (3 if args.tiny else 6 if args.quick else 10)
     epochs = args.epochs or (2 if args.tiny else 12 if args.quick else 20)
@@ -264,8 +320,12 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="cellfeed-chaos-"))
     dataset = str(work / "atlas")
-    synthesize(dataset, SynthSpec(n_cells=args.cells, n_genes=2000, n_plates=4, seed=1), rows_per_fragment=40_000,
-               progress=False)
+    synthesize(
+        dataset,
+        SynthSpec(n_cells=args.cells, n_genes=2000, n_plates=4, seed=1),
+        rows_per_fragment=40_000,
+        progress=False,
+    )
     expected = Counter(range(args.cells))
 
     settings = ["--rpc-latency-ms", str(args.rpc_latency_ms), "--lease-s", str(args.lease_s)]
@@ -279,10 +339,12 @@ def main() -> None:
             fail(f"the campaign without faults {'timed out' if calm.timed_out else 'failed'} (exit {calm.returncode})")
         steps = training_steps(work / "calm")  # the same campaign with faults trains as many steps
     span = round((0.4 if args.tiny else 0.6) * steps)
-    plan = fault_plan(args.seed, n_faults, span, kinds=kinds, pause_s=args.pause_s, lease_s=args.lease_s,
-                      past_lease_s=past_lease_s)
-    chaos = run_campaign(dataset, work, "chaos", epochs=epochs, faults=plan, seed=args.seed, extra=settings,
-                         timeout_s=timeout_s)
+    plan = fault_plan(
+        args.seed, n_faults, span, kinds=kinds, pause_s=args.pause_s, lease_s=args.lease_s, past_lease_s=past_lease_s
+    )
+    chaos = run_campaign(
+        dataset, work, "chaos", epochs=epochs, faults=plan, seed=args.seed, extra=settings, timeout_s=timeout_s
+    )
     checked, lost, duplicated = lost_and_duplicated(trained_per_epoch(work / "chaos"), expected, epochs)
     restarts = sum(1 for line in chaos.stdout.splitlines() if "restarting it" in line)
     summary = work / "chaos" / "summary.rank0"
@@ -291,41 +353,62 @@ def main() -> None:
     # made again: units whose holder fell silent
     reproduced = round(reissued * per_unit) if reissued is not None and per_unit else None
 
-    print(f"\ncampaign: {args.cells:,} cells x {epochs} epochs, {PRODUCERS} producers, {GPUS} ranks, "
-          f"{args.rpc_latency_ms:.0f} ms a queue/map call, a {args.lease_s:g} s lease; machine: {platform.machine()}, "
-          f"{os.cpu_count()} cores")
+    print(
+        f"\ncampaign: {args.cells:,} cells x {epochs} epochs, {PRODUCERS} producers, {GPUS} ranks, "
+        f"{args.rpc_latency_ms:.0f} ms a queue/map call, a {args.lease_s:g} s lease; machine: {platform.machine()}, "
+        f"{os.cpu_count()} cores"
+    )
     print(f"{'at step':>7}  fault")
     for at, kind, n in sorted(chaos.faults):
-        what = {"kill": "SIGKILL a producer",
-                "stall": f"SIGSTOP a producer for {args.lease_s + past_lease_s:.0f}s (past its lease)",
-                "pause": f"SIGSTOP {n} trainer ranks for {args.pause_s:.0f}s"}[kind]
+        what = {
+            "kill": "SIGKILL a producer",
+            "stall": f"SIGSTOP a producer for {args.lease_s + past_lease_s:.0f}s (past its lease)",
+            "pause": f"SIGSTOP {n} trainer ranks for {args.pause_s:.0f}s",
+        }[kind]
         print(f"{at:>7}  {what}")
-    print(f"run finished: {'yes' if chaos.returncode == 0 else f'no (exit {chaos.returncode})'}; "
-          f"producer restarts: {restarts}")
-    print(f"cells checked {checked:,} ({epochs} epochs): lost {lost}, duplicated {duplicated}; "
-          f"{reissued} units issued again (~{reproduced if reproduced is None else f'{reproduced:,}'} cells produced "
-          "again)")
+    print(
+        f"run finished: {'yes' if chaos.returncode == 0 else f'no (exit {chaos.returncode})'}; "
+        f"producer restarts: {restarts}"
+    )
+    print(
+        f"cells checked {checked:,} ({epochs} epochs): lost {lost}, duplicated {duplicated}; "
+        f"{reissued} units issued again (~{reproduced if reproduced is None else f'{reproduced:,}'} cells produced "
+        "again)"
+    )
     overhead = round(chaos.wall_s / calm.wall_s, 3) if calm else None
-    print(f"wall: {chaos.wall_s:.1f}s with faults" + (f", {calm.wall_s:.1f}s without ({overhead:.2f}x)" if calm else ""))
+    print(
+        f"wall: {chaos.wall_s:.1f}s with faults" + (f", {calm.wall_s:.1f}s without ({overhead:.2f}x)" if calm else "")
+    )
     if chaos.returncode != 0:
         print(chaos.stderr[-2000:])
-    figures = {"faults_injected": len(chaos.faults), "fault_kinds": dict(Counter(k for _, k, _ in chaos.faults)),
-               "cells_checked": checked, "cells_lost": lost, "cells_duplicated": duplicated,
-               "completed": chaos.returncode == 0, "producer_restarts": restarts,
-               "units_reissued": reissued, "cells_reproduced": reproduced,
-               "overhead_ratio": overhead, "wall_s": round(chaos.wall_s, 1),
-               "calm_wall_s": round(calm.wall_s, 1) if calm else None, "lease_s": args.lease_s,
-               "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+    figures = {
+        "faults_injected": len(chaos.faults),
+        "fault_kinds": dict(Counter(k for _, k, _ in chaos.faults)),
+        "cells_checked": checked,
+        "cells_lost": lost,
+        "cells_duplicated": duplicated,
+        "completed": chaos.returncode == 0,
+        "producer_restarts": restarts,
+        "units_reissued": reissued,
+        "cells_reproduced": reproduced,
+        "overhead_ratio": overhead,
+        "wall_s": round(chaos.wall_s, 1),
+        "calm_wall_s": round(calm.wall_s, 1) if calm else None,
+        "lease_s": args.lease_s,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    }
     print(json.dumps(figures))
     if chaos.returncode != 0:
         fail(f"the campaign with faults {'timed out' if chaos.timed_out else 'failed'} (exit {chaos.returncode})")
     if len(chaos.faults) < len(plan):
-        fail(f"{len(chaos.faults)} of the {len(plan)} planned faults were injected (the campaign ended before the "
-             f"rest, or found no process to hit): {[f.kind for f in plan]} planned over {span} steps")
+        fail(
+            f"{len(chaos.faults)} of the {len(plan)} planned faults were injected (the campaign ended before the "
+            f"rest, or found no process to hit): {[f.kind for f in plan]} planned over {span} steps"
+        )
     if lost or duplicated or checked != epochs * args.cells:
         fail(f"{lost:,} cells lost and {duplicated:,} duplicated over {epochs} epochs ({checked:,} checked)")
     if per_unit == 0.0:
-        fail("the campaign's first line (\"N cells/epoch in U units\") is missing: no cells_reproduced")
+        fail('the campaign\'s first line ("N cells/epoch in U units") is missing: no cells_reproduced')
     check_figures(figures, allow_none=("overhead_ratio", "calm_wall_s") if args.tiny else ())
     if args.tiny:  # (the test suite's: its atlas and runs are not kept; a failed run's are)
         shutil.rmtree(work, ignore_errors=True)

@@ -26,14 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._checks import check_figures, fail  # noqa: E402
-from coordination.local_backend import LocalMap, LocalQueue, ServerProcess  # noqa: E402
-from coordination.plan import Sampling  # noqa: E402
-from coordination.latency import remote  # noqa: E402
 from coordination.errors import CellfeedError  # noqa: E402
+from coordination.latency import remote  # noqa: E402
+from coordination.local_backend import ServerProcess  # noqa: E402
+from coordination.local_client import LocalMap, LocalQueue  # noqa: E402
+from coordination.plan import Sampling  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue, request_batches  # noqa: E402
 from coordination.routing import TASKS_PARTITION, encode_task, rank_partition  # noqa: E402
-from producers.dataset import open_dataset  # noqa: E402
 from producers.config import ProducerConfig  # noqa: E402
+from producers.dataset import open_dataset  # noqa: E402
 from producers.producer import Producer  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
 from trainer.stream import ConsumerStream  # noqa: E402
@@ -45,8 +46,15 @@ def make_items(n_cells: int, atlas_cells: int = 20_000) -> list[bytes]:
     path = cached_atlas(atlas_cells)
     ds = open_dataset(path)
     queue = MemoryQueue(max_items=10**9, max_bytes=1 << 62)
-    config = ProducerConfig(dataset=path, run="bench", max_genes=1024, world_size=1,
-                            sampling=Sampling("block"), cells_per_item=128, idle_timeout_s=0.1)
+    config = ProducerConfig(
+        dataset=path,
+        run="bench",
+        max_genes=1024,
+        world_size=1,
+        sampling=Sampling("block"),
+        cells_per_item=128,
+        idle_timeout_s=0.1,
+    )
     producer = Producer(config, queue, MemoryMap(), dataset=ds)
     plan = producer.plan(0)
     queue.put_many([encode_task(0, u) for u in range(plan.n_units)], partition=TASKS_PARTITION)
@@ -74,8 +82,17 @@ def consume(queue, items: list[bytes], n_cells_per_rep: int, reps: int, batch_si
         if died:
             raise CellfeedError(f"the feeder thread died: {type(died[0]).__name__}: {died[0]}") from died[0]
 
-    stream = ConsumerStream(queue, rank=0, world_size=1, run="bench", batch_size=batch_size, pad_to=1025,
-                            buffer_cells=4096, poll_s=0.05, check=check)
+    stream = ConsumerStream(
+        queue,
+        rank=0,
+        world_size=1,
+        run="bench",
+        batch_size=batch_size,
+        pad_to=1025,
+        buffer_cells=4096,
+        poll_s=0.05,
+        check=check,
+    )
     feeder = threading.Thread(target=feed, daemon=True)
     start = time.perf_counter()
     feeder.start()
@@ -86,8 +103,13 @@ def consume(queue, items: list[bytes], n_cells_per_rep: int, reps: int, batch_si
             batches += 1
     seconds = time.perf_counter() - start
     stream.close()
-    return {"cells_per_s": cells / seconds, "items_per_s": stream.stats.items / seconds,
-            "batches_per_s": batches / seconds, "wait_s": stream.stats.wait_s, "cells": cells}
+    return {
+        "cells_per_s": cells / seconds,
+        "items_per_s": stream.stats.items / seconds,
+        "batches_per_s": batches / seconds,
+        "wait_s": stream.stats.wait_s,
+        "cells": cells,
+    }
 
 
 def _retag(data: bytes, epoch: int) -> bytes:
@@ -112,15 +134,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="a 2k-cell atlas, once each: seconds (the test suite's)")
-    parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
-                        help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
+    parser.add_argument(
+        "--rpc-latency-ms",
+        type=float,
+        default=0.0,
+        help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)",
+    )
     args = parser.parse_args()
     n_cells = 2_000 if args.tiny else 12_000 if args.quick else 60_000
     items, per_rep, reps = make_items(n_cells, 2_000 if args.tiny else 20_000)
     server = ServerProcess()
     try:
-        backends = {"memory": lambda: remote(MemoryQueue(), MemoryMap(), args.rpc_latency_ms)[0],
-                    "local": lambda: remote(LocalQueue(server.address, server.token), MemoryMap(), args.rpc_latency_ms)[0]}
+        backends = {
+            "memory": lambda: remote(MemoryQueue(), MemoryMap(), args.rpc_latency_ms)[0],
+            "local": lambda: remote(LocalQueue(server.address, server.token), MemoryMap(), args.rpc_latency_ms)[0],
+        }
         results = {}
         for name, make in backends.items():
             for batch in (64, 240):
@@ -129,26 +157,42 @@ def main() -> None:
                 except CellfeedError as exc:
                     fail(f"the {name} backend at batch {batch}: {exc}")
                 if results[(name, batch)]["cells"] != reps * per_rep:
-                    fail(f"the {name} backend at batch {batch} consumed {results[(name, batch)]['cells']:,} of the "
-                         f"{reps * per_rep:,} cells fed")
+                    fail(
+                        f"the {name} backend at batch {batch} consumed {results[(name, batch)]['cells']:,} of the "
+                        f"{reps * per_rep:,} cells fed"
+                    )
         trips = 30 if args.tiny else 300
-        latency = {"memory": round_trip_us(MemoryQueue(), trips), "local": round_trip_us(LocalQueue(server.address, server.token), trips)}
+        latency = {
+            "memory": round_trip_us(MemoryQueue(), trips),
+            "local": round_trip_us(LocalQueue(server.address, server.token), trips),
+        }
         LocalMap(server.address, token=server.token).keys()
     finally:
         server.close()
-    print(f"\n{reps} x {per_rep:,} cells of scGPT items (max_genes 1024, {len(items)} items, "
-          f"{sum(map(len, items)) / per_rep:,.0f} B/cell); machine: {platform.machine()}, {os.cpu_count()} cores")
+    print(
+        f"\n{reps} x {per_rep:,} cells of scGPT items (max_genes 1024, {len(items)} items, "
+        f"{sum(map(len, items)) / per_rep:,.0f} B/cell); machine: {platform.machine()}, {os.cpu_count()} cores"
+    )
     print(f"{'backend':<9}{'batch':>6}{'cells/s':>10}{'items/s':>9}{'x target':>9}{'waited s':>10}")
     for (name, batch), r in results.items():
-        print(f"{name:<9}{batch:>6}{r['cells_per_s']:>10,.0f}{r['items_per_s']:>9,.0f}"
-              f"{r['cells_per_s'] / TARGET:>9.2f}{r['wait_s']:>10.2f}")
-    print(f"queue round trip (put 1 + get 1, median): memory {latency['memory']:.0f} us, "
-          f"local {latency['local']:.0f} us")
-    figures = {f"consumer_cells_per_s_batch{b}{'' if n == 'memory' else '_' + n}": round(r["cells_per_s"])
-               for (n, b), r in results.items()}
-    figures.update({"round_trip_us_memory": round(latency["memory"], 1),
-                    "round_trip_us_local": round(latency["local"], 1),
-                    "machine": f"{platform.machine()}, {os.cpu_count()} cores"})
+        print(
+            f"{name:<9}{batch:>6}{r['cells_per_s']:>10,.0f}{r['items_per_s']:>9,.0f}"
+            f"{r['cells_per_s'] / TARGET:>9.2f}{r['wait_s']:>10.2f}"
+        )
+    print(
+        f"queue round trip (put 1 + get 1, median): memory {latency['memory']:.0f} us, local {latency['local']:.0f} us"
+    )
+    figures = {
+        f"consumer_cells_per_s_batch{b}{'' if n == 'memory' else '_' + n}": round(r["cells_per_s"])
+        for (n, b), r in results.items()
+    }
+    figures.update(
+        {
+            "round_trip_us_memory": round(latency["memory"], 1),
+            "round_trip_us_local": round(latency["local"], 1),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        }
+    )
     print(json.dumps(figures))
     check_figures(figures)
 

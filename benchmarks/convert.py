@@ -45,8 +45,9 @@ def write_h5ad(path: Path, n_cells: int, n_genes: int, seed: int) -> int:
         warnings.simplefilter("ignore")
         matrix = None
         for obs, indptr, genes, values in iter_chunks(spec):
-            chunk = sp.csr_matrix((values.astype("float32"), genes.astype("int32"), indptr),
-                                  shape=(obs.num_rows, n_genes))
+            chunk = sp.csr_matrix(
+                (values.astype("float32"), genes.astype("int32"), indptr), shape=(obs.num_rows, n_genes)
+            )
             if matrix is None:
                 ad.io.write_elem(f, "X", chunk)
                 matrix = ad.io.sparse_dataset(f["X"])
@@ -79,8 +80,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="20k cells, done within a minute")
     parser.add_argument("--tiny", action="store_true", help="500 cells: seconds (the test suite's)")
-    parser.add_argument("--cells", type=int, default=None,
-                        help="cells (default 1,000,000; 20,000 with --quick; 500 with --tiny)")
+    parser.add_argument(
+        "--cells", type=int, default=None, help="cells (default 1,000,000; 20,000 with --quick; 500 with --tiny)"
+    )
     parser.add_argument("--genes", type=int, default=62_710)
     parser.add_argument("--workdir", default=None, help="where to write (default: a temp dir, removed after)")
     parser.add_argument("--write-h5ad", metavar="PATH", help=argparse.SUPPRESS)  # internal: child step
@@ -95,8 +97,20 @@ def main() -> None:
     try:
         # every step runs in its own process: Linux carries a parent's peak RSS into a forked child
         t0 = time.perf_counter()
-        written = subprocess.run([sys.executable, __file__, "--write-h5ad", str(work / "in.h5ad"), "--cells",
-                                  str(n_cells), "--genes", str(args.genes)], capture_output=True, text=True)
+        written = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--write-h5ad",
+                str(work / "in.h5ad"),
+                "--cells",
+                str(n_cells),
+                "--genes",
+                str(args.genes),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if written.returncode != 0:
             print(written.stderr[-2000:], file=sys.stderr)
             fail(f"writing the input h5ad failed (exit {written.returncode})")
@@ -104,15 +118,18 @@ def main() -> None:
         h5_seconds = time.perf_counter() - t0
         h5_gb = (work / "in.h5ad").stat().st_size / 1e9
         conv_s, conv_rss = timed(cli + ["convert", str(work / "in.h5ad"), str(work / "converted"), "--quiet"])
-        synth_s, synth_rss = timed(cli + ["synth", str(work / "synth"), "--cells", str(n_cells),
-                                          "--genes", str(args.genes), "--quiet"])
+        synth_s, synth_rss = timed(
+            cli + ["synth", str(work / "synth"), "--cells", str(n_cells), "--genes", str(args.genes), "--quiet"]
+        )
         from producers.dataset import open_dataset
 
         for name in ("converted", "synth"):  # each step made the whole dataset
             ds = open_dataset(str(work / name))
             if ds.n_cells != n_cells or (name == "converted" and ds.n_rows != nnz):
-                fail(f"{name} dataset holds {ds.n_cells:,} cells and {ds.n_rows:,} non-zeros, not {n_cells:,} cells"
-                     + (f" and {nnz:,} non-zeros" if name == "converted" else ""))
+                fail(
+                    f"{name} dataset holds {ds.n_cells:,} cells and {ds.n_rows:,} non-zeros, not {n_cells:,} cells"
+                    + (f" and {nnz:,} non-zeros" if name == "converted" else "")
+                )
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -126,8 +143,10 @@ def main() -> None:
         "synth_peak_rss_mb": round(synth_rss),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
     }
-    print(f"\n{n_cells:,} cells, {nnz:,} non-zeros ({nnz / n_cells:,.0f}/cell); h5ad {h5_gb:.2f} GB "
-          f"written in {h5_seconds:.0f}s; machine: {figures['machine']}")
+    print(
+        f"\n{n_cells:,} cells, {nnz:,} non-zeros ({nnz / n_cells:,.0f}/cell); h5ad {h5_gb:.2f} GB "
+        f"written in {h5_seconds:.0f}s; machine: {figures['machine']}"
+    )
     print(f"{'step':<10}{'seconds':>10}{'cells/s':>12}{'rows/s':>14}{'peak RSS MB':>14}")
     for name, secs, rss in (("convert", conv_s, conv_rss), ("synth", synth_s, synth_rss)):
         print(f"{name:<10}{secs:>10.1f}{n_cells / secs:>12,.0f}{nnz / secs:>14,.0f}{rss:>14,.0f}")

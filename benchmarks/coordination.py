@@ -14,7 +14,8 @@ its unit's re-issue, the gap between epochs, time to the first batch, and the se
 start-up seconds / peak RSS at 100M cells (each in a fresh process).
 
     python benchmarks/coordination.py [--quick] [--producers 64] [--rate 1000] [--latency-ms 25]
-    python benchmarks/coordination.py --tiny   # the test suite's: 4 producers, 2 x 16 units, a 3 s lease, probes at 200k cells (seconds)
+    python benchmarks/coordination.py --tiny   # the test suite's (seconds): 4 producers, 2 x 16 units, a 3 s
+                                               # lease, probes at 200k cells
 
 Ends with one JSON line of the figures. Exits 1 (one line on stderr) when the simulation did not
 deliver every cell (at once, before the later phases), the full-partition phase took none, or a
@@ -44,9 +45,9 @@ from benchmarks._checks import check_figures, fail, run_probe  # noqa: E402
 from coordination.driver import LEASE_S, Driver, heartbeat_interval  # noqa: E402
 from coordination.latency import with_latency  # noqa: E402
 from coordination.plan import DatasetGeometry, EpochPlan, Sampling  # noqa: E402
-from coordination.summary import PlanSummary, publish_summary  # noqa: E402
 from coordination.queues import Empty, MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import TASKS_PARTITION, rank_partition, run_tag, unit_rank  # noqa: E402
+from coordination.summary import PlanSummary, publish_summary  # noqa: E402
 from coordination.wire import HEADER, MAGIC, VERSION  # noqa: E402
 from producers.config import ProducerConfig  # noqa: E402
 from producers.producer import Producer, ProducerStats  # noqa: E402
@@ -68,8 +69,8 @@ def tahoe_geometry(n_cells: int = TAHOE_CELLS, seed: int = 0) -> DatasetGeometry
     total = 0
     for a in range(0, n_cells, step):  # in chunks: no 100M-element temporary of float64
         counts = np.clip(rng.lognormal(np.log(1500), 0.5, size=min(step, n_cells - a)), 200, 8000).astype(np.int64)
-        np.cumsum(counts, out=starts[a + 1:a + 1 + len(counts)])
-        starts[a + 1:a + 1 + len(counts)] += total
+        np.cumsum(counts, out=starts[a + 1 : a + 1 + len(counts)])
+        starts[a + 1 : a + 1 + len(counts)] += total
         total = int(starts[a + len(counts)])
     fragments = np.append(np.arange(0, total, ROWS_PER_FRAGMENT, dtype=np.int64), total)
     return DatasetGeometry(f"tahoe-like-{n_cells}-{seed}", starts, fragments)
@@ -78,8 +79,12 @@ def tahoe_geometry(n_cells: int = TAHOE_CELLS, seed: int = 0) -> DatasetGeometry
 def fake_item(epoch: int, unit: int, seq: int, n_items: int, n_cells: int, payload: bytes) -> bytes:
     """A header the consumer would accept and a payload of a real item's size (not decoded here)."""
     body = payload[: n_cells * BYTES_PER_CELL]
-    return HEADER.pack(MAGIC, VERSION, 0, run_tag(RUN), epoch, unit, seq, n_items, n_cells, n_cells * 1025, 1, 1,
-                       len(body), 0) + body
+    return (
+        HEADER.pack(
+            MAGIC, VERSION, 0, run_tag(RUN), epoch, unit, seq, n_items, n_cells, n_cells * 1025, 1, 1, len(body), 0
+        )
+        + body
+    )
 
 
 NO_ROWS = SimpleNamespace(gene=np.empty(0, np.uint32), value=np.empty(0, np.float32))
@@ -101,7 +106,9 @@ class SimulatedProducer(Producer):
         return self.plans[epoch]
 
     def read(self, epoch, unit):
-        return None, [NO_ROWS]  # (unit, rows per part): nothing is read; the loop sizes its read-ahead by the rows' bytes
+        return None, [
+            NO_ROWS
+        ]  # (unit, rows per part): nothing is read; the loop sizes its read-ahead by the rows' bytes
 
     def process(self, epoch, unit_id, rows=None):
         cells = int(self.plans[epoch].unit_cell_counts[unit_id])
@@ -109,8 +116,10 @@ class SimulatedProducer(Producer):
         if self.died.is_set():  # killed mid-unit: never finishes, never reports again
             raise SystemExit
         n_items = -(-cells // CELLS_PER_ITEM)
-        items = [fake_item(epoch, unit_id, s, n_items, min(CELLS_PER_ITEM, cells - s * CELLS_PER_ITEM), self.payload)
-                 for s in range(n_items)]
+        items = [
+            fake_item(epoch, unit_id, s, n_items, min(CELLS_PER_ITEM, cells - s * CELLS_PER_ITEM), self.payload)
+            for s in range(n_items)
+        ]
         self.hand_off(items, rank_partition(unit_rank(unit_id, WORLD)))
         self.stats.cells += cells
         self.stats.units += 1
@@ -143,8 +152,20 @@ def consume(queue, rank: int, summaries: dict, log: dict, stop: threading.Event)
                 log["last"][epoch].append(now)
 
 
-def simulate(*, producers: int, rate: float, units: int, epochs: int, latency_ms: float, jitter_ms: float,
-             kill: bool, max_seconds: float, plans: dict, lease_s: float = LEASE_S, kill_after_s: float = 5.0) -> dict:
+def simulate(
+    *,
+    producers: int,
+    rate: float,
+    units: int,
+    epochs: int,
+    latency_ms: float,
+    jitter_ms: float,
+    kill: bool,
+    max_seconds: float,
+    plans: dict,
+    lease_s: float = LEASE_S,
+    kill_after_s: float = 5.0,
+) -> dict:
     queue, store = MemoryQueue(), MemoryMap()
     kind = lambda p: ".tasks" if p == TASKS_PARTITION else ".items" if (p or "").startswith("rank-") else ""  # noqa: E731
     queue, store, counts = with_latency(queue, store, latency_ms, jitter_ms, partition_kind=kind)
@@ -158,12 +179,16 @@ def simulate(*, producers: int, rate: float, units: int, epochs: int, latency_ms
     started = time.monotonic()
     driver = Driver(queue, store, RUN, lease_s=lease_s)
     driver.start(list(range(epochs)))
-    sims = [SimulatedProducer(queue, store, f"p{i}", rate, plans, payload, idle_timeout_s=3600,
-                              heartbeat_s=heartbeat_interval(lease_s))
-            for i in range(producers)]
+    sims = [
+        SimulatedProducer(
+            queue, store, f"p{i}", rate, plans, payload, idle_timeout_s=3600, heartbeat_s=heartbeat_interval(lease_s)
+        )
+        for i in range(producers)
+    ]
     threads = [threading.Thread(target=p.run, daemon=True) for p in sims]
-    consumers = [threading.Thread(target=consume, args=(queue, r, summaries, log, stop), daemon=True)
-                 for r in range(WORLD)]
+    consumers = [
+        threading.Thread(target=consume, args=(queue, r, summaries, log, stop), daemon=True) for r in range(WORLD)
+    ]
     for t in threads + consumers:
         t.start()
     killed_at = None
@@ -187,10 +212,16 @@ def simulate(*, producers: int, rate: float, units: int, epochs: int, latency_ms
     capacity = rate * (producers - (max(0.0, t1 - killed_at) / max(t1 - started, 1e-9) if killed_at else 0.0))
     calls = counts.snapshot()
     coordination = {k: v for k, v in calls.items() if not k.endswith(".items")}
-    gaps = [min(log["first"][e + 1]) - max(log["last"][e]) for e in range(epochs - 1)
-            if log["first"].get(e + 1) and len(log["last"].get(e, [])) == WORLD]
+    gaps = [
+        min(log["first"][e + 1]) - max(log["last"][e])
+        for e in range(epochs - 1)
+        if log["first"].get(e + 1) and len(log["last"].get(e, [])) == WORLD
+    ]
     return {
-        "finished": cells >= expected, "cells": cells, "expected_cells": expected, "seconds": round(elapsed, 1),
+        "finished": cells >= expected,
+        "cells": cells,
+        "expected_cells": expected,
+        "seconds": round(elapsed, 1),
         "delivered_cells_per_s": round(cells / max(t1 - started, 1e-9)),  # from the campaign's start
         "efficiency": round(cells / max(t1 - started, 1e-9) / capacity, 3),
         "first_batch_s": round(t0 - started, 2),
@@ -199,23 +230,35 @@ def simulate(*, producers: int, rate: float, units: int, epochs: int, latency_ms
         "epoch_gap_s": round(max(0.0, max(gaps)), 2) if gaps else None,  # < 0: the epochs overlapped
         "epoch_overlap_s": round(-max(gaps), 2) if gaps and max(gaps) < 0 else 0.0,
         "driver_pass_s": driver.stats.pass_seconds() if hasattr(driver.stats, "pass_seconds") else None,
-        "reissue_s": (round(driver.stats.first_reissue_at - killed_at, 1)
-                      if killed_at and getattr(driver.stats, "first_reissue_at", None) else None),
+        "reissue_s": (
+            round(driver.stats.first_reissue_at - killed_at, 1)
+            if killed_at and getattr(driver.stats, "first_reissue_at", None)
+            else None
+        ),
         "reissued": driver.stats.reissued,
     }
 
 
-def full_partition_phase(*, seconds: float, latency_ms: float, jitter_ms: float, plans: dict, producers: int = 4,
-                         rate: float = 2000.0, speedup: float = 4.0, ranks: int = 2) -> dict:
+def full_partition_phase(
+    *,
+    seconds: float,
+    latency_ms: float,
+    jitter_ms: float,
+    plans: dict,
+    producers: int = 4,
+    rate: float = 2000.0,
+    speedup: float = 4.0,
+    ranks: int = 2,
+) -> dict:
     """Producers `speedup` x faster than the trainer, on the Modal emulator's queue (a full
     partition refuses a put at once when its timeout is under ~2 s, as Modal's client does), at
     `latency_ms` a call: what producers upload, and how many calls they make, per cell the queue
     takes. A producer that re-sends into a full partition without waiting shows up here."""
     import tempfile
 
+    from cellfeed_testing.modal_emulator import ModalEmulator
     from coordination.latency import with_latency
     from coordination.modal_backend import run_backends
-    from cellfeed_testing.modal_emulator import ModalEmulator
 
     global WORLD
     world_before, WORLD = WORLD, ranks
@@ -231,8 +274,10 @@ def full_partition_phase(*, seconds: float, latency_ms: float, jitter_ms: float,
         payload = os.urandom(CELLS_PER_ITEM * BYTES_PER_CELL)
         driver = Driver(queue, store, RUN)
         driver.start([0])
-        sims = [SimulatedProducer(queue, store, f"p{i}", rate, plans, payload, idle_timeout_s=3600)
-                for i in range(producers)]
+        sims = [
+            SimulatedProducer(queue, store, f"p{i}", rate, plans, payload, idle_timeout_s=3600)
+            for i in range(producers)
+        ]
         stop = threading.Event()
         consumed = [0]
         per_rank_rate = producers * rate / speedup / ranks
@@ -270,10 +315,17 @@ def full_partition_phase(*, seconds: float, latency_ms: float, jitter_ms: float,
     accepted_cells = stats.get("put_ok_items", 0) * CELLS_PER_ITEM
     producer_calls = calls.get("queue.put_many.items", 0) + calls.get("queue.len.items", 0)
     return {
-        "seconds": seconds, "producers": producers, "producer_rate": rate, "trainer_rate": producers * rate / speedup,
-        "consumed_cells": consumed[0], "accepted_cells": accepted_cells,
-        "put_requests": stats.get("put_requests", 0), "puts_refused_full": stats.get("put_full", 0),
-        "full_partition_bytes_sent_per_delivered": round(stats.get("put_bytes", 0) / max(1, stats.get("put_ok_bytes", 0)), 3),
+        "seconds": seconds,
+        "producers": producers,
+        "producer_rate": rate,
+        "trainer_rate": producers * rate / speedup,
+        "consumed_cells": consumed[0],
+        "accepted_cells": accepted_cells,
+        "put_requests": stats.get("put_requests", 0),
+        "puts_refused_full": stats.get("put_full", 0),
+        "full_partition_bytes_sent_per_delivered": round(
+            stats.get("put_bytes", 0) / max(1, stats.get("put_ok_bytes", 0)), 3
+        ),
         "full_partition_calls_per_1k_cells": round(producer_calls / max(1, accepted_cells) * 1000, 2),
         "producer_item_calls": {k: v for k, v in calls.items() if k.endswith(".items") and "get" not in k},
     }
@@ -321,7 +373,8 @@ sys.path.insert(0, {root!r})
 from benchmarks.coordination import SAMPLING, WORLD, tahoe_geometry
 from coordination.plan import EpochPlan
 from coordination.summary import PlanSummary
-open({str(summary_path)!r}, "wb").write(PlanSummary.of(EpochPlan(tahoe_geometry({n_cells}), SAMPLING, 0, 0), WORLD).to_bytes())
+summary = PlanSummary.of(EpochPlan(tahoe_geometry({n_cells}), SAMPLING, 0, 0), WORLD)
+open({str(summary_path)!r}, "wb").write(summary.to_bytes())
 """
     drive = f"""
 import json, resource, sys, threading, time
@@ -357,25 +410,44 @@ print(json.dumps({{"seconds": time.perf_counter() - t, "units": summary.n_units,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller run at the same latency (about two minutes)")
-    parser.add_argument("--tiny", action="store_true",
-                        help="the smallest run that still sees a re-issue: 4 producers at 2,000 cells/s, 2 x 16 units, "
-                             "one dying at 2 s, a 3 s lease, 3 s of the full-partition phase, start-up probes at 200k "
-                             "cells, the producer's for block sampling only (the test suite's)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the smallest run that still sees a re-issue: 4 producers at 2,000 cells/s, 2 x 16 units, "
+        "one dying at 2 s, a 3 s lease, 3 s of the full-partition phase, start-up probes at 200k "
+        "cells, the producer's for block sampling only (the test suite's)",
+    )
     parser.add_argument("--producers", type=int, default=64, help="simulated producers (default: 64)")
     parser.add_argument("--rate", type=float, default=1000.0, help="cells/s of one producer (default: 1000)")
     parser.add_argument("--units", type=int, default=2000, help="units per simulated epoch window (default: 2000)")
     parser.add_argument("--epochs", type=int, default=2, help="simulated epochs (default: 2)")
     parser.add_argument("--latency-ms", type=float, default=25.0, help="per-call latency (default: 25)")
     parser.add_argument("--jitter-ms", type=float, default=10.0, help="per-call jitter (default: 10)")
-    parser.add_argument("--lease-s", type=float, default=None,
-                        help=f"the driver's lease: a dead producer's unit is issued again after it (default {LEASE_S:g}, "
-                             "the product's; 3 tiny)")
-    parser.add_argument("--max-seconds", type=float, default=None,
-                        help="stop the simulation after this long (default 600; 90 quick; 60 tiny)")
-    parser.add_argument("--spin-seconds", type=float, default=60.0,
-                        help="length of the full-partition phase on the Modal emulator (default: 60; --quick: 20)")
-    parser.add_argument("--startup-cells", type=int, default=TAHOE_CELLS,
-                        help="cells of the geometry for the setup/start-up probes (default: 100M)")
+    parser.add_argument(
+        "--lease-s",
+        type=float,
+        default=None,
+        help=f"the driver's lease: a dead producer's unit is issued again after it (default {LEASE_S:g}, "
+        "the product's; 3 tiny)",
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="stop the simulation after this long (default 600; 90 quick; 60 tiny)",
+    )
+    parser.add_argument(
+        "--spin-seconds",
+        type=float,
+        default=60.0,
+        help="length of the full-partition phase on the Modal emulator (default: 60; --quick: 20)",
+    )
+    parser.add_argument(
+        "--startup-cells",
+        type=int,
+        default=TAHOE_CELLS,
+        help="cells of the geometry for the setup/start-up probes (default: 100M)",
+    )
     args = parser.parse_args()
     if args.quick:  # a smaller simulation at the same latency; the start-up probes stay at 100M cells
         # 800 units: a unit takes its producer ~1 s, so a shorter window is mostly the first units' fill
@@ -397,20 +469,35 @@ def main() -> None:
     geometry = tahoe_geometry(max(2_000_000, 2 * args.units * 1024))  # room for the simulated windows' units
     plans = {e: EpochPlan(geometry, replace(SAMPLING), seed=0, epoch=e) for e in range(args.epochs)}
     print(f"plans for the simulated windows built in {time.perf_counter() - t:.1f}s")
-    sim = simulate(producers=args.producers, rate=args.rate, units=args.units, epochs=args.epochs,
-                   latency_ms=args.latency_ms, jitter_ms=args.jitter_ms, kill=True, max_seconds=args.max_seconds,
-                   plans=plans, lease_s=args.lease_s, kill_after_s=kill_after_s)
+    sim = simulate(
+        producers=args.producers,
+        rate=args.rate,
+        units=args.units,
+        epochs=args.epochs,
+        latency_ms=args.latency_ms,
+        jitter_ms=args.jitter_ms,
+        kill=True,
+        max_seconds=args.max_seconds,
+        plans=plans,
+        lease_s=args.lease_s,
+        kill_after_s=kill_after_s,
+    )
     if not sim["finished"]:  # the rest would measure nothing that matters for a run that did not do its work
-        fail(f"did not finish: the simulation delivered {sim['cells']:,} of {sim['expected_cells']:,} cells "
-             f"in {sim['seconds']}s")
-    spin = full_partition_phase(seconds=args.spin_seconds, latency_ms=args.latency_ms, jitter_ms=args.jitter_ms,
-                                plans=plans)
+        fail(
+            f"did not finish: the simulation delivered {sim['cells']:,} of {sim['expected_cells']:,} cells "
+            f"in {sim['seconds']}s"
+        )
+    spin = full_partition_phase(
+        seconds=args.spin_seconds, latency_ms=args.latency_ms, jitter_ms=args.jitter_ms, plans=plans
+    )
     setup = startup_probe("setup", args.startup_cells)
     probed = ("block",) if args.tiny else ("block", "sequential", "mixture")  # (tiny: the same probe, once)
     starts = {s: startup_probe("producer", args.startup_cells, s) for s in probed}
     driven = driver_probe(args.startup_cells)
-    start = {"seconds": max(r["seconds"] for r in starts.values()),  # the worst strategy, in each figure
-             "rss_mb": max(r["rss_mb"] for r in starts.values())}
+    start = {
+        "seconds": max(r["seconds"] for r in starts.values()),  # the worst strategy, in each figure
+        "rss_mb": max(r["rss_mb"] for r in starts.values()),
+    }
     rows = [
         ("producers x rate", f"{args.producers} x {args.rate:,.0f} cells/s = {args.producers * args.rate:,.0f}"),
         ("latency per call", f"{args.latency_ms:.0f} ± {args.jitter_ms:.0f} ms"),
@@ -420,37 +507,68 @@ def main() -> None:
         ("efficiency", f"{sim['efficiency']:.3f}"),
         ("coordination calls / 1k cells", f"{sim['calls_per_1k_cells']}"),
         ("time to first item", f"{sim['first_batch_s']} s"),
-        ("epoch gap", f"{sim['epoch_gap_s']} s" + (f" (the next epoch's first items came {sim['epoch_overlap_s']} s "
-                                                   "before this one's last)" if sim["epoch_overlap_s"] else "")),
+        (
+            "epoch gap",
+            f"{sim['epoch_gap_s']} s"
+            + (
+                f" (the next epoch's first items came {sim['epoch_overlap_s']} s before this one's last)"
+                if sim["epoch_overlap_s"]
+                else ""
+            ),
+        ),
         ("driver pass", f"{sim['driver_pass_s']} s"),
         ("re-issue after a death", f"{sim['reissue_s']} s ({sim['reissued']} re-issued; a {args.lease_s:g} s lease)"),
         (f"setup at {args.startup_cells / 1e6:g}M cells", f"{setup['seconds']:.1f} s, {setup['rss_mb']:,.0f} MB RSS"),
-        (f"driver, one epoch at {args.startup_cells / 1e6:g}M", f"{driven['units']:,} units in {driven['seconds']:.1f} s "
-                                                          f"({driven['passes']:,} passes), {driven['rss_mb']:,.0f} MB RSS"),
-        ("full partition: bytes sent / taken", f"{spin['full_partition_bytes_sent_per_delivered']} "
-                                                f"({spin['put_requests']:,} puts, {spin['puts_refused_full']:,} refused full)"),
-        ("full partition: producer calls / 1k", f"{spin['full_partition_calls_per_1k_cells']} "
-                                                f"(producers {spin['producers']} x {spin['producer_rate']:,.0f} cells/s, "
-                                                f"trainer {spin['trainer_rate']:,.0f} cells/s, {spin['seconds']:.0f} s)"),
-    ] + [(f"producer start at {args.startup_cells / 1e6:g}M, {s}", f"{r['seconds']:.1f} s, {r['rss_mb']:,.0f} MB RSS, "
-          f"{r['n_units']:,} units") for s, r in starts.items()]
+        (
+            f"driver, one epoch at {args.startup_cells / 1e6:g}M",
+            f"{driven['units']:,} units in {driven['seconds']:.1f} s "
+            f"({driven['passes']:,} passes), {driven['rss_mb']:,.0f} MB RSS",
+        ),
+        (
+            "full partition: bytes sent / taken",
+            f"{spin['full_partition_bytes_sent_per_delivered']} "
+            f"({spin['put_requests']:,} puts, {spin['puts_refused_full']:,} refused full)",
+        ),
+        (
+            "full partition: producer calls / 1k",
+            f"{spin['full_partition_calls_per_1k_cells']} "
+            f"(producers {spin['producers']} x {spin['producer_rate']:,.0f} cells/s, "
+            f"trainer {spin['trainer_rate']:,.0f} cells/s, {spin['seconds']:.0f} s)",
+        ),
+    ] + [
+        (
+            f"producer start at {args.startup_cells / 1e6:g}M, {s}",
+            f"{r['seconds']:.1f} s, {r['rss_mb']:,.0f} MB RSS, {r['n_units']:,} units",
+        )
+        for s, r in starts.items()
+    ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     print("calls per 1,000 cells by kind:")
     for k, v in sim["calls_by_kind_per_1k"].items():
         print(f"  {k:<24} {v}")
-    figures = {**sim, "full_partition": spin,
-               "full_partition_bytes_sent_per_delivered": spin["full_partition_bytes_sent_per_delivered"],
-               "full_partition_calls_per_1k_cells": spin["full_partition_calls_per_1k_cells"],
-               "producer_start_s_100m": round(start["seconds"], 2),
-               "producer_start_rss_mb_100m": round(start["rss_mb"]), "setup_s_100m": round(setup["seconds"], 2),
-               "driver_epoch_s_100m": round(driven["seconds"], 2), "driver_rss_mb_100m": round(driven["rss_mb"]),
-               "producer_start_100m_by_strategy": {s: {"seconds": round(r["seconds"], 2), "rss_mb": round(r["rss_mb"])}
-                                                   for s, r in starts.items()},
-               "setup_rss_mb_100m": round(setup["rss_mb"]), "startup_cells": args.startup_cells,
-               "latency_ms": args.latency_ms, "jitter_ms": args.jitter_ms, "producers": args.producers,
-               "rate": args.rate, "lease_s": args.lease_s}
+    figures = {
+        **sim,
+        "full_partition": spin,
+        "full_partition_bytes_sent_per_delivered": spin["full_partition_bytes_sent_per_delivered"],
+        "full_partition_calls_per_1k_cells": spin["full_partition_calls_per_1k_cells"],
+        "producer_start_s_100m": round(start["seconds"], 2),
+        "producer_start_rss_mb_100m": round(start["rss_mb"]),
+        "setup_s_100m": round(setup["seconds"], 2),
+        "driver_epoch_s_100m": round(driven["seconds"], 2),
+        "driver_rss_mb_100m": round(driven["rss_mb"]),
+        "producer_start_100m_by_strategy": {
+            s: {"seconds": round(r["seconds"], 2), "rss_mb": round(r["rss_mb"])} for s, r in starts.items()
+        },
+        "setup_rss_mb_100m": round(setup["rss_mb"]),
+        "startup_cells": args.startup_cells,
+        "latency_ms": args.latency_ms,
+        "jitter_ms": args.jitter_ms,
+        "producers": args.producers,
+        "rate": args.rate,
+        "lease_s": args.lease_s,
+    }
     print(json.dumps(figures))
     if spin["accepted_cells"] == 0:  # a benchmark that did not do its work fails
         fail("did not finish: the full-partition phase took no cells")

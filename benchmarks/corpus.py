@@ -66,15 +66,26 @@ def build_sources(root: Path, n_a: int, n_b: int, n_genes: int) -> list[Path]:
     a, b, pbmc = root / "atlas_a", root / "atlas_b", root / "pbmc"
     root.mkdir(parents=True, exist_ok=True)
     if not (a / "config.json").exists():
-        synthesize(str(a), SynthSpec(n_cells=n_a, n_genes=n_genes, seed=21), rows_per_fragment=1 << 20,
-                   progress=False, overwrite=True)
+        synthesize(
+            str(a),
+            SynthSpec(n_cells=n_a, n_genes=n_genes, seed=21),
+            rows_per_fragment=1 << 20,
+            progress=False,
+            overwrite=True,
+        )
     if not (b / "config.json").exists():
         rng = np.random.default_rng(22)
         ids = [f"ENSG{g:011d}" for g in range(n_genes)]
         shared = list(rng.choice(ids, size=round(OVERLAP * n_genes), replace=False))
         new = [f"ENSG9{g:010d}" for g in range(n_genes - len(shared))]
-        synthesize(str(b), SynthSpec(n_cells=n_b, n_genes=n_genes, seed=23), rows_per_fragment=1 << 20,
-                   progress=False, overwrite=True, gene_ids=list(rng.permutation(shared + new)))
+        synthesize(
+            str(b),
+            SynthSpec(n_cells=n_b, n_genes=n_genes, seed=23),
+            rows_per_fragment=1 << 20,
+            progress=False,
+            overwrite=True,
+            gene_ids=list(rng.permutation(shared + new)),
+        )
     if not (pbmc / "config.json").exists():
         import warnings
 
@@ -95,10 +106,34 @@ def corpus_file(path: Path, sources: list[Path], epoch_cells: int | None = None)
 def campaign(corpus: Path, work: Path, epochs: int, timeout_s: float) -> tuple[dict, float, str]:
     """The real local campaign: (trained cells per epoch, wall seconds, stdout)."""
     t = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "app.cli", "local", "--corpus", str(corpus), "--workdir", str(work),
-                          "--run", "corpus", "--epochs", str(epochs), "--max-genes", str(MAX_GENES),
-                          "--batch-size", str(BATCH), "--audit-cells", "--quiet", "--eval-every", "1000000"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "local",
+            "--corpus",
+            str(corpus),
+            "--workdir",
+            str(work),
+            "--run",
+            "corpus",
+            "--epochs",
+            str(epochs),
+            "--max-genes",
+            str(MAX_GENES),
+            "--batch-size",
+            str(BATCH),
+            "--audit-cells",
+            "--quiet",
+            "--eval-every",
+            "1000000",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     if out.returncode != 0:
         print(out.stdout[-3000:] + out.stderr[-3000:], file=sys.stderr)
         fail(f"the corpus campaign failed (exit {out.returncode})")
@@ -135,14 +170,21 @@ def token_mismatches(corpus: Path, per_source: int) -> tuple[int, int]:
     """(cells that differ from the reference, cells compared): `per_source` cells of each source
     through the producer (its held-out path: the same mapping, tokenizer and packing)."""
     from producers.config import ProducerConfig
-    from producers.producer import Producer
     from producers.held_out import produce_held_out
+    from producers.producer import Producer
 
-    producer = Producer(ProducerConfig(dataset="", corpus=str(corpus), run="tokens", max_genes=MAX_GENES,
-                                       threads=1), MemoryQueue(), MemoryMap())
+    producer = Producer(
+        ProducerConfig(dataset="", corpus=str(corpus), run="tokens", max_genes=MAX_GENES, threads=1),
+        MemoryQueue(),
+        MemoryMap(),
+    )
     rng = np.random.default_rng(0)
-    chosen = np.concatenate([s.offset + np.sort(rng.choice(s.ds.n_cells, size=min(per_source, s.ds.n_cells),
-                                                           replace=False)) for s in producer.sources])
+    chosen = np.concatenate(
+        [
+            s.offset + np.sort(rng.choice(s.ds.n_cells, size=min(per_source, s.ds.n_cells), replace=False))
+            for s in producer.sources
+        ]
+    )
     queue = MemoryQueue()
     producer.queue = producer.courier.queue = queue
     produce_held_out(producer, chosen)
@@ -158,14 +200,16 @@ def token_mismatches(corpus: Path, per_source: int) -> tuple[int, int]:
         block = s.ds.read_cells(mine)
         for c in mine.tolist():
             rows = block.cell == c
-            expected = reference_scgpt([s.identifiers[g] for g in block.gene[rows]], producer.vocab,
-                                       block.value[rows], s.identifiers)
+            expected = reference_scgpt(
+                [s.identifiers[g] for g in block.gene[rows]], producer.vocab, block.value[rows], s.identifiers
+            )
             differ += got.get(c + s.offset) != expected
     return int(differ), len(chosen)
 
 
-def producer_rate(corpus: Path | None, dataset: Path | None, min_cells: int,
-                  vocabulary: Path | None = None) -> tuple[float, float]:
+def producer_rate(
+    corpus: Path | None, dataset: Path | None, min_cells: int, vocabulary: Path | None = None
+) -> tuple[float, float]:
     """(cells/s, non-zeros/s) of one producer (2 tokenizing threads) processing units in-process,
     epoch after epoch, until `min_cells`: the work a producer process does, its rows read first
     (not timed: the same reads either way) and its items dropped."""
@@ -175,9 +219,15 @@ def producer_rate(corpus: Path | None, dataset: Path | None, min_cells: int,
     # units as a campaign's default (64 batches of 240 cells), not shrunk for a small atlas (min_units):
     # a unit's fixed costs weigh as they do at scale
     sampling = Sampling("block", batch_size=240, min_units=1)
-    config = ProducerConfig(dataset=str(dataset or ""), corpus=str(corpus) if corpus else None, run="rate",
-                            max_genes=MAX_GENES, threads=2, sampling=sampling,
-                            vocabulary=str(vocabulary) if vocabulary else None)
+    config = ProducerConfig(
+        dataset=str(dataset or ""),
+        corpus=str(corpus) if corpus else None,
+        run="rate",
+        max_genes=MAX_GENES,
+        threads=2,
+        sampling=sampling,
+        vocabulary=str(vocabulary) if vocabulary else None,
+    )
     producer = Producer(config, MemoryQueue(), MemoryMap())
     cells = rows = 0
     seconds = 0.0
@@ -229,11 +279,14 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="1.2k + 600 cells x 2,000 genes, no 150M probe (tests)")
     parser.add_argument("--epochs", type=int, default=2, help="campaign epochs")
     args = parser.parse_args()
-    n_a, n_b, n_genes = (1200, 600, 2000) if args.tiny else (8000, 4000, 62_710) if args.quick else \
-        (40_000, 20_000, 62_710)
+    n_a, n_b, n_genes = (
+        (1200, 600, 2000) if args.tiny else (8000, 4000, 62_710) if args.quick else (40_000, 20_000, 62_710)
+    )
     work = Path(tempfile.mkdtemp(prefix="cellfeed-corpus-"))
     # the atlases are kept between runs (in the temp dir), but for the tiny run's (the test suite's)
-    cache = work / "sources" if args.tiny else Path(tempfile.gettempdir()) / f"cellfeed-bench-corpus-{n_a}-{n_b}-{n_genes}"
+    cache = (
+        work / "sources" if args.tiny else Path(tempfile.gettempdir()) / f"cellfeed-bench-corpus-{n_a}-{n_b}-{n_genes}"
+    )
     t0 = time.perf_counter()
     try:
         sources = build_sources(cache, n_a, n_b, n_genes)
@@ -242,17 +295,28 @@ def main() -> None:
         from producers.producer import Producer
         from producers.sources import coverage
 
-        planner = Producer(ProducerConfig(dataset="", corpus=str(corpus), run="corpus", world_size=2), MemoryQueue(),
-                           MemoryMap())
+        planner = Producer(
+            ProducerConfig(dataset="", corpus=str(corpus), run="corpus", world_size=2), MemoryQueue(), MemoryMap()
+        )
         offsets = [s.offset for s in planner.sources]
         names = [s.spec.name for s in planner.sources]
-        vocab_coverage = {c.source: {"genes": c.genes, "genes_matched": c.genes_matched,
-                                     "nonzeros_kept": round(c.nonzeros_kept, 4)}
-                          for c in map(coverage, planner.sources)}
+        vocab_coverage = {
+            c.source: {"genes": c.genes, "genes_matched": c.genes_matched, "nonzeros_kept": round(c.nonzeros_kept, 4)}
+            for c in map(coverage, planner.sources)
+        }
         planned = [planner.plan(e).quotas.tolist() for e in range(args.epochs)]
-        planned_cells = [Counter(np.concatenate([planner.plan(e).unit_cells(u, s) + offsets[s]
-                                                 for u in range(planner.plan(e).n_units)
-                                                 for s in range(3)]).tolist()) for e in range(args.epochs)]
+        planned_cells = [
+            Counter(
+                np.concatenate(
+                    [
+                        planner.plan(e).unit_cells(u, s) + offsets[s]
+                        for u in range(planner.plan(e).n_units)
+                        for s in range(3)
+                    ]
+                ).tolist()
+            )
+            for e in range(args.epochs)
+        ]
 
         trained, wall_s, stdout = campaign(corpus, work / "run", args.epochs, timeout_s=600)
         per_source_trained, off = [], 0
@@ -262,9 +326,15 @@ def main() -> None:
             off += sum(((planned_cells[e] - got) + (got - planned_cells[e])).values())
         shares = batch_shares(work / "run" / "corpus", offsets)
         binomial_sd = [float(np.sqrt(w * (1 - w) / BATCH)) for w in WEIGHTS]
-        share = {n: {"weight": w, "mean": round(float(shares[:, i].mean()), 4),
-                     "sd": round(float(shares[:, i].std()), 4), "binomial_sd": round(binomial_sd[i], 4)}
-                 for i, (n, w) in enumerate(zip(names, WEIGHTS))}
+        share = {
+            n: {
+                "weight": w,
+                "mean": round(float(shares[:, i].mean()), 4),
+                "sd": round(float(shares[:, i].std()), 4),
+                "binomial_sd": round(binomial_sd[i], 4),
+            }
+            for i, (n, w) in enumerate(zip(names, WEIGHTS))
+        }
 
         differ, compared = token_mismatches(corpus, 60 if args.tiny else 200)
 
@@ -301,23 +371,31 @@ def main() -> None:
         "throughput_vs_single_source": round(cells_ratio, 3),  # cells/s: what the trainer receives
         "throughput_nonzeros_vs_single_source": round(rows_ratio, 3),  # work: PBMC's cells are smaller
         "single_source_corpus_vocab_vs_own_vocab": round(vocab_ratio, 3),  # token ids past 16 bits cost this
-        "single_source_cells_s": round(single[0]), "corpus_cells_s": round(mixed[0]),
+        "single_source_cells_s": round(single[0]),
+        "corpus_cells_s": round(mixed[0]),
         "campaign_wall_s": round(wall_s, 1),
         "setup_s_corpus_150m": None if probe is None else round(probe["seconds"], 1),
         "setup_rss_mb_corpus_150m": None if probe is None else round(probe["rss_mb"]),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    print(f"corpus of {', '.join(f'{n} ({c:,} cells, weight {w})' for (n, c), w in zip(figures['sources'].items(), WEIGHTS))}"
-          f"; vocabulary {planner.vocab.n_genes:,} genes")
+    sources = zip(figures["sources"].items(), WEIGHTS)
+    print(
+        f"corpus of {', '.join(f'{n} ({c:,} cells, weight {w})' for (n, c), w in sources)}"
+        f"; vocabulary {planner.vocab.n_genes:,} genes"
+    )
     for e in range(args.epochs):
         print(f"  epoch {e}: planned {planned[e]}, trained {per_source_trained[e]}")
     for n, s in share.items():
-        print(f"  {n:<8} share per batch {s['mean']:.3f} ± {s['sd']:.3f} (weight {s['weight']}, binomial sd "
-              f"{s['binomial_sd']:.3f}) over {len(shares)} batches of {BATCH}")
+        print(
+            f"  {n:<8} share per batch {s['mean']:.3f} ± {s['sd']:.3f} (weight {s['weight']}, binomial sd "
+            f"{s['binomial_sd']:.3f}) over {len(shares)} batches of {BATCH}"
+        )
     print(f"  tokens: {differ} of {compared} sampled cells differ from the reference")
-    print(f"  producer throughput, corpus / one source of the same epoch size and vocabulary: {cells_ratio:.3f} in "
-          f"cells/s, {rows_ratio:.3f} in non-zeros/s (median of {len(ratios)}); that one source under the corpus's "
-          f"{planner.vocab.size:,}-token vocabulary / under its own: {vocab_ratio:.3f}")
+    print(
+        f"  producer throughput, corpus / one source of the same epoch size and vocabulary: {cells_ratio:.3f} in "
+        f"cells/s, {rows_ratio:.3f} in non-zeros/s (median of {len(ratios)}); that one source under the corpus's "
+        f"{planner.vocab.size:,}-token vocabulary / under its own: {vocab_ratio:.3f}"
+    )
     if probe:
         print(f"  setup at 100M + 49M + 1M cells: {probe['seconds']:.1f} s, {probe['rss_mb']:,.0f} MB RSS")
     print(json.dumps(figures))

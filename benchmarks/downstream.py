@@ -21,17 +21,17 @@ import torch
 from coordination.driver import Driver
 from coordination.latency import remote
 from coordination.plan import Sampling
-from coordination.summary import PlanSummary, publish_summary
 from coordination.queues import MemoryMap, MemoryQueue
 from coordination.routing import stop_key
+from coordination.summary import PlanSummary, publish_summary
 from coordination.vocab import GENE_OFFSET, PAD
 from producers.config import ProducerConfig
-from producers.producer import Producer
 from producers.held_out import produce_held_out
+from producers.producer import Producer
 from producers.selection import filter_cells, label_codes
-from trainer.stream import Batch, ConsumerStream
 from trainer.config import TrainConfig
 from trainer.evaluation import load_held_out
+from trainer.stream import Batch, ConsumerStream
 
 LABELS = ("cell_line", "dose")  # plate-independent in the synthetic atlas (producers/synth.py)
 MAX_GENES = 4096  # more than any synthetic cell expresses: the probe sees every expressed gene
@@ -40,17 +40,34 @@ EVAL_POINTS = 8  # held-out macro-F1 this many times over the epoch (the converg
 
 
 @contextmanager
-def pipeline_epoch(ds, sampling: Sampling, *, seed: int = 0, batch_size: int = 64, buffer_cells: int = 4096,
-                   latency_ms: float = 0.0, max_genes: int = 8, held_out_filter: str | None = None):
+def pipeline_epoch(
+    ds,
+    sampling: Sampling,
+    *,
+    seed: int = 0,
+    batch_size: int = 64,
+    buffer_cells: int = 4096,
+    latency_ms: float = 0.0,
+    max_genes: int = 8,
+    held_out_filter: str | None = None,
+):
     """One epoch through producer, queue and consumer stream, on one machine (threads, in-memory
     queue with `latency_ms` per call): yields (the epoch's batches, the held-out batches). Cells
     that `held_out_filter` matches are never trained on (the campaign's --eval-filter); they are
     tokenized once into the evaluation partition, as the campaign does."""
     queue, store = remote(MemoryQueue(max_items=10**9, max_bytes=1 << 62), MemoryMap(), latency_ms)
     run = "quality"
-    config = ProducerConfig(dataset=ds.uri, run=run, seed=seed, sampling=sampling, tokenizer="scgpt",
-                            max_genes=max_genes, exclude_filter=held_out_filter,
-                            world_size=1, idle_timeout_s=600)
+    config = ProducerConfig(
+        dataset=ds.uri,
+        run=run,
+        seed=seed,
+        sampling=sampling,
+        tokenizer="scgpt",
+        max_genes=max_genes,
+        exclude_filter=held_out_filter,
+        world_size=1,
+        idle_timeout_s=600,
+    )
     producer = Producer(config, queue, store, dataset=ds)
     summary = PlanSummary.of(producer.plan(0), 1)
     publish_summary(store, run, summary)
@@ -59,16 +76,26 @@ def pipeline_epoch(ds, sampling: Sampling, *, seed: int = 0, batch_size: int = 6
         held_cells = filter_cells(ds, held_out_filter, "--eval-filter")
         produce_held_out(producer, held_cells)
         n_held = len(held_cells)
-        held = load_held_out(queue, TrainConfig(run=run, backend={"kind": "memory"}, vocab_size=ds.n_genes + GENE_OFFSET,
-                                                batch_size=512, eval_cells=n_held, no_data_timeout_s=120),
-                             torch.device("cpu"))
+        held = load_held_out(
+            queue,
+            TrainConfig(
+                run=run,
+                backend={"kind": "memory"},
+                vocab_size=ds.n_genes + GENE_OFFSET,
+                batch_size=512,
+                eval_cells=n_held,
+                no_data_timeout_s=120,
+            ),
+            torch.device("cpu"),
+        )
     driver = Driver(queue, store, run, poll_s=0.05)
     driver.start([0])
     worker = threading.Thread(target=producer.run, daemon=True)
     worker.start()
     # a short poll: the queue is in this process (a poll costs nothing), and closing waits one poll out
-    stream = ConsumerStream(queue, rank=0, world_size=1, run=run, batch_size=batch_size, buffer_cells=buffer_cells,
-                            poll_s=0.1)
+    stream = ConsumerStream(
+        queue, rank=0, world_size=1, run=run, batch_size=batch_size, buffer_cells=buffer_cells, poll_s=0.1
+    )
     try:
         yield stream.epoch(0, summary.cells_per_rank), held
     finally:
@@ -114,12 +141,18 @@ def macro_f1(probe: LinearProbe, held: list[Batch], codes: dict[str, np.ndarray]
     with torch.no_grad():
         predicted = [torch.cat(p).numpy() for p in zip(*(tuple(h.argmax(1) for h in probe(b)) for b in held))]
     ids = torch.cat([b.cell_ids for b in held]).numpy()
-    return {label: float(f1_score(codes[label][ids], guess, average="macro"))
-            for label, guess in zip(codes, predicted)}
+    return {label: float(f1_score(codes[label][ids], guess, average="macro")) for label, guess in zip(codes, predicted)}
 
 
-def train_probe(batches, held: list[Batch], codes: dict[str, np.ndarray], n_classes: list[int], vocab: int,
-                planned_cells: int, eval_points: int = EVAL_POINTS) -> ProbeRun:
+def train_probe(
+    batches,
+    held: list[Batch],
+    codes: dict[str, np.ndarray],
+    n_classes: list[int],
+    vocab: int,
+    planned_cells: int,
+    eval_points: int = EVAL_POINTS,
+) -> ProbeRun:
     """One pass of Adam over `batches` (an epoch of the stream); macro-F1 on `held` at `eval_points`
     evenly spaced numbers of cells seen, the last at the end.
     The probe starts at zero: runs differ only by the order of the stream."""
@@ -130,8 +163,9 @@ def train_probe(batches, held: list[Batch], codes: dict[str, np.ndarray], n_clas
     run = ProbeRun(f1={})
     for batch in batches:
         ids = batch.cell_ids.numpy()
-        loss = sum(loss_of(logits, torch.from_numpy(codes[label][ids]).long())
-                   for logits, label in zip(probe(batch), codes))
+        loss = sum(
+            loss_of(logits, torch.from_numpy(codes[label][ids]).long()) for logits, label in zip(probe(batch), codes)
+        )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -140,23 +140,34 @@ def main() -> None:
     t = time.perf_counter()
     made = write_checkpoint(n_cells, folder)
     setup_s = time.perf_counter() - t
-    figures = {"cells": n_cells, "units": made["units"], "from_ranks": N_FROM,
-               "trained_before": made["trained_before"], "checkpoint_written_s": round(setup_s, 1)}
+    figures = {
+        "cells": n_cells,
+        "units": made["units"],
+        "from_ranks": N_FROM,
+        "trained_before": made["trained_before"],
+        "checkpoint_written_s": round(setup_s, 1),
+    }
     for world in (4, 16):
         r = resume_probe(folder, world)
         rest = n_cells - r["trained_before"]
         if sum(r["left"]) != rest:
             fail(f"the rest re-planned over {world} ranks is {sum(r['left']):,} cells, {rest:,} were not trained")
         figures[f"to_{world}"] = {
-            "resume_to_first_step_s": round(r["seconds"], 2), "rss_mb": round(r["rss_mb"]),
+            "resume_to_first_step_s": round(r["seconds"], 2),
+            "rss_mb": round(r["rss_mb"]),
             "reproduced_per_trained": round(r["reproduced"] / max(1, r["trained_before"]), 4),
-            "cells_reproduced": r["reproduced"], "units_skipped": r["units_skipped"],
-            "rest_spread_cells": int(max(r["left"]) - min(r["left"])), "rest_cells": rest}
-        print(f"{N_FROM} -> {world} ranks at {n_cells:,} cells ({made['units']:,} units): resumed to the first "
-              f"issued unit in {r['seconds']:.2f} s ({r['rss_mb']:,.0f} MB RSS); {r['reproduced']:,} cells produced "
-              f"again for {r['trained_before']:,} trained before the kill "
-              f"({r['reproduced'] / max(1, r['trained_before']):.4f} per cell); the rest "
-              f"{rest:,} cells, spread {max(r['left']) - min(r['left']):,} cells among ranks")
+            "cells_reproduced": r["reproduced"],
+            "units_skipped": r["units_skipped"],
+            "rest_spread_cells": int(max(r["left"]) - min(r["left"])),
+            "rest_cells": rest,
+        }
+        print(
+            f"{N_FROM} -> {world} ranks at {n_cells:,} cells ({made['units']:,} units): resumed to the first "
+            f"issued unit in {r['seconds']:.2f} s ({r['rss_mb']:,.0f} MB RSS); {r['reproduced']:,} cells produced "
+            f"again for {r['trained_before']:,} trained before the kill "
+            f"({r['reproduced'] / max(1, r['trained_before']):.4f} per cell); the rest "
+            f"{rest:,} cells, spread {max(r['left']) - min(r['left']):,} cells among ranks"
+        )
     figures["peak_rss_mb_writer"] = round(peak_rss_mb())
     print(json.dumps(figures))
     check_figures(figures)

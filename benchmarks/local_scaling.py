@@ -42,8 +42,16 @@ from trainer.stream import ConsumerStream  # noqa: E402
 
 
 def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> dict:
-    cfg = CampaignConfig(dataset=dataset, run=f"scaling-{n_producers}", producers=n_producers, gpus=1,
-                         batch_size=batch, max_genes=1024, preset="tiny", rpc_latency_ms=latency_ms).validate()
+    cfg = CampaignConfig(
+        dataset=dataset,
+        run=f"scaling-{n_producers}",
+        producers=n_producers,
+        gpus=1,
+        batch_size=batch,
+        max_genes=1024,
+        preset="tiny",
+        rpc_latency_ms=latency_ms,
+    ).validate()
     server = ServerProcess()
     queue, store = connect(BackendSpec("local", **server.where, latency_ms=latency_ms))
     procs = []
@@ -65,8 +73,9 @@ def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> 
                 time.sleep(0.25)
 
         threading.Thread(target=sample, daemon=True).start()
-        stream = ConsumerStream(queue, rank=0, world_size=1, run=cfg.run, batch_size=batch, pad_to=1025,
-                                no_data_timeout_s=300)
+        stream = ConsumerStream(
+            queue, rank=0, world_size=1, run=cfg.run, batch_size=batch, pad_to=1025, no_data_timeout_s=300
+        )
         cells, arrivals = 0, []
         for b in stream.epoch(0, [facts.cells_per_epoch]):  # the no-op trainer
             cells += b.size
@@ -75,16 +84,22 @@ def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> 
         done.set()
         stream.close()
         if cells != facts.cells_per_epoch:
-            fail(f"{n_producers} producer(s): the consumer got {cells:,} of the epoch's "
-                 f"{facts.cells_per_epoch:,} cells")
+            fail(
+                f"{n_producers} producer(s): the consumer got {cells:,} of the epoch's {facts.cells_per_epoch:,} cells"
+            )
         # steady state: the rate between 10% and 90% of the epoch delivered (start-up excluded)
         t10 = next(t for t, c in arrivals if c >= 0.1 * cells)
         t90 = next(t for t, c in arrivals if c >= 0.9 * cells)
         if t90 <= t10:
             fail(f"{n_producers} producer(s): no steady rate (10% and 90% of the epoch arrived at once)")
-        return {"cells": cells, "cells_per_s": cells / (end - start),
-                "steady_cells_per_s": 0.8 * cells / max(t90 - t10, 1e-9),
-                "wait_s": stream.stats.wait_s, "seconds": end - start, "depth": depth}
+        return {
+            "cells": cells,
+            "cells_per_s": cells / (end - start),
+            "steady_cells_per_s": 0.8 * cells / max(t90 - t10, 1e-9),
+            "wait_s": stream.stats.wait_s,
+            "seconds": end - start,
+            "depth": depth,
+        }
     finally:
         stop_campaign(store, cfg.run, procs, server)
 
@@ -93,10 +108,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="a 3k-cell atlas, the PNG in a temp dir (the test suite's)")
-    parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
-                        help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
-    parser.add_argument("--png", default=None,
-                        help="where to draw the queue depth (default benchmarks/local_scaling.png; --tiny: a temp dir)")
+    parser.add_argument(
+        "--rpc-latency-ms",
+        type=float,
+        default=0.0,
+        help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)",
+    )
+    parser.add_argument(
+        "--png",
+        default=None,
+        help="where to draw the queue depth (default benchmarks/local_scaling.png; --tiny: a temp dir)",
+    )
     parser.add_argument("--no-png", action="store_true", help="no PNG (and no need for matplotlib)")
     args = parser.parse_args()
     if not args.no_png and args.png is None and importlib.util.find_spec("matplotlib") is None:
@@ -105,18 +127,25 @@ def main() -> None:
         args.no_png = True
     if not args.no_png:
         require({"matplotlib": "the queue-depth PNG"}, hint=", or --no-png")
-        args.png = args.png or (str(Path(tempfile.mkdtemp(prefix="cellfeed-scaling-")) / "local_scaling.png")
-                                if args.tiny else str(ROOT / "benchmarks" / "local_scaling.png"))
+        args.png = args.png or (
+            str(Path(tempfile.mkdtemp(prefix="cellfeed-scaling-")) / "local_scaling.png")
+            if args.tiny
+            else str(ROOT / "benchmarks" / "local_scaling.png")
+        )
     n_cells = 3_000 if args.tiny else 20_000 if args.quick else 200_000
     path = cached_atlas(n_cells)
     results = {n: run(path, n, batch=240, latency_ms=args.rpc_latency_ms) for n in (1, 2)}
-    print(f"\nlocal campaign, {n_cells:,}-cell atlas, scGPT tokens (1024 genes), one no-op consumer rank, batch 240; "
-          f"machine: {platform.machine()}, {os.cpu_count()} cores")
+    print(
+        f"\nlocal campaign, {n_cells:,}-cell atlas, scGPT tokens (1024 genes), one no-op consumer rank, batch 240; "
+        f"machine: {platform.machine()}, {os.cpu_count()} cores"
+    )
     print("cells/s: whole epoch incl. start-up; steady: between 10% and 90% of the epoch delivered")
     print(f"{'producers':>9}{'cells/s':>10}{'steady':>10}{'seconds':>9}{'waited s':>10}{'max depth':>10}")
     for n, r in results.items():
-        print(f"{n:>9}{r['cells_per_s']:>10,.0f}{r['steady_cells_per_s']:>10,.0f}{r['seconds']:>9.1f}"
-              f"{r['wait_s']:>10.1f}{max((d for _, d in r['depth']), default=0):>10}")
+        print(
+            f"{n:>9}{r['cells_per_s']:>10,.0f}{r['steady_cells_per_s']:>10,.0f}{r['seconds']:>9.1f}"
+            f"{r['wait_s']:>10.1f}{max((d for _, d in r['depth']), default=0):>10}"
+        )
     if not args.no_png:
         import matplotlib
 
@@ -133,11 +162,13 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(args.png, dpi=120)
         print(f"queue depth plot: {args.png}")
-    figures = {"local_cells_per_s_1_producer": round(results[1]["cells_per_s"]),
-               "local_cells_per_s_2_producers": round(results[2]["cells_per_s"]),
-               "local_steady_cells_per_s_1_producer": round(results[1]["steady_cells_per_s"]),
-               "local_steady_cells_per_s_2_producers": round(results[2]["steady_cells_per_s"]),
-               "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+    figures = {
+        "local_cells_per_s_1_producer": round(results[1]["cells_per_s"]),
+        "local_cells_per_s_2_producers": round(results[2]["cells_per_s"]),
+        "local_steady_cells_per_s_1_producer": round(results[1]["steady_cells_per_s"]),
+        "local_steady_cells_per_s_2_producers": round(results[2]["steady_cells_per_s"]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    }
     print(json.dumps(figures))
     check_figures(figures)
 

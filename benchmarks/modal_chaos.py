@@ -80,8 +80,14 @@ def network_plan(rng: random.Random, scale: float) -> list[dict]:
         {"kind": "transport", "target": "spawn", "after": rng.randint(1, 2), "seconds": rng.uniform(1.5, 3.0)},
         {"kind": "transport", "target": "call", "after": rng.randint(2, 6), "seconds": rng.uniform(1.5, 3.0)},
         {"kind": "lost_reply", "target": "queue", "partition": "rank-", "op": "get", "after": at(10, 40)},
-        {"kind": "lost_reply", "target": "queue", "partition": "rank-", "op": "get", "after": at(50, 90),
-         "surface": True},
+        {
+            "kind": "lost_reply",
+            "target": "queue",
+            "partition": "rank-",
+            "op": "get",
+            "after": at(50, 90),
+            "surface": True,
+        },
         {"kind": "lost_reply", "target": "queue", "partition": "tasks", "op": "get", "after": rng.randint(3, 10)},
         {"kind": "spike", "target": "queue", "after": at(100, 300), "calls": 40, "delay_s": 0.2},
     ]
@@ -106,7 +112,9 @@ def steps_logged(world: ModalEmulator) -> int:
 def audited(world: ModalEmulator, epochs: int) -> bool:
     """Whether the campaign's last epoch has its audit line (after it, the end may delete)."""
     audit = re.compile(rf"epoch {epochs - 1}: [\d,]+ cells trained")
-    return any(audit.search(log.read_text(errors="replace")) for log in (world.root / "containers").glob("*/output.log"))
+    return any(
+        audit.search(log.read_text(errors="replace")) for log in (world.root / "containers").glob("*/output.log")
+    )
 
 
 def trained_cells(world: ModalEmulator) -> dict[int, Counter]:
@@ -117,7 +125,8 @@ def trained_cells(world: ModalEmulator) -> dict[int, Counter]:
     calls: dict[str, list[dict]] = {}
     for path in sorted(folder.glob("*.rank*.jsonl")):
         calls.setdefault(path.name.split(".")[0], []).extend(
-            json.loads(line) for line in path.read_text().splitlines() if line.endswith("}"))
+            json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")
+        )
     out: dict[int, Counter] = {}
     cut = float("inf")
     for started in sorted(calls, key=int, reverse=True):
@@ -129,19 +138,60 @@ def trained_cells(world: ModalEmulator) -> dict[int, Counter]:
     return out
 
 
-def run_campaign(root: Path, dataset: str, *, epochs: int, network: list[dict] = (),
-                 preemptions: list[Preemption] = (), timeout_s: float = 600.0) -> Outcome:
-    args = ["--dataset", dataset, "--run", RUN, "--producers", str(PRODUCERS), "--gpus", str(GPUS),
-            "--batch-size", str(BATCH), "--max-genes", "32", "--preset", "tiny", "--epochs", str(epochs),
-            "--warmup-steps", "2", "--checkpoint-every", "10", "--lease-s", "4", "--rpc-latency-ms", "25",
-            "--strategy", "block", "--block-size", "16", "--fetch-factor", "2", "--audit-cells"]
+def run_campaign(
+    root: Path,
+    dataset: str,
+    *,
+    epochs: int,
+    network: list[dict] = (),
+    preemptions: list[Preemption] = (),
+    timeout_s: float = 600.0,
+) -> Outcome:
+    args = [
+        "--dataset",
+        dataset,
+        "--run",
+        RUN,
+        "--producers",
+        str(PRODUCERS),
+        "--gpus",
+        str(GPUS),
+        "--batch-size",
+        str(BATCH),
+        "--max-genes",
+        "32",
+        "--preset",
+        "tiny",
+        "--epochs",
+        str(epochs),
+        "--warmup-steps",
+        "2",
+        "--checkpoint-every",
+        "10",
+        "--lease-s",
+        "4",
+        "--rpc-latency-ms",
+        "25",
+        "--strategy",
+        "block",
+        "--block-size",
+        "16",
+        "--fetch-factor",
+        "2",
+        "--audit-cells",
+    ]
     with ModalEmulator(root, grace_s=30) as world:
         for rule in network:
             world.fault(**rule)
         start = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "cellfeed_testing.modal_emulator.run", "app/modal_app.py",
-                                 *args], cwd=ROOT, env=world.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cellfeed_testing.modal_emulator.run", "app/modal_app.py", *args],
+            cwd=ROOT,
+            env=world.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         outcome = Outcome(0, 0.0, "", "")
         watcher = threading.Thread(target=watch, args=(world, proc, list(preemptions), epochs, outcome), daemon=True)
         watcher.start()
@@ -160,16 +210,20 @@ def run_campaign(root: Path, dataset: str, *, epochs: int, network: list[dict] =
     return outcome
 
 
-def watch(world: ModalEmulator, proc: subprocess.Popen, pending: list[Preemption], epochs: int,
-          outcome: Outcome) -> None:
+def watch(
+    world: ModalEmulator, proc: subprocess.Popen, pending: list[Preemption], epochs: int, outcome: Outcome
+) -> None:
     """Until the campaign ends: preempt each planned function once its step is logged, and look
     for the run's queue and dict every 0.2 s (gone before the last audit: deleted early)."""
     name = f"cellfeed-{RUN}"
     while proc.poll() is None:
         described = world.describe()
         started = any(c["function"] == "train" for c in described["calls"])
-        if started and (name not in described["queues"] or name not in described["dicts"]) \
-                and not audited(world, epochs):
+        if (
+            started
+            and (name not in described["queues"] or name not in described["dicts"])
+            and not audited(world, epochs)
+        ):
             outcome.deleted_early += 1
         step = steps_logged(world) if pending else 0
         while pending and step >= pending[0].at_step:
@@ -200,10 +254,12 @@ def check(outcome: Outcome, n_cells: int, epochs: int) -> tuple[int, int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 epochs of 20,000 cells (about 3 minutes on 2 cores)")
-    parser.add_argument("--tiny", action="store_true",
-                        help="9 faults over 1 epoch of 600 cells, no calm run (the test suite's)")
-    parser.add_argument("--cells", type=int, default=None, help="cells of the synthetic atlas (default 40,000; "
-                                                                 "20,000 quick; 600 tiny)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="9 faults over 1 epoch of 600 cells, no calm run (the test suite's)"
+    )
+    parser.add_argument(
+        "--cells", type=int, default=None, help="cells of the synthetic atlas (default 40,000; 20,000 quick; 600 tiny)"
+    )
     parser.add_argument("--epochs", type=int, default=None, help="campaign epochs (default 4; 3 quick; 1 tiny)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault plan")
     args = parser.parse_args()
@@ -216,8 +272,12 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="cellfeed-modal-chaos-"))
     dataset = str(work / "atlas")
-    synthesize(dataset, SynthSpec(n_cells=n_cells, n_genes=2000, median_nnz=300, seed=3), rows_per_fragment=60_000,
-               progress=False)
+    synthesize(
+        dataset,
+        SynthSpec(n_cells=n_cells, n_genes=2000, median_nnz=300, seed=3),
+        rows_per_fragment=60_000,
+        progress=False,
+    )
     steps = epochs * -(-n_cells // (GPUS * BATCH))
     calm = None
     if not args.tiny:
@@ -229,49 +289,70 @@ def main() -> None:
     preemptions = preemption_plan(rng, steps)
     if args.tiny:  # every network fault, and a producer preempted (the suite preempts train elsewhere)
         preemptions = preemptions[:1]
-    chaos = run_campaign(work / "chaos", dataset, epochs=epochs, network=network, preemptions=preemptions,
-                         timeout_s=timeout_s)
+    chaos = run_campaign(
+        work / "chaos", dataset, epochs=epochs, network=network, preemptions=preemptions, timeout_s=timeout_s
+    )
     checked, lost, duplicated = check(chaos, n_cells, epochs)
     fired = [r for r in chaos.rules if r["hits"] > 0]
-    kinds = Counter({"transport": "transport_burst", "lost_reply": "lost_reply", "spike": "latency_spike"}[r["kind"]]
-                    for r in fired)
+    kinds = Counter(
+        {"transport": "transport_burst", "lost_reply": "lost_reply", "spike": "latency_spike"}[r["kind"]] for r in fired
+    )
     kinds.update(f"preempt_{function}" for function, _ in chaos.preempted)
     overhead = round(chaos.wall_s / calm.wall_s, 3) if calm else None
     redone = sum(int(m) for m in re.findall(r"(\d+) units were produced again: their items never reached", chaos.logs))
 
-    print(f"\ncampaign on the Modal emulator: {n_cells:,} cells x {epochs} epochs, {PRODUCERS} producers, {GPUS} "
-          f"ranks, 25 ms a queue/map call, a 4 s lease; machine: {platform.machine()}, {os.cpu_count()} cores")
+    print(
+        f"\ncampaign on the Modal emulator: {n_cells:,} cells x {epochs} epochs, {PRODUCERS} producers, {GPUS} "
+        f"ranks, 25 ms a queue/map call, a 4 s lease; machine: {platform.machine()}, {os.cpu_count()} cores"
+    )
     for r in chaos.rules:
         if r["kind"] == "transport":
             calls = {"spawn": "spawn", "call": "look at a call's result"}.get(r["target"], f"{r['target']} call")
             what = f"every {calls} fails for {r['seconds']:.1f} s"
         elif r["kind"] == "lost_reply":
-            what = f"a {r['partition']}* get's reply is lost" + (" (the caller sees it)" if r["surface"] else
-                                                                 " (Modal's client retries past it)")
+            what = f"a {r['partition']}* get's reply is lost" + (
+                " (the caller sees it)" if r["surface"] else " (Modal's client retries past it)"
+            )
         else:
             what = f"{r['target']} calls {r['delay_s'] * 1000:.0f} ms late, {r['calls']} calls"
-        print(f"  after call {r['after']:>4} ({r['target']}): {what}: {'fired' if r['hits'] else 'DID NOT FIRE'}"
-              + (f", {r['items_lost']} items lost" if r["kind"] == "lost_reply" else ""))
+        print(
+            f"  after call {r['after']:>4} ({r['target']}): {what}: {'fired' if r['hits'] else 'DID NOT FIRE'}"
+            + (f", {r['items_lost']} items lost" if r["kind"] == "lost_reply" else "")
+        )
     for function, step in chaos.preempted:
         print(f"  at step {step:>4}: {function} preempted (SIGINT to every process of its container)")
-    print(f"run finished: {'yes' if chaos.returncode == 0 else f'no (exit {chaos.returncode})'}; cells checked "
-          f"{checked:,}: lost {lost}, duplicated {duplicated}; run state deleted before its end: {chaos.deleted_early}")
-    print(f"wall: {chaos.wall_s:.1f}s with faults"
-          + (f", {calm.wall_s:.1f}s without ({overhead:.2f}x)" if calm else ""))
+    print(
+        f"run finished: {'yes' if chaos.returncode == 0 else f'no (exit {chaos.returncode})'}; cells checked "
+        f"{checked:,}: lost {lost}, duplicated {duplicated}; run state deleted before its end: {chaos.deleted_early}"
+    )
+    print(
+        f"wall: {chaos.wall_s:.1f}s with faults" + (f", {calm.wall_s:.1f}s without ({overhead:.2f}x)" if calm else "")
+    )
     if chaos.returncode != 0:
         print(chaos.stderr[-3000:], file=sys.stderr)
-    figures = {"faults_injected": len(fired) + len(chaos.preempted), "fault_kinds": dict(kinds),
-               "cells_checked": checked, "cells_lost": lost, "cells_duplicated": duplicated,
-               "completed": chaos.returncode == 0, "state_deleted_before_end": chaos.deleted_early,
-               "units_redone": redone, "overhead_ratio": overhead, "wall_s": round(chaos.wall_s, 1),
-               "calm_wall_s": round(calm.wall_s, 1) if calm else None, "seed": args.seed,
-               "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+    figures = {
+        "faults_injected": len(fired) + len(chaos.preempted),
+        "fault_kinds": dict(kinds),
+        "cells_checked": checked,
+        "cells_lost": lost,
+        "cells_duplicated": duplicated,
+        "completed": chaos.returncode == 0,
+        "state_deleted_before_end": chaos.deleted_early,
+        "units_redone": redone,
+        "overhead_ratio": overhead,
+        "wall_s": round(chaos.wall_s, 1),
+        "calm_wall_s": round(calm.wall_s, 1) if calm else None,
+        "seed": args.seed,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    }
     print(json.dumps(figures))
     if chaos.returncode != 0:
         fail(f"the campaign with faults failed (exit {chaos.returncode})")
     if len(fired) < len(network) or len(chaos.preempted) < len(preemptions):
-        fail(f"{len(fired)} of {len(network)} network faults fired and {len(chaos.preempted)} of {len(preemptions)} "
-             "preemptions were made: the campaign ended before the rest")
+        fail(
+            f"{len(fired)} of {len(network)} network faults fired and {len(chaos.preempted)} of {len(preemptions)} "
+            "preemptions were made: the campaign ended before the rest"
+        )
     if lost or duplicated or checked != epochs * n_cells:
         fail(f"{lost:,} cells lost and {duplicated:,} duplicated over {epochs} epochs ({checked:,} checked)")
     if chaos.deleted_early:

@@ -10,7 +10,8 @@ producer's start-up time. Rates are steady rates: the wait for a producer's firs
 
     python benchmarks/object_store.py            # 100k-cell atlas, >= 60k cells and 4 units per setting
     python benchmarks/object_store.py --quick    # >= 6k cells and 3 units per setting, about a minute
-    python benchmarks/object_store.py --tiny     # 3k-cell atlas, >= 500 cells and 1 unit per setting (tests: with one unit, a rate leaves out its read)
+    python benchmarks/object_store.py --tiny     # 3k-cell atlas, >= 500 cells and 1 unit per setting (tests:
+                                                 # with one unit, a rate leaves out its read)
 
 Ends with one JSON line of the figures. Exits 1 (one line on stderr) when a producer made fewer
 cells than its units hold, the proxied store saw no request, or a figure is missing.
@@ -33,10 +34,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._checks import check_figures, fail  # noqa: E402
 from benchmarks.producer import STRATEGIES, run_config  # noqa: E402
-from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
-from producers.dataset import open_dataset  # noqa: E402
 from cellfeed_testing.object_store import REGION, S3Proxy, SeaweedServer  # noqa: E402
+from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
 from producers.config import ProducerConfig  # noqa: E402
+from producers.dataset import open_dataset  # noqa: E402
 from producers.producer import Producer  # noqa: E402
 from producers.storage import S3Settings  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
@@ -105,19 +106,31 @@ def pct(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=">= 6k cells and 3 units per setting")
-    parser.add_argument("--tiny", action="store_true", help="a 3k-cell atlas, >= 500 cells and 1 unit per setting (the test suite's)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a 3k-cell atlas, >= 500 cells and 1 unit per setting (the test suite's)"
+    )
     parser.add_argument("--cells", type=int, default=None, help="atlas size (default 100,000; 3,000 tiny)")
-    parser.add_argument("--budget", type=int, default=None,
-                        help="cells per setting, at least 4 units (3 quick, 1 tiny) (default 60,000; 6,000 quick; "
-                             "500 tiny)")
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help="cells per setting, at least 4 units (3 quick, 1 tiny) (default 60,000; 6,000 quick; 500 tiny)",
+    )
     parser.add_argument("--latency-ms", type=float, default=30.0, help="proxy: time to first byte (default 30)")
     parser.add_argument("--jitter-ms", type=float, default=10.0, help="proxy: ± uniform jitter (default 10)")
-    parser.add_argument("--bandwidth-mbps", type=float, default=800.0,
-                        help="proxy: per-connection cap in Mbit/s, about one S3 connection's (default 800)")
+    parser.add_argument(
+        "--bandwidth-mbps",
+        type=float,
+        default=800.0,
+        help="proxy: per-connection cap in Mbit/s, about one S3 connection's (default 800)",
+    )
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)")
-    parser.add_argument("--no-pin", action="store_true",
-                        help="let the producer, the server and the proxy share all cores (default: the producer "
-                             "on CPU 0, the server and the proxy on the others, as if the store were remote)")
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="let the producer, the server and the proxy share all cores (default: the producer "
+        "on CPU 0, the server and the proxy on the others, as if the store were remote)",
+    )
     args = parser.parse_args()
     n_cells = args.cells or (3_000 if args.tiny else 100_000)  # a b=16 f=256 unit is 16,384 cells: fewer give
     budget = args.budget or (500 if args.tiny else 6_000 if args.quick else 60_000)  # too few units
@@ -136,15 +149,26 @@ def main() -> None:
         t = time.perf_counter()
         uri = upload(server, path, "bench", "atlas")
         upload_s = time.perf_counter() - t
-        proxy = ProxyProcess(server.endpoint, store_cpus, latency_ms=args.latency_ms, jitter_ms=args.jitter_ms,
-                             bandwidth_mbps=args.bandwidth_mbps)
+        proxy = ProxyProcess(
+            server.endpoint,
+            store_cpus,
+            latency_ms=args.latency_ms,
+            jitter_ms=args.jitter_ms,
+            bandwidth_mbps=args.bandwidth_mbps,
+        )
         if pin:  # from here on (and every thread started from here) the producer runs on CPU 0
             os.sched_setaffinity(0, {cpus[0]})
         try:
-            keys = dict(access_key_id=server.settings["AWS_ACCESS_KEY_ID"],
-                        secret_access_key=server.settings["AWS_SECRET_ACCESS_KEY"], region=REGION)
-            stores = {"local": (path, None), "s3": (uri, S3Settings(endpoint=server.endpoint, **keys)),
-                      "s3_30ms": (uri, S3Settings(endpoint=proxy.endpoint, **keys))}
+            keys = dict(
+                access_key_id=server.settings["AWS_ACCESS_KEY_ID"],
+                secret_access_key=server.settings["AWS_SECRET_ACCESS_KEY"],
+                region=REGION,
+            )
+            stores = {
+                "local": (path, None),
+                "s3": (uri, S3Settings(endpoint=server.endpoint, **keys)),
+                "s3_30ms": (uri, S3Settings(endpoint=proxy.endpoint, **keys)),
+            }
             opened = {name: open_dataset(u, settings) for name, (u, settings) in stores.items()}
             startup = {name: start_up_s(u, settings) for name, (u, settings) in stores.items()}
             run_config(opened["local"], "scgpt", 1024, STRATEGIES["block"], min(4000, budget))  # warm-up, not reported
@@ -160,29 +184,37 @@ def main() -> None:
         finally:
             proxy.close()
 
-    print(f"\natlas: {n_cells:,} cells, {opened['local'].n_rows / n_cells:,.0f} non-zeros/cell, "
-          f"{len(opened['local'].fragments)} fragments; machine: {platform.machine()}, {os.cpu_count()} cores; "
-          f"one producer, scgpt 1024; proxy {args.latency_ms:.0f} ± {args.jitter_ms:.0f} ms, "
-          f"{args.bandwidth_mbps:.0f} Mbit/s per connection; upload {upload_s:.1f}s")
-    print(f"{'strategy':<11}{'store':<9}{'cells/s':>9}{'x local':>8}{'x s3':>6}{'GET/1k':>8}{'B/cell':>8}"
-          f"{'amplif':>7}{'read p50':>9}{'p99':>7}{'wait p50':>9}{'p99':>7}{'fill':>6}{'server':>8}"
-          "   (read/wait/fill: ms per unit; server: its CPU ms per 1k cells)")
+    print(
+        f"\natlas: {n_cells:,} cells, {opened['local'].n_rows / n_cells:,.0f} non-zeros/cell, "
+        f"{len(opened['local'].fragments)} fragments; machine: {platform.machine()}, {os.cpu_count()} cores; "
+        f"one producer, scgpt 1024; proxy {args.latency_ms:.0f} ± {args.jitter_ms:.0f} ms, "
+        f"{args.bandwidth_mbps:.0f} Mbit/s per connection; upload {upload_s:.1f}s"
+    )
+    print(
+        f"{'strategy':<11}{'store':<9}{'cells/s':>9}{'x local':>8}{'x s3':>6}{'GET/1k':>8}{'B/cell':>8}"
+        f"{'amplif':>7}{'read p50':>9}{'p99':>7}{'wait p50':>9}{'p99':>7}{'fill':>6}{'server':>8}"
+        "   (read/wait/fill: ms per unit; server: its CPU ms per 1k cells)"
+    )
     for (strategy, name), r in results.items():
         local = results[(strategy, "local")]["cells_per_s"]
         cells = max(1, r["cells"])
         direct = results[(strategy, "s3")]["cells_per_s"]
         over_s3 = f"{r['cells_per_s'] / direct:.2f}" if name == "s3_30ms" else ""  # only the proxied row
-        print(f"{strategy:<11}{name:<9}{r['cells_per_s']:>9,.0f}{r['cells_per_s'] / local:>8.2f}"
-              f"{over_s3:>6}"
-              f"{r['gets'] / cells * 1000:>8.0f}{r['bytes_read'] / cells:>8,.0f}"
-              f"{r['bytes_read'] / max(1, r['rows'] * ROW_BYTES):>7.2f}"
-              f"{pct(r['unit_read_s'], 50) * 1e3:>9.0f}{pct(r['unit_read_s'], 99) * 1e3:>7.0f}"
-              f"{pct(r['unit_wait_s'], 50) * 1e3:>9.0f}{pct(r['unit_wait_s'], 99) * 1e3:>7.0f}"
-              f"{r['fill_s'] * 1e3:>6.0f}{r['server_cpu_s'] / cells * 1e6:>8.0f}")
+        print(
+            f"{strategy:<11}{name:<9}{r['cells_per_s']:>9,.0f}{r['cells_per_s'] / local:>8.2f}"
+            f"{over_s3:>6}"
+            f"{r['gets'] / cells * 1000:>8.0f}{r['bytes_read'] / cells:>8,.0f}"
+            f"{r['bytes_read'] / max(1, r['rows'] * ROW_BYTES):>7.2f}"
+            f"{pct(r['unit_read_s'], 50) * 1e3:>9.0f}{pct(r['unit_read_s'], 99) * 1e3:>7.0f}"
+            f"{pct(r['unit_wait_s'], 50) * 1e3:>9.0f}{pct(r['unit_wait_s'], 99) * 1e3:>7.0f}"
+            f"{r['fill_s'] * 1e3:>6.0f}{r['server_cpu_s'] / cells * 1e6:>8.0f}"
+        )
     print("start-up (open + cell index + plan): " + ", ".join(f"{k} {v:.2f}s" for k, v in startup.items()))
     proxied = [r for (s, n), r in results.items() if n == "s3_30ms"]
-    print(f"HTTP requests through the proxy: {sum(r['http_requests'] for r in proxied):,} "
-          f"(Lance counted {sum(r['gets'] for r in proxied):,} reads)")
+    print(
+        f"HTTP requests through the proxy: {sum(r['http_requests'] for r in proxied):,} "
+        f"(Lance counted {sum(r['gets'] for r in proxied):,} reads)"
+    )
 
     def rate(strategy: str, store: str) -> float:
         return results[(strategy, store)]["cells_per_s"]
@@ -190,25 +222,47 @@ def main() -> None:
     figures = {f"{n}_{s}_cells_per_s": round(r["cells_per_s"]) for (s, n), r in results.items()}
     figures.update({f"s3_30ms_over_local_{s}": round(rate(s, "s3_30ms") / rate(s, "local"), 3) for s in strategies})
     figures.update({f"s3_30ms_over_s3_{s}": round(rate(s, "s3_30ms") / rate(s, "s3"), 3) for s in strategies})
-    figures.update({f"server_cpu_ms_per_1k_cells_{s}": round(results[(s, "s3")]["server_cpu_s"] /
-                                                             max(1, results[(s, "s3")]["cells"]) * 1e6, 1)
-                    for s in strategies})
-    figures.update({f"gets_per_1k_cells_{s}": round(results[(s, "s3_30ms")]["gets"] /
-                                                    max(1, results[(s, "s3_30ms")]["cells"]) * 1000, 1)
-                    for s in strategies})
-    figures.update({f"read_amplification_{s}": round(results[(s, "local")]["bytes_read"] /
-                                                     max(1, results[(s, "local")]["rows"] * ROW_BYTES), 3)
-                    for s in strategies})
+    figures.update(
+        {
+            f"server_cpu_ms_per_1k_cells_{s}": round(
+                results[(s, "s3")]["server_cpu_s"] / max(1, results[(s, "s3")]["cells"]) * 1e6, 1
+            )
+            for s in strategies
+        }
+    )
+    figures.update(
+        {
+            f"gets_per_1k_cells_{s}": round(
+                results[(s, "s3_30ms")]["gets"] / max(1, results[(s, "s3_30ms")]["cells"]) * 1000, 1
+            )
+            for s in strategies
+        }
+    )
+    figures.update(
+        {
+            f"read_amplification_{s}": round(
+                results[(s, "local")]["bytes_read"] / max(1, results[(s, "local")]["rows"] * ROW_BYTES), 3
+            )
+            for s in strategies
+        }
+    )
     if "block" in strategies:  # (figures of strategies --strategies left out are not made up)
-        figures.update({"local_block_cells_per_s": round(rate("block", "local")),
-                        "s3_30ms_block_cells_per_s": round(rate("block", "s3_30ms"))})
+        figures.update(
+            {
+                "local_block_cells_per_s": round(rate("block", "local")),
+                "s3_30ms_block_cells_per_s": round(rate("block", "s3_30ms")),
+            }
+        )
     for s in ("block16", "block"):
         if s in strategies and "sequential" in strategies:
             figures[f"{s}_over_sequential_local"] = round(rate(s, "local") / rate("sequential", "local"), 3)
-    figures.update({
-        "startup_s": {k: round(v, 2) for k, v in startup.items()},
-        "latency_ms": args.latency_ms, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-    })
+    figures.update(
+        {
+            "startup_s": {k: round(v, 2) for k, v in startup.items()},
+            "latency_ms": args.latency_ms,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        }
+    )
     print(json.dumps(figures))
     check_figures(figures)
 

@@ -74,9 +74,11 @@ def settings(quick: bool) -> dict[str, Sampling]:
     (quick: the parity settings). Units as large as on a Tahoe-scale atlas (min_units=1); the
     quick atlas is smaller than one block unit, so there units shrink to give at least 4."""
     units = 4 if quick else 1
-    out = {"sequential": Sampling("sequential", unit_cells=1024, min_units=units),
-           "random": Sampling("random", fetch_factor=16, batch_size=BATCH, min_units=units)}
-    for n in ((8,) if quick else (1, 2, 4, 8, 16)):
+    out = {
+        "sequential": Sampling("sequential", unit_cells=1024, min_units=units),
+        "random": Sampling("random", fetch_factor=16, batch_size=BATCH, min_units=units),
+    }
+    for n in (8,) if quick else (1, 2, 4, 8, 16):
         out[f"mixture n={n}"] = Sampling("mixture", unit_cells=256, n_scanners=n, min_units=units)
     grid = [(16, 256), (64, 240)] if quick else [(b, f) for b in (4, 16, 64, 256) for f in (16, 64, 256)] + [(64, 240)]
     for b, f in grid:
@@ -89,8 +91,9 @@ def key_of(name: str) -> str:
     return name.replace(" b=", "_b").replace(" f=", "_f").replace(" n=", "_n")
 
 
-def run_epoch(ds, sampling: Sampling, seed: int, probe: bool, plates: np.ndarray, trained: np.ndarray,
-              args) -> tuple[list, list, ProbeRun | None]:
+def run_epoch(
+    ds, sampling: Sampling, seed: int, probe: bool, plates: np.ndarray, trained: np.ndarray, args
+) -> tuple[list, list, ProbeRun | None]:
     """One epoch of the pipeline: per full batch, plate entropy (bits, `plates` codes) and index
     score (positions among the `trained` cells); with `probe`, the linear probe trained on the
     same batches."""
@@ -104,12 +107,24 @@ def run_epoch(ds, sampling: Sampling, seed: int, probe: bool, plates: np.ndarray
                 scores.append(index_score(np.searchsorted(trained, ids), len(trained)))
             yield b
 
-    with pipeline_epoch(ds, sampling, seed=seed, batch_size=BATCH, buffer_cells=args.buffer,
-                        latency_ms=args.rpc_latency_ms, max_genes=MAX_GENES if probe else 8,
-                        held_out_filter=HELD_OUT) as (batches, held):
+    with pipeline_epoch(
+        ds,
+        sampling,
+        seed=seed,
+        batch_size=BATCH,
+        buffer_cells=args.buffer,
+        latency_ms=args.rpc_latency_ms,
+        max_genes=MAX_GENES if probe else 8,
+        held_out_filter=HELD_OUT,
+    ) as (batches, held):
         if probe:
-            return entropies, scores, train_probe(scored(batches), held, *parity_codes(ds), len(trained),
-                                                  eval_points=4 if args.quick else EVAL_POINTS)
+            return (
+                entropies,
+                scores,
+                train_probe(
+                    scored(batches), held, *parity_codes(ds), len(trained), eval_points=4 if args.quick else EVAL_POINTS
+                ),
+            )
         for _ in scored(batches):
             pass
     return entropies, scores, None
@@ -124,20 +139,39 @@ def throughput_ratio(ds, a: Sampling, b: Sampling, budget: int, repeats: int = 3
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="a 15k-cell atlas, the 5 parity settings, one seed (a minute)")
-    parser.add_argument("--tiny", action="store_true",
-                        help="as --quick on an atlas of 1k cells and 3k genes (the probe's steps cost its vocabulary), "
-                             "one throughput pair, a 512-cell buffer, the PNGs in a temp dir (the test suite's)")
-    parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
-                        help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
-    parser.add_argument("--buffer", type=int, default=None,
-                        help="consumer mixing buffer in cells (4096; 512 tiny: less than the tiny atlas)")
-    parser.add_argument("--budget", type=int, default=None,
-                        help="cells per setting for the throughput (default 40,000; 2,000 quick; 500 tiny)")
-    parser.add_argument("--png", default=None,
-                        help="where to draw score vs throughput (default benchmarks/randomness.png; --tiny: a temp "
-                             "dir); the convergence plot goes beside it (randomness_convergence.png)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a 15k-cell atlas, the 5 parity settings, one seed (a minute)"
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="as --quick on an atlas of 1k cells and 3k genes (the probe's steps cost its vocabulary), "
+        "one throughput pair, a 512-cell buffer, the PNGs in a temp dir (the test suite's)",
+    )
+    parser.add_argument(
+        "--rpc-latency-ms",
+        type=float,
+        default=0.0,
+        help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)",
+    )
+    parser.add_argument(
+        "--buffer",
+        type=int,
+        default=None,
+        help="consumer mixing buffer in cells (4096; 512 tiny: less than the tiny atlas)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help="cells per setting for the throughput (default 40,000; 2,000 quick; 500 tiny)",
+    )
+    parser.add_argument(
+        "--png",
+        default=None,
+        help="where to draw score vs throughput (default benchmarks/randomness.png; --tiny: a temp "
+        "dir); the convergence plot goes beside it (randomness_convergence.png)",
+    )
     parser.add_argument("--no-png", action="store_true", help="no PNGs (and no need for matplotlib)")
     args = parser.parse_args()
     require({"sklearn": "the probe's macro-F1"})
@@ -147,8 +181,11 @@ def main() -> None:
         args.no_png = True
     if not args.no_png:
         require({"matplotlib": "the PNGs"}, hint=", or --no-png")
-        args.png = args.png or (str(Path(tempfile.mkdtemp(prefix="cellfeed-randomness-")) / "randomness.png")
-                                if args.tiny else str(ROOT / "benchmarks" / "randomness.png"))
+        args.png = args.png or (
+            str(Path(tempfile.mkdtemp(prefix="cellfeed-randomness-")) / "randomness.png")
+            if args.tiny
+            else str(ROOT / "benchmarks" / "randomness.png")
+        )
     args.quick = args.quick or args.tiny  # the quick sweep, smaller
     args.buffer = args.buffer or (512 if args.tiny else 4096)
     n_cells = 1_000 if args.tiny else 15_000 if args.quick else 200_000
@@ -163,7 +200,7 @@ def main() -> None:
     plates = label_codes(ds, "plate")[0]
     trained = select_cells(ds, exclude_filter=HELD_OUT)  # the cells a producer streams
     order = np.random.default_rng(0).permutation(len(trained))
-    batches = [order[i:i + BATCH] for i in range(0, len(order) - BATCH + 1, BATCH)]  # positions in `trained`
+    batches = [order[i : i + BATCH] for i in range(0, len(order) - BATCH + 1, BATCH)]  # positions in `trained`
     true_random = [entropy_bits(plates[trained[b]]) for b in batches]
     true_scores = [index_score(b, len(trained)) for b in batches]
     reference = float(np.mean(true_random))
@@ -173,20 +210,27 @@ def main() -> None:
     for name, sampling in settings(args.quick).items():
         entropies, scores, probe = run_epoch(ds, sampling, seeds[0], name in PARITY, plates, trained, args)
         if probe is not None:
-            probes[name] = [probe] + [run_epoch(ds, sampling, seed, True, plates, trained, args)[2]
-                                      for seed in seeds[1:]]
+            probes[name] = [probe] + [
+                run_epoch(ds, sampling, seed, True, plates, trained, args)[2] for seed in seeds[1:]
+            ]
         speed = run_config(ds, "scgpt", 1024, sampling, budget, min_units=2)["cells_per_s"]
         rows[name] = (float(np.mean(entropies)), float(np.std(entropies)), float(np.mean(scores)), speed, sampling)
         print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
-    print(f"\n{len(trained):,} cells in {len(proportions[proportions > 0])} plates stored in order (plate14 held out); "
-          f"batch {BATCH}; consumer buffer {args.buffer} cells; throughput: one producer, scGPT 1024, local disk, "
-          f"{platform.machine()}, {os.cpu_count()} cores")
-    print(f"{'setting':<20}{'plate bits':>11}{'sd':>7}{'- random':>9}{'index':>7}{'cells/s':>9}"
-          "   block bounds before mixing (bits)")
+    print(
+        f"\n{len(trained):,} cells in {len(proportions[proportions > 0])} plates stored in order (plate14 held out); "
+        f"batch {BATCH}; consumer buffer {args.buffer} cells; throughput: one producer, scGPT 1024, local disk, "
+        f"{platform.machine()}, {os.cpu_count()} cores"
+    )
+    print(
+        f"{'setting':<20}{'plate bits':>11}{'sd':>7}{'- random':>9}{'index':>7}{'cells/s':>9}"
+        "   block bounds before mixing (bits)"
+    )
     print(f"{'true random':<20}{reference:>11.3f}{np.std(true_random):>7.3f}{0.0:>+9.3f}{np.mean(true_scores):>7.3f}")
-    figures = {"true_random_plate_entropy": round(reference, 4),
-               "true_random_index_score": round(float(np.mean(true_scores)), 4)}
+    figures = {
+        "true_random_plate_entropy": round(reference, 4),
+        "true_random_index_score": round(float(np.mean(true_scores)), 4),
+    }
     for name, (mean, sd, score, speed, sampling) in rows.items():
         bounds = ""
         if sampling.strategy == "block":
@@ -198,15 +242,20 @@ def main() -> None:
         figures[f"{key_of(name)}_cells_per_s"] = round(speed)
     figures["mixture_index_score"] = figures[f"{key_of(DEFAULTS['mixture'])}_index_score"]
     figures["mixture_vs_sequential_throughput"] = round(
-        throughput_ratio(ds, rows[DEFAULTS["mixture"]][4], rows["sequential"][4], budget, 1 if args.tiny else 3), 3)
-    print(f"{DEFAULTS['mixture']} / sequential producer throughput, median of {1 if args.tiny else 3} back-to-back "
-          f"pairs: {figures['mixture_vs_sequential_throughput']:.3f}")
+        throughput_ratio(ds, rows[DEFAULTS["mixture"]][4], rows["sequential"][4], budget, 1 if args.tiny else 3), 3
+    )
+    print(
+        f"{DEFAULTS['mixture']} / sequential producer throughput, median of {1 if args.tiny else 3} back-to-back "
+        f"pairs: {figures['mixture_vs_sequential_throughput']:.3f}"
+    )
     for name in ("block b=16 f=256", DEFAULTS["block"]):
         figures[f"{key_of(name)}_minus_random_bits"] = round(rows[name][0] - reference, 4)
 
-    print(f"\ndownstream parity: linear probe on scGPT tokens ({MAX_GENES} genes), one epoch, macro-F1 on the "
-          f"held-out plate (chance: 1/{len(np.unique(label_codes(ds, LABELS[0])[0]))} cell lines, 1/3 doses); "
-          f"seeds {', '.join(map(str, seeds))}")
+    print(
+        f"\ndownstream parity: linear probe on scGPT tokens ({MAX_GENES} genes), one epoch, macro-F1 on the "
+        f"held-out plate (chance: 1/{len(np.unique(label_codes(ds, LABELS[0])[0]))} cell lines, 1/3 doses); "
+        f"seeds {', '.join(map(str, seeds))}"
+    )
     print(f"{'setting':<20}" + "".join(f"{label + ' F1':>26}" for label in LABELS))
     for name, runs in probes.items():
         cells = ""
@@ -217,8 +266,11 @@ def main() -> None:
             short = "block" if name == DEFAULTS["block"] else "mixture" if name == DEFAULTS["mixture"] else key_of(name)
             figures[f"f1{suffix}_{short}"] = round(float(np.mean(f1)), 4)
         print(f"{name:<20}{cells}")
-    expected = {f"f1{'' if label == LABELS[0] else '_' + label}_{short}" for label in LABELS
-                for short in ("block", "mixture") + tuple(key_of(n) for n in PARITY if n not in DEFAULTS.values())}
+    expected = {
+        f"f1{'' if label == LABELS[0] else '_' + label}_{short}"
+        for label in LABELS
+        for short in ("block", "mixture") + tuple(key_of(n) for n in PARITY if n not in DEFAULTS.values())
+    }
     figures.update({key: None for key in sorted(expected - figures.keys())})  # (shown missing, then failed)
     if not args.no_png:
         draw(rows, reference, args.png)
@@ -238,18 +290,24 @@ def draw(rows: dict, reference: float, png: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, (mean, _, score, speed, sampling) in rows.items():
-        color = {"sequential": "tab:red", "random": "tab:gray", "mixture": "tab:orange"}.get(sampling.strategy,
-                                                                                              "tab:blue")
+        color = {"sequential": "tab:red", "random": "tab:gray", "mixture": "tab:orange"}.get(
+            sampling.strategy, "tab:blue"
+        )
         for ax, y in zip(axes, (score, mean - reference)):
             ax.scatter(speed, y, color=color)
             ax.annotate(name, (speed, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    axes[0].set(xlabel="producer cells/s (scGPT 1024, one process)", ylabel="index score (random = 1)",
-                title="Index score vs throughput")
-    axes[1].set(xlabel="producer cells/s (scGPT 1024, one process)", ylabel="plate entropy - true random (bits)",
-                title="Plate entropy gap vs throughput")
+    axes[0].set(
+        xlabel="producer cells/s (scGPT 1024, one process)",
+        ylabel="index score (random = 1)",
+        title="Index score vs throughput",
+    )
+    axes[1].set(
+        xlabel="producer cells/s (scGPT 1024, one process)",
+        ylabel="plate entropy - true random (bits)",
+        title="Plate entropy gap vs throughput",
+    )
     fig.tight_layout()
     fig.savefig(png, dpi=120)
-
 
 
 def draw_convergence(probes: dict, png: str) -> None:
@@ -267,8 +325,11 @@ def draw_convergence(probes: dict, png: str) -> None:
             ax.plot(cells, f1, marker="o", markersize=3, label=name)
     n_seeds = len(next(iter(probes.values())))
     for ax, label in zip(axes, LABELS):
-        ax.set(xlabel="cells seen", ylabel=f"{label} macro-F1, held-out plate",
-               title=f"{label}: one epoch, mean of {n_seeds} seed{'s' if n_seeds > 1 else ''}")
+        ax.set(
+            xlabel="cells seen",
+            ylabel=f"{label} macro-F1, held-out plate",
+            title=f"{label}: one epoch, mean of {n_seeds} seed{'s' if n_seeds > 1 else ''}",
+        )
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)

@@ -27,14 +27,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from coordination.summary import PlanSummary, publish_summary  # noqa: E402
+from benchmarks._checks import check_figures, fail  # noqa: E402
 from coordination.latency import remote  # noqa: E402
+from coordination.net import free_port  # noqa: E402
 from coordination.queues import Full, MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import rank_partition, run_tag  # noqa: E402
+from coordination.summary import PlanSummary, publish_summary  # noqa: E402
 from coordination.wire import pack_items  # noqa: E402
 from producers.tokenizers import Tokens  # noqa: E402
-from benchmarks._checks import check_figures, fail  # noqa: E402
-from coordination.net import free_port  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.train import train  # noqa: E402
 
@@ -56,12 +56,17 @@ def random_items(n_cells: int, max_genes: int, epoch: int, seed: int) -> list[by
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--tiny", action="store_true",
-                        help="6 steps of the tiny preset, batch 8, 256 genes: seconds (the test suite's)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="6 steps of the tiny preset, batch 8, 256 genes: seconds (the test suite's)"
+    )
     parser.add_argument("--preset", default=None, help="tiny (CPU default) or scgpt (GPU default), base, large")
     parser.add_argument("--batch", type=int, default=None, help="cells per step (CPU 16, GPU 240)")
-    parser.add_argument("--rpc-latency-ms", type=float, default=0.0,
-                        help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)")
+    parser.add_argument(
+        "--rpc-latency-ms",
+        type=float,
+        default=0.0,
+        help="every queue/map call costs this many ms (± 40%%), as a round trip to Modal (default: 0)",
+    )
     parser.add_argument("--max-genes", type=int, default=None, help="genes per cell (default 1024; 256 tiny)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -92,10 +97,20 @@ def main() -> None:
 
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
-    cfg = TrainConfig(run="bench", backend={"kind": "memory"}, vocab_size=N_GENES + 4, preset=preset,
-                      batch_size=batch, warmup_steps=3, max_steps=steps, run_driver=False, compile=args.compile,
-                      pad_to=args.max_genes + 1, buffer_cells=4 * batch,
-                      progress_bar=not (args.quick or args.tiny))
+    cfg = TrainConfig(
+        run="bench",
+        backend={"kind": "memory"},
+        vocab_size=N_GENES + 4,
+        preset=preset,
+        batch_size=batch,
+        warmup_steps=3,
+        max_steps=steps,
+        run_driver=False,
+        compile=args.compile,
+        pad_to=args.max_genes + 1,
+        buffer_cells=4 * batch,
+        progress_bar=not (args.quick or args.tiny),
+    )
     summary = train(cfg, queue=queue, store=store)
     stop.set()
     if summary["steps"] < steps:
@@ -103,16 +118,26 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)"
     mfu = summary.get("median_mfu")
     figures = {
-        "device": device, "preset": preset, "params_m": round(summary["params"] / 1e6, 1), "batch": batch,
-        "max_genes": args.max_genes, "steps": summary["steps"], "median_step_ms": round(summary["median_step_s"] * 1e3, 2),
-        "cells_per_s": round(summary["cells_per_s"], 1), "tokens_per_s": round(summary["tokens_per_s"]),
-        "mfu": None if mfu is None else round(mfu, 4), "dataloader_wait_ms_median": summary["median_wait_ms"],
-        "peak_mem_mb": summary["peak_mem_mb"], "compile": args.compile,
+        "device": device,
+        "preset": preset,
+        "params_m": round(summary["params"] / 1e6, 1),
+        "batch": batch,
+        "max_genes": args.max_genes,
+        "steps": summary["steps"],
+        "median_step_ms": round(summary["median_step_s"] * 1e3, 2),
+        "cells_per_s": round(summary["cells_per_s"], 1),
+        "tokens_per_s": round(summary["tokens_per_s"]),
+        "mfu": None if mfu is None else round(mfu, 4),
+        "dataloader_wait_ms_median": summary["median_wait_ms"],
+        "peak_mem_mb": summary["peak_mem_mb"],
+        "compile": args.compile,
     }
     print(f"\n{device}: {preset} ({figures['params_m']}M params), batch {batch} x {args.max_genes + 1} tokens")
-    print(f"median step {figures['median_step_ms']} ms, {figures['cells_per_s']:,} cells/s, "
-          f"MFU {'n/a (no bf16 peak for this device)' if mfu is None else f'{mfu:.1%}'}, "
-          f"dataloader wait median {figures['dataloader_wait_ms_median']} ms")
+    print(
+        f"median step {figures['median_step_ms']} ms, {figures['cells_per_s']:,} cells/s, "
+        f"MFU {'n/a (no bf16 peak for this device)' if mfu is None else f'{mfu:.1%}'}, "
+        f"dataloader wait median {figures['dataloader_wait_ms_median']} ms"
+    )
     print(json.dumps(figures))
     check_figures(figures, allow_none=() if cuda else ("mfu",))  # no bf16 peak for a CPU: MFU is n/a
 

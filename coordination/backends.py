@@ -34,7 +34,8 @@ def connect(spec: BackendSpec | dict):
 
     spec = BackendSpec.of(spec)
     if spec.kind == "local":
-        from coordination.local_backend import LocalMap, LocalQueue, read_token
+        from coordination.local_backend import read_token
+        from coordination.local_client import LocalMap, LocalQueue
 
         token = read_token(spec.token_file) if spec.token_file else None
         return remote(LocalQueue(spec.address, token), LocalMap(spec.address, token=token), spec.latency_ms)
@@ -42,4 +43,6 @@ def connect(spec: BackendSpec | dict):
         from coordination.modal_backend import run_backends
 
         return remote(*run_backends(spec.run, spec.environment, spec.retry_s), spec.latency_ms)
-    raise CellfeedError(f"unknown backend {spec.kind!r}: use 'local' or 'modal' (the memory backend lives in one process)")
+    raise CellfeedError(
+        f"unknown backend {spec.kind!r}: use 'local' or 'modal' (the memory backend lives in one process)"
+    )

@@ -96,8 +96,15 @@ class CorpusPlan:
     """The units of one corpus epoch (see the module's text): a `coordination.plan.Plan` whose
     units have a part per source they draw from, and no boundary cells."""
 
-    def __init__(self, sources: list[CorpusSource], quotas_: np.ndarray, sampling: Sampling, seed: int,
-                 epoch: int, starts: np.ndarray | None = None):
+    def __init__(
+        self,
+        sources: list[CorpusSource],
+        quotas_: np.ndarray,
+        sampling: Sampling,
+        seed: int,
+        epoch: int,
+        starts: np.ndarray | None = None,
+    ):
         self.sources, self.sampling = sources, sampling.validate()
         self.quotas = np.asarray(quotas_, dtype=np.int64)
         self.seed, self.epoch = int(seed), int(epoch)
@@ -108,8 +115,11 @@ class CorpusPlan:
             if src.n_selected == 0 and self.quotas[s] > 0:
                 raise CellfeedError(f"corpus source {s} selects no cells but has a quota of {self.quotas[s]:,}")
         s = self.sampling
-        per_unit = s.fetch_factor * s.batch_size if s.strategy in ("block", "random") else \
-            s.unit_cells * (s.n_scanners if s.strategy == "mixture" else 1)
+        per_unit = (
+            s.fetch_factor * s.batch_size
+            if s.strategy in ("block", "random")
+            else s.unit_cells * (s.n_scanners if s.strategy == "mixture" else 1)
+        )
         total = int(self.quotas.sum())
         n = max(1, min(total, max(-(-total // per_unit), s.min_units)))
         # cut fractions: the even unit cuts, and each source's pass boundaries inside this epoch
@@ -129,9 +139,12 @@ class CorpusPlan:
     @cached_property
     def plan_id(self) -> str:
         h = hashlib.blake2b(digest_size=8)
-        h.update(json.dumps([[s.geometry.fingerprint, s.offset] for s in self.sources] +
-                            [self.quotas.tolist(), self.starts.tolist(), asdict(self.sampling), self.seed,
-                             self.epoch]).encode())
+        h.update(
+            json.dumps(
+                [[s.geometry.fingerprint, s.offset] for s in self.sources]
+                + [self.quotas.tolist(), self.starts.tolist(), asdict(self.sampling), self.seed, self.epoch]
+            ).encode()
+        )
         for s in self.sources:
             h.update(b"all" if s.selection is None else s.selection.tobytes())
         return h.hexdigest()
@@ -161,8 +174,9 @@ class CorpusPlan:
         return self.unit_source_counts.sum(axis=1)
 
     def cells_per_rank(self, world_size: int) -> np.ndarray:
-        return np.bincount(unit_rank(np.arange(self.n_units), world_size), weights=self.unit_cell_counts,
-                           minlength=world_size).astype(np.int64)
+        return np.bincount(
+            unit_rank(np.arange(self.n_units), world_size), weights=self.unit_cell_counts, minlength=world_size
+        ).astype(np.int64)
 
     # ---- units
 
@@ -211,5 +225,4 @@ class CorpusPlan:
 
 def source_of(cell_ids, offsets) -> np.ndarray:
     """The source index of global cell ids (`offsets`: each source's first id, ascending)."""
-    return np.searchsorted(np.asarray(offsets, dtype=np.int64), np.asarray(cell_ids, dtype=np.int64),
-                           side="right") - 1
+    return np.searchsorted(np.asarray(offsets, dtype=np.int64), np.asarray(cell_ids, dtype=np.int64), side="right") - 1

@@ -6,11 +6,11 @@ epochs as it changes at resumes (`Mixtures`). The epoch plan over a corpus is
 from __future__ import annotations
 
 import json
-import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
+import tomllib
 
 from coordination.errors import CellfeedError
 
@@ -33,15 +33,15 @@ class SourceSpec:
 class CorpusSpec:
     """A corpus file (TOML):
 
-        vocabulary = "scgpt_vocab.json"   # optional: a vocabulary file (default: built from the sources)
-        gene_column = "gene_id"           # optional: the var column naming genes (default gene_id)
-        epoch_cells = 1_000_000           # optional: cells per epoch (default: all selected cells)
+    vocabulary = "scgpt_vocab.json"   # optional: a vocabulary file (default: built from the sources)
+    gene_column = "gene_id"           # optional: the var column naming genes (default gene_id)
+    epoch_cells = 1_000_000           # optional: cells per epoch (default: all selected cells)
 
-        [[source]]
-        name = "tahoe"
-        dataset = "s3://bucket/tahoe"
-        weight = 0.6
-        subset_filter = "plate != 'plate14'"   # optional, as --subset-filter
+    [[source]]
+    name = "tahoe"
+    dataset = "s3://bucket/tahoe"
+    weight = 0.6
+    subset_filter = "plate != 'plate14'"   # optional, as --subset-filter
     """
 
     sources: tuple[SourceSpec, ...]
@@ -62,25 +62,33 @@ class CorpusSpec:
         known = {f.name for f in fields(cls)} - {"sources", "path"} | {"source"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise CellfeedError(f"corpus file {path}: unknown setting {unknown[0]!r} (known: {', '.join(sorted(known))})")
+            raise CellfeedError(
+                f"corpus file {path}: unknown setting {unknown[0]!r} (known: {', '.join(sorted(known))})"
+            )
         allowed = {f.name for f in fields(SourceSpec)}
         sources = []
         for i, s in enumerate(data.get("source", [])):
             bad = sorted(set(s) - allowed)
             if bad or "dataset" not in s:
                 what = f"unknown setting {bad[0]!r}" if bad else "no dataset"
-                raise CellfeedError(f"corpus file {path}: [[source]] {i + 1} has {what} "
-                                    f"(a source has {', '.join(sorted(allowed))})")
+                raise CellfeedError(
+                    f"corpus file {path}: [[source]] {i + 1} has {what} (a source has {', '.join(sorted(allowed))})"
+                )
             s = dict(s)
             s.setdefault("name", Path(str(s["dataset"]).rstrip("/")).name or f"source{i}")
             sources.append(SourceSpec(**s))
         vocab = data.get("vocabulary")
         if vocab is not None and not Path(vocab).is_absolute():
             vocab = str(path.parent / vocab)  # relative to the corpus file
-        sources = [s if "://" in s.dataset or Path(s.dataset).is_absolute()
-                   else SourceSpec(**{**asdict(s), "dataset": str(path.parent / s.dataset)}) for s in sources]
-        return cls(tuple(sources), vocab, data.get("gene_column", "gene_id"), data.get("epoch_cells"),
-                   str(path)).validate()
+        sources = [
+            s
+            if "://" in s.dataset or Path(s.dataset).is_absolute()
+            else SourceSpec(**{**asdict(s), "dataset": str(path.parent / s.dataset)})
+            for s in sources
+        ]
+        return cls(
+            tuple(sources), vocab, data.get("gene_column", "gene_id"), data.get("epoch_cells"), str(path)
+        ).validate()
 
     def validate(self) -> "CorpusSpec":
         where = f"corpus {self.path}" if self.path else "corpus"
@@ -97,11 +105,20 @@ class CorpusSpec:
         return self
 
     @classmethod
-    def single(cls, dataset: str, subset_filter=None, eval_filter=None, gene_column: str = "gene_id",
-               vocabulary: str | None = None) -> "CorpusSpec":
+    def single(
+        cls,
+        dataset: str,
+        subset_filter=None,
+        eval_filter=None,
+        gene_column: str = "gene_id",
+        vocabulary: str | None = None,
+    ) -> "CorpusSpec":
         """A one-dataset campaign as a corpus of one source."""
-        return cls((SourceSpec(Path(dataset.rstrip("/")).name or "dataset", dataset, 1.0, subset_filter,
-                               eval_filter),), vocabulary, gene_column)
+        return cls(
+            (SourceSpec(Path(dataset.rstrip("/")).name or "dataset", dataset, 1.0, subset_filter, eval_filter),),
+            vocabulary,
+            gene_column,
+        )
 
     def to_toml(self, vocabulary: bool = True) -> str:
         """The file again (paths as resolved: absolute or s3://); `vocabulary`: with its line."""
@@ -112,8 +129,9 @@ class CorpusSpec:
         if self.epoch_cells:
             lines.append(f"epoch_cells = {self.epoch_cells}")
         for s in self.sources:
-            lines += ["", "[[source]]"] + [f"{f.name} = {q(getattr(s, f.name))}" for f in fields(SourceSpec)
-                                           if getattr(s, f.name) is not None]
+            lines += ["", "[[source]]"] + [
+                f"{f.name} = {q(getattr(s, f.name))}" for f in fields(SourceSpec) if getattr(s, f.name) is not None
+            ]
         return "\n".join(lines) + "\n"
 
     def gene_column_of(self, source: SourceSpec) -> str:
@@ -177,8 +195,18 @@ class Mixtures:
         for start, toml in json.loads(text):
             data = tomllib.loads(toml)
             sources = tuple(SourceSpec(**s) for s in data.get("source", []))
-            history.append((int(start), CorpusSpec(sources, data.get("vocabulary"), data.get("gene_column", "gene_id"),
-                                                   data.get("epoch_cells"), where).validate()))
+            history.append(
+                (
+                    int(start),
+                    CorpusSpec(
+                        sources,
+                        data.get("vocabulary"),
+                        data.get("gene_column", "gene_id"),
+                        data.get("epoch_cells"),
+                        where,
+                    ).validate(),
+                )
+            )
         return cls(history)
 
     def changed(self, new: CorpusSpec, from_epoch: int) -> "Mixtures":
@@ -188,13 +216,21 @@ class Mixtures:
         vocabulary and gene column stay the run's."""
         last = self.history[-1][1]
         if (new.vocabulary, new.gene_column) != (last.vocabulary, last.gene_column):
-            raise CellfeedError("the corpus's vocabulary and gene_column are the run's own (its tokens mean those "
-                                "genes): keep them, or start a new --run")
+            raise CellfeedError(
+                "the corpus's vocabulary and gene_column are the run's own (its tokens mean those "
+                "genes): keep them, or start a new --run"
+            )
         known = {s.name: s for s in self.union.sources}
         for s in new.sources:
             old = known.get(s.name)
-            if old is not None and (old.dataset, old.subset_filter, old.eval_filter, old.gene_column) != \
-                    (s.dataset, s.subset_filter, s.eval_filter, s.gene_column):
-                raise CellfeedError(f"source {s.name!r} changed its dataset or filters: its stream of cells continues "
-                                    "across epochs, so a source keeps them; give the changed one a new name")
+            if old is not None and (old.dataset, old.subset_filter, old.eval_filter, old.gene_column) != (
+                s.dataset,
+                s.subset_filter,
+                s.eval_filter,
+                s.gene_column,
+            ):
+                raise CellfeedError(
+                    f"source {s.name!r} changed its dataset or filters: its stream of cells continues "
+                    "across epochs, so a source keeps them; give the changed one a new name"
+                )
         return Mixtures([h for h in self.history if h[0] < from_epoch] + [(from_epoch, new)])

@@ -24,10 +24,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordination.errors import CellfeedError
-from coordination.summary import PlanSummary, load_summary
 from coordination.queues import Full, Map, Queue
-from coordination.routing import (EVENTS_PARTITION, TASKS_PARTITION, decode_event, encode_task, epoch_map_name,
-                                  produced_key, producers_key)
+from coordination.routing import (
+    EVENTS_PARTITION,
+    TASKS_PARTITION,
+    decode_event,
+    encode_task,
+    epoch_map_name,
+    produced_key,
+    producers_key,
+)
+from coordination.summary import PlanSummary, load_summary
 
 LEASE_S = 12.0  # a unit whose producer is silent this long is re-issued (the campaign's --lease-s)
 HEARTBEATS_PER_LEASE = 4  # a producer says what it holds this often per lease: a lease is 4 missed heartbeats
@@ -89,8 +96,18 @@ class EpochState:
 
 
 class Driver:
-    def __init__(self, queue: Queue, store: Map, run: str, *, lease_s: float = LEASE_S, poll_s: float = 0.25,
-                 max_queued_tasks: int = 128, stall_timeout_s: float = 600.0, world_size: int | None = None):
+    def __init__(
+        self,
+        queue: Queue,
+        store: Map,
+        run: str,
+        *,
+        lease_s: float = LEASE_S,
+        poll_s: float = 0.25,
+        max_queued_tasks: int = 128,
+        stall_timeout_s: float = 600.0,
+        world_size: int | None = None,
+    ):
         self.queue, self.store, self.run = queue, store, run
         self.world_size = world_size  # the ranks' number: items in the queue are routed by it
         self.lease_s, self.poll_s = lease_s, poll_s
@@ -113,8 +130,9 @@ class Driver:
         if not units:
             return []
         try:
-            self.queue.put_many([encode_task(epoch, u) for u in units], block=True, timeout=self.poll_s,
-                                partition=TASKS_PARTITION)
+            self.queue.put_many(
+                [encode_task(epoch, u) for u in units], block=True, timeout=self.poll_s, partition=TASKS_PARTITION
+            )
         except Full:
             return []
         for u in units:
@@ -137,8 +155,10 @@ class Driver:
         resumed driver), every PUBLISH_EVERY_S: two puts."""
         if force or time.monotonic() - self._published >= PUBLISH_EVERY_S:
             self.store.put(producers_key(self.run), json.dumps(self.producers))
-            done = {e: [[0, s.summary.n_units]] if not s.todo and not s.flights else done_ranges(s)
-                    for e, s in self._states.items()}
+            done = {
+                e: [[0, s.summary.n_units]] if not s.todo and not s.flights else done_ranges(s)
+                for e, s in self._states.items()
+            }
             self.store.put(produced_key(self.run), json.dumps({"world_size": self.world_size, "epochs": done}))
             self._published = time.monotonic()
 
@@ -192,9 +212,14 @@ class Driver:
             self.stats.redone += len(issued)
             state.todo.extend(u for u in redo if u not in issued)  # (the task list was full: a later pass)
 
-    def run_epochs(self, epochs: list[int], summary_timeout_s: float = 60.0,
-                   resume_epoch: int | None = None, skip_units: set[int] = frozenset(),
-                   linger: bool = False) -> DriverStats:
+    def run_epochs(
+        self,
+        epochs: list[int],
+        summary_timeout_s: float = 60.0,
+        resume_epoch: int | None = None,
+        skip_units: set[int] = frozenset(),
+        linger: bool = False,
+    ) -> DriverStats:
         """Drive epochs in order, each to completion (every unit done), then drop its stitching
         map. The next epoch's units are issued as soon as this epoch has none left to issue, so
         producers never idle on an epoch's last stragglers (consumers hold later-epoch items
@@ -240,8 +265,10 @@ class Driver:
                 if event["redo"]:  # a rank's
                     redo += event["redo"]
                     continue
-                self.producers[event["p"]] = {**(event["totals"] or self.producers.get(event["p"], {})),
-                                              "heard": time.time()}
+                self.producers[event["p"]] = {
+                    **(event["totals"] or self.producers.get(event["p"], {})),
+                    "heard": time.time(),
+                }
                 for e, u in event["done"]:
                     if e in active and active[e].flights.pop(u, None) is not None:
                         last_progress = now
@@ -269,7 +296,9 @@ class Driver:
             for e, state in active.items():
                 # taken, and neither done nor named held for lease_s: its producer died (or stalled,
                 # or its events were lost): produce it again; consumers drop the duplicates by key
-                lost = [u for u, f in state.flights.items() if f.taken_at is not None and now - f.seen_at > self.lease_s]
+                lost = [
+                    u for u, f in state.flights.items() if f.taken_at is not None and now - f.seen_at > self.lease_s
+                ]
                 for _ in self._issue(e, lost, state.flights, order):
                     self.stats.reissued += 1
                     if self.stats.first_reissue_at is None:
@@ -280,7 +309,7 @@ class Driver:
                 if room > 0 and state.todo:
                     batch = [state.todo.popleft() for _ in range(min(room, len(state.todo)))]
                     issued = self._issue(e, batch, state.flights, order)
-                    state.todo.extendleft(reversed(batch[len(issued):]))
+                    state.todo.extendleft(reversed(batch[len(issued) :]))
                     queued += len(issued)
             if waiting and not active[max(active)].todo:  # the newest epoch is all issued: start the next
                 start_next()
@@ -297,14 +326,21 @@ class Driver:
                 self.stats.pass_s.append(time.monotonic() - started)
             if now - last_progress > self.stall_timeout_s:
                 left = sum(len(s.todo) + len(s.flights) for s in active.values())
-                raise CellfeedError(f"epoch {min(active)}: no unit finished in {self.stall_timeout_s:.0f}s with "
-                                    f"{left} left: are the producers running?")
+                raise CellfeedError(
+                    f"epoch {min(active)}: no unit finished in {self.stall_timeout_s:.0f}s with "
+                    f"{left} left: are the producers running?"
+                )
             if active:
                 self._stop.wait(self.poll_s)
         return self.stats
 
-    def start(self, epochs: list[int], resume_epoch: int | None = None,
-              skip_units: set[int] = frozenset(), linger: bool = False) -> threading.Thread:
+    def start(
+        self,
+        epochs: list[int],
+        resume_epoch: int | None = None,
+        skip_units: set[int] = frozenset(),
+        linger: bool = False,
+    ) -> threading.Thread:
         """Run the epochs in a background thread (e.g. inside trainer rank 0); an error is kept in
         `self.error` for the owner to raise (`check`)."""
 

@@ -137,8 +137,16 @@ def remote(queue, store, latency_ms: float):
     return with_latency(queue, store, latency_ms, 0.4 * latency_ms)[:2] if latency_ms else (queue, store)
 
 
-def with_latency(queue, store, mean_ms: float, jitter_ms: float = 0.0, *, counts: CallCounts | None = None,
-                 seed: int = 0, partition_kind=None):
+def with_latency(
+    queue,
+    store,
+    mean_ms: float,
+    jitter_ms: float = 0.0,
+    *,
+    counts: CallCounts | None = None,
+    seed: int = 0,
+    partition_kind=None,
+):
     """(queue, store) wrapped so each call costs mean_ms ± jitter_ms and is counted in `counts`.
     `partition_kind(partition) -> str` suffixes queue call kinds (e.g. ".items" vs ".tasks")."""
     counts = counts or CallCounts()

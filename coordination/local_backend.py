@@ -58,8 +58,10 @@ class Op(enum.IntEnum):
 
 OK, FULL, EMPTY, TOO_LARGE, MISSING, ERROR, GONE, REQUEST_TOO_LARGE = range(8)  # a response's status
 MAX_AUTH_FRAME = 4096  # the hello's size at most (read before the caller is known)
-REFUSED = ("refused: this queue server answers only its run's processes, which read its token from the "
-           "run's folder (is this the right run, or its folder another user's?)")
+REFUSED = (
+    "refused: this queue server answers only its run's processes, which read its token from the "
+    "run's folder (is this the right run, or its folder another user's?)"
+)
 _U32 = struct.Struct("<I")
 CONNECT_TIMEOUT_S = 10.0
 REPLY_MARGIN_S = 30.0  # how much longer than the server-side wait a client waits for the reply
@@ -76,7 +78,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _send_frame(sock: socket.socket, code: int, header: dict, values: list[bytes] = ()) -> None:
+def send_frame(sock: socket.socket, code: int, header: dict, values: list[bytes] = ()) -> None:
     head = json.dumps(header).encode()
     parts = [bytes([code]), _U32.pack(len(head)), head, _U32.pack(len(values))]
     for v in values:
@@ -85,26 +87,26 @@ def _send_frame(sock: socket.socket, code: int, header: dict, values: list[bytes
     sock.sendall(_U32.pack(len(body)) + body)
 
 
-def _recv_frame(sock: socket.socket) -> tuple[int, dict, list[bytes]]:
+def recv_frame(sock: socket.socket) -> tuple[int, dict, list[bytes]]:
     return _parse_frame(_recv_exact(sock, _U32.unpack(_recv_exact(sock, 4))[0]))
 
 
 def _parse_frame(data: bytes) -> tuple[int, dict, list[bytes]]:
     body = memoryview(data)
     code, (head_len,) = body[0], _U32.unpack_from(body, 1)
-    header = json.loads(bytes(body[5:5 + head_len]))
+    header = json.loads(bytes(body[5 : 5 + head_len]))
     pos = 5 + head_len
     (count,) = _U32.unpack_from(body, pos)
     pos += 4
     values = []
     for _ in range(count):
         (n,) = _U32.unpack_from(body, pos)
-        values.append(bytes(body[pos + 4:pos + 4 + n]))
+        values.append(bytes(body[pos + 4 : pos + 4 + n]))
         pos += 4 + n
     return code, header, values
 
 
-def _encode_value(value) -> bytes:
+def encode_value(value) -> bytes:
     if isinstance(value, (bytes, bytearray)):
         return b"b" + bytes(value)
     if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -112,7 +114,7 @@ def _encode_value(value) -> bytes:
     return (b"s" + value.encode()) if isinstance(value, str) else (b"i" + str(value).encode())
 
 
-def _decode_value(data: bytes):
+def decode_value(data: bytes):
     tag, rest = data[:1], data[1:]
     return rest if tag == b"b" else rest.decode() if tag == b"s" else int(rest)
 
@@ -125,7 +127,7 @@ def serve_frames(sock: socket.socket, answer) -> None:
     returns the reply's (code, header, values); an error it raises is code ERROR."""
     while True:
         try:
-            op, h, values = _recv_frame(sock)
+            op, h, values = recv_frame(sock)
         except (ConnectionError, OSError):
             return
         try:
@@ -133,7 +135,7 @@ def serve_frames(sock: socket.socket, answer) -> None:
         except Exception as exc:  # noqa: BLE001 - sent back to the caller
             code, header, out = ERROR, {"message": f"{type(exc).__name__}: {exc}"}, []
         try:
-            _send_frame(sock, code, header, out)
+            send_frame(sock, code, header, out)
         except OSError:
             return
 
@@ -153,11 +155,11 @@ class _Handler(socketserver.BaseRequestHandler):
                 return
             if op != Op.AUTH or not hmac.compare_digest(str(h.get("token", "")).encode(), token.encode()):
                 try:
-                    _send_frame(self.request, ERROR, {"message": REFUSED})
+                    send_frame(self.request, ERROR, {"message": REFUSED})
                 except OSError:
                     pass
                 return
-            _send_frame(self.request, OK, {})
+            send_frame(self.request, OK, {})
         serve_frames(self.request, self.answer)
 
     def answer(self, op: int, h: dict, values: list[bytes]):
@@ -194,13 +196,12 @@ class _Handler(socketserver.BaseRequestHandler):
         if op == Op.LEN:
             return OK, {"len": queue.len(partition=h["partition"], total=h["total"])}, []
         if op == Op.MAP_PUT:
-            return OK, {"stored": store.put(h["key"], _decode_value(values[0]),
-                                            skip_if_exists=h["skip_if_exists"])}, []
+            return OK, {"stored": store.put(h["key"], decode_value(values[0]), skip_if_exists=h["skip_if_exists"])}, []
         if op == Op.MAP_GET:
             value = store.get(h["key"])
-            return OK, {"found": value is not None}, [] if value is None else [_encode_value(value)]
+            return OK, {"found": value is not None}, [] if value is None else [encode_value(value)]
         if op == Op.MAP_POP:
-            return OK, {}, [_encode_value(store.pop(h["key"]))]
+            return OK, {}, [encode_value(store.pop(h["key"]))]
         if op == Op.MAP_KEYS:
             return OK, {"keys": store.keys()}, []
         if op == Op.PING:
@@ -240,9 +241,13 @@ class ServerProcess:
             token_file = Path(self._own_folder) / "token"
         self.token_file = str(Path(token_file).resolve())
         Path(self.token_file).unlink(missing_ok=True)
-        self.proc = subprocess.Popen([sys.executable, "-m", "coordination.local_backend", "--token-file",
-                                      self.token_file], start_new_session=True, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "coordination.local_backend", "--token-file", self.token_file],
+            start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         line = self.proc.stdout.readline().strip()
         if not line.startswith("listening "):
             self.proc.kill()
@@ -283,155 +288,20 @@ def read_token(path: str) -> str:
     try:
         return Path(path).read_text().strip()
     except OSError as exc:
-        raise CellfeedError(f"cannot read the queue server's token {path} ({exc.strerror}): is the campaign "
-                            "running, and this its user?") from None
-
-
-# ----------------------------------------------------------------------------------------- client
-
-
-class _Client:
-    """One connection per thread to the server; every wait is bounded."""
-
-    def __init__(self, address: str, token: str | None = None):
-        self.address, self.token = address, token
-        host, port = address.rsplit(":", 1)
-        self._target = (host, int(port))
-        self._local = threading.local()
-
-    def _sock(self) -> socket.socket:
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            try:
-                sock = socket.create_connection(self._target, timeout=CONNECT_TIMEOUT_S)
-            except OSError:
-                raise CellfeedError(
-                    f"the local queue server at {self.address} is unreachable (has the campaign stopped?)"
-                ) from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.token is not None:
-                sock.settimeout(CONNECT_TIMEOUT_S)
-                try:
-                    _send_frame(sock, Op.AUTH, {"token": self.token})
-                    code, reply, _ = _recv_frame(sock)
-                except (OSError, ConnectionError):
-                    sock.close()
-                    raise CellfeedError(f"the local queue server at {self.address} closed the connection") from None
-                if code != OK:
-                    sock.close()
-                    raise CellfeedError(f"the local queue server at {self.address}: {reply.get('message')}")
-            self._local.sock = sock
-        return sock
-
-    def call(self, op: Op, header: dict, values: list[bytes] = (), wait_s: float | None = 0.0):
-        sock = self._sock()
-        sock.settimeout(None if wait_s is None else wait_s + REPLY_MARGIN_S)
-        try:
-            _send_frame(sock, op, header, values)
-            code, reply, out = _recv_frame(sock)
-        except (OSError, ConnectionError):
-            self._local.sock = None
-            sock.close()
-            raise CellfeedError(
-                f"lost the local queue server at {self.address} (has the campaign stopped?)"
-            ) from None
-        if code == OK:
-            return reply, out
-        if code == FULL:
-            raise Full(reply.get("message", "partition full"))
-        if code == EMPTY:
-            raise Empty()
-        if code == TOO_LARGE:
-            raise ItemTooLarge(reply["message"])
-        if code == REQUEST_TOO_LARGE:
-            raise RequestTooLarge(reply["message"])
-        if code == MISSING:
-            raise KeyError(header.get("key"))
-        if code == GONE:
-            raise MapGone(reply["message"])
-        raise CellfeedError(f"local queue server error: {reply.get('message')}")
-
-
-class LocalQueue:
-    """`Queue` over the local server."""
-
-    def __init__(self, address: str, token: str | None = None):
-        self.client = _Client(address, token)
-
-    def put_many(self, values, block=True, timeout=None, *, partition=None) -> None:
-        values = list(values)
-        for v in values:
-            if not isinstance(v, (bytes, bytearray, memoryview)):
-                raise TypeError(f"queue items are bytes (no pickle on the data path), got {type(v).__name__}")
-        self.client.call(Op.PUT_MANY, {"block": block, "timeout": timeout, "partition": partition}, values,
-                         wait_s=timeout if block else 0.0)
-
-    def put(self, value, block=True, timeout=None, *, partition=None) -> None:
-        self.put_many([value], block, timeout, partition=partition)
-
-    def get_many(self, n_values, block=True, timeout=None, *, partition=None) -> list[bytes]:
-        header = {"n": n_values, "block": block, "timeout": timeout, "partition": partition}
-        return self.client.call(Op.GET_MANY, header, wait_s=timeout if block else 0.0)[1]
-
-    def get(self, block=True, timeout=None, *, partition=None):
-        values = self.get_many(1, block, timeout, partition=partition)
-        return values[0] if values else None
-
-    def len(self, *, partition=None, total=False) -> int:
-        return self.client.call(Op.LEN, {"partition": partition, "total": total})[0]["len"]
-
-
-class LocalMap:
-    """`Map` over the local server (`name`: one of its named maps, None: the run's map)."""
-
-    def __init__(self, address: str, name: str | None = None, client: _Client | None = None,
-                 token: str | None = None):
-        self.client = client or _Client(address, token)
-        self.name = name
-
-    def _call(self, op: Op, header: dict, values: list[bytes] = ()):
-        return self.client.call(op, {**header, "map": self.name}, values)
-
-    def put(self, key, value, *, skip_if_exists=False) -> bool:
-        header = {"key": key, "skip_if_exists": skip_if_exists}
-        return self._call(Op.MAP_PUT, header, [_encode_value(value)])[0]["stored"]
-
-    def get(self, key, default=None):
-        reply, values = self._call(Op.MAP_GET, {"key": key})
-        return _decode_value(values[0]) if reply["found"] else default
-
-    def pop(self, key, *default):
-        try:
-            return _decode_value(self._call(Op.MAP_POP, {"key": key})[1][0])
-        except KeyError:
-            if default:
-                return default[0]
-            raise
-
-    def __contains__(self, key) -> bool:
-        return self.get(key) is not None
-
-    def keys(self) -> list[str]:
-        return self._call(Op.MAP_KEYS, {})[0]["keys"]
-
-    def __len__(self) -> int:
-        return len(self.keys())
-
-    def named(self, name: str, create: bool = False) -> "LocalMap":
-        if create:
-            self.client.call(Op.CREATE_MAP, {"map": name})
-        return LocalMap(self.client.address, name, self.client)
-
-    def drop(self, name: str) -> None:
-        self.client.call(Op.DROP_MAP, {"map": name})
+        raise CellfeedError(
+            f"cannot read the queue server's token {path} ({exc.strerror}): is the campaign running, and this its user?"
+        ) from None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the local cellfeed queue/map server.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--token-file", help="write a new token here (owner-only) and answer only callers "
-                                             "that send it; with it, the server ends when its stdin closes")
+    parser.add_argument(
+        "--token-file",
+        help="write a new token here (owner-only) and answer only callers "
+        "that send it; with it, the server ends when its stdin closes",
+    )
     args = parser.parse_args()
     token = None
     if args.token_file:

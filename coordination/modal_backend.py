@@ -48,8 +48,13 @@ def transient_errors() -> tuple[type, ...]:
     import modal.exception
     from grpclib.exceptions import StreamTerminatedError
 
-    return (modal.exception.ServiceError, modal.exception.InternalError, modal.exception.ConnectionError,
-            StreamTerminatedError, _PutTimedOut)
+    return (
+        modal.exception.ServiceError,
+        modal.exception.InternalError,
+        modal.exception.ConnectionError,
+        StreamTerminatedError,
+        _PutTimedOut,
+    )
 
 
 class _PutTimedOut(Exception):
@@ -67,11 +72,17 @@ def retrying(call, what: str, retry_s: float = RETRY_S):
             now = time.monotonic()
             if first is None:
                 first = now
-                print(f"Modal: {what} failed ({type(exc).__name__}: {_short(exc)}); retrying for up to "
-                      f"{retry_s / 60:g} min", file=sys.stderr, flush=True)
+                print(
+                    f"Modal: {what} failed ({type(exc).__name__}: {_short(exc)}); retrying for up to "
+                    f"{retry_s / 60:g} min",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if now - first >= retry_s:
-                raise ModalUnreachable(f"Modal: {what} kept failing for {retry_s / 60:g} min ({type(exc).__name__}: "
-                                       f"{_short(exc)}); the run's state is kept") from exc
+                raise ModalUnreachable(
+                    f"Modal: {what} kept failing for {retry_s / 60:g} min ({type(exc).__name__}: "
+                    f"{_short(exc)}); the run's state is kept"
+                ) from exc
             time.sleep(min(delay * random.uniform(0.5, 1.0), max(0.0, first + retry_s - now)))
             delay = min(delay * BACKOFF, MAX_DELAY_S)
             continue
@@ -89,8 +100,9 @@ def run_object_name(run: str) -> str:
 
 
 class ModalQueue:
-    def __init__(self, name: str | None = None, *, queue=None, environment: str | None = None,
-                 retry_s: float = RETRY_S):
+    def __init__(
+        self, name: str | None = None, *, queue=None, environment: str | None = None, retry_s: float = RETRY_S
+    ):
         if name is None and queue is None:
             raise ValueError("give a queue name or a modal.Queue")
         self.name, self.environment, self._queue, self.retry_s = name, environment, queue, retry_s
@@ -129,8 +141,11 @@ class ModalQueue:
 
     def get_many(self, n_values, block=True, timeout=None, *, partition=None) -> list[bytes]:
         options = _blocking(block, timeout)
-        return retrying(lambda: self.queue.get_many(n_values, partition=partition, **options),
-                        f"queue get ({partition or 'default partition'})", self.retry_s)
+        return retrying(
+            lambda: self.queue.get_many(n_values, partition=partition, **options),
+            f"queue get ({partition or 'default partition'})",
+            self.retry_s,
+        )
 
     def get(self, block=True, timeout=None, *, partition=None):
         values = self.get_many(1, block, timeout, partition=partition)
@@ -158,8 +173,15 @@ def _refused_as_too_large(exc: BaseException) -> bool:
 
 
 class ModalMap:
-    def __init__(self, name: str | None = None, *, mapping=None, environment: str | None = None,
-                 create: bool = True, retry_s: float = RETRY_S):
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        mapping=None,
+        environment: str | None = None,
+        create: bool = True,
+        retry_s: float = RETRY_S,
+    ):
         if name is None and mapping is None:
             raise ValueError("give a dict name or a modal.Dict")
         self.name, self.environment, self._dict, self.create = name, environment, mapping, create
@@ -170,8 +192,9 @@ class ModalMap:
         if self._dict is None:
             import modal
 
-            self._dict = modal.Dict.from_name(self.name, create_if_missing=self.create,
-                                              environment_name=self.environment)
+            self._dict = modal.Dict.from_name(
+                self.name, create_if_missing=self.create, environment_name=self.environment
+            )
         return self._dict
 
     def _call(self, method: str, *args, **kwargs):
@@ -217,15 +240,22 @@ class ModalMap:
     def drop(self, name: str) -> None:
         import modal
 
-        retrying(lambda: modal.Dict.objects.delete(f"{self.name}-{name}", allow_missing=True,
-                                                   environment_name=self.environment), "dict delete", self.retry_s)
+        retrying(
+            lambda: modal.Dict.objects.delete(
+                f"{self.name}-{name}", allow_missing=True, environment_name=self.environment
+            ),
+            "dict delete",
+            self.retry_s,
+        )
 
 
 def run_backends(run: str, environment: str | None = None, retry_s: float = RETRY_S) -> tuple[ModalQueue, ModalMap]:
     """The run's queue and map, named `cellfeed-<run>` (created on first use)."""
     name = run_object_name(run)
-    return (ModalQueue(name, environment=environment, retry_s=retry_s),
-            ModalMap(name, environment=environment, retry_s=retry_s))
+    return (
+        ModalQueue(name, environment=environment, retry_s=retry_s),
+        ModalMap(name, environment=environment, retry_s=retry_s),
+    )
 
 
 def delete_run_backends(run: str, epochs: int = 0, environment: str | None = None, retry_s: float = RETRY_S) -> None:
@@ -236,8 +266,14 @@ def delete_run_backends(run: str, epochs: int = 0, environment: str | None = Non
     from coordination.routing import epoch_map_name
 
     name = run_object_name(run)
-    kinds = [(modal.Queue, name)] + [(modal.Dict, f"{name}-{epoch_map_name(e)}") for e in range(epochs)] + \
-        [(modal.Dict, name)]
+    kinds = (
+        [(modal.Queue, name)]
+        + [(modal.Dict, f"{name}-{epoch_map_name(e)}") for e in range(epochs)]
+        + [(modal.Dict, name)]
+    )
     for kind, object_name in kinds:  # (a retry after a lost reply finds it gone: allow_missing)
-        retrying(lambda: kind.objects.delete(object_name, allow_missing=True, environment_name=environment),
-                 f"delete {object_name}", retry_s)
+        retrying(
+            lambda: kind.objects.delete(object_name, allow_missing=True, environment_name=environment),
+            f"delete {object_name}",
+            retry_s,
+        )

@@ -11,6 +11,7 @@ import threading
 
 PARENT_GONE_EXIT = 3  # a child that ended because its parent had
 
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:

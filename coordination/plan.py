@@ -173,8 +173,9 @@ def cell_ids_within(ids, n_cells: int) -> np.ndarray:
 class EpochPlan:
     """The work units of one epoch. Units are built on demand (`unit(i)`); counts are cheap."""
 
-    def __init__(self, geometry: DatasetGeometry, sampling: Sampling, seed: int, epoch: int,
-                 subset: np.ndarray | None = None):
+    def __init__(
+        self, geometry: DatasetGeometry, sampling: Sampling, seed: int, epoch: int, subset: np.ndarray | None = None
+    ):
         self.geometry = geometry
         self.sampling = sampling.validate()
         self.seed, self.epoch = int(seed), int(epoch)
@@ -213,15 +214,16 @@ class EpochPlan:
         sizes = np.full(self.n_blocks, bs, dtype=np.int64)
         sizes[-1] = n_sel - bs * (self.n_blocks - 1)
         unit_of_slot = np.arange(self.n_blocks) // self.blocks_per_unit
-        self.unit_cell_counts = np.bincount(unit_of_slot, weights=sizes[self.block_order],
-                                            minlength=self.n_units).astype(np.int64)
+        self.unit_cell_counts = np.bincount(
+            unit_of_slot, weights=sizes[self.block_order], minlength=self.n_units
+        ).astype(np.int64)
         self.boundary_cells = np.zeros(0, dtype=np.int64)
         self.boundary_piece_counts = np.zeros(0, dtype=np.int64)
         self.boundary_piece_units = np.zeros(0, dtype=np.int64)
 
     def _block_unit(self, u: int) -> Unit:
         bs = self.block_size
-        blocks = np.sort(self.block_order[u * self.blocks_per_unit:(u + 1) * self.blocks_per_unit])
+        blocks = np.sort(self.block_order[u * self.blocks_per_unit : (u + 1) * self.blocks_per_unit])
         idx = (blocks[:, None] * bs + np.arange(bs)[None, :]).ravel()
         cells = self.cells_at(idx[idx < self.n_cells])
         starts = self.geometry.cell_row_start
@@ -239,8 +241,10 @@ class EpochPlan:
         sel_starts, sel_ends = self._selected_rows()
         n_sel = self.n_cells
         # the selection positions of each fragment's cells: [lo, hi); an empty cell lives where it starts
-        lo = np.minimum(np.searchsorted(sel_ends, frag[:n_frags], side="right"),
-                        np.searchsorted(sel_starts, frag[:n_frags], side="left"))
+        lo = np.minimum(
+            np.searchsorted(sel_ends, frag[:n_frags], side="right"),
+            np.searchsorted(sel_starts, frag[:n_frags], side="left"),
+        )
         hi = np.append(np.searchsorted(sel_starts, frag[1:n_frags], side="left"), n_sel)
         lo[0] = 0
         # straddlers: selected cells cut by an inner fragment edge, each once
@@ -344,9 +348,15 @@ class EpochPlan:
         whole[straddling] = self._straddler_owner[k[straddling]] == u
         piece = ~whole
         kp = k[piece]
-        return Unit(self.epoch, u, [UnitPart(0, np.unique(cells[whole]), merge_ranges(lo, hi))],
-                    cells[piece], f[piece] - self._straddler_first[kp], self._straddler_span[kp],
-                    np.stack([lo[piece], hi[piece]], axis=1))
+        return Unit(
+            self.epoch,
+            u,
+            [UnitPart(0, np.unique(cells[whole]), merge_ranges(lo, hi))],
+            cells[piece],
+            f[piece] - self._straddler_first[kp],
+            self._straddler_span[kp],
+            np.stack([lo[piece], hi[piece]], axis=1),
+        )
 
     # ---- queries
 
@@ -373,8 +383,9 @@ class EpochPlan:
 
     def cells_per_rank(self, world_size: int) -> np.ndarray:
         """Cells each rank receives: unit u's cells go to u mod W, a stitched cell c to c mod W."""
-        units = np.bincount(unit_rank(np.arange(self.n_units), world_size), weights=self.unit_cell_counts,
-                            minlength=world_size)
+        units = np.bincount(
+            unit_rank(np.arange(self.n_units), world_size), weights=self.unit_cell_counts, minlength=world_size
+        )
         stitched = np.bincount(cell_rank(self.boundary_cells, world_size), minlength=world_size)
         return (units + stitched).astype(np.int64)
 
@@ -397,8 +408,10 @@ class EpochPlan:
             pieces = np.repeat(self._straddlers, self._straddler_span)
             owned = self._straddler_owner >= 0
             take = [(pieces, unit_rank(self._piece_unit, world_size))]  # a chunk counts a piece's cell once: not whole
-            add = [(self._straddlers[owned], unit_rank(self._straddler_owner[owned], world_size)),
-                   (self.boundary_cells, cell_rank(self.boundary_cells, world_size))]  # whole in one unit / stitched
+            add = [
+                (self._straddlers[owned], unit_rank(self._straddler_owner[owned], world_size)),
+                (self.boundary_cells, cell_rank(self.boundary_cells, world_size)),
+            ]  # whole in one unit / stitched
         out = np.zeros(world_size, dtype=np.uint64)
         with np.errstate(over="ignore"):
             for r in range(world_size):

@@ -61,11 +61,13 @@ class MapGone(CellfeedError):
 
 @runtime_checkable
 class Queue(Protocol):
-    def put_many(self, values: list[bytes], block: bool = True, timeout: float | None = None, *,
-                 partition: str | None = None) -> None: ...
+    def put_many(
+        self, values: list[bytes], block: bool = True, timeout: float | None = None, *, partition: str | None = None
+    ) -> None: ...
 
-    def get_many(self, n_values: int, block: bool = True, timeout: float | None = None, *,
-                 partition: str | None = None) -> list[bytes]: ...
+    def get_many(
+        self, n_values: int, block: bool = True, timeout: float | None = None, *, partition: str | None = None
+    ) -> list[bytes]: ...
 
     def get(self, block: bool = True, timeout: float | None = None, *, partition: str | None = None) -> Any: ...
 
@@ -136,8 +138,7 @@ class MemoryQueue:
         self._cond = threading.Condition()
 
     def _fits(self, key: str, n: int, size: int) -> bool:
-        return (len(self._items.get(key, ())) + n <= self.max_items
-                and self._bytes.get(key, 0) + size <= self.max_bytes)
+        return len(self._items.get(key, ())) + n <= self.max_items and self._bytes.get(key, 0) + size <= self.max_bytes
 
     def put_many(self, values, block=True, timeout=None, *, partition=None) -> None:
         key = validate_partition(partition)

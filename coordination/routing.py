@@ -54,9 +54,16 @@ def encode_event(producer: str, *, done=(), held=(), totals: dict | None = None,
     going away (preempted, failed) names the units it will not finish (`released`): they are issued
     again at once instead of when their lease runs out. A consumer rank's event (`producer`
     "rank-<r>") asks for units again (`redo`): their items never reached it."""
-    return json.dumps({"p": producer, "done": [list(u) for u in done], "held": [list(u) for u in held],
-                       "totals": totals, "redo": [list(u) for u in redo],
-                       "released": [list(u) for u in released]}).encode()
+    return json.dumps(
+        {
+            "p": producer,
+            "done": [list(u) for u in done],
+            "held": [list(u) for u in held],
+            "totals": totals,
+            "redo": [list(u) for u in redo],
+            "released": [list(u) for u in released],
+        }
+    ).encode()
 
 
 def decode_event(data: bytes) -> dict:

@@ -15,7 +15,6 @@ from coordination.queues import Map
 from coordination.routing import cell_rank, summary_key, unit_rank
 
 
-
 def steps_per_epoch(cells_per_rank: list[int], batch_size: int) -> int:
     """Batches every rank takes: the same number on all ranks (the largest rank's), so DDP
     agrees on the step count with no communication."""
@@ -48,18 +47,29 @@ class PlanSummary:
 
     @classmethod
     def of(cls, plan, world_size: int) -> "PlanSummary":
-        return cls(plan.epoch, plan.plan_id, plan.n_units, plan.n_cells, world_size,
-                   plan.cells_per_rank(world_size).tolist(), plan.boundary_cells.tolist(),
-                   plan.boundary_piece_counts.tolist(), plan.cell_hash_per_rank(world_size),
-                   plan.boundary_piece_units.tolist(), run_lengths(plan.unit_cell_counts))
+        return cls(
+            plan.epoch,
+            plan.plan_id,
+            plan.n_units,
+            plan.n_cells,
+            world_size,
+            plan.cells_per_rank(world_size).tolist(),
+            plan.boundary_cells.tolist(),
+            plan.boundary_piece_counts.tolist(),
+            plan.cell_hash_per_rank(world_size),
+            plan.boundary_piece_units.tolist(),
+            run_lengths(plan.unit_cell_counts),
+        )
 
     def cells_left_per_rank(self, world_size: int, unit_trained: dict, trained_stitched: set) -> list[int]:
         """On resume (on any number of ranks): the cells of this epoch not trained yet that each of
         `world_size` ranks will receive -- unit u's to rank u mod W, boundary cell c's to c mod W --
         from the cells trained of each unit (`unit_trained`) and the boundary cells trained."""
         if not self.unit_cells:
-            raise CellfeedError(f"epoch {self.epoch}'s plan was published without its unit sizes (an older "
-                                "cellfeed): resume it on its own number of ranks")
+            raise CellfeedError(
+                f"epoch {self.epoch}'s plan was published without its unit sizes (an older "
+                "cellfeed): resume it on its own number of ranks"
+            )
         counts = np.repeat([c for c, _ in self.unit_cells], [n for _, n in self.unit_cells]).astype(np.int64)
         for unit, cells in unit_trained.items():
             counts[int(unit)] -= cells
@@ -75,12 +85,19 @@ class PlanSummary:
         needed, at = set(), 0
         for cell, count in zip(self.boundary_cells, self.boundary_piece_counts):
             if cell not in trained_boundary_cells:
-                needed.update(self.boundary_piece_units[at:at + count])
+                needed.update(self.boundary_piece_units[at : at + count])
             at += count
         return set(done_units) - needed
 
-    def units_missing(self, rank: int, world_size: int, complete_units: set, received_stitched: set,
-                      unit_trained: dict, trained_stitched: set) -> list[int]:
+    def units_missing(
+        self,
+        rank: int,
+        world_size: int,
+        complete_units: set,
+        received_stitched: set,
+        unit_trained: dict,
+        trained_stitched: set,
+    ) -> list[int]:
         """On a rank that waits for cells that do not come: the units whose items it should get and
         has not all got -- units routed to it (u mod W) with cells left for it (`unit_trained`: cells
         trained before a resume) and not in `complete_units` (every item's key seen) -- and the
@@ -95,7 +112,7 @@ class PlanSummary:
         at = 0
         for cell, count in zip(self.boundary_cells, self.boundary_piece_counts):
             if cell_rank(cell, world_size) == rank and cell not in received_stitched and cell not in trained_stitched:
-                missing.update(self.boundary_piece_units[at:at + count])
+                missing.update(self.boundary_piece_units[at : at + count])
             at += count
         return sorted(missing)
 
@@ -128,8 +145,10 @@ def load_summary(store: Map, run: str, epoch: int, timeout_s: float = 60.0) -> P
     deadline = time.monotonic() + timeout_s
     while (data := store.get(summary_key(run, epoch))) is None:
         if time.monotonic() > deadline:
-            raise CellfeedError(f"no plan published for epoch {epoch} of run {run!r} after {timeout_s:.0f}s: "
-                                "did the campaign's setup step run?")
+            raise CellfeedError(
+                f"no plan published for epoch {epoch} of run {run!r} after {timeout_s:.0f}s: "
+                "did the campaign's setup step run?"
+            )
         time.sleep(0.1)
     return PlanSummary.from_bytes(data)
 

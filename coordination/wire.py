@@ -32,8 +32,13 @@ VERSION = 1
 STITCHED, HAS_VALUES, HAS_LABELS = 1, 2, 4
 HEADER = struct.Struct("<4sHHQIQIIIIBBxxII")
 # dtype codes in item headers and stitching pieces (one numbering for every byte format cellfeed writes)
-DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 3: np.dtype(np.uint32), 4: np.dtype(np.float32),
-          5: np.dtype(np.int32)}
+DTYPES = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.uint16),
+    3: np.dtype(np.uint32),
+    4: np.dtype(np.float32),
+    5: np.dtype(np.int32),
+}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 _SEQ_OFFSET = 28  # seq and item count: the only header fields filled in after packing
 ZSTD_LEVEL = 3
@@ -89,8 +94,22 @@ def pack_item(item: Item) -> bytes:
         flags |= HAS_LABELS
         parts.append(np.asarray(item.labels, dtype=np.int32).tobytes())
     payload = _compressor()[0].compress(b"".join(parts))
-    header = HEADER.pack(MAGIC, VERSION, flags, item.run_tag, item.epoch, item.key_id, item.seq, item.n_items, n,
-                         len(tokens), DTYPE_CODES[tokens.dtype], value_code, len(payload), zlib.crc32(payload))
+    header = HEADER.pack(
+        MAGIC,
+        VERSION,
+        flags,
+        item.run_tag,
+        item.epoch,
+        item.key_id,
+        item.seq,
+        item.n_items,
+        n,
+        len(tokens),
+        DTYPE_CODES[tokens.dtype],
+        value_code,
+        len(payload),
+        zlib.crc32(payload),
+    )
     return header + payload
 
 
@@ -98,8 +117,22 @@ def unpack_item(data: bytes, run_tag: int | None = None, epoch: int | None = Non
     """Verify and decode an item; raises `ItemError` naming what is wrong."""
     if len(data) < HEADER.size:
         raise ItemError(f"truncated item: {len(data)} bytes, shorter than the {HEADER.size}-byte header")
-    (magic, version, flags, tag, item_epoch, key_id, seq, n_items, n, n_tokens, token_code, value_code,
-     payload_len, crc) = HEADER.unpack_from(data)
+    (
+        magic,
+        version,
+        flags,
+        tag,
+        item_epoch,
+        key_id,
+        seq,
+        n_items,
+        n,
+        n_tokens,
+        token_code,
+        value_code,
+        payload_len,
+        crc,
+    ) = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise ItemError(f"not a cellfeed item (magic {magic!r})")
     if version != VERSION:
@@ -108,7 +141,7 @@ def unpack_item(data: bytes, run_tag: int | None = None, epoch: int | None = Non
         raise ItemError(f"item from another run (tag {tag:016x}, expected {run_tag:016x})")
     if epoch is not None and item_epoch != epoch:
         raise ItemError(f"item from epoch {item_epoch}, expected epoch {epoch}")
-    payload = memoryview(data)[HEADER.size:]
+    payload = memoryview(data)[HEADER.size :]
     if len(payload) != payload_len:
         raise ItemError(f"truncated item: payload has {len(payload)} of {payload_len} bytes")
     if zlib.crc32(payload) != crc:
@@ -121,15 +154,19 @@ def unpack_item(data: bytes, run_tag: int | None = None, epoch: int | None = Non
         raise ItemError(f"corrupt item: {exc}") from None
     token_dtype = DTYPES[token_code]
     value_dtype = DTYPES[value_code] if flags & HAS_VALUES else None
-    expected = 8 * n + n_tokens * token_dtype.itemsize + (n_tokens * value_dtype.itemsize if value_dtype else 0) \
+    expected = (
+        8 * n
+        + n_tokens * token_dtype.itemsize
+        + (n_tokens * value_dtype.itemsize if value_dtype else 0)
         + (4 * n if flags & HAS_LABELS else 0)
+    )
     if len(raw) != expected:
         raise ItemError(f"corrupt item: payload holds {len(raw)} bytes, header implies {expected}")
     buf, pos = np.frombuffer(raw, dtype=np.uint8), 0
 
     def take(dtype, count):
         nonlocal pos
-        arr = buf[pos:pos + count * np.dtype(dtype).itemsize].view(dtype)
+        arr = buf[pos : pos + count * np.dtype(dtype).itemsize].view(dtype)
         pos += count * np.dtype(dtype).itemsize
         return arr
 
@@ -142,26 +179,48 @@ def unpack_item(data: bytes, run_tag: int | None = None, epoch: int | None = Non
     tokens = take(token_dtype, n_tokens)
     values = take(value_dtype, n_tokens) if value_dtype else None
     labels = take(np.int32, n) if flags & HAS_LABELS else None
-    return Item(item_epoch, key_id, seq, bool(flags & STITCHED), tag, n_items, cell_ids, offsets, tokens, values,
-                labels)
+    return Item(
+        item_epoch, key_id, seq, bool(flags & STITCHED), tag, n_items, cell_ids, offsets, tokens, values, labels
+    )
 
 
 def _slice_cells(tokens, lo: int, hi: int):
     a, b = tokens.offsets[lo], tokens.offsets[hi]
     values = None if tokens.values is None else tokens.values[a:b]
-    return tokens.cell_ids[lo:hi], tokens.offsets[lo:hi + 1] - a, tokens.tokens[a:b], values
+    return tokens.cell_ids[lo:hi], tokens.offsets[lo : hi + 1] - a, tokens.tokens[a:b], values
 
 
-def pack_cells(tokens, *, epoch: int, key_id: int, run_tag: int, stitched: bool = False,
-               labels: np.ndarray | None = None, cells_per_item: int = 128) -> list[bytearray]:
+def pack_cells(
+    tokens,
+    *,
+    epoch: int,
+    key_id: int,
+    run_tag: int,
+    stitched: bool = False,
+    labels: np.ndarray | None = None,
+    cells_per_item: int = 128,
+) -> list[bytearray]:
     """Pack tokenized cells (a `Tokens`) into items of at most `cells_per_item` cells and 1 MiB,
     not yet numbered (`number_items` does that once a unit's items are all packed)."""
     packed: list[bytearray] = []
 
     def emit(lo: int, hi: int) -> None:
         cell_ids, offsets, toks, values = _slice_cells(tokens, lo, hi)
-        data = pack_item(Item(epoch, key_id, 0, stitched, run_tag, 0, cell_ids, offsets, toks, values,
-                              None if labels is None else labels[lo:hi]))
+        data = pack_item(
+            Item(
+                epoch,
+                key_id,
+                0,
+                stitched,
+                run_tag,
+                0,
+                cell_ids,
+                offsets,
+                toks,
+                values,
+                None if labels is None else labels[lo:hi],
+            )
+        )
         if len(data) <= MAX_ITEM_BYTES:
             packed.append(bytearray(data))
         elif hi - lo > 1:
@@ -182,8 +241,25 @@ def number_items(packed: list[bytearray]) -> list[bytes]:
     return [bytes(d) for d in packed]
 
 
-def pack_items(tokens, *, epoch: int, key_id: int, run_tag: int, stitched: bool = False,
-               labels: np.ndarray | None = None, cells_per_item: int = 128) -> list[bytes]:
+def pack_items(
+    tokens,
+    *,
+    epoch: int,
+    key_id: int,
+    run_tag: int,
+    stitched: bool = False,
+    labels: np.ndarray | None = None,
+    cells_per_item: int = 128,
+) -> list[bytes]:
     """Pack and number tokenized cells (a `Tokens`): deterministic for the same input."""
-    return number_items(pack_cells(tokens, epoch=epoch, key_id=key_id, run_tag=run_tag, stitched=stitched,
-                                   labels=labels, cells_per_item=cells_per_item))
+    return number_items(
+        pack_cells(
+            tokens,
+            epoch=epoch,
+            key_id=key_id,
+            run_tag=run_tag,
+            stitched=stitched,
+            labels=labels,
+            cells_per_item=cells_per_item,
+        )
+    )

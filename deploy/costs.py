@@ -22,6 +22,8 @@ def functions_per_hour(gpus: int) -> dict[str, float]:
     H100s (with its cores and memory), one `produce` container, `setup`."""
     from app.modal_app import PRODUCER_CPU, PRODUCER_MEMORY_MB, TRAINER_CPU, TRAINER_MEMORY_MB
 
-    return {"train": per_hour(gpus, TRAINER_CPU, TRAINER_MEMORY_MB / 1024),
-            "produce": per_hour(0, PRODUCER_CPU, PRODUCER_MEMORY_MB / 1024),
-            "setup": per_hour(0, SETUP_CPU, SETUP_MEMORY_MB / 1024)}
+    return {
+        "train": per_hour(gpus, TRAINER_CPU, TRAINER_MEMORY_MB / 1024),
+        "produce": per_hour(0, PRODUCER_CPU, PRODUCER_MEMORY_MB / 1024),
+        "setup": per_hour(0, SETUP_CPU, SETUP_MEMORY_MB / 1024),
+    }

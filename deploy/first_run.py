@@ -23,8 +23,10 @@ import time
 CAMPAIGN = dict(producers=2, gpus=1, preset="tiny", epochs=1, batch_size=64, max_genes=256)
 CELLS, GENES = 2_000, 2_000
 MINUTES = {"train": 10, "produce": 10, "setup": 3}  # expected per container, its start included
-SECRET_LINE = ("modal secret create {name} AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... AWS_ENDPOINT_URL=... "
-               "AWS_REGION=...   (deploy/README.md, step 1)")
+SECRET_LINE = (
+    "modal secret create {name} AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... AWS_ENDPOINT_URL=... "
+    "AWS_REGION=...   (deploy/README.md, step 1)"
+)
 
 
 class Failed(Exception):
@@ -63,21 +65,37 @@ def main(argv: list[str] | None = None) -> int:
             problems = clean_up(run, dataset, made)
             if problems and outcome.startswith("ok"):
                 outcome = "FAILED: the run was ok, but " + "; ".join(problems)
-    print(f"first run: {outcome} in {time.monotonic() - started:.0f} s wall time"
-          if outcome.startswith("ok") else f"first run: {outcome}", flush=True)
+    print(
+        f"first run: {outcome} in {time.monotonic() - started:.0f} s wall time"
+        if outcome.startswith("ok")
+        else f"first run: {outcome}",
+        flush=True,
+    )
     return 0 if outcome.startswith("ok") else 1
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m deploy.first_run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bucket", required=True, metavar="s3://BUCKET/PREFIX",
-                        help="where the synthetic atlas goes, under PREFIX/first-run-<timestamp> (deleted at the end)")
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.first_run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--bucket",
+        required=True,
+        metavar="s3://BUCKET/PREFIX",
+        help="where the synthetic atlas goes, under PREFIX/first-run-<timestamp> (deleted at the end)",
+    )
     parser.add_argument("--yes", action="store_true", help="start without asking (after printing the cost estimate)")
-    parser.add_argument("--keep", action="store_true",
-                        help="delete nothing at the end: the atlas, the checkpoints, a failed run's queue and dicts")
-    parser.add_argument("--timeout-minutes", type=float, default=30.0,
-                        help="stop the campaign after this long (its Modal app stops with it; default 30)")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="delete nothing at the end: the atlas, the checkpoints, a failed run's queue and dicts",
+    )
+    parser.add_argument(
+        "--timeout-minutes",
+        type=float,
+        default=30.0,
+        help="stop the campaign after this long (its Modal app stops with it; default 30)",
+    )
     args = parser.parse_args(argv)
     if not args.bucket.startswith("s3://") or len(args.bucket.rstrip("/")) <= len("s3://"):
         parser.error(f"--bucket {args.bucket!r}: expected s3://bucket/prefix")
@@ -97,8 +115,10 @@ def missing_pieces(bucket: str) -> list[str]:
 
     lines = []
     if not (os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")):
-        lines.append("S3 settings: this shell has no AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY: export them (and "
-                     "AWS_ENDPOINT_URL, AWS_REGION for Tigris or R2), the same values as the Modal Secret's")
+        lines.append(
+            "S3 settings: this shell has no AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY: export them (and "
+            "AWS_ENDPOINT_URL, AWS_REGION for Tigris or R2), the same values as the Modal Secret's"
+        )
     else:
         try:
             location(bucket).check_reachable(for_write=True)
@@ -115,8 +135,10 @@ def missing_pieces(bucket: str) -> list[str]:
     try:
         modal.Volume.from_name(VOLUME_NAME, create_if_missing=True).hydrate()
     except modal.exception.Error as exc:
-        lines.append(f"the Modal Volume {VOLUME_NAME!r} is missing and could not be made ({type(exc).__name__}: "
-                     f"{last_line(exc)}): run  modal volume create {VOLUME_NAME}")
+        lines.append(
+            f"the Modal Volume {VOLUME_NAME!r} is missing and could not be made ({type(exc).__name__}: "
+            f"{last_line(exc)}): run  modal volume create {VOLUME_NAME}"
+        )
     return lines
 
 
@@ -126,13 +148,16 @@ def estimate(timeout_minutes: float) -> str:
     from deploy.costs import functions_per_hour
 
     rate, n = functions_per_hour(CAMPAIGN["gpus"]), CAMPAIGN["producers"]
-    expected = (rate["train"] * MINUTES["train"] + n * rate["produce"] * MINUTES["produce"]
-                + rate["setup"] * MINUTES["setup"]) / 60
+    expected = (
+        rate["train"] * MINUTES["train"] + n * rate["produce"] * MINUTES["produce"] + rate["setup"] * MINUTES["setup"]
+    ) / 60
     most = (rate["train"] + n * rate["produce"]) * timeout_minutes / 60 + rate["setup"] * MINUTES["setup"] / 60
-    return (f"this run costs about ${expected:.2f}: {CAMPAIGN['gpus']} x H100 with {TRAINER_CPU:g} cores and "
-            f"{TRAINER_MEMORY_MB // 1024} GiB (${rate['train']:.2f}/hour) and {n} producers "
-            f"(${rate['produce']:.2f}/hour each) for ~{MINUTES['train']} minutes, setup for ~{MINUTES['setup']}; "
-            f"at most ${most:.2f} if it runs until --timeout-minutes {timeout_minutes:g}")
+    return (
+        f"this run costs about ${expected:.2f}: {CAMPAIGN['gpus']} x H100 with {TRAINER_CPU:g} cores and "
+        f"{TRAINER_MEMORY_MB // 1024} GiB (${rate['train']:.2f}/hour) and {n} producers "
+        f"(${rate['produce']:.2f}/hour each) for ~{MINUTES['train']} minutes, setup for ~{MINUTES['setup']}; "
+        f"at most ${most:.2f} if it runs until --timeout-minutes {timeout_minutes:g}"
+    )
 
 
 def confirm(cost: str, yes: bool) -> None:
@@ -153,8 +178,12 @@ def make_and_upload(dataset: str) -> None:
 
     with tempfile.TemporaryDirectory(prefix="cellfeed-first-run-") as tmp:
         print(f"making a synthetic atlas of {CELLS:,} cells x {GENES:,} genes; uploading it to {dataset}", flush=True)
-        synthesize(f"{tmp}/atlas", SynthSpec(n_cells=CELLS, n_genes=GENES, median_nnz=300, seed=1),
-                   rows_per_fragment=200_000, progress=False)
+        synthesize(
+            f"{tmp}/atlas",
+            SynthSpec(n_cells=CELLS, n_genes=GENES, median_nnz=300, seed=1),
+            rows_per_fragment=200_000,
+            progress=False,
+        )
         try:
             upload(f"{tmp}/atlas", dataset)
         except CellfeedError as exc:
@@ -195,8 +224,10 @@ def audited_cells(summary: dict) -> int:
     audits, epochs = summary.get("audits") or [], CAMPAIGN["epochs"]
     clean = [a for a in audits if a.get("audited") and a.get("missing") == 0 and a.get("duplicated") == 0]
     if not summary.get("complete") or len(audits) != epochs or len(clean) != epochs:
-        raise Failed(f"the exactly-once audit: {len(clean)} of {epochs} epoch(s) audited clean "
-                     f"({'; '.join(a.get('line', '?') for a in audits) or 'no audit came back'})")
+        raise Failed(
+            f"the exactly-once audit: {len(clean)} of {epochs} epoch(s) audited clean "
+            f"({'; '.join(a.get('line', '?') for a in audits) or 'no audit came back'})"
+        )
     cells = sum(a["cells"] for a in clean)
     print(f"audit: {epochs} epoch(s) audited, {cells:,} cells trained, 0 missing, 0 duplicated", flush=True)
     return cells
@@ -212,11 +243,14 @@ def clean_up(run: str, dataset: str, made: set[str]) -> list[str]:
 
     steps = [(f"the atlas at {dataset}", lambda: location(dataset).delete())]
     if "campaign" in made:
-        steps.append((f"the checkpoints /{run} in the Volume {VOLUME_NAME}",
-                      lambda: modal.Volume.from_name(VOLUME_NAME).remove_file(f"/{run}", recursive=True)))
+        steps.append(
+            (
+                f"the checkpoints /{run} in the Volume {VOLUME_NAME}",
+                lambda: modal.Volume.from_name(VOLUME_NAME).remove_file(f"/{run}", recursive=True),
+            )
+        )
     if "campaign" in made and "finished" not in made:  # (a finished campaign deleted them itself)
-        steps.append(("the run's queue and dicts",
-                      lambda: delete_run_backends(run, CAMPAIGN["epochs"], retry_s=120.0)))
+        steps.append(("the run's queue and dicts", lambda: delete_run_backends(run, CAMPAIGN["epochs"], retry_s=120.0)))
     problems = []
     for what, delete in steps:
         try:

@@ -41,8 +41,9 @@ def upload(source: str, target: str, overwrite: bool = False) -> None:
             dest.client.upload_file(str(path), dest.bucket, key, Callback=bar.update)
     remote = open_dataset(target)
     if remote.shape != local.shape or remote.n_rows != local.n_rows:
-        raise CellfeedError(f"uploaded dataset does not match: {remote.shape}/{remote.n_rows} vs "
-                            f"{local.shape}/{local.n_rows}")
+        raise CellfeedError(
+            f"uploaded dataset does not match: {remote.shape}/{remote.n_rows} vs {local.shape}/{local.n_rows}"
+        )
     print(f"uploaded {local.n_cells:,} cells x {local.n_genes:,} genes ({total / 1e9:.2f} GB) to {target}")
 
 

@@ -23,7 +23,9 @@ class ProducerConfig:
     vocabulary: str | None = None  # a gene vocabulary file; None: built from the sources (or the corpus file's)
     gene_column: str = "gene_id"  # the var column naming genes in the vocabulary
     gene_medians: str | None = None  # geneformer: a median dictionary (identifier -> median) over the corpus
-    mixtures: str | None = None  # the run's corpus over its epochs (`coordination.corpus_file.Mixtures`, JSON): over `corpus`
+    mixtures: str | None = (
+        None  # the run's corpus over its epochs (`coordination.corpus_file.Mixtures`, JSON): over `corpus`
+    )
     sampling: Sampling = field(default_factory=Sampling)
     tokenizer: str = "scgpt"
     max_genes: int | None = None  # None: the tokenizer's own length (producers.tokenizers.LAYOUTS)
@@ -46,8 +48,11 @@ class ProducerConfig:
         line wins over the corpus file's."""
         if not (self.mixtures or self.corpus):
             return None
-        mixtures = Mixtures.from_json(Path(self.mixtures).read_text(), self.mixtures) if self.mixtures else \
-            Mixtures([(0, self.corpus_spec())])
+        mixtures = (
+            Mixtures.from_json(Path(self.mixtures).read_text(), self.mixtures)
+            if self.mixtures
+            else Mixtures([(0, self.corpus_spec())])
+        )
         if self.vocabulary:
             mixtures.union = replace(mixtures.union, vocabulary=self.vocabulary)
         return mixtures
@@ -59,15 +64,19 @@ class ProducerConfig:
             if self.vocabulary:  # a vocabulary given on the command line wins over the file's
                 spec = CorpusSpec(spec.sources, self.vocabulary, spec.gene_column, spec.epoch_cells, spec.path)
             return spec
-        return CorpusSpec.single(self.dataset, self.subset_filter, self.exclude_filter, self.gene_column,
-                                 self.vocabulary)
+        return CorpusSpec.single(
+            self.dataset, self.subset_filter, self.exclude_filter, self.gene_column, self.vocabulary
+        )
 
     def validate(self) -> "ProducerConfig":
         self.sampling.validate()
-        if (self.corpus or self.mixtures) and (self.subset_filter or self.exclude_filter or self.subset_ids
-                                               or self.label_column):
-            raise CellfeedError("with a corpus, give each source's subset_filter / eval_filter in the corpus file "
-                                "(labels and id lists are for one dataset)")
+        if (self.corpus or self.mixtures) and (
+            self.subset_filter or self.exclude_filter or self.subset_ids or self.label_column
+        ):
+            raise CellfeedError(
+                "with a corpus, give each source's subset_filter / eval_filter in the corpus file "
+                "(labels and id lists are for one dataset)"
+            )
         if self.world_size < 1:
             raise CellfeedError(f"world_size must be >= 1, got {self.world_size}")
         if self.threads is not None and self.threads < 1:

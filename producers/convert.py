@@ -108,7 +108,7 @@ def _align_genes(sources: list[_Source]) -> None:
             continue
         missing, extra = ref.difference(names), names.difference(ref)
         if len(missing) or len(extra):
-            example = (list(missing[:3]) or list(extra[:3]))
+            example = list(missing[:3]) or list(extra[:3])
             raise CellfeedError(
                 f"genes of {src.path} do not match {sources[0].path}: {len(missing)} missing, {len(extra)} extra "
                 f"(e.g. {example}); convert them separately or subset them to the same genes"
@@ -205,8 +205,12 @@ def convert(
     n_genes = sources[0].matrix.shape[1]
     total = sum(s.n_obs for s in sources)
     writer = DatasetWriter(
-        out, n_genes=n_genes, value_type=value_type, rows_per_fragment=rows_per_fragment,
-        overwrite=overwrite, settings=settings,
+        out,
+        n_genes=n_genes,
+        value_type=value_type,
+        rows_per_fragment=rows_per_fragment,
+        overwrite=overwrite,
+        settings=settings,
     )
     np_type = value_type.to_pandas_dtype()
     with writer, tqdm(total=total, desc="convert", unit="cell", unit_scale=True, disable=not progress) as bar:

@@ -37,8 +37,18 @@ class Stopped(Exception):
 class Courier:
     """Sends a producer's items and events (see the module's text)."""
 
-    def __init__(self, queue: Queue, store: Map, *, run: str, name: str, heartbeat_s: float, put_timeout_s: float,
-                 totals: Callable[[], dict], stopping: threading.Event):
+    def __init__(
+        self,
+        queue: Queue,
+        store: Map,
+        *,
+        run: str,
+        name: str,
+        heartbeat_s: float,
+        put_timeout_s: float,
+        totals: Callable[[], dict],
+        stopping: threading.Event,
+    ):
         self.queue, self.store = queue, store
         self.run, self.name = run, name
         self.heartbeat_s, self.put_timeout_s = heartbeat_s, put_timeout_s
@@ -98,8 +108,12 @@ class Courier:
         if not held:
             return
         try:
-            self.queue.put_many([encode_event(self.name, released=held)], block=True, timeout=RELEASE_TIMEOUT_S,
-                                partition=EVENTS_PARTITION)
+            self.queue.put_many(
+                [encode_event(self.name, released=held)],
+                block=True,
+                timeout=RELEASE_TIMEOUT_S,
+                partition=EVENTS_PARTITION,
+            )
         except Exception:  # noqa: BLE001 - the lease covers it
             pass
 
@@ -185,10 +199,11 @@ class Courier:
                 return
             except RequestTooLarge as exc:
                 if len(batch) == 1:
-                    raise CellfeedError(f"one item of {len(batch[0]):,} bytes is a request too large for the "
-                                        f"queue ({exc})") from None
+                    raise CellfeedError(
+                        f"one item of {len(batch[0]):,} bytes is a request too large for the queue ({exc})"
+                    ) from None
                 self._send(batch[: len(batch) // 2], partition)
-                self._send(batch[len(batch) // 2:], partition)
+                self._send(batch[len(batch) // 2 :], partition)
                 return
             except Full:
                 self._full_at[partition] = self.queue.len(partition=partition)
@@ -206,8 +221,9 @@ class Courier:
                 self._full_wait_s = max(FULL_WAIT_MIN_S, self._full_wait_s / 2)
                 return
             if time.monotonic() >= deadline:
-                raise CellfeedError(f"queue partition {partition} stayed full for {self.put_timeout_s:.0f}s: "
-                                    "is the trainer consuming?")
+                raise CellfeedError(
+                    f"queue partition {partition} stayed full for {self.put_timeout_s:.0f}s: is the trainer consuming?"
+                )
             if partition != EVENTS_PARTITION:  # backpressure is no silence: keep heartbeating
                 self._beat_if_due()
             if self.stopping.wait(self._full_wait_s * random.uniform(0.75, 1.25)):

@@ -83,8 +83,9 @@ class StorageUnavailable(CellfeedError):
     trying again later, unlike damaged data."""
 
 
-UNREACHABLE = re.compile(r"LanceError\(IO\)|HTTP|connect|timed? ?out|error sending request|broken pipe|reset by peer",
-                         re.IGNORECASE)
+UNREACHABLE = re.compile(
+    r"LanceError\(IO\)|HTTP|connect|timed? ?out|error sending request|broken pipe|reset by peer", re.IGNORECASE
+)
 
 
 def error_text(exc: Exception) -> str:
@@ -113,8 +114,9 @@ class Dataset:
         tables = config.get("tables") or {}
         missing = [t for t in TABLES if t not in tables]
         if missing:
-            raise CellfeedError(f"{self.uri}/config.json lists no {', '.join(missing)} table; "
-                                "the dataset is incomplete")
+            raise CellfeedError(
+                f"{self.uri}/config.json lists no {', '.join(missing)} table; the dataset is incomplete"
+            )
         opts = loc.lance_options()
         self.expression = _open_lance(loc.join(tables["expression"]), opts, "expression")
         self.cells = _open_lance(loc.join(tables["cells"]), opts, "cells")
@@ -126,8 +128,10 @@ class Dataset:
             )
         cell_rows = self.cells.count_rows()
         if "n_cells" in config and int(config["n_cells"]) != cell_rows:
-            raise DatasetDamaged(f"{self.uri}/config.json says {int(config['n_cells']):,} cells, but "
-                                 f"{tables['cells']} holds {cell_rows:,}: the metadata does not match the data")
+            raise DatasetDamaged(
+                f"{self.uri}/config.json says {int(config['n_cells']):,} cells, but "
+                f"{tables['cells']} holds {cell_rows:,}: the metadata does not match the data"
+            )
         self.n_cells = cell_rows
         self.n_genes = int(config.get("n_genes", self.genes.count_rows()))
         self.n_rows = self.expression.count_rows()
@@ -149,17 +153,22 @@ class Dataset:
         steps = np.diff(starts)
         if len(starts) > 1 and (starts[0] != 0 or (steps < 0).any()):
             bad = 0 if starts[0] != 0 else int(np.flatnonzero(steps < 0)[0])
-            raise DatasetDamaged(f"{self.uri}/{TABLES['cells']}: cell_start_index is not increasing from 0 (at cell "
-                                 f"{bad:,}: {int(starts[bad]):,}, then {int(starts[bad + 1]):,})")
+            raise DatasetDamaged(
+                f"{self.uri}/{TABLES['cells']}: cell_start_index is not increasing from 0 (at cell "
+                f"{bad:,}: {int(starts[bad]):,}, then {int(starts[bad + 1]):,})"
+            )
         if len(starts) > 1 and starts[-2] > self.n_rows:
-            raise DatasetDamaged(f"{self.uri}/{TABLES['cells']}: cell_start_index points past the expression table's "
-                                 f"{self.n_rows:,} rows (cell {self.n_cells - 1:,} starts at {int(starts[-2]):,})")
+            raise DatasetDamaged(
+                f"{self.uri}/{TABLES['cells']}: cell_start_index points past the expression table's "
+                f"{self.n_rows:,} rows (cell {self.n_cells - 1:,} starts at {int(starts[-2]):,})"
+            )
         with_rows = np.flatnonzero(steps > 0)
         if len(with_rows) and spot_cells:
             even = with_rows[np.linspace(0, len(with_rows) - 1, min(spot_cells, len(with_rows))).astype(np.int64)]
             rng = np.random.default_rng(len(with_rows))
-            chosen = np.unique(np.concatenate([even, rng.choice(with_rows, min(spot_cells, len(with_rows)),
-                                                                 replace=False)]))
+            chosen = np.unique(
+                np.concatenate([even, rng.choice(with_rows, min(spot_cells, len(with_rows)), replace=False)])
+            )
             rows = np.stack([starts[chosen], starts[chosen + 1] - 1], axis=1).reshape(-1)
             try:
                 owners = self.expression.take(rows, columns=["cell_integer_id"]).column(0).to_numpy()
@@ -171,7 +180,8 @@ class Dataset:
                 raise DatasetDamaged(
                     f"{self.uri}: {TABLES['cells']}'s cell_start_index disagrees with {TABLES['expression']}: cell "
                     f"{cell:,} is given row {row:,}, which belongs to cell {int(owners[wrong[0]]):,} (checked "
-                    f"{len(chosen):,} cells; `cellfeed inspect --check` reads them all)")
+                    f"{len(chosen):,} cells; `cellfeed inspect --check` reads them all)"
+                )
         return self
 
     def _check_fragment_files(self) -> None:
@@ -182,8 +192,9 @@ class Dataset:
         for frag in self._lance_fragments:
             for data in frag.data_files():
                 if not (root / data.path).exists():
-                    raise DatasetDamaged(f"{self.uri}: expression fragment {frag.fragment_id}'s file "
-                                         f"{root / data.path} is missing")
+                    raise DatasetDamaged(
+                        f"{self.uri}: expression fragment {frag.fragment_id}'s file {root / data.path} is missing"
+                    )
 
     def check_all(self, progress=None) -> int:
         """`cellfeed inspect --check`: read every expression fragment whole and check that each of
@@ -194,25 +205,34 @@ class Dataset:
         checked = 0
         for frag in self._lance_fragments:
             try:
-                ids = pa.concat_arrays([b.column(0) for b in frag.to_batches(columns=["cell_integer_id"])]
-                                       ).to_numpy(zero_copy_only=False) if frag.count_rows() else np.zeros(0, np.int64)
+                ids = (
+                    pa.concat_arrays([b.column(0) for b in frag.to_batches(columns=["cell_integer_id"])]).to_numpy(
+                        zero_copy_only=False
+                    )
+                    if frag.count_rows()
+                    else np.zeros(0, np.int64)
+                )
             except Exception as exc:  # noqa: BLE001 - a damaged file: one line
-                raise DatasetDamaged(f"{self.uri}: expression fragment {frag.fragment_id} cannot be read "
-                                     f"({error_text(exc)})") from None
+                raise DatasetDamaged(
+                    f"{self.uri}: expression fragment {frag.fragment_id} cannot be read ({error_text(exc)})"
+                ) from None
             first = checked
             want = np.searchsorted(starts, np.arange(first, first + len(ids)), side="right") - 1
             wrong = np.flatnonzero(ids != want)
             if len(wrong):
                 row = first + int(wrong[0])
-                raise DatasetDamaged(f"{self.uri}: expression row {row:,} (fragment {frag.fragment_id}) belongs to "
-                                     f"cell {int(ids[wrong[0]]):,}, but cell_start_index gives it to cell "
-                                     f"{int(want[wrong[0]]):,}")
+                raise DatasetDamaged(
+                    f"{self.uri}: expression row {row:,} (fragment {frag.fragment_id}) belongs to "
+                    f"cell {int(ids[wrong[0]]):,}, but cell_start_index gives it to cell "
+                    f"{int(want[wrong[0]]):,}"
+                )
             checked += len(ids)
             if progress is not None:
                 progress(checked, self.n_rows)
         if checked != self.n_rows:
-            raise DatasetDamaged(f"{self.uri}: the expression fragments hold {checked:,} rows, the manifest "
-                                 f"{self.n_rows:,}")
+            raise DatasetDamaged(
+                f"{self.uri}: the expression fragments hold {checked:,} rows, the manifest {self.n_rows:,}"
+            )
         return checked
 
     @property
@@ -295,8 +315,10 @@ class Dataset:
         text = error_text(exc)
         if UNREACHABLE.search(text) and not isinstance(self.location, LocalLocation):  # (a local file is no store)
             return StorageUnavailable(f"cannot reach the rows of {self.uri} ({where}): {text}; is the object store up?")
-        return CellfeedError(f"cannot read rows of {self.uri} ({where}): {text}; the dataset is damaged or was "
-                             "changed while in use: write it again (`cellfeed convert`/`synth`) or restore it")
+        return CellfeedError(
+            f"cannot read rows of {self.uri} ({where}): {text}; the dataset is damaged or was "
+            "changed while in use: write it again (`cellfeed convert`/`synth`) or restore it"
+        )
 
     def read_rows(self, start: int, stop: int) -> RowBlock:
         """Expression rows [start, stop) in storage order."""

@@ -36,7 +36,7 @@ CHUNK_ROWS = 1 << 22
 COLLECT_LIMIT = 1 << 24  # candidate values gathered in the final pass (8 bytes each)
 # first pass: the sign+exponent bits (>> 52); values lie in [10,000 / 2^55, 10,000] (counts < 2^24
 # in at most 2^31 genes), i.e. exponents -42..13, inside this 64-bucket window
-EXPONENT_BASE = int(np.float64(2.0 ** -48).view(np.uint64)) >> 52
+EXPONENT_BASE = int(np.float64(2.0**-48).view(np.uint64)) >> 52
 EXPONENT_BUCKETS = 64
 
 
@@ -48,7 +48,7 @@ def normalized_values(ds: Dataset, chunk_rows: int = CHUNK_ROWS, progress: bool 
     with tqdm(total=ds.n_rows, desc=desc, unit="row", unit_scale=True, disable=not progress) as bar:
         for c0, c1 in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             block = ds.read_rows(int(starts[c0]), int(starts[c1]))
-            counts = np.diff(starts[c0:c1 + 1])
+            counts = np.diff(starts[c0 : c1 + 1])
             values = block.value.astype(np.float64)
             has_rows = counts > 0
             totals = np.zeros(len(counts))
@@ -57,16 +57,23 @@ def normalized_values(ds: Dataset, chunk_rows: int = CHUNK_ROWS, progress: bool 
             bar.update(len(values))
 
 
-def compute_gene_medians(ds: Dataset | list, progress: bool = True, collect_limit: int = COLLECT_LIMIT,
-                         chunk_rows: int = CHUNK_ROWS, n_out: int | None = None) -> np.ndarray:
+def compute_gene_medians(
+    ds: Dataset | list,
+    progress: bool = True,
+    collect_limit: int = COLLECT_LIMIT,
+    chunk_rows: int = CHUNK_ROWS,
+    n_out: int | None = None,
+) -> np.ndarray:
     """Each gene's non-zero median of depth-normalised counts (Geneformer's), exactly. `ds`: one
     dataset (medians per gene id), or a corpus as [(dataset, its `GeneVocab.lookup_array`)] (medians per
     token id, `n_out` of them, over every source's cells; a cell is normalised by its whole total)."""
     parts = ds if isinstance(ds, list) else [(ds, None)]
     for one, _ in parts:
         if not one.is_counts:
-            raise CellfeedError(f"gene medians are for integer counts; {one.uri} stores float values "
-                                "(convert a counts matrix, e.g. `cellfeed convert IN.h5ad OUT --layer raw.X`)")
+            raise CellfeedError(
+                f"gene medians are for integer counts; {one.uri} stores float values "
+                "(convert a counts matrix, e.g. `cellfeed convert IN.h5ad OUT --layer raw.X`)"
+            )
     g = n_out if n_out is not None else parts[0][0].n_genes
 
     def chunks(desc):
@@ -143,8 +150,12 @@ def _select(hist: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray,
 
 
 def store_gene_stats(ds: Dataset, medians: np.ndarray) -> None:
-    table = pa.table({"gene_integer_id": pa.array(np.arange(ds.n_genes), type=pa.int32()),
-                      COLUMN: pa.array(medians, type=pa.float64())})
+    table = pa.table(
+        {
+            "gene_integer_id": pa.array(np.arange(ds.n_genes), type=pa.int32()),
+            COLUMN: pa.array(medians, type=pa.float64()),
+        }
+    )
     options = dict(storage_options=ds.location.lance_options(), data_storage_version=LANCE_FILE_VERSION)
     try:  # "create" first: "overwrite" of a table that does not exist yet logs a warning from Lance
         lance.write_dataset(table, ds.location.join(TABLE), mode="create", **options)

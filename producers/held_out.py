@@ -16,9 +16,11 @@ from producers.items import SourceCells
 def check_fits_partition(n_cells: int, n_items: int, n_bytes: int) -> None:
     """A held-out set is read whole from one queue partition: refuse one that cannot fit."""
     if n_items > MAX_PARTITION_ITEMS or n_bytes > MAX_PARTITION_BYTES:
-        raise CellfeedError(f"the held-out set ({n_cells:,} cells: {n_items:,} items, {n_bytes / 2**20:,.1f} MiB) "
-                            f"does not fit one queue partition ({MAX_PARTITION_ITEMS:,} items, "
-                            f"{MAX_PARTITION_BYTES >> 20} MiB): lower --eval-cells")
+        raise CellfeedError(
+            f"the held-out set ({n_cells:,} cells: {n_items:,} items, {n_bytes / 2**20:,.1f} MiB) "
+            f"does not fit one queue partition ({MAX_PARTITION_ITEMS:,} items, "
+            f"{MAX_PARTITION_BYTES >> 20} MiB): lower --eval-cells"
+        )
 
 
 def produce_held_out(producer, cell_ids: np.ndarray, partition: str = EVAL_PARTITION) -> int:
@@ -31,8 +33,9 @@ def produce_held_out(producer, cell_ids: np.ndarray, partition: str = EVAL_PARTI
         local = cell_ids[(cell_ids >= src.offset) & (cell_ids < src.offset + src.ds.n_cells)] - src.offset
         if len(local):
             counts = np.diff(src.ds.cell_row_start)[local]
-            parts.append(SourceCells(s, local, offsets_of(counts)[:-1], counts,
-                                     src.ds.read_cells(local, with_cell_ids=False)))
+            parts.append(
+                SourceCells(s, local, offsets_of(counts)[:-1], counts, src.ds.read_cells(local, with_cell_ids=False))
+            )
     items = producer.tokenize(parts, 0, 0, held_out_rng(producer.config.seed))
     check_fits_partition(len(cell_ids), len(items), sum(len(b) for b in items))
     producer.hand_off(items, partition)

@@ -44,10 +44,21 @@ class SourceCells:
         return SourceCells(self.source, self.cells[order], self.first[order], self.counts[order], self.rows)
 
 
-def unit_items(parts: list[SourceCells], sources, tokenizer, *, epoch: int, key_id: int, run_tag: int,
-               rng: np.random.Generator, cells_per_item: int, labels: np.ndarray | None = None,
-               stitched: bool = False, shuffle: bool = False, pool: Executor | None = None,
-               ) -> tuple[list[bytes], float, float]:
+def unit_items(
+    parts: list[SourceCells],
+    sources,
+    tokenizer,
+    *,
+    epoch: int,
+    key_id: int,
+    run_tag: int,
+    rng: np.random.Generator,
+    cells_per_item: int,
+    labels: np.ndarray | None = None,
+    stitched: bool = False,
+    shuffle: bool = False,
+    pool: Executor | None = None,
+) -> tuple[list[bytes], float, float]:
     """The numbered items of cells from one or more sources (`sources[p.source]` gives each part's
     global id offset and gene-to-token lookup), and the seconds spent tokenizing and packing. Each
     source's cells are tokenized apart (a source's rows share a dtype, which ranking's fast path
@@ -60,19 +71,44 @@ def unit_items(parts: list[SourceCells], sources, tokenizer, *, epoch: int, key_
         if shuffle:
             part = part.shuffled(part_rng)
         src = sources[part.source]
-        packed, t, p = cells_to_packed(part.cells + src.offset, part.first, part.counts, part.rows, tokenizer,
-                                       epoch=epoch, key_id=key_id, run_tag=run_tag, rng=part_rng,
-                                       cells_per_item=cells_per_item, labels=labels, stitched=stitched,
-                                       gene_tokens=src.gene_tokens, pool=pool)
+        packed, t, p = cells_to_packed(
+            part.cells + src.offset,
+            part.first,
+            part.counts,
+            part.rows,
+            tokenizer,
+            epoch=epoch,
+            key_id=key_id,
+            run_tag=run_tag,
+            rng=part_rng,
+            cells_per_item=cells_per_item,
+            labels=labels,
+            stitched=stitched,
+            gene_tokens=src.gene_tokens,
+            pool=pool,
+        )
         groups.append(packed)
         tokenize_s, pack_s = tokenize_s + t, pack_s + p
     return number_items(interleave(groups) if len(groups) > 1 else groups[0]), tokenize_s, pack_s
 
 
-def cells_to_packed(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, block: RowBlock, tokenizer, *,
-                    epoch: int, key_id: int, run_tag: int, rng: np.random.Generator, cells_per_item: int,
-                    labels: np.ndarray | None = None, stitched: bool = False, gene_tokens: np.ndarray | None = None,
-                    pool: Executor | None = None) -> tuple[list[bytearray], float, float]:
+def cells_to_packed(
+    cells: np.ndarray,
+    first: np.ndarray,
+    counts: np.ndarray,
+    block: RowBlock,
+    tokenizer,
+    *,
+    epoch: int,
+    key_id: int,
+    run_tag: int,
+    rng: np.random.Generator,
+    cells_per_item: int,
+    labels: np.ndarray | None = None,
+    stitched: bool = False,
+    gene_tokens: np.ndarray | None = None,
+    pool: Executor | None = None,
+) -> tuple[list[bytearray], float, float]:
     """Packed, unnumbered items of `cells`, in this order (cell i's rows are
     block[first[i]:first[i] + counts[i]], genes mapped to tokens by `gene_tokens`: `to_tokens`),
     and the seconds spent tokenizing and packing (summed over threads). `labels` is indexed by
@@ -88,8 +124,15 @@ def cells_to_packed(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, bl
         rows = CellRows(cells[sel], offsets_of(counts[sel]), block.gene[at], block.value[at])
         tokens = tokenizer(rows if gene_tokens is None else to_tokens(rows, gene_tokens), rngs[i])
         t1 = time.perf_counter()
-        packed = pack_cells(tokens, epoch=epoch, key_id=key_id, run_tag=run_tag, stitched=stitched,
-                            labels=None if labels is None else labels[rows.cell_ids], cells_per_item=cells_per_item)
+        packed = pack_cells(
+            tokens,
+            epoch=epoch,
+            key_id=key_id,
+            run_tag=run_tag,
+            stitched=stitched,
+            labels=None if labels is None else labels[rows.cell_ids],
+            cells_per_item=cells_per_item,
+        )
         return packed, t1 - t0, time.perf_counter() - t1
 
     jobs = map(chunk, range(len(bounds))) if (pool is None or len(bounds) == 1) else pool.map(chunk, range(len(bounds)))
@@ -101,8 +144,9 @@ def cells_to_packed(cells: np.ndarray, first: np.ndarray, counts: np.ndarray, bl
 
 
 def to_tokens(rows: CellRows, gene_tokens: np.ndarray) -> CellRows:
-    """Cells' rows with gene ids replaced by token ids (`gene_tokens`: `GeneVocab.lookup_array`) and the rows of genes outside dropped, as scGPT and Geneformer drop them before
-    ranking and binning; where some were dropped, `totals` keeps each cell's whole total
+    """Cells' rows with gene ids replaced by token ids (`gene_tokens`: `GeneVocab.lookup_array`)
+    and the rows of genes outside dropped, as scGPT and Geneformer drop them before ranking and
+    binning; where some were dropped, `totals` keeps each cell's whole total
     (Geneformer divides by the cell's whole count, its n_counts). Per chunk of a few hundred
     cells, in cache."""
     tokens = gene_tokens[rows.genes]

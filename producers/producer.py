@@ -29,8 +29,16 @@ from coordination.arrays import positions_in_ranges
 from coordination.errors import CellfeedError
 from coordination.plan import Plan, Unit
 from coordination.queues import Empty, Map, MapGone, Queue
-from coordination.routing import (TASKS_PARTITION, cell_rank, decode_task, epoch_map_name, rank_partition, run_tag,
-                                  summary_key, unit_rank)
+from coordination.routing import (
+    TASKS_PARTITION,
+    cell_rank,
+    decode_task,
+    epoch_map_name,
+    rank_partition,
+    run_tag,
+    summary_key,
+    unit_rank,
+)
 from coordination.seeds import cell_rng, unit_rng
 from coordination.summary import PlanSummary
 from coordination.vocab import GeneVocab, published_vocab
@@ -39,10 +47,9 @@ from producers.courier import STOP_POLL_S, Courier, Stopped
 from producers.dataset import Dataset, RowBlock, StorageUnavailable
 from producers.items import SourceCells, unit_items
 from producers.selection import label_codes
-from producers.sources import attach_vocab, campaign_vocab, epoch_plan, open_sources, token_medians
+from producers.sources import attach_vocab, campaign_tokenizer, campaign_vocab, epoch_plan, open_sources
 from producers.stitch import offer_piece
 from producers.storage import LocalLocation
-from producers.tokenizers import make_tokenizer, needs_gene_medians
 
 MAX_READ_AHEAD = 16  # units read ahead at most
 READ_AHEAD_BYTES = 512 << 20  # rows held by the units read ahead at most (a b=16 f=256 unit holds ~100 MB)
@@ -69,37 +76,46 @@ class ProducerStats:
 class Producer:
     """Turns work units into items on the queue; all setup and validation happens here, up front."""
 
-    def __init__(self, config: ProducerConfig, queue: Queue, store: Map, dataset: Dataset | None = None,
-                 name: str | None = None, vocab: GeneVocab | None = None, verify: bool = False):
+    def __init__(
+        self,
+        config: ProducerConfig,
+        queue: Queue,
+        store: Map,
+        dataset: Dataset | None = None,
+        name: str | None = None,
+        vocab: GeneVocab | None = None,
+        verify: bool = False,
+    ):
         self.config = config.validate()
         self.queue, self.store = queue, store
         self.mixtures = config.corpus_mixtures()
         self.spec = self.mixtures.union if self.mixtures is not None else config.corpus_spec()
         # `verify`: the sources are checked at open (the campaign's setup does it, once; the fleet's
         # producers, started after it, do not pay for it again at every start)
-        self.sources = open_sources(self.spec, subset_ids=config.subset_ids, verify=verify,
-                                    datasets={config.dataset: dataset} if dataset is not None else None)
+        self.sources = open_sources(
+            self.spec,
+            subset_ids=config.subset_ids,
+            verify=verify,
+            datasets={config.dataset: dataset} if dataset is not None else None,
+        )
         self.ds = self.sources[0].ds
         # the setup's vocabulary once published (the same, built or read the same way, before): built
         # from the run's first sources, so a source added at a resume maps into the run's vocabulary
         first = {s.name for s in self.mixtures.history[0][1].sources} if self.mixtures is not None else None
-        self.vocab = vocab or published_vocab(store, config.run) or \
-            campaign_vocab(self.spec, [s for s in self.sources if first is None or s.spec.name in first])
+        self.vocab = (
+            vocab
+            or published_vocab(store, config.run)
+            or campaign_vocab(self.spec, [s for s in self.sources if first is None or s.spec.name in first])
+        )
         attach_vocab(self.sources, self.vocab)
-        counts = all(s.ds.is_counts for s in self.sources)
-        medians = None
-        if needs_gene_medians(config.tokenizer) and counts:
-            medians = token_medians(self.sources, self.vocab, config.gene_medians)
-            if medians is None:
-                fix = (f"run `cellfeed stats {self.ds.uri}` once" if len(self.sources) == 1 else
-                       "give Geneformer's median dictionary (gene_median_dictionary.pkl or JSON) with --gene-medians")
-                raise CellfeedError(f"--tokenizer {config.tokenizer} needs Geneformer's gene medians: {fix}")
-        self.tokenizer = make_tokenizer(config.tokenizer, self.vocab, max_genes=config.max_genes,
-                                        values_are_counts=counts, gene_medians=medians, **config.tokenizer_params)
+        self.tokenizer = campaign_tokenizer(
+            self.sources, self.vocab, config.tokenizer, config.max_genes, config.gene_medians, config.tokenizer_params
+        )
         self.selected = {s.spec.name: s.n_selected for s in self.sources}
         # each source's cells per epoch under the latest mixture (None: one dataset)
-        self.quotas = None if self.mixtures is None else \
-            self.mixtures.quotas_at(self.mixtures.history[-1][0], self.selected)
+        self.quotas = (
+            None if self.mixtures is None else self.mixtures.quotas_at(self.mixtures.history[-1][0], self.selected)
+        )
         self.labels = label_codes(self.ds, config.label_column)[0] if config.label_column else None
         self.tag = run_tag(config.run)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -111,25 +127,36 @@ class Producer:
         cfg = self.config
         self._plans: dict[int, Plan] = {}
         self._plan_lock = threading.Lock()
-        self._reader = ThreadPoolExecutor(max_workers=cfg.read_ahead or MAX_READ_AHEAD,
-                                          thread_name_prefix="cellfeed-prefetch")
+        self._reader = ThreadPoolExecutor(
+            max_workers=cfg.read_ahead or MAX_READ_AHEAD, thread_name_prefix="cellfeed-prefetch"
+        )
         self.threads = cfg.threads or usable_cpus()
         self._workers = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cellfeed-tokenize")
         self._stopping = threading.Event()  # the loop's and the courier's: set, both stop
-        self.courier = Courier(self.queue, self.store, run=cfg.run, name=self.name, heartbeat_s=cfg.heartbeat_s,
-                               put_timeout_s=cfg.put_timeout_s, totals=self.totals, stopping=self._stopping)
+        self.courier = Courier(
+            self.queue,
+            self.store,
+            run=cfg.run,
+            name=self.name,
+            heartbeat_s=cfg.heartbeat_s,
+            put_timeout_s=cfg.put_timeout_s,
+            totals=self.totals,
+            stopping=self._stopping,
+        )
         self._epoch_maps: dict[int, Map] = {}
         self._checked_epochs: set[int] = set()  # epochs whose published plan matched this producer's
         self._unit_work_s: deque = deque(maxlen=8)  # recent units' tokenize-pack-hand-off times
         self._unit_bytes = 0  # the latest unit's rows in memory
 
     def plan(self, epoch: int) -> Plan:
-        """The epoch's plan (`producers.sources.epoch_plan`), cached for this and the previous epoch (the read-ahead may cross)."""
+        """The epoch's plan (`producers.sources.epoch_plan`), cached for this and the previous
+        epoch (the read-ahead may cross)."""
         with self._plan_lock:
             if epoch not in self._plans:
                 self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
-                self._plans[epoch] = epoch_plan(self.sources, self.mixtures, self.config.sampling, self.config.seed,
-                                                epoch)
+                self._plans[epoch] = epoch_plan(
+                    self.sources, self.mixtures, self.config.sampling, self.config.seed, epoch
+                )
             return self._plans[epoch]
 
     # ---- one unit: read, tokenize, hand off
@@ -142,8 +169,9 @@ class Producer:
         deadline, pause = time.monotonic() + self.config.read_retry_s, 1.0
         while True:
             try:
-                return unit, [self.sources[p.source].ds.read_row_ranges(p.ranges, with_cell_ids=False)
-                              for p in unit.parts]
+                return unit, [
+                    self.sources[p.source].ds.read_row_ranges(p.ranges, with_cell_ids=False) for p in unit.parts
+                ]
             except StorageUnavailable:
                 if time.monotonic() + pause > deadline or self._stopping.is_set():
                     raise
@@ -161,17 +189,32 @@ class Producer:
         parts = []
         for part, block in zip(unit.parts, blocks):
             starts = self.sources[part.source].ds.cell_row_start
-            parts.append(SourceCells(part.source, part.cells, positions_in_ranges(part.ranges, starts[part.cells]),
-                                     starts[part.cells + 1] - starts[part.cells], block))
+            parts.append(
+                SourceCells(
+                    part.source,
+                    part.cells,
+                    positions_in_ranges(part.ranges, starts[part.cells]),
+                    starts[part.cells + 1] - starts[part.cells],
+                    block,
+                )
+            )
         cells = unit.n_cells
         if cells:
             items = self.tokenize(parts, epoch, unit_id, unit_rng(cfg.seed, epoch, unit_id), shuffle=True)
             self.hand_off(items, rank_partition(unit_rank(unit_id, cfg.world_size)))
             self.stats.cells += cells
         for cell, genes, values in self._stitch(unit, blocks):
-            items = self.tokenize([SourceCells(0, np.array([cell]), np.array([0]), np.array([len(genes)]),
-                                                RowBlock(None, genes, values))], epoch, cell,
-                                   cell_rng(cfg.seed, epoch, cell), stitched=True)
+            items = self.tokenize(
+                [
+                    SourceCells(
+                        0, np.array([cell]), np.array([0]), np.array([len(genes)]), RowBlock(None, genes, values)
+                    )
+                ],
+                epoch,
+                cell,
+                cell_rng(cfg.seed, epoch, cell),
+                stitched=True,
+            )
             self.hand_off(items, rank_partition(cell_rank(cell, cfg.world_size)))
             self.stats.cells += 1
         self.stats.units += 1
@@ -183,27 +226,54 @@ class Producer:
             return
         block = blocks[0]
         piece_at = positions_in_ranges(unit.parts[0].ranges, unit.piece_rows[:, 0])
-        for p, (cell, index, count) in enumerate(zip(unit.pieces.tolist(), unit.piece_index.tolist(),
-                                                     unit.piece_count.tolist())):
+        for p, (cell, index, count) in enumerate(
+            zip(unit.pieces.tolist(), unit.piece_index.tolist(), unit.piece_count.tolist())
+        ):
             a = int(piece_at[p])
             b = a + int(unit.piece_rows[p, 1] - unit.piece_rows[p, 0])
             t = time.perf_counter()
             try:
-                whole_cell = offer_piece(self._epoch_map(unit.epoch), unit.epoch, f"{unit.id}.{index}", cell, index,
-                                         count, block.gene[a:b], block.value[a:b])
+                whole_cell = offer_piece(
+                    self._epoch_map(unit.epoch),
+                    unit.epoch,
+                    f"{unit.id}.{index}",
+                    cell,
+                    index,
+                    count,
+                    block.gene[a:b],
+                    block.value[a:b],
+                )
             except MapGone:  # the epoch is complete: this is a late duplicate, the cell was emitted
                 whole_cell = None
             self.stats.add_time("stitch", t)
             if whole_cell is not None:
                 yield cell, *whole_cell
 
-    def tokenize(self, parts: list[SourceCells], epoch: int, key_id: int, rng: np.random.Generator, *,
-                  stitched: bool = False, shuffle: bool = False) -> list[bytes]:
+    def tokenize(
+        self,
+        parts: list[SourceCells],
+        epoch: int,
+        key_id: int,
+        rng: np.random.Generator,
+        *,
+        stitched: bool = False,
+        shuffle: bool = False,
+    ) -> list[bytes]:
         """The numbered items of `parts` (`producers.items.unit_items`), timed."""
-        items, tokenize_s, pack_s = unit_items(parts, self.sources, self.tokenizer, epoch=epoch, key_id=key_id,
-                                               run_tag=self.tag, rng=rng, cells_per_item=self.config.cells_per_item,
-                                               labels=self.labels, stitched=stitched, shuffle=shuffle,
-                                               pool=self._workers)
+        items, tokenize_s, pack_s = unit_items(
+            parts,
+            self.sources,
+            self.tokenizer,
+            epoch=epoch,
+            key_id=key_id,
+            run_tag=self.tag,
+            rng=rng,
+            cells_per_item=self.config.cells_per_item,
+            labels=self.labels,
+            stitched=stitched,
+            shuffle=shuffle,
+            pool=self._workers,
+        )
         self.stats.seconds["tokenize"] += tokenize_s
         self.stats.seconds["pack"] += pack_s
         return items
@@ -233,7 +303,8 @@ class Producer:
                 raise CellfeedError(
                     f"{self.ds.uri} changed since run {self.config.run} planned epoch {epoch} (its plan "
                     f"{planned.plan_id}, this dataset's {mine.plan_id}: {planned.n_cells:,} cells planned, "
-                    f"{mine.n_cells:,} now): restore the dataset, or start a new --run on the new one")
+                    f"{mine.n_cells:,} now): restore the dataset, or start a new --run on the new one"
+                )
         self._checked_epochs.add(epoch)
 
     def _epoch_map(self, epoch: int) -> Map:
@@ -297,8 +368,11 @@ class Producer:
         idle_until = time.monotonic() + self.config.idle_timeout_s
         while not self._stopping.is_set():
             try:
-                task = self.queue.get(block=True, timeout=max(0.01, min(STOP_POLL_S, idle_until - time.monotonic())),
-                                      partition=TASKS_PARTITION)
+                task = self.queue.get(
+                    block=True,
+                    timeout=max(0.01, min(STOP_POLL_S, idle_until - time.monotonic())),
+                    partition=TASKS_PARTITION,
+                )
             except Empty:
                 task = None
             if task is not None:
@@ -346,8 +420,13 @@ class Producer:
     def totals(self) -> dict:
         """Running totals (cells, units, items, bytes, busy seconds), for monitors."""
         s = self.stats
-        return {"cells": s.cells, "units": s.units, "items": s.items, "bytes": s.bytes,
-                "busy_s": round(sum(s.seconds.values()), 3)}
+        return {
+            "cells": s.cells,
+            "units": s.units,
+            "items": s.items,
+            "bytes": s.bytes,
+            "busy_s": round(sum(s.seconds.values()), 3),
+        }
 
 
 def produce(config: ProducerConfig, queue: Queue, store: Map, max_units: int | None = None) -> ProducerStats:

@@ -65,8 +65,14 @@ def rank_order(rows: CellRows, score: np.ndarray | None = None) -> CellRows:
         genes = genes.astype(rows.genes.dtype, copy=False)
         values = np.invert((key >> g).astype(np.uint16))
         return CellRows(rows.cell_ids, rows.offsets, genes, values, rows.totals)
-    if score is None and rows.values.dtype == np.float32 and gb and rows.n_cells < (1 << (32 - gb)) \
-            and not bool(np.signbit(rows.values).any()) and not bool(np.isnan(rows.values).any()):
+    if (
+        score is None
+        and rows.values.dtype == np.float32
+        and gb
+        and rows.n_cells < (1 << (32 - gb))
+        and not bool(np.signbit(rows.values).any())
+        and not bool(np.isnan(rows.values).any())
+    ):
         # the same with float32 values (log-normalised data): a non-negative float orders like its
         # 32 bits, so key = cell << (32 + gb) | ~bits << gb | gene, decoded back exactly
         g = np.uint64(gb)
@@ -78,8 +84,14 @@ def rank_order(rows: CellRows, score: np.ndarray | None = None) -> CellRows:
         genes = (key & np.uint64((1 << gb) - 1)).astype(rows.genes.dtype, copy=False)
         values = np.invert((key >> g).astype(np.uint32)).view(np.float32)
         return CellRows(rows.cell_ids, rows.offsets, genes, values, rows.totals)
-    if score is not None and gb and rows.n_cells < (1 << 32) and score.dtype == np.float64 \
-            and bool(np.all(score >= 0)) and bool(np.all(np.isfinite(score))):
+    if (
+        score is not None
+        and gb
+        and rows.n_cells < (1 << 32)
+        and score.dtype == np.float64
+        and bool(np.all(score >= 0))
+        and bool(np.all(np.isfinite(score)))
+    ):
         return rows.take(_score_order(rows, score, gb), rows.offsets)
     cell = rows.cell_of_row()
     primary = rows.values if score is None else score

@@ -10,8 +10,14 @@ from coordination.plan import cell_ids_within
 from producers.dataset import Dataset, error_text
 
 
-def select_cells(ds: Dataset, subset_filter: str | None = None, subset_ids=None, exclude_filter: str | None = None,
-                 *, option: str = "--subset-filter") -> np.ndarray | None:
+def select_cells(
+    ds: Dataset,
+    subset_filter: str | None = None,
+    subset_ids=None,
+    exclude_filter: str | None = None,
+    *,
+    option: str = "--subset-filter",
+) -> np.ndarray | None:
     """The selected cell ids (None = all cells): an obs filter and/or an id list, less the cells
     that `exclude_filter` matches (a held-out split is never trained on). `option` names the
     filter in errors."""
@@ -27,8 +33,10 @@ def select_cells(ds: Dataset, subset_filter: str | None = None, subset_ids=None,
     if len(selected) == 0:
         what = f"{option} {subset_filter!r}" if subset_filter is not None else "the cell subset"
         extra = f" once the --eval-filter {exclude_filter!r} cells are held out" if exclude_filter is not None else ""
-        raise CellfeedError(f"{what} selects no cells{extra}; check the filter (`cellfeed inspect DATASET` lists "
-                            "the obs columns and their values)")
+        raise CellfeedError(
+            f"{what} selects no cells{extra}; check the filter (`cellfeed inspect DATASET` lists "
+            "the obs columns and their values)"
+        )
     return selected
 
 

@@ -16,6 +16,7 @@ from coordination.vocab import MIN_MATCHED_SHARE, GeneVocab, inside
 from producers.dataset import Dataset, open_dataset
 from producers.gene_stats import load_gene_medians
 from producers.selection import select_cells
+from producers.tokenizers import make_tokenizer, needs_gene_medians
 
 COVERAGE_SAMPLE_ROWS = 1 << 20  # non-zeros read to measure the share the vocabulary keeps
 
@@ -41,13 +42,16 @@ class Source:
 def gene_identifiers(ds: Dataset, column: str, source: str) -> list[str]:
     columns = ds.var().column_names
     if column not in columns:
-        raise CellfeedError(f"source {source!r} ({ds.uri}) has no gene column {column!r}; its var columns: "
-                            f"{', '.join(columns)} (choose one with gene_column)")
+        raise CellfeedError(
+            f"source {source!r} ({ds.uri}) has no gene column {column!r}; its var columns: "
+            f"{', '.join(columns)} (choose one with gene_column)"
+        )
     return [str(g) for g in ds.var([column]).column(0).to_pylist()]
 
 
-def open_sources(spec: CorpusSpec, *, subset_ids=None, datasets: dict | None = None,
-                 verify: bool = True) -> list[Source]:
+def open_sources(
+    spec: CorpusSpec, *, subset_ids=None, datasets: dict | None = None, verify: bool = True
+) -> list[Source]:
     """Each source opened (checked at open unless not `verify`: `Dataset.verify`), its training
     cells selected (its held-out cells taken out), ids placed."""
     sources, offset = [], 0
@@ -67,8 +71,33 @@ def epoch_plan(sources: list[Source], mixtures: Mixtures | None, sampling: Sampl
     if mixtures is None:
         return EpochPlan(DatasetGeometry.of(sources[0].ds), sampling, seed, epoch, sources[0].selection)
     selected = {s.spec.name: s.n_selected for s in sources}
-    return CorpusPlan([s.planned() for s in sources], mixtures.quotas_at(epoch, selected), sampling, seed, epoch,
-                      mixtures.starts(epoch, selected))
+    return CorpusPlan(
+        [s.planned() for s in sources],
+        mixtures.quotas_at(epoch, selected),
+        sampling,
+        seed,
+        epoch,
+        mixtures.starts(epoch, selected),
+    )
+
+
+def campaign_tokenizer(
+    sources: list[Source], vocab: GeneVocab, name: str, max_genes: int | None, gene_medians: str | None, params: dict
+):
+    """The campaign's tokenizer `name` over its vocabulary. Geneformer's normalises counts by each
+    gene's median over the corpus: from the dataset's `cellfeed stats`, or the file `gene_medians`."""
+    counts = all(s.ds.is_counts for s in sources)
+    medians = None
+    if needs_gene_medians(name) and counts:
+        medians = token_medians(sources, vocab, gene_medians)
+        if medians is None:
+            fix = (
+                f"run `cellfeed stats {sources[0].ds.uri}` once"
+                if len(sources) == 1
+                else "give Geneformer's median dictionary (gene_median_dictionary.pkl or JSON) with --gene-medians"
+            )
+            raise CellfeedError(f"--tokenizer {name} needs Geneformer's gene medians: {fix}")
+    return make_tokenizer(name, vocab, max_genes=max_genes, values_are_counts=counts, gene_medians=medians, **params)
 
 
 def campaign_vocab(spec: CorpusSpec, sources: list[Source]) -> GeneVocab:
@@ -89,8 +118,10 @@ class Coverage:
     nonzeros_kept: float  # share of a sample of non-zeros whose gene is in the vocabulary
 
     def line(self) -> str:
-        return (f"{self.source}: {self.genes_matched:,} of {self.genes:,} genes in the vocabulary, "
-                f"{self.nonzeros_kept:.1%} of non-zeros kept")
+        return (
+            f"{self.source}: {self.genes_matched:,} of {self.genes:,} genes in the vocabulary, "
+            f"{self.nonzeros_kept:.1%} of non-zeros kept"
+        )
 
 
 def coverage(source: Source) -> Coverage:
@@ -114,7 +145,8 @@ def check_coverage(sources: list[Source], vocab: GeneVocab, threshold: float = M
                 f"source {s.spec.name!r}: only {c.nonzeros_kept:.1%} of its non-zeros ({c.genes_matched:,} of "
                 f"{c.genes:,} genes) are in the vocabulary ({vocab.origin}) -- its {s.gene_column} reads like "
                 f"{theirs!r}, the vocabulary like {ours!r}: name the var column that matches with gene_column"
-                + (f" (its columns: {', '.join(others)})" if others else ""))
+                + (f" (its columns: {', '.join(others)})" if others else "")
+            )
         out.append(c)
     return out
 

@@ -75,8 +75,10 @@ class S3Settings:
 
             parts = urlparse(endpoint)
             if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise CellfeedError(f"{name}={endpoint!r} is not an http(s) URL: set it to the object store's "
-                                    "address (e.g. http://127.0.0.1:8333), or unset it for AWS S3")
+                raise CellfeedError(
+                    f"{name}={endpoint!r} is not an http(s) URL: set it to the object store's "
+                    "address (e.g. http://127.0.0.1:8333), or unset it for AWS S3"
+                )
         return cls(
             endpoint=endpoint,
             region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
@@ -95,10 +97,14 @@ class S3Settings:
 
     def lance_options(self) -> dict[str, str]:
         """Lance/object_store `storage_options` for these settings."""
-        opts = {"aws_region": self.region, "connect_timeout": f"{round(self.connect_timeout_s * 1000)}ms",
-                "timeout": f"{round(self.request_timeout_s * 1000)}ms", "client_max_retries": str(self.retries),
-                "client_retry_timeout": str(max(1, round(self.retry_window_s))),
-                "lance_aimd_min_rate": str(MIN_REQUEST_RATE)}
+        opts = {
+            "aws_region": self.region,
+            "connect_timeout": f"{round(self.connect_timeout_s * 1000)}ms",
+            "timeout": f"{round(self.request_timeout_s * 1000)}ms",
+            "client_max_retries": str(self.retries),
+            "client_retry_timeout": str(max(1, round(self.retry_window_s))),
+            "lance_aimd_min_rate": str(MIN_REQUEST_RATE),
+        }
         if self.endpoint:
             opts["aws_endpoint"] = self.endpoint
             if self.endpoint.startswith("http://"):
@@ -163,7 +169,7 @@ class LocalLocation(Location):
 
 class S3Location(Location):
     def __init__(self, uri: str, settings: S3Settings | None = None):
-        rest = uri[len("s3://"):]
+        rest = uri[len("s3://") :]
         bucket, _, prefix = rest.partition("/")
         if not bucket:
             raise CellfeedError(f"bad S3 address {uri!r}: expected s3://bucket/prefix")
@@ -192,8 +198,11 @@ class S3Location(Location):
                 aws_access_key_id=s.access_key_id,
                 aws_secret_access_key=s.secret_access_key,
                 aws_session_token=s.session_token,
-                config=Config(connect_timeout=s.connect_timeout_s, read_timeout=s.request_timeout_s,
-                              retries={"max_attempts": s.retries}),
+                config=Config(
+                    connect_timeout=s.connect_timeout_s,
+                    read_timeout=s.request_timeout_s,
+                    retries={"max_attempts": s.retries},
+                ),
             )
         return self._client
 
@@ -207,10 +216,13 @@ class S3Location(Location):
                 f"cannot {action} {self.uri}: no S3 credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
             )
         if isinstance(exc, EndpointConnectionError) or type(exc).__name__ in (
-            "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError"
+            "ConnectTimeoutError",
+            "ReadTimeoutError",
+            "ConnectionClosedError",
         ):
             return CellfeedError(
-                f"cannot {action} {self.uri}: S3 endpoint {where} is unreachable; check AWS_ENDPOINT_URL and the network"
+                f"cannot {action} {self.uri}: S3 endpoint {where} is unreachable; "
+                "check AWS_ENDPOINT_URL and the network"
             )
         if isinstance(exc, ClientError):
             code = str(exc.response.get("Error", {}).get("Code", ""))
@@ -262,7 +274,11 @@ class S3Location(Location):
         except Exception as exc:  # noqa: BLE001
             from botocore.exceptions import ClientError
 
-            if isinstance(exc, ClientError) and str(exc.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey", "NotFound"):
+            if isinstance(exc, ClientError) and str(exc.response.get("Error", {}).get("Code")) in (
+                "404",
+                "NoSuchKey",
+                "NotFound",
+            ):
                 return False
             raise self._explain(exc, "open") from None
 

@@ -166,11 +166,13 @@ def _chunk(spec: SynthSpec, model: _Model, plate_of: np.ndarray, start: int, sto
     marker_cell = np.repeat(np.arange(n, dtype=np.int64), n_marker)
     dose_cell = np.repeat(np.arange(n, dtype=np.int64), n_dose)
     cell_of_draw = np.concatenate([cell_of_draw, marker_cell, dose_cell])
-    genes = np.concatenate([
-        genes,
-        model.markers[lines[marker_cell], rng.integers(0, MARKERS_PER_LINE, size=len(marker_cell))],
-        model.dose_genes[rng.integers(0, DOSE_GENES, size=len(dose_cell))],
-    ])
+    genes = np.concatenate(
+        [
+            genes,
+            model.markers[lines[marker_cell], rng.integers(0, MARKERS_PER_LINE, size=len(marker_cell))],
+            model.dose_genes[rng.integers(0, DOSE_GENES, size=len(dose_cell))],
+        ]
+    )
     key = cell_of_draw * spec.n_genes + genes
     key.sort()
     first = np.empty(len(key), dtype=bool)
@@ -236,8 +238,12 @@ def synthesize(
     spec.validate()
     var = gene_table(spec, gene_ids)
     writer = DatasetWriter(
-        out, n_genes=spec.n_genes, value_type=pa.uint16(), rows_per_fragment=rows_per_fragment,
-        overwrite=overwrite, settings=settings,
+        out,
+        n_genes=spec.n_genes,
+        value_type=pa.uint16(),
+        rows_per_fragment=rows_per_fragment,
+        overwrite=overwrite,
+        settings=settings,
     )
     with writer, tqdm(total=spec.n_cells, unit="cell", unit_scale=True, desc="synth", disable=not progress) as bar:
         for obs, indptr, genes, values in iter_chunks(spec):

@@ -97,8 +97,9 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
 
-def _with_specials(rows: CellRows, vocab_size: int, head: int | None, tail: int | None,
-                   values: np.ndarray | None = None, value_fill=0) -> Tokens:
+def _with_specials(
+    rows: CellRows, vocab_size: int, head: int | None, tail: int | None, values: np.ndarray | None = None, value_fill=0
+) -> Tokens:
     """Gene tokens of each cell framed by optional head/tail tokens (values get `value_fill` there)."""
     counts = rows.counts
     extra = (head is not None) + (tail is not None)
@@ -106,8 +107,12 @@ def _with_specials(rows: CellRows, vocab_size: int, head: int | None, tail: int 
     dtype = token_dtype(vocab_size)
     tokens = np.empty(offsets[-1], dtype=dtype)
     out_values = None if values is None else np.full(offsets[-1], value_fill, dtype=values.dtype)
-    gene_pos = np.arange(len(rows.genes)) - np.repeat(rows.offsets[:-1], counts) \
-        + np.repeat(offsets[:-1], counts) + (head is not None)
+    gene_pos = (
+        np.arange(len(rows.genes))
+        - np.repeat(rows.offsets[:-1], counts)
+        + np.repeat(offsets[:-1], counts)
+        + (head is not None)
+    )
     tokens[gene_pos] = rows.genes
     if head is not None:
         tokens[offsets[:-1]] = head
@@ -122,8 +127,7 @@ class ScGPTTokenizer:
     name = "scgpt"
     needs_counts = False
 
-    def __init__(self, vocab: GeneVocab, max_genes: int, n_bins: int = 51, gene_selection: str = "top",
-                 seed: int = 0):
+    def __init__(self, vocab: GeneVocab, max_genes: int, n_bins: int = 51, gene_selection: str = "top", seed: int = 0):
         if n_bins < 3:
             raise CellfeedError(f"n_bins must be >= 3, got {n_bins}")
         if gene_selection not in ("top", "random"):
@@ -189,16 +193,27 @@ class RawTokenizer:
         return _with_specials(chosen, self.vocab_size, None, None, chosen.values.astype(np.float32))
 
 
-TOKENIZERS = {"scgpt": ScGPTTokenizer, "geneformer-v1": GeneformerTokenizer, "geneformer-v2": GeneformerTokenizer,
-              "raw": RawTokenizer}
+TOKENIZERS = {
+    "scgpt": ScGPTTokenizer,
+    "geneformer-v1": GeneformerTokenizer,
+    "geneformer-v2": GeneformerTokenizer,
+    "raw": RawTokenizer,
+}
 
 
 def needs_gene_medians(name: str) -> bool:
     return TOKENIZERS[layout(name).name] is GeneformerTokenizer
 
 
-def make_tokenizer(name: str, vocab: GeneVocab, *, max_genes: int | None = None, values_are_counts: bool = True,
-                   gene_medians: np.ndarray | None = None, **params):
+def make_tokenizer(
+    name: str,
+    vocab: GeneVocab,
+    *,
+    max_genes: int | None = None,
+    values_are_counts: bool = True,
+    gene_medians: np.ndarray | None = None,
+    **params,
+):
     """A tokenizer by name (see `LAYOUTS` for names and layouts) over a vocabulary,
     validated before any work starts. `max_genes` None: the layout's default length;
     `gene_medians`: geneformer's, one per token id."""

@@ -108,8 +108,10 @@ class DatasetWriter:
             try:
                 self.staging.path.mkdir()
             except OSError as exc:
-                raise CellfeedError(f"cannot write {self.final.uri} ({exc.strerror}): choose an output path in a "
-                                    "folder you can write to") from None
+                raise CellfeedError(
+                    f"cannot write {self.final.uri} ({exc.strerror}): choose an output path in a "
+                    "folder you can write to"
+                ) from None
         else:
             if overwrite:
                 self.final.delete()
@@ -147,8 +149,9 @@ class DatasetWriter:
         if self._cells is None:
             opts = self.staging.lance_options()
             schema = expression_schema(self.n_genes, self.value_type)
-            self._expression = _LanceStream(self.staging.join(TABLES["expression"]), schema, opts,
-                                            self.rows_per_fragment)
+            self._expression = _LanceStream(
+                self.staging.join(TABLES["expression"]), schema, opts, self.rows_per_fragment
+            )
             self._cells = _LanceStream(self.staging.join(TABLES["cells"]), obs.schema, opts, 1 << 24)
         for batch in obs.cast(self._cells.schema).to_batches():
             self._cells.put(batch)
@@ -163,8 +166,11 @@ class DatasetWriter:
                 schema=schema,
             )
         )
-        stored = (counts.astype(np.int64), np.asarray(genes).astype(schema.field(1).type.to_pandas_dtype(), copy=False),
-                  np.asarray(values).astype(schema.field(2).type.to_pandas_dtype(), copy=False))
+        stored = (
+            counts.astype(np.int64),
+            np.asarray(genes).astype(schema.field(1).type.to_pandas_dtype(), copy=False),
+            np.asarray(values).astype(schema.field(2).type.to_pandas_dtype(), copy=False),
+        )
         for h, part in zip(self._content, stored):
             h.update(np.ascontiguousarray(part).tobytes())
         self.n_cells += n

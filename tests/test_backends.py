@@ -12,7 +12,8 @@ import time
 import pytest
 
 from coordination.errors import CellfeedError
-from coordination.local_backend import LocalMap, LocalQueue, LocalServer, ServerProcess
+from coordination.local_backend import LocalServer, ServerProcess
+from coordination.local_client import LocalMap, LocalQueue
 from coordination.modal_backend import ModalMap, ModalQueue, ModalUnreachable, run_object_name
 from coordination.latency import CallCounts, with_latency
 from coordination.queues import MAX_ITEM_BYTES, Empty, Full, ItemTooLarge, MapGone, MemoryMap, MemoryQueue

@@ -15,7 +15,8 @@ import torch
 
 from coordination.errors import CellfeedError
 from coordination.summary import PlanSummary, publish_summary
-from coordination.local_backend import LocalMap, LocalQueue, ServerProcess
+from coordination.local_backend import ServerProcess
+from coordination.local_client import LocalMap, LocalQueue
 from coordination.plan import Sampling
 from coordination.routing import stop_key
 from coordination.vocab import CLS, EOS

@@ -41,7 +41,9 @@ class RankProgress:
     # the epoch's audit then checks every rank's cells together
     carried: int = 0
     carried_hash: int | None = 0
-    data_id: str = ""  # the data the run trains on (`Dataset.identity`, every source's): a resume onto other data is refused
+    data_id: str = (
+        ""  # the data the run trains on (`Dataset.identity`, every source's): a resume onto other data is refused
+    )
 
     def record(self, batch) -> None:
         self.trained += batch.size
@@ -89,30 +91,49 @@ class RankProgress:
 
     def done_units(self) -> set[int]:
         """Units of this epoch whose every item was trained on."""
-        return {u for u, n in self.unit_items.items()
-                if all((self.epoch, "unit", u, seq) in self.consumed for seq in range(n))}
+        return {
+            u
+            for u, n in self.unit_items.items()
+            if all((self.epoch, "unit", u, seq) in self.consumed for seq in range(n))
+        }
 
     def trained_stitched(self) -> set[int]:
         """Stitched (boundary) cells of this epoch that were trained on."""
         return {k[2] for k in self.consumed if k[1] == "cell"}
 
     def to_json(self) -> str:
-        return json.dumps({"epoch": self.epoch, "trained": self.trained, "cells_hash": self.cells_hash,
-                           "unit_items": sorted(self.unit_items.items()), "plan_id": self.plan_id,
-                           "unit_trained": sorted(self.unit_trained.items()), "carried": self.carried,
-                           "carried_hash": self.carried_hash, "data_id": self.data_id,
-                           "consumed": sorted(list(k) for k in self.consumed),
-                           "partial": [[list(k), sorted(v)] for k, v in self.partial.items()]})
+        return json.dumps(
+            {
+                "epoch": self.epoch,
+                "trained": self.trained,
+                "cells_hash": self.cells_hash,
+                "unit_items": sorted(self.unit_items.items()),
+                "plan_id": self.plan_id,
+                "unit_trained": sorted(self.unit_trained.items()),
+                "carried": self.carried,
+                "carried_hash": self.carried_hash,
+                "data_id": self.data_id,
+                "consumed": sorted(list(k) for k in self.consumed),
+                "partial": [[list(k), sorted(v)] for k, v in self.partial.items()],
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "RankProgress":
         d = json.loads(text)
-        return cls(d["epoch"], d["trained"], {_key(k) for k in d["consumed"]},
-                   {_key(k): set(v) for k, v in d["partial"]},
-                   d.get("cells_hash"),  # a checkpoint from before the audit: this epoch is not audited
-                   dict((u, n) for u, n in d.get("unit_items", [])), d.get("plan_id", ""),
-                   dict((u, n) for u, n in d.get("unit_trained", [])), d.get("carried", 0), d.get("carried_hash", 0),
-                   d.get("data_id", ""))
+        return cls(
+            d["epoch"],
+            d["trained"],
+            {_key(k) for k in d["consumed"]},
+            {_key(k): set(v) for k, v in d["partial"]},
+            d.get("cells_hash"),  # a checkpoint from before the audit: this epoch is not audited
+            dict((u, n) for u, n in d.get("unit_items", [])),
+            d.get("plan_id", ""),
+            dict((u, n) for u, n in d.get("unit_trained", [])),
+            d.get("carried", 0),
+            d.get("carried_hash", 0),
+            d.get("data_id", ""),
+        )
 
 
 @dataclass
@@ -123,8 +144,19 @@ class Checkpoint:
     ranks: list[RankProgress]
 
 
-def save(directory: str | os.PathLike, step: int, epoch: int, rank: int, world: int, progress: RankProgress,
-         state_fn, barrier, *, keep: int = 2, eval_loss: float | None = None) -> None:
+def save(
+    directory: str | os.PathLike,
+    step: int,
+    epoch: int,
+    rank: int,
+    world: int,
+    progress: RankProgress,
+    state_fn,
+    barrier,
+    *,
+    keep: int = 2,
+    eval_loss: float | None = None,
+) -> None:
     """Collective: every rank calls it. `state_fn()` (rank 0 only) returns the tensors to store.
     Afterwards only the last `keep` checkpoints and the one with the lowest `eval_loss` (the
     held-out loss when it was written, if any) are kept."""
@@ -187,8 +219,14 @@ def latest(directory: str | os.PathLike) -> Latest | None:
     folder = root / pointer.read_text().strip()
     ranks = [RankProgress.from_json(f.read_text()) for f in sorted(folder.glob("progress-rank*.json"))]
     step = int(folder.name.removeprefix("step-"))
-    return Latest(folder, step, ranks[0].epoch if ranks else 0, [r.trained + r.carried for r in ranks],
-                  ranks[0].plan_id if ranks else "", ranks[0].data_id if ranks else "")
+    return Latest(
+        folder,
+        step,
+        ranks[0].epoch if ranks else 0,
+        [r.trained + r.carried for r in ranks],
+        ranks[0].plan_id if ranks else "",
+        ranks[0].data_id if ranks else "",
+    )
 
 
 def check_same_data(step: int, trained_on: str, this: str) -> None:
@@ -196,8 +234,10 @@ def check_same_data(step: int, trained_on: str, this: str) -> None:
     in one line otherwise, whatever the epoch (a run's plan id is empty between epochs). Checked by
     `cellfeed local` before it starts any process, and by every rank."""
     if trained_on and this and trained_on != this:
-        raise CellfeedError(f"--resume: the checkpoint at step {step:,} was trained on other data ({trained_on}); this "
-                            f"campaign's is {this}: resume with the data it was trained on, or start a new --run")
+        raise CellfeedError(
+            f"--resume: the checkpoint at step {step:,} was trained on other data ({trained_on}); this "
+            f"campaign's is {this}: resume with the data it was trained on, or start a new --run"
+        )
 
 
 def check_same_plan(step: int, epoch: int, trained_on: str, store, run: str, epochs: int) -> None:
@@ -205,9 +245,11 @@ def check_same_plan(step: int, epoch: int, trained_on: str, store, run: str, epo
     run's published plan of that epoch must be the same (same dataset, sampling, seed, splits).
     Checked by `cellfeed local` before it starts any process, and by every rank."""
     if trained_on and epoch < epochs and load_summary(store, run, epoch).plan_id != trained_on:
-        raise CellfeedError(f"--resume: epoch {epoch}'s plan differs from the one the checkpoint at step {step} was "
-                            "trained on: the dataset, sampling, seed or splits changed; resume with the run's own "
-                            "settings, or start a new --run")
+        raise CellfeedError(
+            f"--resume: epoch {epoch}'s plan differs from the one the checkpoint at step {step} was "
+            "trained on: the dataset, sampling, seed or splits changed; resume with the run's own "
+            "settings, or start a new --run"
+        )
 
 
 def load(directory: str | os.PathLike, device) -> Checkpoint | None:

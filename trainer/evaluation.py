@@ -24,7 +24,9 @@ def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
     deadline = time.monotonic() + cfg.no_data_timeout_s
     while sum(i.n_cells for i in items) < cfg.eval_cells:
         if time.monotonic() > deadline:
-            raise CellfeedError(f"held-out set incomplete after {cfg.no_data_timeout_s:.0f}s: did the setup produce it?")
+            raise CellfeedError(
+                f"held-out set incomplete after {cfg.no_data_timeout_s:.0f}s: did the setup produce it?"
+            )
         try:
             got = queue.get_many(64, timeout=HELD_OUT_QUIET_S, partition=EVAL_PARTITION)
         except Empty:
@@ -32,8 +34,11 @@ def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
                 continue
             # the partition is empty, the set short: a get's reply was lost (its items are gone). Evaluate
             # on the rest; the next train call finds the set short and runs the setup again (ensure_setup)
-            print(f"held-out set: {sum(i.n_cells for i in items):,} of {cfg.eval_cells:,} cells (the rest were lost "
-                  "in transit): evaluating on these; the next setup restores the set", flush=True)
+            print(
+                f"held-out set: {sum(i.n_cells for i in items):,} of {cfg.eval_cells:,} cells (the rest were lost "
+                "in transit): evaluating on these; the next setup restores the set",
+                flush=True,
+            )
             break
         raw += got
         items += [unpack_item(b, run_tag=run_tag(cfg.run)) for b in got]
@@ -53,5 +58,7 @@ def evaluate(model, batches: list, cfg: TrainConfig, autocast) -> dict:
             loss_sum, n, correct = masked_loss(model, batch, cfg.mask_ratio, generator, cfg.n_bins, model.config)
         totals += torch.tensor([float(loss_sum), float(n), float(correct)])
     model.train()
-    return {"eval_loss": round(float(totals[0] / totals[1].clamp(min=1)), 5),
-            "eval_accuracy": round(float(totals[2] / totals[1].clamp(min=1)), 4)}
+    return {
+        "eval_loss": round(float(totals[0] / totals[1].clamp(min=1)), 5),
+        "eval_accuracy": round(float(totals[2] / totals[1].clamp(min=1)), 4),
+    }

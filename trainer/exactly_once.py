@@ -17,21 +17,39 @@ from trainer.config import TrainConfig
 MAX_REDO_UNITS = 4000  # units one request names (~50 KB of JSON); the rest at the next request
 
 
-def ask_again(queue, store, cfg: TrainConfig, rank: int, world: int, epoch: int, batches, summaries: dict,
-              before: checkpoint.RankProgress) -> None:
+def ask_again(
+    queue,
+    store,
+    cfg: TrainConfig,
+    rank: int,
+    world: int,
+    epoch: int,
+    batches,
+    summaries: dict,
+    before: checkpoint.RankProgress,
+) -> None:
     """This rank has waited for cells that do not come: ask the driver for the units whose items
     never reached it (`PlanSummary.units_missing`; `before`: what a checkpoint says was trained of
     the epoch it resumed). The driver produces again only those it has finished."""
     summary = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
     resumed = before.epoch == epoch
-    missing = summary.units_missing(rank, world, batches.complete_units(), batches.stitched_received,
-                                    before.unit_trained if resumed else {},
-                                    before.trained_stitched() if resumed else set())
+    missing = summary.units_missing(
+        rank,
+        world,
+        batches.complete_units(),
+        batches.stitched_received,
+        before.unit_trained if resumed else {},
+        before.trained_stitched() if resumed else set(),
+    )
     if not missing:
         return
     try:
-        queue.put_many([encode_event(f"rank-{rank}", redo=[(epoch, u) for u in missing[:MAX_REDO_UNITS]])],
-                       block=True, timeout=5.0, partition=EVENTS_PARTITION)
+        queue.put_many(
+            [encode_event(f"rank-{rank}", redo=[(epoch, u) for u in missing[:MAX_REDO_UNITS]])],
+            block=True,
+            timeout=5.0,
+            partition=EVENTS_PARTITION,
+        )
     except Full:
         pass  # the events are backed up: the next request, a few seconds on
 
@@ -43,12 +61,16 @@ def audit_epoch(epoch: int, progress: checkpoint.RankProgress, summary, world: i
     ranks) is checked as a whole: the cells trained before (carried by rank 0) and by every rank
     since, against the whole plan. Raises, naming the rank where it can, when cells were lost or
     duplicated; cheap at any scale (one all-gather of five numbers per rank)."""
+
     def signed(h):
         return 0 if h is None else h - 2**64 if h >= 2**63 else h
 
     h, c = progress.cells_hash, progress.carried_hash
-    mine = torch.tensor([progress.trained, signed(h), h is not None and c is not None, progress.carried, signed(c)],
-                        dtype=torch.int64, device=device)
+    mine = torch.tensor(
+        [progress.trained, signed(h), h is not None and c is not None, progress.carried, signed(c)],
+        dtype=torch.int64,
+        device=device,
+    )
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     counts = [int(t[0]) for t in every]
@@ -56,21 +78,49 @@ def audit_epoch(epoch: int, progress: checkpoint.RankProgress, summary, world: i
     carried, carried_hash = sum(int(t[3]) for t in every), sum(int(t[4]) for t in every) % 2**64
     trained, expected = sum(counts) + carried, sum(summary.cells_per_rank)
     if not summary.cell_hash_per_rank or not all(int(t[2]) for t in every):
-        return {"epoch": epoch, "cells": trained, "audited": False,
-                "line": f"epoch {epoch}: {trained:,} cells trained (not audited: the plan or a checkpoint predates it)"}
-    fail = ("epoch {epoch} failed its exactly-once audit: {who} trained {what} ({got:,} of {want:,}): cells were lost "
-            "or duplicated; the last checkpoint is kept, and --audit-cells records which cells each step trained")
-    checks = [("rank " + str(r), counts[r], hashes[r], summary.cells_per_rank[r], summary.cell_hash_per_rank[r])
-              for r in range(world)] if not carried else \
-        [("the resumed epoch's ranks, before and after", trained, (sum(hashes) + carried_hash) % 2**64, expected,
-          sum(summary.cell_hash_per_rank) % 2**64)]
+        return {
+            "epoch": epoch,
+            "cells": trained,
+            "audited": False,
+            "line": f"epoch {epoch}: {trained:,} cells trained (not audited: the plan or a checkpoint predates it)",
+        }
+    fail = (
+        "epoch {epoch} failed its exactly-once audit: {who} trained {what} ({got:,} of {want:,}): cells were lost "
+        "or duplicated; the last checkpoint is kept, and --audit-cells records which cells each step trained"
+    )
+    checks = (
+        [
+            ("rank " + str(r), counts[r], hashes[r], summary.cells_per_rank[r], summary.cell_hash_per_rank[r])
+            for r in range(world)
+        ]
+        if not carried
+        else [
+            (
+                "the resumed epoch's ranks, before and after",
+                trained,
+                (sum(hashes) + carried_hash) % 2**64,
+                expected,
+                sum(summary.cell_hash_per_rank) % 2**64,
+            )
+        ]
+    )
     for who, got, got_hash, want, want_hash in checks:
         if got != want or got_hash != want_hash:
-            what = (f"{want - got:,} fewer cells than planned" if got < want else
-                    f"{got - want:,} more cells than planned" if got > want else
-                    "the planned number of cells, but not the planned cells")
+            what = (
+                f"{want - got:,} fewer cells than planned"
+                if got < want
+                else f"{got - want:,} more cells than planned"
+                if got > want
+                else "the planned number of cells, but not the planned cells"
+            )
             raise CellfeedError(fail.format(epoch=epoch, who=who, what=what, got=got, want=want))
     scope = "every rank" if not carried else "the whole epoch, across the resume"
-    return {"epoch": epoch, "cells": trained, "audited": True, "missing": 0, "duplicated": 0,
-            "line": f"epoch {epoch}: {trained:,} cells trained, 0 missing, 0 duplicated "
-                    f"(of {expected:,} planned; count and cell-id hash checked on {scope})"}
+    return {
+        "epoch": epoch,
+        "cells": trained,
+        "audited": True,
+        "missing": 0,
+        "duplicated": 0,
+        "line": f"epoch {epoch}: {trained:,} cells trained, 0 missing, 0 duplicated "
+        f"(of {expected:,} planned; count and cell-id hash checked on {scope})",
+    }

@@ -45,8 +45,14 @@ REAP_EVERY_S = 0.05  # how often the server looks for ranks that ended
 MAX_MESSAGE = 1 << 20  # a start request carries the rank's environment
 
 
-def launch(cfg: TrainConfig, world_size: int, workdir: str | os.PathLike, summary_path: str | None = None,
-           env: dict | None = None, log_ranks: bool = False) -> list[Rank]:
+def launch(
+    cfg: TrainConfig,
+    world_size: int,
+    workdir: str | os.PathLike,
+    summary_path: str | None = None,
+    env: dict | None = None,
+    log_ranks: bool = False,
+) -> list[Rank]:
     """Start one `trainer.train` rank per rank; the caller waits (or kills). With `log_ranks`,
     ranks other than 0 write their output to WORKDIR/rank<r>.log; the rest write to this
     process's stdout and stderr."""
@@ -60,9 +66,16 @@ def launch(cfg: TrainConfig, world_size: int, workdir: str | os.PathLike, summar
     ranks = []
     try:
         for rank in range(world_size):
-            rank_env = dict(os.environ, **(env or {}), RANK=str(rank), LOCAL_RANK=str(rank),
-                            WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                            OMP_NUM_THREADS="1")
+            rank_env = dict(
+                os.environ,
+                **(env or {}),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+            )
             if log_ranks and rank > 0:
                 with open(workdir / f"rank{rank}.log", "w") as out:
                     ranks.append(server.start(argv, rank_env, out.fileno(), out.fileno()))
@@ -107,8 +120,12 @@ class RankServer:
             # its own session: a signal to the launcher's process group (a terminal's Ctrl-C, a
             # SIGTERM) is the launcher's to act on. OMP_NUM_THREADS is read when torch loads
             # OpenMP: in the server, before any rank exists
-            self.proc = subprocess.Popen([sys.executable, "-m", "trainer.launch"], stdin=theirs,
-                                         env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "trainer.launch"],
+                stdin=theirs,
+                env=dict(os.environ, OMP_NUM_THREADS="1"),
+                start_new_session=True,
+            )
         self.sock = ours
         self.changed = threading.Condition()  # a rank started or ended, or the server ended
         self.ranks: dict[int, Rank] = {}

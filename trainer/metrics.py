@@ -53,8 +53,15 @@ class StepMetrics:
 
 
 class Tracker:
-    def __init__(self, rank: int, log_path: str | None, total_steps: int, peak: float | None, bar: bool = True,
-                 first_step: int = 0):
+    def __init__(
+        self,
+        rank: int,
+        log_path: str | None,
+        total_steps: int,
+        peak: float | None,
+        bar: bool = True,
+        first_step: int = 0,
+    ):
         self.rank, self.peak = rank, peak
         self.rows: list[dict] = []
         self.evals: list[dict] = []
@@ -70,12 +77,20 @@ class Tracker:
         dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
         seconds = float(maxed[0])
         row = {
-            "step": m.step, "epoch": m.epoch, "loss": round(m.loss, 5), "accuracy": round(m.accuracy, 4),
-            "lr": m.lr, "grad_norm": round(m.grad_norm, 4), "step_s": round(seconds, 5),
-            "wait_ms": round(float(maxed[1]) * 1000, 3), "cells": int(summed[0]),
-            "cells_per_s": round(float(summed[0]) / seconds, 1), "tokens_per_s": round(float(summed[1]) / seconds, 1),
+            "step": m.step,
+            "epoch": m.epoch,
+            "loss": round(m.loss, 5),
+            "accuracy": round(m.accuracy, 4),
+            "lr": m.lr,
+            "grad_norm": round(m.grad_norm, 4),
+            "step_s": round(seconds, 5),
+            "wait_ms": round(float(maxed[1]) * 1000, 3),
+            "cells": int(summed[0]),
+            "cells_per_s": round(float(summed[0]) / seconds, 1),
+            "tokens_per_s": round(float(summed[1]) / seconds, 1),
             "mfu": round(float(summed[2]) / (seconds * world * self.peak), 4) if self.peak else None,
-            "peak_mem_mb": round(peak_memory_mb(m.device), 1), "ready_cells": int(summed[3]),
+            "peak_mem_mb": round(peak_memory_mb(m.device), 1),
+            "ready_cells": int(summed[3]),
         }
         self.rows.append(row)
         if self.log:
@@ -108,18 +123,26 @@ class Tracker:
 
         total_s = sum(r["step_s"] for r in rows)
         out = {
-            "steps": len(self.rows), "first_loss": self.rows[0]["loss"], "final_loss": self.rows[-1]["loss"],
-            "median_step_s": med("step_s"), "median_wait_ms": med("wait_ms"),
-            "cells_per_s": sum(r["cells"] for r in rows) / total_s, "median_mfu": med("mfu"),
-            "tokens_per_s": med("tokens_per_s"), "peak_mem_mb": max(r["peak_mem_mb"] for r in self.rows),
+            "steps": len(self.rows),
+            "first_loss": self.rows[0]["loss"],
+            "final_loss": self.rows[-1]["loss"],
+            "median_step_s": med("step_s"),
+            "median_wait_ms": med("wait_ms"),
+            "cells_per_s": sum(r["cells"] for r in rows) / total_s,
+            "median_mfu": med("mfu"),
+            "tokens_per_s": med("tokens_per_s"),
+            "peak_mem_mb": max(r["peak_mem_mb"] for r in self.rows),
             "eval": self.evals,
         }
         if self.rank == 0:
-            print(f"\n{'steps':>6} {'median step':>12} {'cells/s':>9} {'tokens/s':>10} {'wait ms':>8} "
-                  f"{'MFU':>6} {'loss':>14} {'peak MB':>8}")
+            print(
+                f"\n{'steps':>6} {'median step':>12} {'cells/s':>9} {'tokens/s':>10} {'wait ms':>8} "
+                f"{'MFU':>6} {'loss':>14} {'peak MB':>8}"
+            )
             mfu = f"{out['median_mfu']:.1%}" if out["median_mfu"] is not None else "n/a"
-            print(f"{out['steps']:>6} {out['median_step_s'] * 1000:>10.1f}ms {out['cells_per_s']:>9,.0f} "
-                  f"{out['tokens_per_s']:>10,.0f} {out['median_wait_ms']:>8.1f} {mfu:>6} "
-                  f"{out['first_loss']:>6.3f}->{out['final_loss']:<6.3f} {out['peak_mem_mb']:>8,.0f}")
+            print(
+                f"{out['steps']:>6} {out['median_step_s'] * 1000:>10.1f}ms {out['cells_per_s']:>9,.0f} "
+                f"{out['tokens_per_s']:>10,.0f} {out['median_wait_ms']:>8.1f} {mfu:>6} "
+                f"{out['first_loss']:>6.3f}->{out['final_loss']:<6.3f} {out['peak_mem_mb']:>8,.0f}"
+            )
         return out
-

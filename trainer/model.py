@@ -52,8 +52,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
         b, n, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
+        )
         x = x + self.proj(y.transpose(1, 2).reshape(b, n, d))
         return x + self.ff(self.ln2(x))
 
@@ -77,8 +78,9 @@ class CellTransformer(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, tokens: torch.Tensor, bins: torch.Tensor | None, attention_mask: torch.Tensor,
-                masked: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, bins: torch.Tensor | None, attention_mask: torch.Tensor, masked: torch.Tensor
+    ) -> torch.Tensor:
         """Logits at the `masked` positions; inputs there are already hidden by the caller."""
         x = self.gene(tokens)
         if bins is not None:  # None: a model of gene ids, or an empty batch (a rank that ran out of cells)
@@ -101,8 +103,13 @@ class CellTransformer(nn.Module):
         return n if embeddings else n - sum(e.weight.numel() for e in (self.gene, self.bin) if e is not None)
 
 
-def mask_positions(tokens: torch.Tensor, attention_mask: torch.Tensor, ratio: float,
-                   generator: torch.Generator, special_tokens=(PAD, CLS, EOS, MASK)) -> torch.Tensor:
+def mask_positions(
+    tokens: torch.Tensor,
+    attention_mask: torch.Tensor,
+    ratio: float,
+    generator: torch.Generator,
+    special_tokens=(PAD, CLS, EOS, MASK),
+) -> torch.Tensor:
     """A `ratio` of each cell's gene positions (never a special token, never padding), at random."""
     scores = torch.rand(attention_mask.shape, generator=generator, device="cpu").to(attention_mask.device)
     specials = torch.tensor(special_tokens, dtype=tokens.dtype, device=tokens.device)
@@ -114,8 +121,9 @@ def mask_positions(tokens: torch.Tensor, attention_mask: torch.Tensor, ratio: fl
     return candidates & (rank < k)
 
 
-def masked_loss(model: nn.Module, batch, ratio: float, generator: torch.Generator, n_bins: int,
-                config: ModelConfig | None = None):
+def masked_loss(
+    model: nn.Module, batch, ratio: float, generator: torch.Generator, n_bins: int, config: ModelConfig | None = None
+):
     """(sum of cross-entropy over masked positions, their count, correct predictions); `config`
     names the special tokens (default: the built vocabulary's)."""
     config = config or getattr(getattr(model, "module", model), "config", None) or ModelConfig(0)

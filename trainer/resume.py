@@ -30,12 +30,16 @@ def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, st
     if saved.epoch < cfg.epochs:
         if saved.epoch not in summaries:
             summaries[saved.epoch] = load_summary(store, cfg.run, saved.epoch)
-        left = summaries[saved.epoch].cells_left_per_rank(world, everything.unit_trained,
-                                                          everything.trained_stitched())
+        left = summaries[saved.epoch].cells_left_per_rank(world, everything.unit_trained, everything.trained_stitched())
     if rank == 0:
         before = sum(r.trained + r.carried for r in saved.ranks)
-        moved = "" if len(saved.ranks) == world else \
-            (f"; written by {len(saved.ranks)} ranks, its {sum(left or []):,} cells left are re-planned over {world}")
+        moved = (
+            ""
+            if len(saved.ranks) == world
+            else (
+                f"; written by {len(saved.ranks)} ranks, its {sum(left or []):,} cells left are re-planned over {world}"
+            )
+        )
         print(f"resumed from step {saved.step} (epoch {saved.epoch}, {before:,} cells of it already trained{moved})")
     return saved.step, saved.epoch, progress, left
 
@@ -46,19 +50,24 @@ def check_resume(saved: checkpoint.Checkpoint, cfg: TrainConfig, model, store) -
     fit this model (the number of ranks may differ: `restore` re-plans the epoch's rest)."""
     theirs_vocab = json.loads(saved.state.get("config", "{}")).get("vocab_fingerprint", "")
     if theirs_vocab and cfg.vocab_fingerprint and theirs_vocab != cfg.vocab_fingerprint:
-        raise CellfeedError(f"--resume: the checkpoint at step {saved.step} was trained on another gene vocabulary "
-                            f"({theirs_vocab}, this campaign's {cfg.vocab_fingerprint}): its token ids mean other genes; "
-                            "resume with the run's own --vocabulary and sources, or start a new --run")
+        raise CellfeedError(
+            f"--resume: the checkpoint at step {saved.step} was trained on another gene vocabulary "
+            f"({theirs_vocab}, this campaign's {cfg.vocab_fingerprint}): its token ids mean other genes; "
+            "resume with the run's own --vocabulary and sources, or start a new --run"
+        )
     checkpoint.check_same_data(saved.step, saved.ranks[0].data_id, cfg.data_id)
     checkpoint.check_same_plan(saved.step, saved.epoch, saved.ranks[0].plan_id, store, cfg.run, cfg.epochs)
     mine = model.state_dict()
     theirs = saved.state["model"]
-    wrong = sorted(k for k in set(mine) | set(theirs)
-                   if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape)
+    wrong = sorted(
+        k for k in set(mine) | set(theirs) if k not in mine or k not in theirs or mine[k].shape != theirs[k].shape
+    )
     if wrong:
-        raise CellfeedError(f"--resume: the checkpoint at step {saved.step} does not fit the model of these settings "
-                            f"({len(wrong)} tensors differ, e.g. {wrong[0]}): --preset, --tokenizer, --max-genes or "
-                            "--n-bins changed; resume with the run's own settings, or start a new --run")
+        raise CellfeedError(
+            f"--resume: the checkpoint at step {saved.step} does not fit the model of these settings "
+            f"({len(wrong)} tensors differ, e.g. {wrong[0]}): --preset, --tokenizer, --max-genes or "
+            "--n-bins changed; resume with the run's own settings, or start a new --run"
+        )
 
 
 def start_driver(cfg: TrainConfig, queue, store, resumed, epoch: int, summaries: dict, world: int) -> Driver:
@@ -70,10 +79,15 @@ def start_driver(cfg: TrainConfig, queue, store, resumed, epoch: int, summaries:
     if resumed is not None and epoch < cfg.epochs:
         summary = summaries[epoch]
         skip = summary.units_to_skip(resumed.done_units(), resumed.trained_stitched())
-        print(f"{len(skip):,} of epoch {epoch}'s {summary.n_units:,} units were trained through and are not "
-              "produced again")
-    driver = Driver(queue, store, cfg.run, lease_s=cfg.lease_s, stall_timeout_s=cfg.no_data_timeout_s,
-                    world_size=world)
-    driver.start(list(range(epoch, cfg.epochs)), resume_epoch=epoch if resumed is not None else None, skip_units=skip,
-                 linger=True)  # (after the last epoch it still answers ranks that ask for units again)
+        print(
+            f"{len(skip):,} of epoch {epoch}'s {summary.n_units:,} units were trained through and are not "
+            "produced again"
+        )
+    driver = Driver(queue, store, cfg.run, lease_s=cfg.lease_s, stall_timeout_s=cfg.no_data_timeout_s, world_size=world)
+    driver.start(
+        list(range(epoch, cfg.epochs)),
+        resume_epoch=epoch if resumed is not None else None,
+        skip_units=skip,
+        linger=True,
+    )  # (after the last epoch it still answers ranks that ask for units again)
     return driver

@@ -38,6 +38,7 @@ class Schedule:
             return cls(**json.loads(saved.state["schedule"]))
         fresh = cls(0, cfg.warmup_steps * cfg.batch_size * cfg.grad_accum * world)
         if saved is not None:  # a checkpoint from before the schedule was kept: the cells its epochs held
-            fresh.cells_done = sum(sum(summaries[e].cells_per_rank) for e in range(saved.epoch) if e in summaries) + \
-                sum(r.trained + r.carried for r in saved.ranks)
+            fresh.cells_done = sum(
+                sum(summaries[e].cells_per_rank) for e in range(saved.epoch) if e in summaries
+            ) + sum(r.trained + r.carried for r in saved.ranks)
         return fresh

@@ -35,7 +35,6 @@ from coordination.wire import Item, ItemError, unpack_item
 STARVED_AFTER_S = 2.0  # a rank with cells still to come and no item for this long asks for the missing units
 
 
-
 @dataclass
 class Batch:
     tokens: torch.Tensor  # int64 [B, L], PAD-padded
@@ -57,9 +56,18 @@ class Batch:
         if device.type == "cpu":
             return self
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.tokens), move(self.attention_mask), move(self.values), move(self.labels),
-                     self.cell_ids, self.completed, self.cells_of_partial, self.unit_items, self.wait_s,
-                     self.unit_cells)
+        return Batch(
+            move(self.tokens),
+            move(self.attention_mask),
+            move(self.values),
+            move(self.labels),
+            self.cell_ids,
+            self.completed,
+            self.cells_of_partial,
+            self.unit_items,
+            self.wait_s,
+            self.unit_cells,
+        )
 
 
 @dataclass
@@ -73,11 +81,28 @@ class StreamStats:
 
 
 class ConsumerStream:
-    def __init__(self, queue: Queue, *, rank: int, world_size: int, run: str, batch_size: int,
-                 pad_to: int | None = None, pad_token: int = PAD, buffer_cells: int = 4096, seed: int = 0,
-                 no_data_timeout_s: float = 600.0, poll_s: float = 1.0, fetch_items: int = 32,
-                 consumed: set | None = None, trained_cells: dict | None = None, pin_memory: bool | None = None,
-                 check=None, on_starved=None, starved_after_s: float = STARVED_AFTER_S):
+    def __init__(
+        self,
+        queue: Queue,
+        *,
+        rank: int,
+        world_size: int,
+        run: str,
+        batch_size: int,
+        pad_to: int | None = None,
+        pad_token: int = PAD,
+        buffer_cells: int = 4096,
+        seed: int = 0,
+        no_data_timeout_s: float = 600.0,
+        poll_s: float = 1.0,
+        fetch_items: int = 32,
+        consumed: set | None = None,
+        trained_cells: dict | None = None,
+        pin_memory: bool | None = None,
+        check=None,
+        on_starved=None,
+        starved_after_s: float = STARVED_AFTER_S,
+    ):
         if batch_size < 1 or buffer_cells < 1:
             raise CellfeedError("batch_size and buffer_cells must be >= 1")
         self.queue, self.rank, self.world_size = queue, rank, world_size
@@ -111,8 +136,9 @@ class ConsumerStream:
             while not self._closed.is_set():
                 asked = time.monotonic()
                 try:
-                    raw = self.queue.get_many(self.fetch_items, block=True, timeout=self.poll_s,
-                                              partition=self.partition)
+                    raw = self.queue.get_many(
+                        self.fetch_items, block=True, timeout=self.poll_s, partition=self.partition
+                    )
                 except Empty:
                     raw = []
                 self._answered = asked  # a poll begun then was answered, items or none (not: failed to ask)
@@ -204,8 +230,9 @@ class ConsumerStream:
         given, deadline = 0, time.monotonic() + timeout
         for batch in request_batches(raws):
             try:
-                self.queue.put_many(batch, block=True, timeout=max(0.1, deadline - time.monotonic()),
-                                    partition=self.partition)
+                self.queue.put_many(
+                    batch, block=True, timeout=max(0.1, deadline - time.monotonic()), partition=self.partition
+                )
             except Full:
                 break
             given += len(batch)
@@ -225,8 +252,9 @@ class EpochIterator:
 
     def __init__(self, stream: ConsumerStream, epoch: int, cells_per_rank: list[int]):
         if len(cells_per_rank) != stream.world_size:
-            raise CellfeedError(f"plan lists {len(cells_per_rank)} ranks, the stream has world size "
-                                f"{stream.world_size}")
+            raise CellfeedError(
+                f"plan lists {len(cells_per_rank)} ranks, the stream has world size {stream.world_size}"
+            )
         self.s, self.epoch = stream, epoch
         self.expected = int(cells_per_rank[stream.rank])
         self.steps = steps_per_epoch(cells_per_rank, stream.batch_size)
@@ -288,8 +316,10 @@ class EpochIterator:
                 )
             self._admit(item)
         if self.received > self.expected:
-            raise CellfeedError(f"rank {s.rank}: received {self.received} cells in epoch {self.epoch}, the plan "
-                                f"says {self.expected}: the items do not belong to this plan")
+            raise CellfeedError(
+                f"rank {s.rank}: received {self.received} cells in epoch {self.epoch}, the plan "
+                f"says {self.expected}: the items do not belong to this plan"
+            )
         return waited
 
     def __next__(self) -> Batch:
@@ -328,17 +358,20 @@ def _collate(chosen: list[tuple[Item, int]], pad_to: int | None, pin: bool, pad_
     n = len(chosen)
     tokens = np.full((n, width), pad_token, dtype=np.int64)
     has_values = bool(chosen) and chosen[0][0].values is not None
-    values = np.zeros((n, width), dtype=np.float32 if has_values and chosen[0][0].values.dtype == np.float32
-                      else np.int64) if has_values else None
+    values = (
+        np.zeros((n, width), dtype=np.float32 if has_values and chosen[0][0].values.dtype == np.float32 else np.int64)
+        if has_values
+        else None
+    )
     has_labels = bool(chosen) and chosen[0][0].labels is not None
     labels = np.zeros(n, dtype=np.int64) if has_labels else None
     cell_ids = np.zeros(n, dtype=np.int64)
     for row, ((item, i), length) in enumerate(zip(chosen, lengths)):
         a = int(item.offsets[i])
         length = min(length, width)
-        tokens[row, :length] = item.tokens[a:a + length]
+        tokens[row, :length] = item.tokens[a : a + length]
         if values is not None:
-            values[row, :length] = item.values[a:a + length]
+            values[row, :length] = item.values[a : a + length]
         if labels is not None:
             labels[row] = item.labels[i]
         cell_ids[row] = item.cell_ids[i]
@@ -352,4 +385,4 @@ def _collate(chosen: list[tuple[Item, int]], pad_to: int | None, pin: bool, pad_
 def collate_items(items: list[Item], batch_size: int, pad_to: int | None = None, pad_token: int = PAD) -> list[Batch]:
     """Every cell of `items`, in order, as batches (a fixed evaluation set)."""
     cells = [(item, i) for item in items for i in range(item.n_cells)]
-    return [_collate(cells[a:a + batch_size], pad_to, False, pad_token) for a in range(0, len(cells), batch_size)]
+    return [_collate(cells[a : a + batch_size], pad_to, False, pad_token) for a in range(0, len(cells), batch_size)]

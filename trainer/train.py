@@ -28,17 +28,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from coordination.audit import epoch_ledger
 from coordination.backends import connect
 from coordination.errors import CellfeedError
-from coordination.summary import load_summary, optimizer_steps, steps_per_epoch
 from coordination.seeds import mask_seed
+from coordination.summary import load_summary, optimizer_steps, steps_per_epoch
 from trainer import checkpoint
 from trainer.config import STOP_SIGNAL, TrainConfig
-from trainer.metrics import StepMetrics, Tracker, peak_flops
-from trainer.schedule import Schedule, lr_factor
-from trainer.model import CellTransformer, ModelConfig, masked_loss, train_flops
-from trainer.stream import ConsumerStream
 from trainer.evaluation import evaluate, load_held_out
 from trainer.exactly_once import ask_again, audit_epoch
+from trainer.metrics import StepMetrics, Tracker, peak_flops
+from trainer.model import CellTransformer, ModelConfig, masked_loss, train_flops
 from trainer.resume import restore, start_driver
+from trainer.schedule import Schedule, lr_factor
+from trainer.stream import ConsumerStream
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -65,8 +65,15 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     if queue is None:
         queue, store = connect(cfg.backend)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model_cfg = ModelConfig.preset(cfg.preset, cfg.vocab_size, cfg.n_bins, cfg.objective, pad_token=cfg.pad_token,
-                                   mask_token=cfg.mask_token, special_tokens=tuple(cfg.special_tokens))
+    model_cfg = ModelConfig.preset(
+        cfg.preset,
+        cfg.vocab_size,
+        cfg.n_bins,
+        cfg.objective,
+        pad_token=cfg.pad_token,
+        mask_token=cfg.mask_token,
+        special_tokens=tuple(cfg.special_tokens),
+    )
     model = CellTransformer(model_cfg).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     step_model = torch.compile(ddp) if cfg.compile else ddp
@@ -83,37 +90,77 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     schedule = Schedule.of(saved, cfg, world, summaries)  # cells trained so far, the warm-up: kept in checkpoints
     if left is not None and not cfg.max_steps:  # a resume: the epoch's rest (maybe on other ranks), then the others
         later = [summaries.get(e) or load_summary(store, cfg.run, e) for e in range(epoch + 1, cfg.epochs)]
-        total_steps = step + steps_per_epoch(left, cfg.batch_size) // cfg.grad_accum + \
-            optimizer_steps(later, cfg.batch_size, cfg.grad_accum)
+        total_steps = (
+            step
+            + steps_per_epoch(left, cfg.batch_size) // cfg.grad_accum
+            + optimizer_steps(later, cfg.batch_size, cfg.grad_accum)
+        )
     progress.data_id = cfg.data_id  # (kept in every checkpoint: a resume onto other data is refused)
     resumed = progress if saved is not None else None  # (on rank 0: every rank's, merged)
     driver = start_driver(cfg, queue, store, resumed, epoch, summaries, world) if rank == 0 and cfg.run_driver else None
     before = checkpoint.RankProgress.merged(saved.ranks) if saved is not None else checkpoint.RankProgress(epoch)
-    stream = ConsumerStream(queue, rank=rank, world_size=world, run=cfg.run, batch_size=cfg.batch_size,
-                            pad_to=cfg.pad_to, pad_token=cfg.pad_token, buffer_cells=cfg.buffer_cells, seed=cfg.seed,
-                            no_data_timeout_s=cfg.no_data_timeout_s, consumed=progress.consumed,
-                            trained_cells=progress.partial, check=driver.check if driver else None,
-                            on_starved=lambda e, batches: ask_again(queue, store, cfg, rank, world, e, batches,
-                                                                     summaries, before))
+    stream = ConsumerStream(
+        queue,
+        rank=rank,
+        world_size=world,
+        run=cfg.run,
+        batch_size=cfg.batch_size,
+        pad_to=cfg.pad_to,
+        pad_token=cfg.pad_token,
+        buffer_cells=cfg.buffer_cells,
+        seed=cfg.seed,
+        no_data_timeout_s=cfg.no_data_timeout_s,
+        consumed=progress.consumed,
+        trained_cells=progress.partial,
+        check=driver.check if driver else None,
+        on_starved=lambda e, batches: ask_again(queue, store, cfg, rank, world, e, batches, summaries, before),
+    )
     cells_log = open(f"{cfg.cells_log}.rank{rank}.jsonl", "a") if cfg.cells_log else None
     tracker = Tracker(rank, cfg.log_path, total_steps, peak_flops(device), cfg.progress_bar, first_step=step)
     if rank == 0:
-        print(f"model {cfg.preset}: {model.n_params() / 1e6:.1f}M parameters "
-              f"({model.n_params(embeddings=False) / 1e6:.1f}M outside embeddings); world size {world}, {device}")
+        print(
+            f"model {cfg.preset}: {model.n_params() / 1e6:.1f}M parameters "
+            f"({model.n_params(embeddings=False) / 1e6:.1f}M outside embeddings); world size {world}, {device}"
+        )
     held_out = load_held_out(queue, cfg, device) if rank == 0 and cfg.eval_every and cfg.eval_cells else None
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    )
     if held_out is not None:
         tracker.note(step, evaluate(model, held_out, cfg, autocast))  # the starting point
 
     def save():
-        checkpoint.save(cfg.checkpoint_dir, step, epoch, rank, world, progress, lambda: {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": json.dumps(asdict(cfg)),
-            "schedule": json.dumps(asdict(schedule)), "audits": json.dumps(earlier_audits + audits)},
-            dist.barrier, keep=cfg.keep_checkpoints, eval_loss=tracker.evals[-1]["eval_loss"] if tracker.evals else None)
+        checkpoint.save(
+            cfg.checkpoint_dir,
+            step,
+            epoch,
+            rank,
+            world,
+            progress,
+            lambda: {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "config": json.dumps(asdict(cfg)),
+                "schedule": json.dumps(asdict(schedule)),
+                "audits": json.dumps(earlier_audits + audits),
+            },
+            dist.barrier,
+            keep=cfg.keep_checkpoints,
+            eval_loss=tracker.evals[-1]["eval_loss"] if tracker.evals else None,
+        )
 
-    earlier_audits = json.loads(saved.state["audits"]) if saved is not None and "audits" in saved.state else \
-        [{"epoch": e, "cells": sum((summaries.get(e) or load_summary(store, cfg.run, e)).cells_per_rank),
-          "audited": True} for e in range(saved.epoch if saved is not None else 0)]  # (a checkpoint that predates
+    earlier_audits = (
+        json.loads(saved.state["audits"])
+        if saved is not None and "audits" in saved.state
+        else [
+            {
+                "epoch": e,
+                "cells": sum((summaries.get(e) or load_summary(store, cfg.run, e)).cells_per_rank),
+                "audited": True,
+            }
+            for e in range(saved.epoch if saved is not None else 0)
+        ]
+    )  # (a checkpoint that predates
     # the ledger: its trainer audited every epoch it finished, or stopped)
     audits: list[dict] = []
     stopping, batches, save_after_audit = False, None, False
@@ -133,12 +180,19 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 batch = batch.to(device)
                 generator = torch.Generator().manual_seed(mask_seed(cfg.seed, rank, step, micro))
                 sync = micro == cfg.grad_accum - 1
-                with autocast, (ddp.no_sync() if not sync else nullcontext()):
-                    loss_sum, n_masked, correct = masked_loss(step_model, batch, cfg.mask_ratio, generator,
-                                                              cfg.n_bins, model.config)
-                    counts = torch.stack([n_masked.float(), loss_sum.detach().float(), correct.float(),
-                                          torch.tensor(float(bool(stop_asked)), device=device),
-                                          torch.tensor(float(batch.size), device=device)])
+                with autocast, ddp.no_sync() if not sync else nullcontext():
+                    loss_sum, n_masked, correct = masked_loss(
+                        step_model, batch, cfg.mask_ratio, generator, cfg.n_bins, model.config
+                    )
+                    counts = torch.stack(
+                        [
+                            n_masked.float(),
+                            loss_sum.detach().float(),
+                            correct.float(),
+                            torch.tensor(float(bool(stop_asked)), device=device),
+                            torch.tensor(float(batch.size), device=device),
+                        ]
+                    )
                     dist.all_reduce(counts)  # global masked count: every position weighs the same
                     loss = loss_sum * world / counts[0].clamp(min=1)
                     if int(n_masked) == 0:  # an empty batch (this rank ran out first): zero gradients,
@@ -157,8 +211,11 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 micro = 0
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 schedule.cells_done += int(totals[4])  # every rank's cells of this step
-                lr = cfg.lr * (lr_factor(step + 1, cfg.warmup_steps, cfg.max_steps) if cfg.max_steps else
-                               lr_factor(schedule.cells_done, schedule.warmup_cells, total_cells))
+                lr = cfg.lr * (
+                    lr_factor(step + 1, cfg.warmup_steps, cfg.max_steps)
+                    if cfg.max_steps
+                    else lr_factor(schedule.cells_done, schedule.warmup_cells, total_cells)
+                )
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 optimizer.step()
@@ -166,12 +223,23 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 step += 1
                 # ---------------------------------------------------------------------------
                 lengths = torch.cat(lengths)
-                tracker.record(StepMetrics(
-                    step=step, epoch=epoch, loss=float(totals[1] / totals[0].clamp(min=1)),
-                    accuracy=float(totals[2] / totals[0].clamp(min=1)), lr=lr,
-                    grad_norm=float(grad_norm), seconds=time.perf_counter() - started, wait_s=waited, cells=cells,
-                    tokens=int(lengths.sum()), flops=train_flops(model_cfg, lengths, masked), device=device,
-                    ready_cells=batches.ready_cells))
+                tracker.record(
+                    StepMetrics(
+                        step=step,
+                        epoch=epoch,
+                        loss=float(totals[1] / totals[0].clamp(min=1)),
+                        accuracy=float(totals[2] / totals[0].clamp(min=1)),
+                        lr=lr,
+                        grad_norm=float(grad_norm),
+                        seconds=time.perf_counter() - started,
+                        wait_s=waited,
+                        cells=cells,
+                        tokens=int(lengths.sum()),
+                        flops=train_flops(model_cfg, lengths, masked),
+                        device=device,
+                        ready_cells=batches.ready_cells,
+                    )
+                )
                 if held_out is not None and step % cfg.eval_every == 0:
                     tracker.note(step, evaluate(model, held_out, cfg, autocast))
                 stopping = bool(totals[3] > 0)  # a rank was asked to stop: all stop after this step
@@ -202,8 +270,11 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             try:  # took and did not train goes back to its partition, for the resumed run
                 stream.give_back(batches)
             except Exception as exc:  # noqa: BLE001 - what is not given back is asked for again after the resume
-                print(f"rank {rank}: could not give back its untrained items ({type(exc).__name__}: {exc})",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"rank {rank}: could not give back its untrained items ({type(exc).__name__}: {exc})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         stream.close(wait=False)  # training is over: the rank need not wait out the fetcher's poll (up to 1 s)
         if driver is not None:
             driver.stop()
@@ -216,8 +287,10 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         in_progress = int(mine)
     summary = tracker.finish()
     if driver is not None and driver.stats.redone:
-        print(f"{driver.stats.redone} units were produced again: their items never reached a rank (lost in transit)",
-              flush=True)
+        print(
+            f"{driver.stats.redone} units were produced again: their items never reached a rank (lost in transit)",
+            flush=True,
+        )
     summary["audits"] = audits
     summary["epochs"] = epoch_ledger(cfg.run, cfg.epochs, store, summaries, earlier_audits + audits, epoch, in_progress)
     summary["complete"] = epoch >= cfg.epochs  # every epoch trained (its audit is in `epochs`)
@@ -229,7 +302,6 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     summary["params"] = model.n_params()
     summary["final_params_checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
     return summary
-
 
 
 def main() -> None:

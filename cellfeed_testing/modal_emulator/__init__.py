@@ -30,8 +30,16 @@ BOOT = Path(__file__).resolve().parent / "boot"
 
 
 class ModalEmulator:
-    def __init__(self, root: str | os.PathLike, *, clock_speed: float = 1.0, grace_s: float = 30.0,
-                 retry_delay_s: float = 1.0, env: dict | None = None, secrets: dict[str, dict] | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        clock_speed: float = 1.0,
+        grace_s: float = 30.0,
+        retry_delay_s: float = 1.0,
+        env: dict | None = None,
+        secrets: dict[str, dict] | None = None,
+    ):
         """`clock_speed`: emulated seconds per real second (timeouts and expiry run on it);
         `grace_s`: how long a preempted container has after its SIGINT; `retry_delay_s`: the
         wait before a failed call's next attempt (Modal: 1 s); `env`: added to every container's
@@ -47,16 +55,40 @@ class ModalEmulator:
         base = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}
         path = os.pathsep.join([str(BOOT), str(ROOT), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         secret_env = {k: v for variables in secrets.values() for k, v in variables.items()}
-        container_env = {**base, **(env or {}), **secret_env, "PYTHONPATH": path, "HOME": str(self.root),
-                         "CELLFEED_CHECKPOINT_MOUNT": str(self.volume_dir)}
+        container_env = {
+            **base,
+            **(env or {}),
+            **secret_env,
+            "PYTHONPATH": path,
+            "HOME": str(self.root),
+            "CELLFEED_CHECKPOINT_MOUNT": str(self.volume_dir),
+        }
         env_file = self.root / "container-env.json"  # a file, not argv: `ps` shows argv (secrets may be in env)
         env_file.touch(mode=0o600)
         env_file.write_text(json.dumps(container_env))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cellfeed_testing.modal_emulator.server", "--root", str(self.root),
-             "--clock-speed", str(clock_speed), "--grace-s", str(grace_s), "--retry-delay-s", str(retry_delay_s),
-             "--env-file", str(env_file), *(f"--secret={name}" for name in secrets)],
-            cwd=str(ROOT), env={**base, "PYTHONPATH": path}, stdout=subprocess.PIPE, text=True, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "cellfeed_testing.modal_emulator.server",
+                "--root",
+                str(self.root),
+                "--clock-speed",
+                str(clock_speed),
+                "--grace-s",
+                str(grace_s),
+                "--retry-delay-s",
+                str(retry_delay_s),
+                "--env-file",
+                str(env_file),
+                *(f"--secret={name}" for name in secrets),
+            ],
+            cwd=str(ROOT),
+            env={**base, "PYTHONPATH": path},
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         line = self.proc.stdout.readline().strip()
         if not line.startswith("listening "):
             self.proc.kill()

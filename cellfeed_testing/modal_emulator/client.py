@@ -19,10 +19,19 @@ import threading
 import time
 from dataclasses import dataclass
 
-from coordination.local_backend import _decode_value, _encode_value, _recv_frame, _send_frame
-
-from cellfeed_testing.modal_emulator.limits import (CLIENT_BASE_DELAY_S, CLIENT_MAX_DELAY_S, CLIENT_RETRIES, FULL,
-                                                    INVALID, MAX_TIMEOUT_S, NOT_FOUND, OK, TOO_LARGE, TRANSIENT)
+from cellfeed_testing.modal_emulator.limits import (
+    CLIENT_BASE_DELAY_S,
+    CLIENT_MAX_DELAY_S,
+    CLIENT_RETRIES,
+    FULL,
+    INVALID,
+    MAX_TIMEOUT_S,
+    NOT_FOUND,
+    OK,
+    TOO_LARGE,
+    TRANSIENT,
+)
+from coordination.local_backend import decode_value, encode_value, recv_frame, send_frame
 
 GET_REQUEST_S = 50.0  # S10: one blocking QueueGet waits at most 50 s server-side; the client loops
 POLL_REQUEST_S = 50.0
@@ -81,8 +90,8 @@ class _Connection:
             socks[address] = sock
         sock.settimeout(wait_s + 30)
         try:
-            _send_frame(sock, 0, header, values)
-            code, reply, out = _recv_frame(sock)
+            send_frame(sock, 0, header, values)
+            code, reply, out = recv_frame(sock)
         except OSError as exc:
             socks.pop(address, None)
             sock.close()
@@ -125,8 +134,9 @@ class _Objects:
     def __init__(self, kind: str):
         self.kind = kind
 
-    def delete(self, name: str, *, allow_missing: bool = False, environment_name: str | None = None,
-               client=None) -> None:
+    def delete(
+        self, name: str, *, allow_missing: bool = False, environment_name: str | None = None, client=None
+    ) -> None:
         _conn.call({"op": "delete", "kind": self.kind, "name": name, "allow_missing": allow_missing})
 
 
@@ -140,8 +150,7 @@ class _Named:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_name(cls, name: str, *, environment_name: str | None = None, create_if_missing: bool = False,
-                  client=None):
+    def from_name(cls, name: str, *, environment_name: str | None = None, create_if_missing: bool = False, client=None):
         import re
 
         import modal.exception
@@ -154,8 +163,7 @@ class _Named:
     def object_id(self) -> str:
         with self._lock:
             if self._object_id is None:
-                reply, _ = _conn.call({"op": "lookup", "kind": self._kind, "name": self._name,
-                                       "create": self._create})
+                reply, _ = _conn.call({"op": "lookup", "kind": self._kind, "name": self._name, "create": self._create})
                 self._object_id = reply["id"]
             return self._object_id
 
@@ -181,11 +189,21 @@ class Queue(_Named):
 
     def _put(self, values: list, partition: str | None, retry: Retry):
         sizes = [_serialized_size(v) for v in values]
-        return _conn.call({"op": "q.put", "id": self.object_id, "partition": self.validate_partition_key(partition),
-                           "sizes": sizes}, [bytes(v) for v in values], retry=retry)
+        return _conn.call(
+            {"op": "q.put", "id": self.object_id, "partition": self.validate_partition_key(partition), "sizes": sizes},
+            [bytes(v) for v in values],
+            retry=retry,
+        )
 
-    def put_many(self, vs: list, block: bool = True, timeout: float | None = None, *, partition: str | None = None,
-                 partition_ttl: int = 24 * 3600) -> None:
+    def put_many(
+        self,
+        vs: list,
+        block: bool = True,
+        timeout: float | None = None,
+        *,
+        partition: str | None = None,
+        partition_ttl: int = 24 * 3600,
+    ) -> None:
         """S5: blocking puts retry RESOURCE_EXHAUSTED with Modal's backoff (0.1 s, doubling, at most 30 s)
         and give up when the next try could not finish 2 s before the deadline — so a put with a
         timeout under ~2.1 s raises queue.Full at once; every retry re-sends the whole request.
@@ -208,7 +226,8 @@ class Queue(_Named):
             except _Transient as exc:  # (block=True only) S21: queue.py:687-702, retried with the put's own backoff
                 if deadline is not None and (time.time() >= deadline or time.time() + delay + 2.0 >= deadline):
                     raise modal.exception.TimeoutError(
-                        f"Queue.put could not complete within the provided timeout of {timeout} seconds") from exc
+                        f"Queue.put could not complete within the provided timeout of {timeout} seconds"
+                    ) from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 30.0)
                 continue
@@ -222,18 +241,27 @@ class Queue(_Named):
                 elif deadline is not None and (time.time() >= deadline or time.time() + delay + 2.0 >= deadline):
                     if too_large:
                         raise modal.exception.TimeoutError(
-                            f"Queue.put could not complete within the provided timeout of {timeout} seconds") from exc
+                            f"Queue.put could not complete within the provided timeout of {timeout} seconds"
+                        ) from exc
                     raise stdlib_queue.Full(str(exc)) from None
                 time.sleep(delay)
                 retries += 1
                 delay = min(delay * 2, 30.0 if block else 1.0)
 
-    def put(self, v, block: bool = True, timeout: float | None = None, *, partition: str | None = None,
-            partition_ttl: int = 24 * 3600) -> None:
+    def put(
+        self,
+        v,
+        block: bool = True,
+        timeout: float | None = None,
+        *,
+        partition: str | None = None,
+        partition_ttl: int = 24 * 3600,
+    ) -> None:
         self.put_many([v], block, timeout, partition=partition, partition_ttl=partition_ttl)
 
-    def get_many(self, n_values: int, block: bool = True, timeout: float | None = None, *,
-                 partition: str | None = None) -> list:
+    def get_many(
+        self, n_values: int, block: bool = True, timeout: float | None = None, *, partition: str | None = None
+    ) -> list:
         """S10: blocking returns at least one item, or raises queue.Empty after `timeout`;
         non-blocking returns [] when empty."""
         key = self.validate_partition_key(partition)
@@ -242,8 +270,9 @@ class Queue(_Named):
         deadline = None if timeout is None else time.time() + timeout
         while True:
             wait = GET_REQUEST_S if deadline is None else max(0.0, min(GET_REQUEST_S, deadline - time.time()))
-            values = _conn.call({"op": "q.get", "id": self.object_id, "partition": key, "n": n_values,
-                                 "wait_s": wait}, wait_s=wait)[1]
+            values = _conn.call(
+                {"op": "q.get", "id": self.object_id, "partition": key, "n": n_values, "wait_s": wait}, wait_s=wait
+            )[1]
             if values:
                 return values
             if deadline is not None and time.time() > deadline:
@@ -254,12 +283,14 @@ class Queue(_Named):
         return values[0] if values else None
 
     def len(self, *, partition: str | None = None, total: bool = False) -> int:
-        return _conn.call({"op": "q.len", "id": self.object_id, "partition": self.validate_partition_key(partition),
-                           "total": total})[0]["len"]
+        return _conn.call(
+            {"op": "q.len", "id": self.object_id, "partition": self.validate_partition_key(partition), "total": total}
+        )[0]["len"]
 
     def clear(self, *, partition: str | None = None, all: bool = False) -> None:
-        _conn.call({"op": "q.clear", "id": self.object_id, "partition": self.validate_partition_key(partition),
-                    "all": all})
+        _conn.call(
+            {"op": "q.clear", "id": self.object_id, "partition": self.validate_partition_key(partition), "all": all}
+        )
 
 
 _NO_DEFAULT = object()
@@ -272,10 +303,11 @@ class Dict(_Named):
     objects = _Objects("dict")
 
     def _op(self, what: str, key=None, value=_NO_DEFAULT, skip=False, retry: Retry = DEFAULT_RETRY):
-        values = [] if value is _NO_DEFAULT else [_encode_value(value)]
-        reply, out = _conn.call({"op": "d", "id": self.object_id, "what": what, "key": key, "skip": skip}, values,
-                                retry=retry)
-        return _decode_value(out[0]) if reply.get("bytes") else reply.get("value")
+        values = [] if value is _NO_DEFAULT else [encode_value(value)]
+        reply, out = _conn.call(
+            {"op": "d", "id": self.object_id, "what": what, "key": key, "skip": skip}, values, retry=retry
+        )
+        return decode_value(out[0]) if reply.get("bytes") else reply.get("value")
 
     def put(self, key, value, *, skip_if_exists: bool = False) -> bool:
         return bool(self._op("put", key, value, skip_if_exists))
@@ -320,8 +352,16 @@ class Volume:
         self.name = name
 
     @classmethod
-    def from_name(cls, name: str, *, environment_name: str | None = None, create_if_missing: bool = False,
-                  version=None, create_options=None, client=None):
+    def from_name(
+        cls,
+        name: str,
+        *,
+        environment_name: str | None = None,
+        create_if_missing: bool = False,
+        version=None,
+        create_options=None,
+        client=None,
+    ):
         return cls(name)
 
     def commit(self) -> None:
@@ -430,14 +470,22 @@ class Image:
 
     def pip_install(self, *packages, **options) -> "Image":
         flat = tuple(p for group in packages for p in ([group] if isinstance(group, str) else group))
-        return Image(self.real.pip_install(*packages, **options), self.pip + flat, self.sources,
-                     self.steps + (f"pip_install({', '.join(flat)})",))
+        return Image(
+            self.real.pip_install(*packages, **options),
+            self.pip + flat,
+            self.sources,
+            self.steps + (f"pip_install({', '.join(flat)})",),
+        )
 
     uv_pip_install = pip_install
 
     def add_local_python_source(self, *modules: str, **options) -> "Image":
-        return Image(self.real.add_local_python_source(*modules, **options), self.pip, self.sources + modules,
-                     self.steps + (f"add_local_python_source({', '.join(modules)})",))
+        return Image(
+            self.real.add_local_python_source(*modules, **options),
+            self.pip,
+            self.sources + modules,
+            self.steps + (f"add_local_python_source({', '.join(modules)})",),
+        )
 
     def env(self, variables: dict) -> "Image":
         return Image(self.real.env(variables), self.pip, self.sources, self.steps + ("env(...)",))
@@ -467,8 +515,16 @@ class Function:
     def get_raw_f(self):
         return self.raw_f
 
-    def with_options(self, *, gpu: str | None = None, cpu: float | None = None, memory: int | None = None,
-                     timeout: int | None = None, retries: int | None = None, **others) -> "Function":
+    def with_options(
+        self,
+        *,
+        gpu: str | None = None,
+        cpu: float | None = None,
+        memory: int | None = None,
+        timeout: int | None = None,
+        retries: int | None = None,
+        **others,
+    ) -> "Function":
         """S25: only the options given change; the rest stay the function's (its cpu and memory
         included: modal sends unset resources as 0 and keeps the base's, _function_variants.py)."""
         import modal.exception
@@ -488,10 +544,20 @@ class Function:
             payload = json.loads(json.dumps({"args": list(args), "kwargs": kwargs}))
         except TypeError as exc:
             raise modal.exception.InvalidError(f"the emulator passes JSON arguments only: {exc}") from None
-        reply, _ = _conn.call({"op": "f.spawn", "app_file": self.raw_f.__module__, "function": self.__name__,
-                               "args": payload, "timeout": self.spec.timeout, "retries": self.spec.retries,
-                               "gpu": self.spec.gpu, "cpu": self.spec.cpu, "memory": self.spec.memory,
-                               "image": self.spec.image.spec() if self.spec.image is not None else None})
+        reply, _ = _conn.call(
+            {
+                "op": "f.spawn",
+                "app_file": self.raw_f.__module__,
+                "function": self.__name__,
+                "args": payload,
+                "timeout": self.spec.timeout,
+                "retries": self.spec.retries,
+                "gpu": self.spec.gpu,
+                "cpu": self.spec.cpu,
+                "memory": self.spec.memory,
+                "image": self.spec.image.spec() if self.spec.image is not None else None,
+            }
+        )
         return FunctionCall(reply["id"])
 
     def remote(self, *args, **kwargs):
@@ -522,8 +588,19 @@ class App:
         self.registered_functions: dict[str, Function] = {}
         self.registered_entrypoints: dict[str, LocalEntrypoint] = {}
 
-    def function(self, *, image=None, secrets=(), gpu=None, volumes=None, timeout: int = 300, retries=None,
-                 cpu=None, memory=None, **others):
+    def function(
+        self,
+        *,
+        image=None,
+        secrets=(),
+        gpu=None,
+        volumes=None,
+        timeout: int = 300,
+        retries=None,
+        cpu=None,
+        memory=None,
+        **others,
+    ):
         import modal.exception
 
         if timeout > MAX_TIMEOUT_S:  # S13: Modal refuses a timeout over 24 h (server-side, at deploy)
@@ -532,8 +609,10 @@ class App:
 
         def wrap(raw_f) -> Function:
             if image is not None and not isinstance(image, Image):
-                raise modal.exception.InvalidError(f"{raw_f.__name__}: image= must be an emulated modal.Image "
-                                                   "(build it after the emulator is installed)")
+                raise modal.exception.InvalidError(
+                    f"{raw_f.__name__}: image= must be an emulated modal.Image "
+                    "(build it after the emulator is installed)"
+                )
             fn = Function(raw_f, _Spec(float(timeout), int(n_retries), gpu, dict(volumes or {}), cpu, memory, image))
             self.registered_functions[raw_f.__name__] = fn
             return fn
@@ -549,8 +628,15 @@ class App:
         return wrap
 
     @contextlib.contextmanager
-    def run(self, *, name: str | None = None, client=None, detach: bool = False, interactive: bool = False,
-            environment_name: str | None = None):
+    def run(
+        self,
+        *,
+        name: str | None = None,
+        client=None,
+        detach: bool = False,
+        interactive: bool = False,
+        environment_name: str | None = None,
+    ):
         """S24: what a script wraps its calls in (`with app.run(): ...`). Nothing to start here: the
         app's functions are reachable already; an app already running is refused, as modal does."""
         import modal.exception
@@ -573,8 +659,9 @@ class Secret:
         self.name, self.object_id = name, None
 
     @classmethod
-    def from_name(cls, name: str, *, environment_name: str | None = None, required_keys: list[str] = [],
-                  client=None) -> "Secret":
+    def from_name(
+        cls, name: str, *, environment_name: str | None = None, required_keys: list[str] = [], client=None
+    ) -> "Secret":
         return cls(name)
 
     def hydrate(self, client=None) -> "Secret":
@@ -583,8 +670,16 @@ class Secret:
         return self
 
 
-_EMULATED = {"Queue": Queue, "Dict": Dict, "App": App, "Function": Function, "FunctionCall": FunctionCall,
-             "Volume": Volume, "Image": Image, "Secret": Secret}
+_EMULATED = {
+    "Queue": Queue,
+    "Dict": Dict,
+    "App": App,
+    "Function": Function,
+    "FunctionCall": FunctionCall,
+    "Volume": Volume,
+    "Image": Image,
+    "Secret": Secret,
+}
 _originals: dict = {}
 
 

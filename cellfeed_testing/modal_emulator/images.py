@@ -26,8 +26,16 @@ import sys
 from functools import lru_cache
 
 # Python's own start-up modules (site, .pth files, the editable install's finder) are not the image's to give
-_START_UP = ("_distutils_hack", "__editable__", "_sysconfigdata", "__main__", "__mp_main__", "sitecustomize",
-             "usercustomize", "_virtualenv")
+_START_UP = (
+    "_distutils_hack",
+    "__editable__",
+    "_sysconfigdata",
+    "__main__",
+    "__mp_main__",
+    "sitecustomize",
+    "usercustomize",
+    "_virtualenv",
+)
 RUNTIME = "cellfeed_testing.modal_emulator"
 ENV_VAR = "MODAL_EMULATOR_IMAGE"
 
@@ -115,8 +123,10 @@ class ImageGuard:
         """The message of an import error, saying so when the image is why."""
         name = getattr(exc, "name", None) or ""
         if isinstance(exc, ModuleNotFoundError) and name.partition(".")[0] in self.refused:
-            return (f"{exc}: this function's image ({self.label}) does not install it (the Modal emulator runs "
-                    "each function under its image)")
+            return (
+                f"{exc}: this function's image ({self.label}) does not install it (the Modal emulator runs "
+                "each function under its image)"
+            )
         return str(exc)
 
 
@@ -158,8 +168,13 @@ def container_spec(image: dict | None) -> dict:
     debian_slim with the modal client only)."""
     image = image or {"pip": [], "sources": [], "label": "modal's default image"}
     resolved = allowed_modules(tuple(image["pip"]))
-    return {"allow": resolved["allow"], "sources": list(image["sources"]), "label": image["label"],
-            "missing": resolved["missing"], "other_versions": resolved["other_versions"]}
+    return {
+        "allow": resolved["allow"],
+        "sources": list(image["sources"]),
+        "label": image["label"],
+        "missing": resolved["missing"],
+        "other_versions": resolved["other_versions"],
+    }
 
 
 def from_environment() -> dict | None:

@@ -23,14 +23,26 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordination.local_backend import serve_frames
-
 from cellfeed_testing.modal_emulator.faults import Faults, target_of
 from cellfeed_testing.modal_emulator.images import container_spec
-
-from cellfeed_testing.modal_emulator.limits import (DICT_ENTRY_TTL_S, ERROR, INVALID, MAX_GPUS, MAX_ITEM_BYTES, MAX_PARTITION_BYTES,
-                                           MAX_PARTITION_ITEMS, MAX_REQUEST_BYTES, NOT_FOUND, OK, PARTITION_TTL_S, FULL,
-                                           TOO_LARGE, TRANSIENT, CLIENT_RETRIES)
+from cellfeed_testing.modal_emulator.limits import (
+    CLIENT_RETRIES,
+    DICT_ENTRY_TTL_S,
+    ERROR,
+    FULL,
+    INVALID,
+    MAX_GPUS,
+    MAX_ITEM_BYTES,
+    MAX_PARTITION_BYTES,
+    MAX_PARTITION_ITEMS,
+    MAX_REQUEST_BYTES,
+    NOT_FOUND,
+    OK,
+    PARTITION_TTL_S,
+    TOO_LARGE,
+    TRANSIENT,
+)
+from coordination.local_backend import serve_frames
 
 
 class Clock:
@@ -101,8 +113,9 @@ class Call:
 class Emulated:
     """All state; every method runs under one lock but the long waits."""
 
-    def __init__(self, root: Path, clock: Clock, grace_s: float, retry_delay_s: float, env: dict,
-                 secret_names: tuple = ()):
+    def __init__(
+        self, root: Path, clock: Clock, grace_s: float, retry_delay_s: float, env: dict, secret_names: tuple = ()
+    ):
         self.root, self.clock, self.grace_s, self.retry_delay_s = root, clock, grace_s, retry_delay_s
         self.env = env  # environment of every function container
         self.secret_names = set(secret_names)  # S22: the Secrets that exist (their variables are in `env`)
@@ -135,7 +148,9 @@ class Emulated:
                 if not create:
                     raise Rejected(NOT_FOUND, f"{kind.capitalize()} '{name}' not found")
                 oid = self._new_id("qu" if kind == "queue" else "di")
-                (self.queues if kind == "queue" else self.dicts)[oid] = QueueObject() if kind == "queue" else DictObject()
+                (self.queues if kind == "queue" else self.dicts)[oid] = (
+                    QueueObject() if kind == "queue" else DictObject()
+                )
                 self.names[(kind, name)] = oid
             return oid
 
@@ -274,9 +289,18 @@ class Emulated:
         if key not in self.images:  # S20: resolved once per image (outside the lock: it reads package metadata)
             self.images[key] = container_spec(header.get("image"))
         with self.lock:
-            call = Call(self._new_id("fc"), header["app_file"], header["function"], header["args"],
-                        float(header["timeout"]), int(header["retries"]), gpu, header.get("cpu"), header.get("memory"),
-                        self.images[key])
+            call = Call(
+                self._new_id("fc"),
+                header["app_file"],
+                header["function"],
+                header["args"],
+                float(header["timeout"]),
+                int(header["retries"]),
+                gpu,
+                header.get("cpu"),
+                header.get("memory"),
+                self.images[key],
+            )
             self.calls[call.id] = call
         threading.Thread(target=self._supervise, args=(call,), daemon=True, name=f"emu-{call.id}").start()
         return call.id
@@ -308,8 +332,13 @@ class Emulated:
     def _attempt(self, call: Call) -> str:
         tmp = self.root / "containers" / f"{call.id}-{len(call.attempts)}"
         (tmp / "tmp").mkdir(parents=True, exist_ok=True)
-        env = dict(self.env, TMPDIR=str(tmp / "tmp"), MODAL_EMULATOR_CALL=call.id,
-                   MODAL_EMULATOR_ATTEMPT=str(len(call.attempts)), MODAL_EMULATOR_IMAGE=json.dumps(call.image))
+        env = dict(
+            self.env,
+            TMPDIR=str(tmp / "tmp"),
+            MODAL_EMULATOR_CALL=call.id,
+            MODAL_EMULATOR_ATTEMPT=str(len(call.attempts)),
+            MODAL_EMULATOR_IMAGE=json.dumps(call.image),
+        )
         fail = False
         with self.lock:
             if call.cancel_requested:
@@ -320,8 +349,14 @@ class Emulated:
             if fail:
                 env["MODAL_EMULATOR_FAIL"] = "injected fault"
             log = open(tmp / "output.log", "wb")
-            proc = subprocess.Popen([sys.executable, "-m", "cellfeed_testing.modal_emulator.worker"], env=env, cwd=str(tmp),
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "cellfeed_testing.modal_emulator.worker"],
+                env=env,
+                cwd=str(tmp),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             log.close()
             attempt = {"started": self.clock.now(), "pid": proc.pid, "outcome": None, "log": str(tmp / "output.log")}
             call.attempts.append(attempt)
@@ -346,8 +381,10 @@ class Emulated:
                     _signal(proc.pid, signal.SIGUSR1)
                     outcome = "cancelled"
                 elif code is None and self.clock.now() - attempt["started"] > call.timeout_s:  # S13
-                    call.error = {"type": "modal.exception.FunctionTimeoutError",
-                                  "message": f"Function {call.function} timed out after {call.timeout_s:.0f}s"}
+                    call.error = {
+                        "type": "modal.exception.FunctionTimeoutError",
+                        "message": f"Function {call.function} timed out after {call.timeout_s:.0f}s",
+                    }
                     outcome = "timeout"
                 elif code is not None:
                     outcome = "success" if (code == 0 and attempt.get("reported") == "ok") else "failure"
@@ -361,8 +398,10 @@ class Emulated:
         with self.lock:
             attempt["outcome"], attempt["ended"] = outcome, self.clock.now()
             if outcome == "failure" and call.error is None:
-                call.error = {"type": "modal.exception.RemoteError",
-                              "message": f"{call.function}: its container exited with code {proc.returncode}"}
+                call.error = {
+                    "type": "modal.exception.RemoteError",
+                    "message": f"{call.function}: its container exited with code {proc.returncode}",
+                }
             self.lock.notify_all()
         return outcome
 
@@ -383,8 +422,11 @@ class Emulated:
             raise Rejected(NOT_FOUND, f"FunctionCall {call_id} not found")
         call.done.wait(wait_s)
         with self.lock:
-            return {"status": call.status, "result": call.result if call.status == "success" else None,
-                    "error": call.error}
+            return {
+                "status": call.status,
+                "result": call.result if call.status == "success" else None,
+                "error": call.error,
+            }
 
     def cancel(self, call_id: str) -> None:
         with self.lock:
@@ -403,12 +445,24 @@ class Emulated:
     def describe(self) -> dict:
         with self.lock:
             return {
-                "calls": [{"id": c.id, "function": c.function, "status": c.status, "gpu": c.gpu, "cpu": c.cpu,
-                           "memory": c.memory, "image": c.image["label"], "attempts": [
-                    {k: v for k, v in a.items()} for a in c.attempts], "error": c.error} for c in self.calls.values()],
+                "calls": [
+                    {
+                        "id": c.id,
+                        "function": c.function,
+                        "status": c.status,
+                        "gpu": c.gpu,
+                        "cpu": c.cpu,
+                        "memory": c.memory,
+                        "image": c.image["label"],
+                        "attempts": [{k: v for k, v in a.items()} for a in c.attempts],
+                        "error": c.error,
+                    }
+                    for c in self.calls.values()
+                ],
                 "queues": sorted(name for (kind, name) in self.names if kind == "queue"),
                 "dicts": sorted(name for (kind, name) in self.names if kind == "dict"),
-                "stats": json.loads(json.dumps(self.stats)), "clock": self.clock.now(),
+                "stats": json.loads(json.dumps(self.stats)),
+                "clock": self.clock.now(),
             }
 
 
@@ -537,7 +591,9 @@ class Server(socketserver.ThreadingTCPServer):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="The Modal emulator's server (started by cellfeed_testing.modal_emulator).")
+    parser = argparse.ArgumentParser(
+        description="The Modal emulator's server (started by cellfeed_testing.modal_emulator)."
+    )
     parser.add_argument("--root", required=True)
     parser.add_argument("--clock-speed", type=float, default=1.0)
     parser.add_argument("--grace-s", type=float, default=30.0)
@@ -546,8 +602,9 @@ def main() -> None:
     parser.add_argument("--secret", action="append", default=[], help="a Secret that exists (S22), by name")
     args = parser.parse_args()
     env = json.loads(Path(args.env_file).read_text())
-    world = Emulated(Path(args.root), Clock(args.clock_speed), args.grace_s, args.retry_delay_s, env,
-                     secret_names=args.secret)
+    world = Emulated(
+        Path(args.root), Clock(args.clock_speed), args.grace_s, args.retry_delay_s, env, secret_names=args.secret
+    )
     server = Server(world)
     host, port = server.server_address[:2]
     world.env["MODAL_EMULATOR"] = f"{host}:{port}"

@@ -42,8 +42,15 @@ def main() -> int:
         from cellfeed_testing.modal_emulator import images
 
         message = images.GUARD.explain(exc) if images.GUARD is not None else str(exc)
-        _conn.call({"op": "f.report", "id": call_id, "attempt": attempt, "ok": False,
-                    "error": {"type": f"{cls.__module__}.{cls.__qualname__}", "message": message}})
+        _conn.call(
+            {
+                "op": "f.report",
+                "id": call_id,
+                "attempt": attempt,
+                "ok": False,
+                "error": {"type": f"{cls.__module__}.{cls.__qualname__}", "message": message},
+            }
+        )
         return 1
     _conn.call({"op": "f.report", "id": call_id, "attempt": attempt, "ok": True, "result": result})
     return 0
