@@ -90,10 +90,11 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
         if latest is not None:  # refused here, before any producer or rank starts
             checkpoint.check_same_data(latest.step, latest.data_id, facts.data_id)
             if latest.epoch >= facts.epochs:  # a finished run: nothing to train
+                trained = plural(latest.epoch, "epoch")  # (the checkpoint's epoch: the first not begun)
                 return {
-                    "already_complete": f"run {cfg.run} is complete: its {plural(facts.epochs, 'epoch')} were "
-                    f"trained (last checkpoint at step {latest.step:,}, {latest.folder}); "
-                    "nothing to resume. Raise --epochs to train on, or start another --run"
+                    "already_complete": f"run {cfg.run} is complete: {trained} trained (last checkpoint at step "
+                    f"{latest.step:,}, {latest.folder}) and --epochs {facts.epochs} asks for no more; nothing to "
+                    "resume. Raise --epochs to train on, or start another --run"
                 }
             checkpoint.check_same_plan(latest.step, latest.epoch, latest.plan_id, store, cfg.run, facts.epochs)
         total_steps = facts.total_steps

@@ -34,7 +34,7 @@ from coordination.queues import Full, MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import rank_partition, run_tag  # noqa: E402
 from coordination.summary import PlanSummary, publish_summary  # noqa: E402
 from coordination.wire import pack_items  # noqa: E402
-from producers.tokenizers import Tokens  # noqa: E402
+from producers.ranking import CellRows  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.train import train  # noqa: E402
 
@@ -49,7 +49,7 @@ def random_items(n_cells: int, max_genes: int, epoch: int, seed: int) -> list[by
     bins = rng.integers(1, 51, size=(n_cells, length)).astype(np.uint8)
     bins[:, 0] = 0
     offsets = np.arange(0, (n_cells + 1) * length, length, dtype=np.int64)
-    cells = Tokens(np.arange(n_cells, dtype=np.int64), offsets, tokens.ravel(), bins.ravel())
+    cells = CellRows(np.arange(n_cells, dtype=np.int64), offsets, tokens.ravel(), bins.ravel())
     return pack_items(cells, epoch=epoch, key_id=seed, run_tag=run_tag("bench"), cells_per_item=64)
 
 

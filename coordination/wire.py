@@ -187,7 +187,7 @@ def unpack_item(data: bytes, run_tag: int | None = None, epoch: int | None = Non
 def _slice_cells(tokens, lo: int, hi: int):
     a, b = tokens.offsets[lo], tokens.offsets[hi]
     values = None if tokens.values is None else tokens.values[a:b]
-    return tokens.cell_ids[lo:hi], tokens.offsets[lo : hi + 1] - a, tokens.tokens[a:b], values
+    return tokens.cell_ids[lo:hi], tokens.offsets[lo : hi + 1] - a, tokens.ids[a:b], values
 
 
 def pack_cells(
@@ -200,8 +200,9 @@ def pack_cells(
     labels: np.ndarray | None = None,
     cells_per_item: int = 128,
 ) -> list[bytearray]:
-    """Pack tokenized cells (a `Tokens`) into items of at most `cells_per_item` cells and 1 MiB,
-    not yet numbered (`number_items` does that once a unit's items are all packed)."""
+    """Pack tokenized cells (a `producers.ranking.CellRows` whose `ids` are tokens) into items of at
+    most `cells_per_item` cells and 1 MiB, not yet numbered (`number_items` does that once a
+    unit's items are all packed)."""
     packed: list[bytearray] = []
 
     def emit(lo: int, hi: int) -> None:
@@ -251,7 +252,7 @@ def pack_items(
     labels: np.ndarray | None = None,
     cells_per_item: int = 128,
 ) -> list[bytes]:
-    """Pack and number tokenized cells (a `Tokens`): deterministic for the same input."""
+    """Pack and number tokenized cells (a `CellRows` whose `ids` are tokens): deterministic."""
     return number_items(
         pack_cells(
             tokens,

@@ -149,7 +149,7 @@ def to_tokens(rows: CellRows, gene_tokens: np.ndarray) -> CellRows:
     binning; where some were dropped, `totals` keeps each cell's whole total
     (Geneformer divides by the cell's whole count, its n_counts). Per chunk of a few hundred
     cells, in cache."""
-    tokens = gene_tokens[rows.genes]
+    tokens = gene_tokens[rows.ids]
     keep = inside(tokens)
     if keep.all():
         return CellRows(rows.cell_ids, rows.offsets, tokens, rows.values)

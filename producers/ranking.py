@@ -17,12 +17,15 @@ from coordination.arrays import offsets_of, ragged_arange
 
 @dataclass
 class CellRows:
-    """Non-zeros of whole cells: cell i owns rows offsets[i]:offsets[i+1] (any order within)."""
+    """Whole cells as ragged rows: cell i owns rows offsets[i]:offsets[i+1] (any order within).
+    The one container of a unit's cells from the rows read to the tokens packed: `ids` are gene
+    ids as read, token ids once mapped through the vocabulary (`producers.items.to_tokens`), and
+    a cell's token sequence, special tokens included, once tokenized (`producers.tokenizers`)."""
 
     cell_ids: np.ndarray  # int64[n]
     offsets: np.ndarray  # int64[n + 1]
-    genes: np.ndarray
-    values: np.ndarray
+    ids: np.ndarray  # gene ids, or token ids
+    values: np.ndarray | None  # expression values (bins or raw values once tokenized; None: none ride along)
     # each cell's total over all its genes, those outside the vocabulary included (Geneformer
     # normalises by it); None: the sum of the rows here
     totals: np.ndarray | None = None
@@ -39,13 +42,13 @@ class CellRows:
         return np.repeat(np.arange(self.n_cells, dtype=np.int64), self.counts)
 
     def take(self, rows: np.ndarray, offsets: np.ndarray) -> "CellRows":
-        return CellRows(self.cell_ids, offsets, self.genes[rows], self.values[rows], self.totals)
+        return CellRows(self.cell_ids, offsets, self.ids[rows], self.values[rows], self.totals)
 
 
 def gene_bits(rows: CellRows) -> int:
     """Bits a packed sort key gives gene ids: 16, or more for a vocabulary past 65,536 tokens (a
     union of atlases); 0 when they are too large to pack (then the lexsort path)."""
-    top = int(rows.genes.max(initial=0)) if len(rows.genes) else 0
+    top = int(rows.ids.max(initial=0)) if len(rows.ids) else 0
     bits = max(16, top.bit_length())
     return bits if bits <= 24 else 0
 
@@ -59,10 +62,10 @@ def rank_order(rows: CellRows, score: np.ndarray | None = None) -> CellRows:
         g = np.uint64(gb)
         key = np.repeat(np.arange(rows.n_cells, dtype=np.uint64) << (g + np.uint64(16)), rows.counts)
         key |= np.invert(rows.values).astype(np.uint64) << g
-        key |= rows.genes.astype(np.uint64)
+        key |= rows.ids.astype(np.uint64)
         key.sort()
         genes = key.astype(np.uint16) if gb == 16 else key & np.uint64((1 << gb) - 1)  # the low field
-        genes = genes.astype(rows.genes.dtype, copy=False)
+        genes = genes.astype(rows.ids.dtype, copy=False)
         values = np.invert((key >> g).astype(np.uint16))
         return CellRows(rows.cell_ids, rows.offsets, genes, values, rows.totals)
     if (
@@ -79,9 +82,9 @@ def rank_order(rows: CellRows, score: np.ndarray | None = None) -> CellRows:
         bits = np.ascontiguousarray(rows.values).view(np.uint32)
         key = np.repeat(np.arange(rows.n_cells, dtype=np.uint64) << (g + np.uint64(32)), rows.counts)
         key |= np.invert(bits).astype(np.uint64) << g
-        key |= rows.genes.astype(np.uint64)
+        key |= rows.ids.astype(np.uint64)
         key.sort()
-        genes = (key & np.uint64((1 << gb) - 1)).astype(rows.genes.dtype, copy=False)
+        genes = (key & np.uint64((1 << gb) - 1)).astype(rows.ids.dtype, copy=False)
         values = np.invert((key >> g).astype(np.uint32)).view(np.float32)
         return CellRows(rows.cell_ids, rows.offsets, genes, values, rows.totals)
     if (
@@ -95,7 +98,7 @@ def rank_order(rows: CellRows, score: np.ndarray | None = None) -> CellRows:
         return rows.take(_score_order(rows, score, gb), rows.offsets)
     cell = rows.cell_of_row()
     primary = rows.values if score is None else score
-    order = np.lexsort((rows.genes, -primary.astype(np.float64), cell))
+    order = np.lexsort((rows.ids, -primary.astype(np.float64), cell))
     return rows.take(order, rows.offsets)
 
 
@@ -111,7 +114,7 @@ def _score_order(rows: CellRows, score: np.ndarray, gb: int = 16) -> np.ndarray:
     key = np.repeat(np.arange(rows.n_cells, dtype=np.uint64) << (g + np.uint64(score_bits)), rows.counts)
     top = np.invert(score.view(np.uint64)) >> np.uint64(63 - score_bits) & np.uint64((1 << score_bits) - 1)
     key |= top << g
-    key |= rows.genes.astype(np.uint64)
+    key |= rows.ids.astype(np.uint64)
     order = np.argsort(key)  # (cell, gene) is unique, so no two keys are equal
     coarse = key[order] >> g
     tied = coarse[1:] == coarse[:-1]
@@ -136,13 +139,13 @@ def _score_order(rows: CellRows, score: np.ndarray, gb: int = 16) -> np.ndarray:
 def gene_order(rows: CellRows) -> CellRows:
     """Each cell's rows by gene: as stored (cell-major, then gene), so only checked, unless the
     rows come in another order (then sorted)."""
-    genes = rows.genes.astype(np.int64)
+    genes = rows.ids.astype(np.int64)
     step = np.diff(genes)
     starts = rows.offsets[1:-1]
     step[starts[(starts > 0) & (starts < len(genes))] - 1] = 1  # a new cell may start lower
     if bool(np.all(step > 0)):
         return rows
-    return rows.take(np.lexsort((rows.genes, rows.cell_of_row())), rows.offsets)
+    return rows.take(np.lexsort((rows.ids, rows.cell_of_row())), rows.offsets)
 
 
 def random_order(rows: CellRows, rng: np.random.Generator) -> CellRows:
@@ -158,7 +161,7 @@ def truncate(rows: CellRows, max_genes: int) -> CellRows:
     if counts.max(initial=0) <= max_genes:
         return rows
     keep = np.minimum(counts, max_genes)
-    within = np.arange(len(rows.genes)) - np.repeat(rows.offsets[:-1], counts)
+    within = np.arange(len(rows.ids)) - np.repeat(rows.offsets[:-1], counts)
     return rows.take(np.flatnonzero(within < np.repeat(keep, counts)), offsets_of(keep))
 
 

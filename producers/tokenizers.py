@@ -1,6 +1,6 @@
-"""Tokenizers: whole cells (`CellRows`) → ragged token sequences (`Tokens`), by name, and their layouts.
+"""Tokenizers: whole cells' rows (`CellRows`) → their token sequences (a `CellRows` too), by name, and their layouts.
 
-A tokenizer's input rows already carry token ids in `genes`: the producer maps each source's
+A tokenizer's input rows already carry token ids in `ids`: the producer maps each source's
 genes through the vocabulary and drops those outside it first (`producers.items.to_tokens`), as
 scGPT and Geneformer do, so ranking ties ("gene ascending") go by token id, the same in every
 source. A tokenizer's `Layout` (defined once, here; the campaign config reads it too) says which
@@ -79,27 +79,13 @@ def layout(tokenizer: str) -> Layout:
     return LAYOUTS[name]
 
 
-@dataclass
-class Tokens:
-    """Ragged token sequences of cells: cell i owns tokens[offsets[i]:offsets[i+1]]."""
-
-    cell_ids: np.ndarray
-    offsets: np.ndarray
-    tokens: np.ndarray
-    values: np.ndarray | None = None
-
-    @property
-    def n_cells(self) -> int:
-        return len(self.cell_ids)
-
-
 def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
 
 def _with_specials(
     rows: CellRows, vocab_size: int, head: int | None, tail: int | None, values: np.ndarray | None = None, value_fill=0
-) -> Tokens:
+) -> CellRows:
     """Gene tokens of each cell framed by optional head/tail tokens (values get `value_fill` there)."""
     counts = rows.counts
     extra = (head is not None) + (tail is not None)
@@ -108,19 +94,19 @@ def _with_specials(
     tokens = np.empty(offsets[-1], dtype=dtype)
     out_values = None if values is None else np.full(offsets[-1], value_fill, dtype=values.dtype)
     gene_pos = (
-        np.arange(len(rows.genes))
+        np.arange(len(rows.ids))
         - np.repeat(rows.offsets[:-1], counts)
         + np.repeat(offsets[:-1], counts)
         + (head is not None)
     )
-    tokens[gene_pos] = rows.genes
+    tokens[gene_pos] = rows.ids
     if head is not None:
         tokens[offsets[:-1]] = head
     if tail is not None:
         tokens[offsets[1:] - 1] = tail
     if out_values is not None:
         out_values[gene_pos] = values
-    return Tokens(rows.cell_ids, offsets, tokens, out_values)
+    return CellRows(rows.cell_ids, offsets, tokens, out_values)
 
 
 class ScGPTTokenizer:
@@ -135,17 +121,17 @@ class ScGPTTokenizer:
         self.vocab_size, self.cls, self.max_genes, self.n_bins = vocab.size, vocab.special("cls"), max_genes, n_bins
         self.gene_selection, self.seed = gene_selection, seed
 
-    def __call__(self, rows: CellRows, rng: np.random.Generator | None = None) -> Tokens:
+    def __call__(self, rows: CellRows, rng: np.random.Generator | None = None) -> CellRows:
         ranked = rank_order(rows)  # full cells by value: quantiles need every non-zero
         if self.gene_selection == "top":
             chosen = truncate(ranked, self.max_genes)
-            within = np.arange(len(chosen.genes)) - np.repeat(chosen.offsets[:-1], chosen.counts)
+            within = np.arange(len(chosen.ids)) - np.repeat(chosen.offsets[:-1], chosen.counts)
             positions = np.repeat(ranked.offsets[:-1], chosen.counts) + within
             bins = quantile_bins(ranked, self.n_bins, positions)
             return _with_specials(chosen, self.vocab_size, self.cls, None, bins)
         # random subset: bin every non-zero (bins depend on the whole cell), then pick at random
-        bins = quantile_bins(ranked, self.n_bins, np.arange(len(ranked.genes)))
-        with_bins = CellRows(ranked.cell_ids, ranked.offsets, ranked.genes, bins)
+        bins = quantile_bins(ranked, self.n_bins, np.arange(len(ranked.ids)))
+        with_bins = CellRows(ranked.cell_ids, ranked.offsets, ranked.ids, bins)
         chosen = truncate(random_order(with_bins, rng or np.random.default_rng(self.seed)), self.max_genes)
         return _with_specials(chosen, self.vocab_size, self.cls, None, chosen.values)
 
@@ -168,7 +154,7 @@ class GeneformerTokenizer:
         self.tail = None if layout.tail is None else vocab.special(layout.tail)
         self.medians = np.where(medians > 0, medians, 1.0)
 
-    def __call__(self, rows: CellRows, rng=None) -> Tokens:
+    def __call__(self, rows: CellRows, rng=None) -> CellRows:
         if rows.totals is not None:  # the cells' whole counts: genes outside the vocabulary included
             totals = rows.totals.astype(np.float64)
         elif len(rows.values):
@@ -176,7 +162,7 @@ class GeneformerTokenizer:
         else:
             totals = np.zeros(rows.n_cells)
         totals = np.where(totals > 0, totals, 1.0)
-        score = rows.values.astype(np.float64) / np.repeat(totals, rows.counts) * 10_000.0 / self.medians[rows.genes]
+        score = rows.values.astype(np.float64) / np.repeat(totals, rows.counts) * 10_000.0 / self.medians[rows.ids]
         chosen = truncate(rank_order(rows, score), self.max_genes)
         return _with_specials(chosen, self.vocab_size, self.head, self.tail)
 
@@ -188,7 +174,7 @@ class RawTokenizer:
     def __init__(self, vocab: GeneVocab, max_genes: int):
         self.vocab_size, self.max_genes = vocab.size, max_genes
 
-    def __call__(self, rows: CellRows, rng=None) -> Tokens:
+    def __call__(self, rows: CellRows, rng=None) -> CellRows:
         chosen = truncate(gene_order(rows), self.max_genes)
         return _with_specials(chosen, self.vocab_size, None, None, chosen.values.astype(np.float32))
 

@@ -234,7 +234,7 @@ def test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact(counts_at
     again = local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--run", "kill", "--max-genes", "24",
                    "--batch-size", "16", "--epochs", "4", "--resume", "--quiet"])  # a finished run: nothing to do
     assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-2000:]
-    assert again.stdout.strip().splitlines()[-1].startswith("run kill is complete: its 4 epochs were trained")
+    assert again.stdout.strip().splitlines()[-1].startswith("run kill is complete: 4 epochs trained")
 
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["main-process", "process-group"])

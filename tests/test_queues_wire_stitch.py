@@ -14,7 +14,7 @@ from coordination.queues import MAX_ITEM_BYTES, Empty, Full, ItemTooLarge, Memor
 from coordination.wire import Item, ItemError, pack_item, pack_items, unpack_item
 from coordination.queues import MapGone
 from producers.stitch import arrival_key, offer_piece
-from producers.tokenizers import Tokens
+from producers.ranking import CellRows
 
 # ----------------------------------------------------------------------------------- queue / map
 
@@ -130,14 +130,14 @@ def test_pack_items_splits_to_stay_under_one_mebibyte():
     rng = np.random.default_rng(1)
     n, per_cell = 300, 2048
     offsets = np.arange(0, (n + 1) * per_cell, per_cell, dtype=np.int64)
-    tokens = Tokens(np.arange(n), offsets, rng.integers(0, 2**32 - 1, size=n * per_cell, dtype=np.uint32),
+    tokens = CellRows(np.arange(n), offsets, rng.integers(0, 2**32 - 1, size=n * per_cell, dtype=np.uint32),
                     rng.random(n * per_cell).astype(np.float32))  # incompressible: ~16 KiB per cell
     items = pack_items(tokens, epoch=0, key_id=5, run_tag=1, cells_per_item=300)
     assert len(items) > 1 and all(len(b) <= MAX_ITEM_BYTES for b in items)
     decoded = [unpack_item(b) for b in items]
     assert [d.seq for d in decoded] == list(range(len(items))) and {d.n_items for d in decoded} == {len(items)}
     np.testing.assert_array_equal(np.concatenate([d.cell_ids for d in decoded]), np.arange(n))
-    np.testing.assert_array_equal(np.concatenate([d.tokens for d in decoded]), tokens.tokens)
+    np.testing.assert_array_equal(np.concatenate([d.tokens for d in decoded]), tokens.ids)
     assert pack_items(tokens, epoch=0, key_id=5, run_tag=1, cells_per_item=300) == items  # deterministic
 
 

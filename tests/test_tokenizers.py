@@ -18,7 +18,7 @@ def tokenizer(name, medians=None, **params):
     them first: `producers.items.to_tokens`); `medians` per gene, as `cellfeed stats` stores them."""
     per_token = None if medians is None else np.concatenate([np.ones(4), medians])
     tok = make_tokenizer(name, VOCAB, gene_medians=per_token, **params)
-    return lambda rows, rng=None: tok(CellRows(rows.cell_ids, rows.offsets, rows.genes.astype(np.int64) + 4,
+    return lambda rows, rng=None: tok(CellRows(rows.cell_ids, rows.offsets, rows.ids.astype(np.int64) + 4,
                                                rows.values), rng)
 
 
@@ -43,11 +43,11 @@ def random_cells(seed: int, n_cells: int = 60, n_genes: int = 3000, floats: bool
 def per_cell(rows: CellRows):
     for i in range(rows.n_cells):
         lo, hi = rows.offsets[i], rows.offsets[i + 1]
-        yield rows.genes[lo:hi].astype(np.int64), rows.values[lo:hi]
+        yield rows.ids[lo:hi].astype(np.int64), rows.values[lo:hi]
 
 
 def tokens_of(tok, i):
-    return tok.tokens[tok.offsets[i]:tok.offsets[i + 1]].astype(np.int64)
+    return tok.ids[tok.offsets[i]:tok.offsets[i + 1]].astype(np.int64)
 
 
 def values_of(tok, i):
@@ -84,8 +84,8 @@ def test_scgpt_random_selection_is_a_seeded_subset_with_the_same_bins():
     tok = tokenizer("scgpt", max_genes=32, gene_selection="random")
     a, b = tok(rows, np.random.default_rng(1)), tok(rows, np.random.default_rng(1))
     c = tok(rows, np.random.default_rng(2))
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    assert not np.array_equal(a.tokens, c.tokens)
+    np.testing.assert_array_equal(a.ids, b.ids)
+    assert not np.array_equal(a.ids, c.ids)
     for i, (genes, values) in enumerate(per_cell(rows)):
         got = tokens_of(a, i)
         assert got[0] == CLS and len(got) == 1 + min(32, len(genes))
@@ -121,7 +121,7 @@ def test_geneformer_alias_is_v2():
     medians = np.ones(3000)
     a = tokenizer("geneformer", medians)(rows)
     b = tokenizer("geneformer-v2", medians)(rows)
-    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.ids, b.ids)
 
 
 @pytest.mark.parametrize("as_stored", [False, True])
@@ -129,11 +129,11 @@ def test_geneformer_alias_is_v2():
 def test_raw_matches_reference(floats, as_stored):
     rows = random_cells(4, floats=floats)
     if as_stored:  # each cell's genes ascending, as read from storage (the path that sorts nothing)
-        order = np.lexsort((rows.genes, rows.cell_of_row()))
+        order = np.lexsort((rows.ids, rows.cell_of_row()))
         offsets = rows.offsets.copy()
         offsets[-2:] = offsets[-3]  # and two empty cells at the end (the first is empty too)
         order = order[:offsets[-1]]
-        rows = CellRows(rows.cell_ids, offsets, rows.genes[order], rows.values[order])
+        rows = CellRows(rows.cell_ids, offsets, rows.ids[order], rows.values[order])
         assert rows.counts[0] == 0 and gene_order(rows) is rows
     tok = tokenizer("raw", max_genes=50)(rows)
     for i, (genes, values) in enumerate(per_cell(rows)):
@@ -150,7 +150,7 @@ def test_rank_order_fast_path_equals_general_path(floats):
             len(rows.values[::5]) else rows.values[::5]
     fast = rank_order(rows)
     general = rank_order(rows, score=rows.values.astype(np.float64))
-    np.testing.assert_array_equal(fast.genes, general.genes)
+    np.testing.assert_array_equal(fast.ids, general.ids)
     np.testing.assert_array_equal(fast.values, general.values)
     top = truncate(fast, 5)
     assert top.counts.max() == 5 and np.array_equal(top.counts, np.minimum(rows.counts, 5))
@@ -161,13 +161,13 @@ def test_rank_order_with_token_ids_past_16_bits_equals_lexsort(offset):
     """A union vocabulary passes 65,536 tokens: the packed keys widen their gene field (or fall
     back to the lexsort) and still order exactly by (value or score descending, token ascending)."""
     rows = random_cells(3)
-    wide = CellRows(rows.cell_ids, rows.offsets, rows.genes.astype(np.int64) + offset, rows.values)
+    wide = CellRows(rows.cell_ids, rows.offsets, rows.ids.astype(np.int64) + offset, rows.values)
     cell = wide.cell_of_row()
-    for score in (None, np.random.default_rng(1).choice([0.5, 1.0, 2.0], size=len(wide.genes))):
+    for score in (None, np.random.default_rng(1).choice([0.5, 1.0, 2.0], size=len(wide.ids))):
         primary = wide.values.astype(np.float64) if score is None else score
-        expected = np.lexsort((wide.genes, -primary, cell))
+        expected = np.lexsort((wide.ids, -primary, cell))
         ranked = rank_order(wide, score=score)
-        np.testing.assert_array_equal(ranked.genes, wide.genes[expected])
+        np.testing.assert_array_equal(ranked.ids, wide.ids[expected])
         np.testing.assert_array_equal(ranked.values, wide.values[expected])
 
 
@@ -177,16 +177,16 @@ def test_rank_by_score_equals_lexsort_with_exact_and_one_ulp_ties(seed):
     scores tie exactly, differ in the last bit only, or span many orders of magnitude."""
     rows = random_cells(seed, n_cells=300)
     rng = np.random.default_rng(seed)
-    base = rng.choice([0.0, 1.0, 1.5, 3.0, 1e-7, 2.5e6], size=len(rows.genes))
-    ulps = rng.integers(-2, 3, size=len(rows.genes))
+    base = rng.choice([0.0, 1.0, 1.5, 3.0, 1e-7, 2.5e6], size=len(rows.ids))
+    ulps = rng.integers(-2, 3, size=len(rows.ids))
     score = np.array([np.nextafter(b, np.inf) if u > 0 else np.nextafter(b, -np.inf) if u < 0 and b > 0 else b
                       for b, u in zip(base, ulps)])
     score[::7] = rng.random(len(score[::7])) * 10.0 ** rng.integers(-5, 6, size=len(score[::7]))
     for s in (score, np.abs(score)):
         cell = rows.cell_of_row()
-        expected = np.lexsort((rows.genes, -s, cell))
+        expected = np.lexsort((rows.ids, -s, cell))
         ranked = rank_order(rows, score=s)
-        np.testing.assert_array_equal(ranked.genes, rows.genes[expected])
+        np.testing.assert_array_equal(ranked.ids, rows.ids[expected])
         np.testing.assert_array_equal(ranked.values, rows.values[expected])
 
 
