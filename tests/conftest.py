@@ -5,6 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+
+# One OpenMP thread per process, read when torch (and numpy's BLAS) load, so set before either:
+# the suite runs one xdist worker per core, and each test's own processes (a campaign's queue
+# server, producers, benchmarks) share those cores. torch's default (a thread per core) in every
+# worker and subprocess oversubscribes them, and OpenMP's spinning threads then make a tiny
+# model's step 10-40x slower on a busy 2-core machine. (The launcher already starts its ranks
+# with OMP_NUM_THREADS=1: trainer/launch.py.) A thread count changes no result a test checks.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 import warnings
 from pathlib import Path
 
@@ -170,3 +178,60 @@ dataset = "{pbmc.uri}"
 weight = 0.1
 ''')
     return str(path), [0, 1200, 1700], (1440, 720, 240)
+
+
+# ------------------------------------------------------------------ the order tests are handed out in
+
+# The suite's longest tests (each tens of seconds on 2 busy cores: whole campaigns, benchmarks), as
+# "module::test" (every parametrization of it), longest first. They are handed out first and one
+# at a time (below), so that the workers finish together instead of one of them starting a
+# 40-second campaign while the other is idle. Only the order changes: every test still runs, in
+# its own tmp_path, with its own processes. A name missing from the suite is ignored.
+SLOW_FIRST = [
+    "test_modal_campaign.py::test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed_command_resumes_it",
+    "test_modal_campaign.py::test_modal_run_whole_path_preempted_in_its_first_minute_and_again_mid_epoch",
+    "test_local_campaign.py::test_a_trainer_killed_on_three_ranks_resumes_on_one_from_the_default_workdir",
+    "test_first_run.py::test_a_first_run_trains_every_cell_once_and_deletes_what_it_made",
+    "test_benchmarks.py::test_modal_chaos",
+    "test_modal_campaign.py::test_a_rerun_with_another_gpus_count_resumes_the_epoch_on_it",
+    "test_modal_campaign.py::test_a_campaign_longer_than_a_call_continues_in_new_calls",
+    "test_benchmarks.py::test_corpus",
+    "test_benchmarks.py::test_object_store",
+    "test_app.py::test_cellfeed_local_end_to_end",
+    "test_modal_campaign.py::test_modal_run_trains_a_corpus_with_its_files_carried_into_the_containers",
+    "test_local_campaign.py::test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact",
+    "test_benchmarks.py::test_chaos",
+    "test_benchmarks.py::test_randomness",
+    "test_local_campaign.py::test_every_tokenizer_trains_with_a_held_out_split_and_steps_beyond_an_epoch",
+    "test_bad_input.py::test_a_resume_onto_other_data_is_refused_and_trains_nothing",
+    "test_benchmarks.py::test_convert",
+    "test_corpus.py::test_cellfeed_local_trains_a_corpus_as_planned_per_source_in_every_epoch",
+    "test_trainer.py::test_two_rank_ddp_trains_in_sync_on_every_cell_once",
+    "test_benchmarks.py::test_local_scaling",
+    "test_benchmarks.py::test_coordination",
+    "test_local_campaign.py::test_a_sigkilled_campaign_leaves_no_process_behind",
+    "test_trainer.py::test_a_corpus_resumed_on_three_ranks_with_a_new_mixture_trains_each_epoch_as_planned",
+    "test_s3.py::test_producers_ride_out_an_s3_server_restart",
+    "test_benchmarks.py::test_producer",
+    "test_launch.py::test_a_launcher_gone_before_its_rank_was_forked_leaves_no_rank",
+    "test_trainer.py::test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_trains_every_cell_once",
+    "test_local_campaign.py::test_ctrl_c_stops_every_child_with_one_line",
+    "test_local_campaign.py::test_small_real_dataset_gives_every_producer_and_rank_work",
+    "test_first_run.py::test_a_campaign_that_fails_is_said_in_the_last_line_and_its_queue_and_dicts_are_deleted",
+    "test_trainer.py::test_a_corpus_killed_mid_epoch_and_resumed_trains_every_planned_cell_as_planned",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The SLOW_FIRST tests first, in its order; every other test after them, in collection order."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    key = lambda item: rank.get(f"{item.path.name}::{item.originalname}", len(rank))  # noqa: E731
+    items.sort(key=key)  # (stable: the rest keep their order)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, hand tests out one at a time (`--maxschedchunk 1`) instead of in chunks
+    of a quarter of each worker's share, which gave a worker several of the longest tests at once.
+    An explicit --maxschedchunk on the command line wins."""
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "maxschedchunk", "absent") is None:
+        config.option.maxschedchunk = 1
