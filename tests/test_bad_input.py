@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--producers", "1", "--gpus", "1", "--epochs", "1", "--batch-size", "32", "--max-genes", "24", "--quiet"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # data only: built once per worker, whatever order tests run in
 def data(tmp_path_factory):
     """Two small atlases, and three damaged copies of the first."""
     import lance

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EVAL = "plate = 'plate14'"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # data only: built once per worker, whatever order tests run in
 def counts_atlas(tmp_path_factory):
     """600 synthetic cells with Geneformer's gene medians stored (`cellfeed stats`)."""
     from app.cli import main as cli

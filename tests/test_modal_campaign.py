@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = "emu"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # data only: built once per worker, whatever order tests run in
 def atlas(tmp_path_factory):
     """1,500 cells in small fragments; plate14's cells are the held-out set. 2,000 genes, not a
     real atlas's 62,710: the tiny model's embedding (and each step's all-reduce) is then small, and
@@ -149,7 +149,8 @@ def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed
 
     with ModalEmulator(tmp_path / "world", grace_s=10, retry_delay_s=0.2) as world:
         world.fail("produce", times=8)  # every attempt of both producers (1 + retries=3 each): then mended
-        code, out, err = finish(modal_run(world, flags(atlas, epochs=1, gpus=1)))  # (one rank is enough here)
+        # (one rank is enough here; batches of 64: the resumed epoch is 21 steps, not 84)
+        code, out, err = finish(modal_run(world, flags(atlas, epochs=1, gpus=1, batch_size=64)))
         assert code != 0
         lines = [line for line in err.splitlines() if "Modal's retries spent" in line]
         assert lines and re.search(r"producer-\d failed 4 times, Modal's retries spent \(RuntimeError: injected "
