@@ -17,6 +17,7 @@ from coordination.errors import CellfeedError
 from coordination.summary import PlanSummary, publish_summary
 from coordination.local_backend import ServerProcess
 from coordination.local_client import LocalMap, LocalQueue
+from coordination.queues import MemoryMap, MemoryQueue
 from coordination.plan import Sampling
 from coordination.routing import stop_key
 from coordination.vocab import CLS, EOS
@@ -33,7 +34,7 @@ WORLD = 2
 BATCH = 32
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # data only: built once per worker, whatever order tests run in
 def atlas(tmp_path_factory):
     """3,000 cells in 14 plates, as `small_synth`, over 2,000 genes, not 62,710: the tiny model's
     embedding (its optimizer step, each step's all-reduce and every checkpoint) is then 30x
@@ -133,11 +134,13 @@ def test_two_rank_ddp_trains_in_sync_on_every_cell_once(atlas, tmp_path):
     assert all(e["eval_accuracy"] > 0.5 for e in evals[1:])  # far above chance (1 in 50 bins)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+# (resumed on 3 ranks: the curriculum test below kills this corpus's campaign on 2 ranks in epoch 0
+# and resumes it on 3, and checks epoch 0 as this test does: the planned multiset, the quotas, the audit)
+@pytest.mark.parametrize("ranks", [2])
 def test_a_corpus_killed_mid_epoch_and_resumed_trains_every_planned_cell_as_planned(corpus, tmp_path, ranks):
     """A three-source corpus (sources repeated within the epoch and sources continued across
-    epochs), both ranks killed mid-epoch, resumed on 2 or on 3: the two runs together train the
-    planned multiset exactly, each source its quota."""
+    epochs), both ranks killed mid-epoch, resumed on 2: the two runs together train the planned
+    multiset exactly, each source its quota."""
     from coordination.corpus import source_of
 
     path, offsets, quotas = corpus
@@ -191,6 +194,7 @@ def test_a_corpus_resumed_on_three_ranks_with_a_new_mixture_trains_each_epoch_as
     pbmc = [c - offsets[2] for c in plans[1].unit_cells(0, 2)]
     assert plans[1].starts[2] == 240 and len(pbmc) > 0  # pbmc's stream went on from 240
     assert [a["epoch"] for a in summary["audits"]] == [0, 1]
+    assert all(a["audited"] and a["cells"] == 2400 and a["missing"] == 0 for a in summary["audits"])
 
 
 def kill_mid_epoch_and_resume(campaign: Campaign, tmp_path: Path, resume_on=None,
@@ -250,13 +254,21 @@ def second_world(tmp_path: Path) -> int:
     return len(list((tmp_path / "b").glob("cells.rank*.jsonl")))
 
 
-@pytest.mark.parametrize("sampling", [Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
-                                      Sampling("sequential", unit_cells=60),
-                                      Sampling("mixture", unit_cells=60, n_scanners=3),
-                                      Sampling("random", fetch_factor=2, batch_size=BATCH)],
-                         ids=["block", "sequential", "mixture", "random"])
+SAMPLINGS = {"block": Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
+             "sequential": Sampling("sequential", unit_cells=60),
+             "mixture": Sampling("mixture", unit_cells=60, n_scanners=3),
+             "random": Sampling("random", fetch_factor=2, batch_size=BATCH)}
+# A resume sees a strategy only through its plan's shape (`PlanSummary`: each unit's whole cells,
+# the boundary cells and the units holding their pieces): block and random units hold whole cells
+# only, sequential and mixture units also pieces of boundary cells. One strategy of each shape runs
+# the whole elastic campaign below; every strategy's plan goes through the same resume arithmetic
+# in test_every_strategys_plan_resumes_on_any_number_of_ranks (in-process, cell by cell).
+WHOLE_CELLS_ONLY, WITH_BOUNDARY_CELLS = ("block", "random"), ("sequential", "mixture")
+
+
+@pytest.mark.parametrize("strategy", ["block", "sequential"])  # one of each plan shape (above)
 def test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_trains_every_cell_once(atlas,
-                                                                                                 tmp_path, sampling):
+                                                                                                 tmp_path, strategy):
     """Elastic, both ways in one epoch: 2 ranks SIGKILLed mid-epoch, resumed on 3 (each re-run set
     up afresh: a new queue, plans published for its ranks, producers routing to them), those 3
     SIGKILLed after their next checkpoint, resumed on 1 (the producers: 2, 3, 1). The epoch's untrained cells are
@@ -264,6 +276,7 @@ def test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_trains
     units trained through are not produced again (with sequential units, those holding a piece of
     a boundary cell not trained yet are); the audit covers the epoch across all three. (The same
     number of ranks: the corpus test below, on 2.)"""
+    sampling = SAMPLINGS[strategy]
     def on(world):  # with as many producers as ranks: the producer count changes too (2, 3, then 1)
         return lambda: Campaign(atlas, "elastic", epochs=1, sampling=sampling, world=world, producers=world)
 
@@ -280,6 +293,68 @@ def test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_trains
     (audit,) = last["audits"]
     assert audit["audited"] and audit["cells"] == atlas.n_cells and audit["missing"] == 0
     assert "across the resume" in audit["line"]
+
+
+@pytest.mark.parametrize("strategy", list(SAMPLINGS))
+def test_every_strategys_plan_resumes_on_any_number_of_ranks(atlas, strategy):
+    """What a resume computes from a checkpoint, for each strategy's plan of the elastic test's
+    atlas, checked cell by cell against the plan's work units: 2 ranks trained their first units
+    through, half of one more and some boundary cells; resumed on 1, 2 or 3 ranks, each rank is
+    given exactly the untrained cells routed to it (`cells_left_per_rank`), and the units not
+    produced again (`units_to_skip`) are those trained through, less every unit holding a piece of
+    a boundary cell not trained yet, so that every untrained cell is produced again."""
+    from coordination.routing import cell_rank, unit_rank
+
+    producer = Producer(ProducerConfig(dataset=atlas.uri, run="shapes", world_size=WORLD, max_genes=24,
+                                       cells_per_item=40, sampling=SAMPLINGS[strategy]),
+                        MemoryQueue(), MemoryMap(), dataset=atlas)
+    plan = producer.plan(0)
+    summary = PlanSummary.of(plan, WORLD)
+    units = list(plan.units())
+    boundary = sorted(set(np.concatenate([u.pieces for u in units]).tolist()))
+    assert boundary == sorted(summary.boundary_cells)
+    assert bool(boundary) == (strategy in WITH_BOUNDARY_CELLS)  # the shapes the elastic campaign runs one of each
+    # the plan partitions the atlas: each cell whole in exactly one unit, or a boundary cell in pieces
+    assert Counter(np.concatenate([u.cells for u in units]).tolist() + boundary) == Counter(range(atlas.n_cells))
+    holders = {c: {u.id for u in units if c in set(u.pieces.tolist())} for c in boundary}
+
+    # the checkpoint: each rank trained its first units (u mod 2, in order) through, then half of one more
+    done, unit_trained = set(), {}
+    for rank in range(WORLD):
+        mine = [u for u in units if unit_rank(u.id, WORLD) == rank]
+        through = len(mine) * 2 // 5
+        for u in mine[:through]:
+            done.add(u.id)
+            unit_trained[u.id] = len(u.cells)
+        unit_trained[mine[through].id] = len(mine[through].cells) // 2
+    # boundary cells stitched (every piece's unit done): every other one trained, the rest still in a buffer
+    # (or not stitched yet: a piece's unit not done)
+    ready = [c for c in boundary if holders[c] <= done]
+    trained_stitched = set(ready[::2])
+    untrained_boundary = set(boundary) - trained_stitched
+    assert 0 < len(done) < plan.n_units
+
+    for world in (1, 2, 3):
+        expected = [0] * world
+        for u in units:
+            expected[unit_rank(u.id, world)] += len(u.cells) - unit_trained.get(u.id, 0)
+        for c in untrained_boundary:
+            expected[cell_rank(c, world)] += 1
+        left = summary.cells_left_per_rank(world, unit_trained, trained_stitched)
+        assert left == expected, world
+        assert sum(left) == atlas.n_cells - sum(unit_trained.values()) - len(trained_stitched)
+    assert summary.cells_left_per_rank(WORLD, {}, set()) == summary.cells_per_rank  # (nothing trained: the plan)
+
+    skipped = summary.units_to_skip(done, trained_stitched)
+    remade = {u for c in untrained_boundary for u in holders[c]}
+    assert skipped == done - remade
+    if strategy in WITH_BOUNDARY_CELLS:
+        assert done & remade  # some units trained through are made again for a boundary cell's pieces
+    else:
+        assert skipped == done
+    produced_again = {u.id for u in units} - skipped
+    assert all(u.id in produced_again for u in units if unit_trained.get(u.id, 0) < len(u.cells))
+    assert all(holders[c] <= produced_again for c in untrained_boundary)
 
 
 def test_model_presets_masking_and_flops():
