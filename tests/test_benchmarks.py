@@ -149,13 +149,14 @@ def test_coordination():
 
 
 def test_chaos():
-    """A real local campaign at Modal's 25 ms a call, under a 4 s lease: a producer SIGKILLed, one
-    SIGSTOPped past its lease (its unit issued again; it wakes and sends duplicates), the trainer
-    SIGSTOPped past the lease (the queue fills, producers wait on backpressure and keep
-    heartbeating): every epoch trains exactly its cells, and the run finishes by itself. (The tiny
-    run has no calm run, so no overhead figure.)"""
-    figures = figures_of(run_benchmark("chaos", "--tiny"))
-    assert figures["completed"] and figures["faults_injected"] == 3 and figures["lease_s"] == 4
+    """A real local campaign at Modal's 25 ms a call, under a 2 s lease (`--lease-s 2`: the tiny
+    run's 4 s halved, and with it how long its stall and pause last, each 2 s past the lease): a
+    producer SIGKILLed, one SIGSTOPped past its lease (its unit issued again; it wakes and sends
+    duplicates), the trainer SIGSTOPped past the lease (the queue fills, producers wait on
+    backpressure and keep heartbeating): every epoch trains exactly its cells, and the run finishes
+    by itself. (The tiny run has no calm run, so no overhead figure.)"""
+    figures = figures_of(run_benchmark("chaos", "--tiny", "--lease-s", "2"))
+    assert figures["completed"] and figures["faults_injected"] == 3 and figures["lease_s"] == 2
     assert figures["fault_kinds"] == {"kill": 1, "stall": 1, "pause": 1}
     assert (figures["cells_checked"], figures["cells_lost"], figures["cells_duplicated"]) == (2 * 400, 0, 0)
     assert figures["producer_restarts"] >= 1 and figures["units_reissued"] >= 1
