@@ -107,8 +107,10 @@ def write_h5ad(path: Path, x, *, genes: list[str] | None = None, obs_extra: dict
         },
         index=[f"c{i}" for i in range(n_cells)],
     )
-    var = pd.DataFrame({"chrom": pd.Categorical(rng.choice(["1", "X"], size=n_genes))},
-                       index=genes or [f"g{j}" for j in range(n_genes)])
+    var = pd.DataFrame(
+        {"chrom": pd.Categorical(rng.choice(["1", "X"], size=n_genes))},
+        index=genes or [f"g{j}" for j in range(n_genes)],
+    )
     with warnings.catch_warnings():  # duplicate gene names are written on purpose by some tests
         warnings.simplefilter("ignore")
         adata = ad.AnnData(X=x, obs=obs, var=var)
@@ -151,14 +153,23 @@ def corpus(tmp_path_factory, pbmc_raw):
     from producers.synth import SynthSpec, synthesize
 
     root = tmp_path_factory.mktemp("corpus")
-    first = synthesize(str(root / "atlas_a"), SynthSpec(n_cells=1200, n_genes=800, n_plates=3, seed=11),
-                       rows_per_fragment=200_000, progress=False)
+    first = synthesize(
+        str(root / "atlas_a"),
+        SynthSpec(n_cells=1200, n_genes=800, n_plates=3, seed=11),
+        rows_per_fragment=200_000,
+        progress=False,
+    )
     ids = [str(g) for g in first.var(["gene_id"]).column(0).to_pylist()]
     rng = np.random.default_rng(12)
     shared = list(rng.choice(ids, size=560, replace=False))  # 70% of the first atlas's genes
     second_ids = list(rng.permutation(shared + [f"ENSG9{g:010d}" for g in range(240)]))  # + new ones, reordered
-    synthesize(str(root / "atlas_b"), SynthSpec(n_cells=500, n_genes=800, n_plates=2, seed=13),
-               rows_per_fragment=100_000, progress=False, gene_ids=second_ids)
+    synthesize(
+        str(root / "atlas_b"),
+        SynthSpec(n_cells=500, n_genes=800, n_plates=2, seed=13),
+        rows_per_fragment=100_000,
+        progress=False,
+        gene_ids=second_ids,
+    )
     pbmc, _ = pbmc_raw
     path = root / "corpus.toml"
     path.write_text(f'''# three atlases over one vocabulary built from their genes

@@ -34,8 +34,14 @@ def test_modal_app_imports_offline_and_help_lists_every_flag(tmp_path):
     env = offline_env(tmp_path)
     subprocess.run([sys.executable, "-c", "import app.modal_app"], cwd=ROOT, env=env, check=True, timeout=120)
     modal_cli = Path(sys.executable).with_name("modal")
-    out = subprocess.run([str(modal_cli), "run", "app/modal_app.py", "--help"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(modal_cli), "run", "app/modal_app.py", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     listed = set(re.findall(r"--([a-z][a-z0-9-]*)", out.stdout))
     assert {name.replace("_", "-") for name in MODAL_FLAGS} <= listed, out.stdout
@@ -48,9 +54,15 @@ def non_default_flags() -> dict:
     from app.config import MODAL_FLAGS, flag_choices
 
     choices, defaults = flag_choices(), {f.name: f.default for f in fields(CampaignConfig) if f.default is not MISSING}
-    strings = dict(dataset="s3://bucket/atlas", run="round-trip", subset_filter="plate != 'p1'",
-                   eval_filter="plate = 'p2'", vocabulary="/v/vocab.json", gene_column="feature_name",
-                   gene_medians="/v/medians.pkl")
+    strings = dict(
+        dataset="s3://bucket/atlas",
+        run="round-trip",
+        subset_filter="plate != 'p1'",
+        eval_filter="plate = 'p2'",
+        vocabulary="/v/vocab.json",
+        gene_column="feature_name",
+        gene_medians="/v/medians.pkl",
+    )
     values = {}
     for name in MODAL_FLAGS:
         if name == "corpus":  # replaces --dataset (and the filters): its own round trip in the test
@@ -77,8 +89,9 @@ def test_every_flag_round_trips_through_modal_run_and_cellfeed_local():
     from cellfeed_testing.modal_emulator.run import command
 
     values = non_default_flags()
-    args = [a for name, v in values.items() for a in (f"--{name.replace('_', '-')}", str(v))
-            if not isinstance(v, bool)] + [f"--{n.replace('_', '-')}" for n, v in values.items() if v is True]
+    args = [
+        a for name, v in values.items() for a in (f"--{name.replace('_', '-')}", str(v)) if not isinstance(v, bool)
+    ] + [f"--{n.replace('_', '-')}" for n, v in values.items() if v is True]
     expected = CampaignConfig(**values).validate()
     ctx = command("app/modal_app.py").make_context("modal run", list(args))
     assert CampaignConfig.from_flags(ctx.params) == expected
@@ -86,9 +99,17 @@ def test_every_flag_round_trips_through_modal_run_and_cellfeed_local():
     local_args = [a for i, a in enumerate(args) if a not in modal_only and (i == 0 or args[i - 1] not in modal_only)]
     parsed = vars(build_parser().parse_args(["local", *local_args]))
     assert parsed["audit_cells"] is True
-    assert CampaignConfig(**{k: parsed[k] for k in CAMPAIGN_FLAGS}).validate() == \
-        CampaignConfig(**{**values, "attempt_hours": CampaignConfig.attempt_hours, "audit_cells": False,
-                          "modal_retry_s": CampaignConfig.modal_retry_s}).validate()
+    assert (
+        CampaignConfig(**{k: parsed[k] for k in CAMPAIGN_FLAGS}).validate()
+        == CampaignConfig(
+            **{
+                **values,
+                "attempt_hours": CampaignConfig.attempt_hours,
+                "audit_cells": False,
+                "modal_retry_s": CampaignConfig.modal_retry_s,
+            }
+        ).validate()
+    )
     corpus_args = ["--corpus", "/c/corpus.toml", "--run", "c"]
     ctx = command("app/modal_app.py").make_context("modal run", list(corpus_args))
     parsed = vars(build_parser().parse_args(["local", *corpus_args]))
@@ -99,9 +120,23 @@ def test_modal_entrypoint_refuses_more_gpus_than_a_container_has_before_any_call
     from cellfeed_testing.modal_emulator import ModalEmulator
 
     with ModalEmulator(tmp_path / "world") as world:
-        out = subprocess.run([sys.executable, "-m", "cellfeed_testing.modal_emulator.run", "app/modal_app.py",
-                              "--dataset", "s3://bucket/atlas", "--gpus", "9"], cwd=ROOT, env=world.env,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cellfeed_testing.modal_emulator.run",
+                "app/modal_app.py",
+                "--dataset",
+                "s3://bucket/atlas",
+                "--gpus",
+                "9",
+            ],
+            cwd=ROOT,
+            env=world.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode != 0 and "--gpus 9: a Modal container has at most 8 GPUs" in out.stderr
         assert world.describe()["calls"] == []  # refused before setup ran
 
@@ -131,25 +166,71 @@ def test_modal_functions_declare_their_resources():
 
 
 def test_gpu_side_code_never_imports_lance_or_polars():
-    code = ("import sys, trainer.train, trainer.stream, trainer.model, trainer.launch, coordination.driver, "
-            "coordination.backends, coordination.modal_backend, app.config; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('lance', 'polars')]; assert not bad, bad")
+    code = (
+        "import sys, trainer.train, trainer.stream, trainer.model, trainer.launch, coordination.driver, "
+        "coordination.backends, coordination.modal_backend, app.config; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('lance', 'polars')]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
 def campaign_config(ds, **changes) -> CampaignConfig:
-    base = dict(dataset=ds.uri, run="app-test", producers=2, gpus=2, batch_size=32, max_genes=32, preset="tiny",
-                steps=6, warmup_steps=2, checkpoint_every=3, eval_filter="plate = 'plate14'", eval_cells=64,
-                eval_every=3, strategy="mixture", unit_cells=200)
+    base = dict(
+        dataset=ds.uri,
+        run="app-test",
+        producers=2,
+        gpus=2,
+        batch_size=32,
+        max_genes=32,
+        preset="tiny",
+        steps=6,
+        warmup_steps=2,
+        checkpoint_every=3,
+        eval_filter="plate = 'plate14'",
+        eval_cells=64,
+        eval_every=3,
+        strategy="mixture",
+        unit_cells=200,
+    )
     return CampaignConfig(**{**base, **changes}).validate()
 
 
 def test_cellfeed_local_end_to_end(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "app.cli", "local", "--workdir", str(tmp_path), "--cells", "1200", "--producers", "2",
-         "--gpus", "2", "--steps", "8", "--max-genes", "64", "--batch-size", "16", "--checkpoint-every", "4",
-         "--eval-filter", "plate = 'plate14'", "--eval-every", "4", "--run", "ci", "--quiet"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "local",
+            "--workdir",
+            str(tmp_path),
+            "--cells",
+            "1200",
+            "--producers",
+            "2",
+            "--gpus",
+            "2",
+            "--steps",
+            "8",
+            "--max-genes",
+            "64",
+            "--batch-size",
+            "16",
+            "--checkpoint-every",
+            "4",
+            "--eval-filter",
+            "plate = 'plate14'",
+            "--eval-every",
+            "4",
+            "--run",
+            "ci",
+            "--quiet",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "cells/s" in out.stdout and "dataloader wait" in out.stdout and "held-out at step 8" in out.stdout
     rows = [json.loads(line) for line in (tmp_path / "ci" / "steps.jsonl").read_text().splitlines()]
@@ -160,27 +241,46 @@ def test_cellfeed_local_end_to_end(tmp_path):
     assert (tmp_path / "checkpoints" / "ci" / "step-00000004" / "state.pt").exists()
 
 
-@pytest.mark.parametrize("change, needle", [
-    (dict(tokenizer="raw"), r"--tokenizer raw: the trainer learns from scgpt, geneformer-v1, geneformer-v2"),
-    (dict(tokenizer="bert"), r"unknown tokenizer 'bert'; choose one of scgpt, geneformer-v1"),
-    (dict(epochs=0), "--epochs must be >= 1"),
-    (dict(strategy="zigzag"), "unknown strategy"),
-    (dict(preset="huge"), "unknown model preset"),
-    (dict(producers=0), "--producers must be >= 1"),
-    (dict(run="has space"), "run name"),
-    (dict(steps=0), "--steps must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (dict(tokenizer="raw"), r"--tokenizer raw: the trainer learns from scgpt, geneformer-v1, geneformer-v2"),
+        (dict(tokenizer="bert"), r"unknown tokenizer 'bert'; choose one of scgpt, geneformer-v1"),
+        (dict(epochs=0), "--epochs must be >= 1"),
+        (dict(strategy="zigzag"), "unknown strategy"),
+        (dict(preset="huge"), "unknown model preset"),
+        (dict(producers=0), "--producers must be >= 1"),
+        (dict(run="has space"), "run name"),
+        (dict(steps=0), "--steps must be >= 1"),
+    ],
+)
 def test_campaign_config_is_validated_up_front(change, needle):
     with pytest.raises(CellfeedError, match=needle):
         CampaignConfig(dataset="x", **change).validate()
 
 
 def test_cli_local_bad_flag_is_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "app.cli", "local", "--workdir", str(tmp_path), "--dataset",
-                          str(tmp_path / "missing"), "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "local",
+            "--workdir",
+            str(tmp_path),
+            "--dataset",
+            str(tmp_path / "missing"),
+            "--quiet",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [f"cellfeed: error: no dataset at {tmp_path / 'missing'}: "
-                                               "the path does not exist"]
+    assert out.stderr.strip().splitlines() == [
+        f"cellfeed: error: no dataset at {tmp_path / 'missing'}: the path does not exist"
+    ]
 
 
 def test_modal_carries_the_corpus_vocabulary_and_medians_files_into_containers(tmp_path):
@@ -195,8 +295,10 @@ def test_modal_carries_the_corpus_vocabulary_and_medians_files_into_containers(t
     laptop.mkdir()
     (laptop / "vocab.json").write_text('{"A": 0, "B": 1}')
     (laptop / "medians.json").write_text('{"A": 1.5}')
-    (laptop / "corpus.toml").write_text('vocabulary = "vocab.json"\nepoch_cells = 10\n\n[[source]]\nname = "x"\n'
-                                        'dataset = "s3://bucket/x"\nweight = 2\neval_filter = "plate = \'p\'"\n')
+    (laptop / "corpus.toml").write_text(
+        'vocabulary = "vocab.json"\nepoch_cells = 10\n\n[[source]]\nname = "x"\n'
+        'dataset = "s3://bucket/x"\nweight = 2\neval_filter = "plate = \'p\'"\n'
+    )
     cfg = CampaignConfig(corpus=str(laptop / "corpus.toml"), gene_medians=str(laptop / "medians.json"), run="c")
     carried = CampaignConfig(**json.loads(json.dumps(asdict(cfg.carry_files()))))  # as it crosses to Modal
     shutil.rmtree(laptop)

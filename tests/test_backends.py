@@ -12,10 +12,10 @@ import time
 import pytest
 
 from coordination.errors import CellfeedError
+from coordination.latency import CallCounts, with_latency
 from coordination.local_backend import LocalServer, ServerProcess
 from coordination.local_client import LocalMap, LocalQueue
 from coordination.modal_backend import ModalMap, ModalQueue, ModalUnreachable, run_object_name
-from coordination.latency import CallCounts, with_latency
 from coordination.queues import MAX_ITEM_BYTES, Empty, Full, ItemTooLarge, MapGone, MemoryMap, MemoryQueue
 
 
@@ -138,8 +138,9 @@ def test_latency_wrapper_costs_each_call_and_counts_it(monkeypatch):
     delays = []  # what each call slept: the cost is counted per call, not read off a busy machine's clock
     monkeypatch.setattr(latency, "time", types.SimpleNamespace(sleep=lambda s: (delays.append(s), time.sleep(s))))
     counts = CallCounts()
-    q, m, _ = with_latency(MemoryQueue(), MemoryMap(), 20.0, 5.0, counts=counts,
-                           partition_kind=lambda p: ".items" if p == "rank-0" else "")
+    q, m, _ = with_latency(
+        MemoryQueue(), MemoryMap(), 20.0, 5.0, counts=counts, partition_kind=lambda p: ".items" if p == "rank-0" else ""
+    )
     start = time.monotonic()
     q.put_many([b"a", b"b"], partition="rank-0")
     q.get_many(5, partition="rank-0")
@@ -149,8 +150,14 @@ def test_latency_wrapper_costs_each_call_and_counts_it(monkeypatch):
     m.drop("e0")
     assert len(delays) == 7 and all(0.015 <= d <= 0.025 for d in delays)  # 7 calls of 20 ± 5 ms each
     assert time.monotonic() - start >= sum(delays)  # really slept (a sleep never ends early)
-    assert counts.snapshot() == {"queue.put_many.items": 1, "queue.get_many.items": 1, "map.put": 2, "map.get": 1,
-                                 "map.create": 1, "map.drop": 1}
+    assert counts.snapshot() == {
+        "queue.put_many.items": 1,
+        "queue.get_many.items": 1,
+        "map.put": 2,
+        "map.get": 1,
+        "map.create": 1,
+        "map.drop": 1,
+    }
     assert counts.items["queue.put_many.items"] == 2 and counts.items["queue.get_many.items"] == 2
     with pytest.raises(ValueError):
         with_latency(MemoryQueue(), MemoryMap(), 5.0, 10.0)  # jitter above the mean
@@ -283,8 +290,12 @@ def test_modal_calls_retry_transient_errors_for_the_window_and_no_others(capsys)
 
     from coordination.modal_backend import retrying
 
-    for error in (modal.exception.ServiceError("UNAVAILABLE"), modal.exception.InternalError("INTERNAL"),
-                  modal.exception.ConnectionError("refused"), StreamTerminatedError("reset")):
+    for error in (
+        modal.exception.ServiceError("UNAVAILABLE"),
+        modal.exception.InternalError("INTERNAL"),
+        modal.exception.ConnectionError("refused"),
+        StreamTerminatedError("reset"),
+    ):
         calls = []
 
         def flaky():

@@ -49,8 +49,14 @@ def data(tmp_path_factory):
 
 def local(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "app.cli", "local", *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "local", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
     return out, time.monotonic() - start
 
 
@@ -64,17 +70,25 @@ def refused(out: subprocess.CompletedProcess, seconds: float, says: str) -> None
     assert seconds < 60  # (bounds it on a busy 2-core machine; the point is: before any training)
 
 
-@pytest.mark.parametrize("name, says", [
-    ("lying", "config.json says 1,600 cells, but cells.lance holds 600: the metadata does not match the data"),
-    ("shifted", "cells.lance's cell_start_index disagrees with expression.lance: cell "),
-    ("nofrag", "expression fragment 0's file "),
-    ("truncated", "cannot read rows of "),
-], ids=["damaged-metadata", "damaged-offsets", "missing-fragment", "truncated-fragment"])
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        ("lying", "config.json says 1,600 cells, but cells.lance holds 600: the metadata does not match the data"),
+        ("shifted", "cells.lance's cell_start_index disagrees with expression.lance: cell "),
+        ("nofrag", "expression fragment 0's file "),
+        ("truncated", "cannot read rows of "),
+    ],
+    ids=["damaged-metadata", "damaged-offsets", "missing-fragment", "truncated-fragment"],
+)
 def test_a_damaged_dataset_is_refused_at_open(data, tmp_path, name, says):
     out, seconds = local("--dataset", str(data / name), *COMMON, "--workdir", str(tmp_path / "w"), "--run", "r")
     refused(out, seconds, says)
-    assert out.stderr.strip().endswith(("The dataset is damaged: convert it again (or copy it whole)",
-                                        "write it again (`cellfeed convert`/`synth`) or restore it"))
+    assert out.stderr.strip().endswith(
+        (
+            "The dataset is damaged: convert it again (or copy it whole)",
+            "write it again (`cellfeed convert`/`synth`) or restore it",
+        )
+    )
     assert not (tmp_path / "w" / "r").exists()  # no run folder left behind
 
 
@@ -85,8 +99,13 @@ def test_inspect_check_reads_every_row_and_finds_what_the_sample_may_miss(data):
     assert open_dataset(str(data / "a")).check_all() == open_dataset(str(data / "a")).n_rows
     with pytest.raises(CellfeedError, match="belongs to cell 1[0-9][0-9], but cell_start_index gives it to cell"):
         open_dataset(str(data / "shifted"), verify=False).check_all()  # (opened unchecked: the full read finds it)
-    out = subprocess.run([sys.executable, "-m", "app.cli", "inspect", str(data / "a"), "--check", "--quiet"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "inspect", str(data / "a"), "--check", "--quiet"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1].startswith("check: ok: "), out.stderr
 
 
@@ -95,18 +114,23 @@ def test_a_resume_onto_other_data_is_refused_and_trains_nothing(data, tmp_path):
     out, _ = local("--dataset", str(data / "a"), *COMMON, "--workdir", w, "--run", "good")
     assert out.returncode == 0, out.stderr[-2000:]
     steps = (tmp_path / "w" / "good" / "steps.jsonl").read_text()
-    out, seconds = local("--dataset", str(data / "b"), *COMMON, "--epochs", "2", "--workdir", w, "--run", "good",
-                         "--resume")
+    out, seconds = local(
+        "--dataset", str(data / "b"), *COMMON, "--epochs", "2", "--workdir", w, "--run", "good", "--resume"
+    )
     refused(out, seconds, "--resume: the checkpoint at step 19 was trained on other data (600 cells, content ")
     assert "this campaign's is 400 cells, content " in out.stderr
     assert (tmp_path / "w" / "good" / "steps.jsonl").read_text() == steps  # nothing trained
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--lr", "nan"], "--lr nan: the peak learning rate must be a finite number in (0, 1]"),
-    (["--gpus", "64"], "--gpus 64: cellfeed local runs each rank as a CPU process"),
-    (["--batch-size", "0"], "argument --batch-size: expected a number >= 1, got 0 (see `cellfeed local --help`)"),
-], ids=["lr-nan", "gpus-64", "batch-0"])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--lr", "nan"], "--lr nan: the peak learning rate must be a finite number in (0, 1]"),
+        (["--gpus", "64"], "--gpus 64: cellfeed local runs each rank as a CPU process"),
+        (["--batch-size", "0"], "argument --batch-size: expected a number >= 1, got 0 (see `cellfeed local --help`)"),
+    ],
+    ids=["lr-nan", "gpus-64", "batch-0"],
+)
 def test_a_bad_flag_is_refused_before_any_work(data, tmp_path, flags, says):
     out, seconds = local("--dataset", str(data / "a"), *COMMON, *flags, "--workdir", str(tmp_path / "w"), "--run", "r")
     refused(out, seconds, says)
@@ -119,19 +143,39 @@ def test_a_workdir_that_cannot_be_made_is_one_line(data):
 
 
 def test_an_endpoint_that_is_not_a_url_names_the_setting(tmp_path):
-    out, seconds = local("--dataset", "s3://bucket/atlas", *COMMON, "--workdir", str(tmp_path / "w"), "--run", "r",
-                         env={"AWS_ENDPOINT_URL": "not a url"})
+    out, seconds = local(
+        "--dataset",
+        "s3://bucket/atlas",
+        *COMMON,
+        "--workdir",
+        str(tmp_path / "w"),
+        "--run",
+        "r",
+        env={"AWS_ENDPOINT_URL": "not a url"},
+    )
     refused(out, seconds, "AWS_ENDPOINT_URL='not a url' is not an http(s) URL")
     assert not (tmp_path / "w" / "r").exists()
 
 
 def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "app.cli", "synth", "/proc/cellfeed-atlas", "--cells", "100", "--quiet"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "synth", "/proc/cellfeed-atlas", "--cells", "100", "--quiet"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "cellfeed: error: cannot write /proc/cellfeed-atlas (No such file or directory): choose an output path in a "
-        "folder you can write to"], out.stderr[-2000:]
-    out = subprocess.run([sys.executable, "-m", "app.cli", "synth", str(tmp_path / "new" / "atlas"), "--cells", "100",
-                          "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        "folder you can write to"
+    ], out.stderr[-2000:]
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "synth", str(tmp_path / "new" / "atlas"), "--cells", "100", "--quiet"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        f"cellfeed: error: cannot write {tmp_path}/new/atlas: folder {tmp_path}/new does not exist; create it first"]
+        f"cellfeed: error: cannot write {tmp_path}/new/atlas: folder {tmp_path}/new does not exist; create it first"
+    ]

@@ -26,8 +26,11 @@ HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None  # the `ben
 def run_benchmark(name: str, *args: str, code: str | None = None) -> subprocess.CompletedProcess:
     """`python benchmarks/<name>.py args` from the repository root (or `code` standing in for the
     interpreter's entry, with the same argv)."""
-    command = [sys.executable, f"benchmarks/{name}.py", *args] if code is None else \
-        [sys.executable, "-c", code, f"benchmarks/{name}.py", *args]
+    command = (
+        [sys.executable, f"benchmarks/{name}.py", *args]
+        if code is None
+        else [sys.executable, "-c", code, f"benchmarks/{name}.py", *args]
+    )
     start = time.monotonic()
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     out.wall_s = time.monotonic() - start
@@ -79,8 +82,12 @@ def test_a_consumer_benchmark_whose_feeder_dies_ends_at_once_with_its_error():
 
 def test_consumer():
     figures = figures_of(run_benchmark("consumer", "--tiny"))
-    for key in ("consumer_cells_per_s_batch64", "consumer_cells_per_s_batch240",
-                "consumer_cells_per_s_batch64_local", "consumer_cells_per_s_batch240_local"):
+    for key in (
+        "consumer_cells_per_s_batch64",
+        "consumer_cells_per_s_batch240",
+        "consumer_cells_per_s_batch64_local",
+        "consumer_cells_per_s_batch240_local",
+    ):
         assert finite(figures[key]) and figures[key] > 0, key
     assert finite(figures["round_trip_us_memory"], figures["round_trip_us_local"])
 
@@ -94,8 +101,14 @@ def test_convert():
 
 def test_producer():
     figures = figures_of(run_benchmark("producer", "--tiny"))
-    for key in ("scgpt_1024_sequential_cells_per_s", "scgpt_1024_block_cells_per_s", "scgpt_1024_random_cells_per_s",
-                "geneformer_1024_block_cells_per_s", "raw_2048_block_cells_per_s", "floor_cells_per_s"):
+    for key in (
+        "scgpt_1024_sequential_cells_per_s",
+        "scgpt_1024_block_cells_per_s",
+        "scgpt_1024_random_cells_per_s",
+        "geneformer_1024_block_cells_per_s",
+        "raw_2048_block_cells_per_s",
+        "floor_cells_per_s",
+    ):
         assert finite(figures[key]) and figures[key] > 0, key
     assert finite(figures["pipeline_over_floor"]) and figures["scgpt_1024_block_bytes_per_cell"] > 0
 
@@ -106,16 +119,23 @@ def test_object_store():
     for strategy in ("sequential", "mixture", "block", "block16", "random"):
         for store in ("local", "s3", "s3_30ms"):
             assert finite(figures[f"{store}_{strategy}_cells_per_s"]) and figures[f"{store}_{strategy}_cells_per_s"] > 0
-        assert finite(figures[f"s3_30ms_over_local_{strategy}"], figures[f"gets_per_1k_cells_{strategy}"],
-                      figures[f"read_amplification_{strategy}"])
+        assert finite(
+            figures[f"s3_30ms_over_local_{strategy}"],
+            figures[f"gets_per_1k_cells_{strategy}"],
+            figures[f"read_amplification_{strategy}"],
+        )
     assert finite(figures["block_over_sequential_local"], figures["block16_over_sequential_local"])
     assert set(figures["startup_s"]) == {"local", "s3", "s3_30ms"}
 
 
 def test_local_scaling(tmp_path):
     figures = figures_of(run_benchmark("local_scaling", "--tiny", *png_args(tmp_path, "scaling")))
-    for key in ("local_cells_per_s_1_producer", "local_cells_per_s_2_producers",
-                "local_steady_cells_per_s_1_producer", "local_steady_cells_per_s_2_producers"):
+    for key in (
+        "local_cells_per_s_1_producer",
+        "local_cells_per_s_2_producers",
+        "local_steady_cells_per_s_1_producer",
+        "local_steady_cells_per_s_2_producers",
+    ):
         assert finite(figures[key]) and figures[key] > 0, key
     assert (tmp_path / "scaling.png").exists() == HAVE_MATPLOTLIB
 
@@ -140,8 +160,13 @@ def test_coordination():
     figures = figures_of(run_benchmark("coordination", "--tiny"))
     assert figures["finished"] and figures["cells"] == figures["expected_cells"] > 0
     assert figures["reissued"] >= 1 and finite(figures["reissue_s"])
-    assert finite(figures["efficiency"], figures["calls_per_1k_cells"], figures["epoch_gap_s"],
-                  figures["driver_pass_s"], figures["first_batch_s"])
+    assert finite(
+        figures["efficiency"],
+        figures["calls_per_1k_cells"],
+        figures["epoch_gap_s"],
+        figures["driver_pass_s"],
+        figures["first_batch_s"],
+    )
     assert figures["full_partition"]["accepted_cells"] > 0
     assert finite(figures["full_partition_bytes_sent_per_delivered"], figures["full_partition_calls_per_1k_cells"])
     assert figures["startup_cells"] == 200_000
@@ -189,8 +214,11 @@ def test_corpus():
         share = figures["source_share_per_batch"][name]
         assert abs(share["mean"] - weight) < 0.02 and finite(share["sd"], share["binomial_sd"])
     assert figures["vocab_coverage"]["pbmc"]["nonzeros_kept"] == 1.0
-    assert finite(figures["throughput_vs_single_source"], figures["throughput_nonzeros_vs_single_source"],
-                  figures["single_source_corpus_vocab_vs_own_vocab"])
+    assert finite(
+        figures["throughput_vs_single_source"],
+        figures["throughput_nonzeros_vs_single_source"],
+        figures["single_source_corpus_vocab_vs_own_vocab"],
+    )
     assert figures["setup_s_corpus_150m"] is None  # the 150M-cell probe is not a tiny run's
 
 
@@ -209,19 +237,29 @@ def test_a_simulation_that_does_not_finish_exits_1_in_one_line():
     """The coordination simulation cut off before its producer's unit is re-issued."""
     out = run_benchmark("coordination", "--tiny", "--max-seconds", "2")
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
-    assert out.stderr.strip().splitlines()[-1].startswith("benchmarks/coordination.py: did not finish: "
-                                                           "the simulation delivered ")
+    assert (
+        out.stderr.strip()
+        .splitlines()[-1]
+        .startswith("benchmarks/coordination.py: did not finish: the simulation delivered ")
+    )
 
 
-@pytest.mark.parametrize("name, package, pip_name", [("randomness", "matplotlib", "matplotlib"),
-                                                     ("randomness", "sklearn", "scikit-learn"),
-                                                     ("local_scaling", "matplotlib", "matplotlib")])
+@pytest.mark.parametrize(
+    "name, package, pip_name",
+    [
+        ("randomness", "matplotlib", "matplotlib"),
+        ("randomness", "sklearn", "scikit-learn"),
+        ("local_scaling", "matplotlib", "matplotlib"),
+    ],
+)
 def test_a_missing_optional_package_fails_before_any_work(name, package, pip_name, tmp_path):
     """With the package hidden, the benchmark stops at once, in one line naming it and the extra
     (matplotlib: when a PNG was asked for; without `--png` the figures are printed and the PNG
     skipped, so the README's set-up runs them)."""
-    hide = (f"import runpy, sys; sys.modules[{package!r}] = None; sys.argv = sys.argv[1:]; "
-            f"runpy.run_path(sys.argv[0], run_name='__main__')")
+    hide = (
+        f"import runpy, sys; sys.modules[{package!r}] = None; sys.argv = sys.argv[1:]; "
+        f"runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
     png = ["--png", str(tmp_path / "figure.png")] if package == "matplotlib" else []
     out = run_benchmark(name, "--tiny", *png, code=hide)
     assert out.returncode == 1

@@ -6,9 +6,7 @@ twice at once (tests/test_producer.py); and here, a stitching piece lost from th
 
 from __future__ import annotations
 
-
 import pytest
-
 
 
 def test_a_stitching_piece_deleted_from_the_map_fails_the_cell_with_one_line():

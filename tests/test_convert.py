@@ -104,11 +104,15 @@ def test_inspect_shows_obs_and_var_columns_with_example_values(tmp_path, capsys)
     assert cli(["inspect", str(tmp_path / "ds"), "--values", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     obs, var = out.index("obs columns:"), out.index("var columns (gene_column names one):")
-    assert [line.split()[:2] for line in out[obs + 1:var]] == [
-        ["cell_id", "string"], ["plate", "string"], ["score", "float"], ["cell_integer_id", "uint32"]]
+    assert [line.split()[:2] for line in out[obs + 1 : var]] == [
+        ["cell_id", "string"],
+        ["plate", "string"],
+        ["score", "float"],
+        ["cell_integer_id", "uint32"],
+    ]
     assert out[var + 1] == "  gene_id              string     'TP53', 'CD3E'"  # the var index: here, symbols
     assert out[var + 2].split()[:2] == ["chrom", "string"]
-    assert out[var + 3:] == ["  gene_integer_id      uint16     0, 1"]
+    assert out[var + 3 :] == ["  gene_integer_id      uint16     0, 1"]
 
 
 def test_several_inputs_concatenate_and_reorder_genes(tmp_path):
@@ -120,8 +124,12 @@ def test_several_inputs_concatenate_and_reorder_genes(tmp_path):
     b_perm = sp.csr_matrix(b.toarray()[:, perm])
     write_h5ad(tmp_path / "a.h5ad", a, genes=genes)
     write_h5ad(tmp_path / "b.h5ad", b_perm, genes=[genes[p] for p in perm])
-    ds = convert([str(tmp_path / "a.h5ad"), str(tmp_path / "b.h5ad")], str(tmp_path / "ab"), rows_per_fragment=100,
-                 progress=False)
+    ds = convert(
+        [str(tmp_path / "a.h5ad"), str(tmp_path / "b.h5ad")],
+        str(tmp_path / "ab"),
+        rows_per_fragment=100,
+        progress=False,
+    )
     assert_same_cells(ds, sp.vstack([a, b]).tocsr())
     assert ds.obs(["cell_integer_id"]).column(0).to_pylist() == list(range(55))
 
@@ -145,10 +153,16 @@ def _bad_inputs(tmp_path):
         "not an h5ad": [str(tmp_path / "text.h5ad"), str(tmp_path / "o")],
         "NaN": [str(write_h5ad(tmp_path / "nan.h5ad", nan)), str(tmp_path / "o")],
         "negative values": [str(write_h5ad(tmp_path / "neg.h5ad", neg)), str(tmp_path / "o")],
-        "no layer 'counts'": [str(write_h5ad(tmp_path / "ok.h5ad", random_counts(10, 20, seed=9))),
-                              str(tmp_path / "o"), "--layer", "counts"],
-        "appears more than once": [str(write_h5ad(tmp_path / "dup.h5ad", random_counts(10, 3, seed=9),
-                                                  genes=["a", "b", "a"])), str(tmp_path / "o")],
+        "no layer 'counts'": [
+            str(write_h5ad(tmp_path / "ok.h5ad", random_counts(10, 20, seed=9))),
+            str(tmp_path / "o"),
+            "--layer",
+            "counts",
+        ],
+        "appears more than once": [
+            str(write_h5ad(tmp_path / "dup.h5ad", random_counts(10, 3, seed=9), genes=["a", "b", "a"])),
+            str(tmp_path / "o"),
+        ],
     }
 
 
@@ -175,8 +189,7 @@ def test_failed_write_leaves_nothing(tmp_path):
     out = tmp_path / "partial"
     with pytest.raises(RuntimeError):
         with DatasetWriter(out, n_genes=5, value_type=pa.uint16(), rows_per_fragment=3) as w:
-            w.append(pa.table({"cell_id": ["a", "b"]}), np.array([0, 2, 3]), np.array([0, 4, 1]),
-                     np.array([1, 2, 3]))
+            w.append(pa.table({"cell_id": ["a", "b"]}), np.array([0, 2, 3]), np.array([0, 4, 1]), np.array([1, 2, 3]))
             raise RuntimeError("crash mid-write")
     assert not out.exists()
     assert os.listdir(tmp_path) == []
@@ -255,8 +268,12 @@ def test_the_content_hash_is_the_datas_however_it_was_appended(tmp_path):
         one = w.commit(var)
     with DatasetWriter(tmp_path / "three", n_genes=5, value_type=pa.uint16(), rows_per_fragment=3) as w:
         for a, b in ((0, 1), (1, 3), (3, 4)):
-            w.append(obs.slice(a, b - a), (indptr[a:b + 1] - indptr[a]).astype(np.int32),
-                     genes[indptr[a]:indptr[b]].astype(np.int32), values[indptr[a]:indptr[b]].astype(np.int32))
+            w.append(
+                obs.slice(a, b - a),
+                (indptr[a : b + 1] - indptr[a]).astype(np.int32),
+                genes[indptr[a] : indptr[b]].astype(np.int32),
+                values[indptr[a] : indptr[b]].astype(np.int32),
+            )
         three = w.commit(var)
     assert one.config["metadata"]["content_sha256"] == three.config["metadata"]["content_sha256"]
     assert one.identity == three.identity and one.identity.startswith("4 cells, content ")

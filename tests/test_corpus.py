@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from coordination.audit import cells_hash
-from coordination.corpus_file import CorpusSpec, quotas
 from coordination.corpus import CorpusPlan, CorpusSource, source_of
+from coordination.corpus_file import CorpusSpec, quotas
 from coordination.errors import CellfeedError
 from coordination.plan import DatasetGeometry, Sampling
 from coordination.queues import MemoryMap, MemoryQueue
@@ -23,8 +23,8 @@ from coordination.routing import EVAL_PARTITION
 from coordination.vocab import GeneVocab, published_vocab
 from coordination.wire import unpack_item
 from producers.config import ProducerConfig
-from producers.producer import Producer
 from producers.held_out import produce_held_out
+from producers.producer import Producer
 
 TEST_DATA = Path(__file__).parent / "data"
 SCGPT_VOCAB = TEST_DATA / "scgpt_default_gene_vocab.json"
@@ -54,9 +54,11 @@ def test_quotas_add_up_by_largest_remainder():
 def test_corpus_epochs_give_exact_quotas_and_every_cell_once_before_any_twice(strategy):
     sizes = (900, 400, 70)
     subset = np.sort(np.random.default_rng(5).choice(400, size=300, replace=False))  # source 1: a filter
-    sources = [CorpusSource(geometry(sizes[0], 0), None, 0),
-               CorpusSource(geometry(sizes[1], 1), subset, sizes[0]),
-               CorpusSource(geometry(sizes[2], 2), None, sizes[0] + sizes[1])]
+    sources = [
+        CorpusSource(geometry(sizes[0], 0), None, 0),
+        CorpusSource(geometry(sizes[1], 1), subset, sizes[0]),
+        CorpusSource(geometry(sizes[2], 2), None, sizes[0] + sizes[1]),
+    ]
     selected = [900, 300, 70]
     q = quotas([0.6, 0.3, 0.1], 1000)  # 600 of 900, 300 of 300, 100 of 70 (a pass and 30 of the next)
     sampling = Sampling(strategy, unit_cells=16, n_scanners=2, block_size=8, fetch_factor=2, batch_size=16)
@@ -77,16 +79,15 @@ def test_corpus_epochs_give_exact_quotas_and_every_cell_once_before_any_twice(st
         assert plan.cells_per_rank(3).sum() == 1000
         everything = np.concatenate([g + src.offset for g, src in zip(got, sources)])
         assert sum(plan.cell_hash_per_rank(3)) % 2**64 == cells_hash(everything)  # the audit's plan
-        assert source_of(everything, [s.offset for s in sources]).tolist() == \
-            [0] * q[0] + [1] * q[1] + [2] * q[2]
+        assert source_of(everything, [s.offset for s in sources]).tolist() == [0] * q[0] + [1] * q[1] + [2] * q[2]
         for s in range(3):
             streams[s].append(np.concatenate([plan.unit_cells(u, s) for u in range(plan.n_units)]))
     # each source's stream over the epochs: whole passes, each a permutation of its selection
     for s, chosen in enumerate([np.arange(900), subset, np.arange(70)]):
         stream = np.concatenate(streams[s])
         for k in range(len(stream) // selected[s]):
-            np.testing.assert_array_equal(np.sort(stream[k * selected[s]:(k + 1) * selected[s]]), chosen)
-        tail = stream[len(stream) // selected[s] * selected[s]:]
+            np.testing.assert_array_equal(np.sort(stream[k * selected[s] : (k + 1) * selected[s]]), chosen)
+        tail = stream[len(stream) // selected[s] * selected[s] :]
         assert len(np.unique(tail)) == len(tail) and set(tail) <= set(chosen.tolist())
     # the large source continues where it stopped: epochs 0 and 1 hold 1,200 of its 900 cells,
     # so every cell came once (900) before 300 came twice
@@ -97,10 +98,18 @@ def test_corpus_epochs_give_exact_quotas_and_every_cell_once_before_any_twice(st
 
 
 def test_units_mix_sources_in_proportion():
-    sources = [CorpusSource(geometry(6000, 0), None, 0), CorpusSource(geometry(3000, 1), None, 6000),
-               CorpusSource(geometry(1000, 2), None, 9000)]
-    plan = CorpusPlan(sources, quotas([0.6, 0.3, 0.1], 10_000), Sampling("block", block_size=16, fetch_factor=2,
-                                                                          batch_size=64), seed=0, epoch=0)
+    sources = [
+        CorpusSource(geometry(6000, 0), None, 0),
+        CorpusSource(geometry(3000, 1), None, 6000),
+        CorpusSource(geometry(1000, 2), None, 9000),
+    ]
+    plan = CorpusPlan(
+        sources,
+        quotas([0.6, 0.3, 0.1], 10_000),
+        Sampling("block", block_size=16, fetch_factor=2, batch_size=64),
+        seed=0,
+        epoch=0,
+    )
     shares = plan.unit_source_counts / plan.unit_cell_counts[:, None]
     assert plan.n_units >= 64
     assert np.abs(shares - [0.6, 0.3, 0.1]).max() < 0.05  # each unit holds every source, by weight
@@ -228,13 +237,21 @@ def test_geneformer_with_an_ensembl_dictionary_equals_its_rule(small_synth, tmp_
     rng = np.random.default_rng(0)
     inside = [g for g in genes if rng.random() < 0.8]  # a fifth of the atlas's genes unknown to the dictionary
     order = rng.permutation(len(inside))
-    tokens = {"<pad>": 0, "<mask>": 1, "<cls>": 2, "<eos>": 3} | {inside[i]: 4 + int(order[i]) for i in range(len(inside))}
+    tokens = {"<pad>": 0, "<mask>": 1, "<cls>": 2, "<eos>": 3} | {
+        inside[i]: 4 + int(order[i]) for i in range(len(inside))
+    }
     medians = {g: np.float64(rng.uniform(0.5, 4.0)) for g in inside}
     (tmp_path / "token_dictionary.pkl").write_bytes(pickle.dumps(tokens))
     (tmp_path / "gene_median_dictionary.pkl").write_bytes(pickle.dumps(medians))
-    config = ProducerConfig(dataset=ds.uri, run="gf", tokenizer="geneformer-v2", max_genes=64, threads=1,
-                            vocabulary=str(tmp_path / "token_dictionary.pkl"),
-                            gene_medians=str(tmp_path / "gene_median_dictionary.pkl"))
+    config = ProducerConfig(
+        dataset=ds.uri,
+        run="gf",
+        tokenizer="geneformer-v2",
+        max_genes=64,
+        threads=1,
+        vocabulary=str(tmp_path / "token_dictionary.pkl"),
+        gene_medians=str(tmp_path / "gene_median_dictionary.pkl"),
+    )
     producer = Producer(config, MemoryQueue(), MemoryMap(), dataset=ds)
     n = 300
     got = every_cell(producer, n)
@@ -274,10 +291,34 @@ def test_cellfeed_local_trains_a_corpus_as_planned_per_source_in_every_epoch(cor
 
     path, offsets, quotas_ = corpus
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-m", "app.cli", "local", "--corpus", path, "--workdir", str(tmp_path),
-                          "--run", "mix", "--epochs", "2", "--max-genes", "32", "--batch-size", "32",
-                          "--audit-cells", "--quiet", "--rpc-latency-ms", "25"],  # each queue/map call as on Modal
-                         cwd=root, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "local",
+            "--corpus",
+            path,
+            "--workdir",
+            str(tmp_path),
+            "--run",
+            "mix",
+            "--epochs",
+            "2",
+            "--max-genes",
+            "32",
+            "--batch-size",
+            "32",
+            "--audit-cells",
+            "--quiet",
+            "--rpc-latency-ms",
+            "25",
+        ],  # each queue/map call as on Modal
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "corpus " in out.stdout and "1,440 cells per epoch from atlas_a: 800 of 800 genes" in out.stdout
     assert "240 cells per epoch from pbmc: 765 of 765 genes in the vocabulary, 100.0% of non-zeros kept" in out.stdout
@@ -287,8 +328,9 @@ def test_cellfeed_local_trains_a_corpus_as_planned_per_source_in_every_epoch(cor
     trained = trained_per_epoch(tmp_path / "mix")
     for epoch in range(2):
         plan = planner.plan(epoch)
-        planned = Counter(np.concatenate([plan.unit_cells(u, s) + offsets[s] for u in range(plan.n_units)
-                                          for s in range(3)]).tolist())
+        planned = Counter(
+            np.concatenate([plan.unit_cells(u, s) + offsets[s] for u in range(plan.n_units) for s in range(3)]).tolist()
+        )
         assert trained[epoch] == planned, epoch  # exactly the plan, a repeated cell as often as planned
         per_source = np.bincount(source_of(list(trained[epoch].elements()), offsets), minlength=3)
         assert per_source.tolist() == list(quotas_)
@@ -328,7 +370,7 @@ def test_cellfeed_stats_over_a_corpus_gives_each_vocabulary_genes_median_over_ev
         order = np.argsort(block.gene, kind="stable")
         bounds = np.searchsorted(block.gene[order], np.arange(ds.n_genes + 1))
         for g in range(ds.n_genes):
-            pooled.setdefault(ids[g], []).append(norm[order[bounds[g]:bounds[g + 1]]])
+            pooled.setdefault(ids[g], []).append(norm[order[bounds[g] : bounds[g + 1]]])
     expected = {g: float(np.median(np.concatenate(v))) for g, v in pooled.items() if sum(map(len, v))}
     assert got.keys() == expected.keys() and len(got) > 1000  # the union: 800 + 240 new genes
     assert all(got[g] == expected[g] for g in expected)  # exact
@@ -343,13 +385,17 @@ def test_a_resume_with_a_changed_corpus_applies_it_from_the_next_epoch_or_refuse
     from coordination.corpus_file import Mixtures
 
     corpus_file = tmp_path / "corpus.toml"
-    corpus_file.write_text('[[source]]\nname = "a"\ndataset = "s3://b/a"\nweight = 0.6\n\n'
-                           '[[source]]\nname = "b"\ndataset = "s3://b/b"\nweight = 0.4\n')
+    corpus_file.write_text(
+        '[[source]]\nname = "a"\ndataset = "s3://b/a"\nweight = 0.6\n\n'
+        '[[source]]\nname = "b"\ndataset = "s3://b/b"\nweight = 0.4\n'
+    )
     cfg = CampaignConfig(corpus=str(corpus_file), run="mix")
     path = record_mixtures(cfg, tmp_path, None)  # a fresh run: one mixture, from epoch 0
     assert [start for start, _ in Mixtures.from_json(Path(path).read_text()).history] == [0]
-    corpus_file.write_text('[[source]]\nname = "a"\ndataset = "s3://b/a"\nweight = 0.2\n\n'
-                           '[[source]]\nname = "c"\ndataset = "s3://b/c"\nweight = 0.8\n')
+    corpus_file.write_text(
+        '[[source]]\nname = "a"\ndataset = "s3://b/a"\nweight = 0.2\n\n'
+        '[[source]]\nname = "c"\ndataset = "s3://b/c"\nweight = 0.8\n'
+    )
     record_mixtures(cfg, tmp_path, 3)  # resumed inside epoch 3
     assert "its new mixture applies from epoch 4 (epoch 3 finishes under its plan)" in capsys.readouterr().out
     mixtures = Mixtures.from_json(Path(path).read_text())

@@ -106,10 +106,12 @@ def test_every_code_name_the_docs_cite_resolves():
 def test_the_check_finds_each_kind_of_name_that_does_not_resolve(tmp_path):
     """So that the test above cannot pass by matching nothing."""
     doc = tmp_path / "doc.md"
-    doc.write_text("`producers/dataset.py:open_dataset` `producers/dataset.py:Dataset.read_rows`\n"
-                   "`dataset.py:RowBlock` `Dataset.verify()` `producers/dataset.py:no_such`\n"
-                   "`producers/dataset.py:Dataset.nope` `producers/missing.py:x` `Dataset.nope`\n"
-                   "`NotAClass.anything` `plain words` `dataset.py`\n")
+    doc.write_text(
+        "`producers/dataset.py:open_dataset` `producers/dataset.py:Dataset.read_rows`\n"
+        "`dataset.py:RowBlock` `Dataset.verify()` `producers/dataset.py:no_such`\n"
+        "`producers/dataset.py:Dataset.nope` `producers/missing.py:x` `Dataset.nope`\n"
+        "`NotAClass.anything` `plain words` `dataset.py`\n"
+    )
     bad, n_refs = check_docs([doc])
     assert n_refs == 8
     assert bad == [

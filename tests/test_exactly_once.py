@@ -11,18 +11,17 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from tests.conftest import wait_for
-
 from coordination.driver import Driver
-from coordination.summary import PlanSummary, publish_summary
 from coordination.errors import CellfeedError
-from coordination.plan import Sampling
 from coordination.latency import with_latency
+from coordination.plan import Sampling
 from coordination.queues import MemoryMap, MemoryQueue
 from coordination.routing import TASKS_PARTITION, encode_task, rank_partition, run_tag
+from coordination.summary import PlanSummary, publish_summary
 from coordination.wire import Item, pack_item
 from producers.config import ProducerConfig
 from producers.producer import Producer
+from tests.conftest import wait_for
 from trainer.stream import ConsumerStream
 
 EPOCHS = [0, 1]
@@ -51,8 +50,19 @@ class LosesReplies:
         return getattr(self.inner, name)
 
 
-def run_campaign(ds, *, producers: int, world: int, sampling: Sampling, duplicate_units=(), batch_size=32,
-                 run="e2e", subset_filter=None, latency_ms: float = 0.0, lose_gets=()):
+def run_campaign(
+    ds,
+    *,
+    producers: int,
+    world: int,
+    sampling: Sampling,
+    duplicate_units=(),
+    batch_size=32,
+    run="e2e",
+    subset_filter=None,
+    latency_ms: float = 0.0,
+    lose_gets=(),
+):
     """`lose_gets`: the rank gets whose replies are lost (`LosesReplies`); the ranks then ask for
     the units they miss (`trainer.exactly_once.ask_again`), and the driver lingers to answer."""
     from types import SimpleNamespace
@@ -64,8 +74,17 @@ def run_campaign(ds, *, producers: int, world: int, sampling: Sampling, duplicat
     registry = store._registry
     if latency_ms:  # every call a round trip: a protocol that is O(in-flight) per pass shows up here
         queue, store, _ = with_latency(queue, store, latency_ms, latency_ms / 2)
-    config = ProducerConfig(dataset=ds.uri, run=run, seed=11, world_size=world, sampling=sampling, max_genes=16,
-                            cells_per_item=37, idle_timeout_s=1.0, subset_filter=subset_filter)
+    config = ProducerConfig(
+        dataset=ds.uri,
+        run=run,
+        seed=11,
+        world_size=world,
+        sampling=sampling,
+        max_genes=16,
+        cells_per_item=37,
+        idle_timeout_s=1.0,
+        subset_filter=subset_filter,
+    )
     workers = [Producer(config, queue, store, dataset=ds) for _ in range(producers)]
     summaries = {e: PlanSummary.of(workers[0].plan(e), world) for e in EPOCHS}  # the campaign's setup step
     for summary in summaries.values():
@@ -83,11 +102,21 @@ def run_campaign(ds, *, producers: int, world: int, sampling: Sampling, duplicat
     errors = []
 
     def consume(rank):
-        asked = lambda e, batches: ask_again(queue, store, SimpleNamespace(run=run), rank, world, e, batches,  # noqa
-                                             summaries, RankProgress(0))
-        stream = ConsumerStream(consumer_queue, rank=rank, world_size=world, run=run, batch_size=batch_size,
-                                buffer_cells=200, no_data_timeout_s=60, poll_s=0.05,
-                                on_starved=asked if lose_gets else None, starved_after_s=0.3)
+        def asked(e, batches):
+            ask_again(queue, store, SimpleNamespace(run=run), rank, world, e, batches, summaries, RankProgress(0))
+
+        stream = ConsumerStream(
+            consumer_queue,
+            rank=rank,
+            world_size=world,
+            run=run,
+            batch_size=batch_size,
+            buffer_cells=200,
+            no_data_timeout_s=60,
+            poll_s=0.05,
+            on_starved=asked if lose_gets else None,
+            starved_after_s=0.3,
+        )
         try:
             for e in EPOCHS:
                 for batch in stream.epoch(e, summaries[e].cells_per_rank):
@@ -124,12 +153,16 @@ CASES = [
 
 
 @pytest.mark.parametrize("latency_ms", [0.0, 3.0], ids=["instant", "3ms-calls"])
-@pytest.mark.parametrize("producers, world, sampling", CASES,
-                         ids=[f"{p}p-{w}r-{s.strategy}" for p, w, s in CASES])
+@pytest.mark.parametrize("producers, world, sampling", CASES, ids=[f"{p}p-{w}r-{s.strategy}" for p, w, s in CASES])
 def test_each_epoch_delivers_every_cell_exactly_once(small_synth, producers, world, sampling, latency_ms):
     summaries, delivered, steps, registry, producer = run_campaign(
-        small_synth, producers=producers, world=world, sampling=sampling, duplicate_units=[(0, 0), (1, 2)],
-        latency_ms=latency_ms)
+        small_synth,
+        producers=producers,
+        world=world,
+        sampling=sampling,
+        duplicate_units=[(0, 0), (1, 2)],
+        latency_ms=latency_ms,
+    )
     for e in EPOCHS:
         everything = Counter(c for rank in delivered[e] for c in rank)
         assert everything == Counter(range(small_synth.n_cells))  # no loss, no duplicate
@@ -144,8 +177,13 @@ def test_each_epoch_delivers_every_cell_exactly_once(small_synth, producers, wor
 
 def test_subset_epochs_deliver_exactly_the_subset(small_synth):
     summaries, delivered, _, _, _ = run_campaign(
-        small_synth, producers=2, world=2, sampling=Sampling("mixture", unit_cells=100, n_scanners=4),
-        subset_filter="plate >= 'plate05'", run="subset")
+        small_synth,
+        producers=2,
+        world=2,
+        sampling=Sampling("mixture", unit_cells=100, n_scanners=4),
+        subset_filter="plate >= 'plate05'",
+        run="subset",
+    )
     plates = np.array(small_synth.obs(["plate"]).column(0).to_pylist())
     wanted = Counter(np.flatnonzero(plates >= "plate05").tolist())
     for e in EPOCHS:
@@ -154,18 +192,18 @@ def test_subset_epochs_deliver_exactly_the_subset(small_synth):
 
 def test_foreign_and_corrupt_items_are_refused(small_synth):
     queue = MemoryQueue()
-    stream = ConsumerStream(queue, rank=0, world_size=1, run="mine", batch_size=4, no_data_timeout_s=5,
-                            poll_s=0.05)
-    item = Item(0, 0, 0, False, run_tag("someone-else"), 1, np.array([1]), np.array([0, 2]),
-                np.array([1, 5], dtype=np.uint16))
+    stream = ConsumerStream(queue, rank=0, world_size=1, run="mine", batch_size=4, no_data_timeout_s=5, poll_s=0.05)
+    item = Item(
+        0, 0, 0, False, run_tag("someone-else"), 1, np.array([1]), np.array([0, 2]), np.array([1, 5], dtype=np.uint16)
+    )
     queue.put_many([pack_item(item)], partition=rank_partition(0))
     with pytest.raises(CellfeedError, match="another run"):
         next(iter(stream.epoch(0, [10])))
     stream.close()
-    stream = ConsumerStream(queue, rank=0, world_size=1, run="mine", batch_size=4, no_data_timeout_s=5,
-                            poll_s=0.05)
-    good = pack_item(Item(0, 0, 0, False, run_tag("mine"), 1, np.array([1]), np.array([0, 2]),
-                          np.array([1, 5], dtype=np.uint16)))
+    stream = ConsumerStream(queue, rank=0, world_size=1, run="mine", batch_size=4, no_data_timeout_s=5, poll_s=0.05)
+    good = pack_item(
+        Item(0, 0, 0, False, run_tag("mine"), 1, np.array([1]), np.array([0, 2]), np.array([1, 5], dtype=np.uint16))
+    )
     queue.put_many([good[:-4] + b"\0\0\0\0"], partition=rank_partition(0))
     with pytest.raises(CellfeedError, match="checksum"):
         next(iter(stream.epoch(0, [10])))
@@ -173,8 +211,9 @@ def test_foreign_and_corrupt_items_are_refused(small_synth):
 
 
 def test_no_producer_is_a_bounded_reported_wait():
-    stream = ConsumerStream(MemoryQueue(), rank=1, world_size=2, run="idle", batch_size=4, no_data_timeout_s=0.5,
-                            poll_s=0.05)
+    stream = ConsumerStream(
+        MemoryQueue(), rank=1, world_size=2, run="idle", batch_size=4, no_data_timeout_s=0.5, poll_s=0.05
+    )
     with pytest.raises(CellfeedError, match="no data for 0s in epoch 0 with 7 of 7 cells still expected"):
         next(iter(stream.epoch(0, [3, 7])))
     stream.close()
@@ -192,8 +231,13 @@ def test_items_a_lost_reply_took_are_asked_for_again_and_every_epoch_is_exact(sm
     if it must), and every epoch delivers its exact multiset, boundary cells included."""
     world = 2
     summaries, delivered, steps, _, producer = run_campaign(
-        small_synth, producers=2, world=world, sampling=Sampling("block", block_size=8, fetch_factor=2, batch_size=16),
-        batch_size=16, lose_gets=(2, 7, 15))
+        small_synth,
+        producers=2,
+        world=world,
+        sampling=Sampling("block", block_size=8, fetch_factor=2, batch_size=16),
+        batch_size=16,
+        lose_gets=(2, 7, 15),
+    )
     for e in EPOCHS:
         assert Counter(c for rank in delivered[e] for c in rank) == Counter(range(small_synth.n_cells)), f"epoch {e}"
         assert len(set(steps[e])) == 1
@@ -209,8 +253,14 @@ def test_a_resumed_driver_does_not_produce_again_what_an_earlier_one_produced_ah
     from coordination.routing import EVENTS_PARTITION, decode_task, encode_event, produced_key
 
     queue, store = MemoryQueue(), MemoryMap()
-    config = ProducerConfig(dataset=small_synth.uri, run="ahead", world_size=1, max_genes=8, idle_timeout_s=0.5,
-                            sampling=Sampling("sequential", unit_cells=100))
+    config = ProducerConfig(
+        dataset=small_synth.uri,
+        run="ahead",
+        world_size=1,
+        max_genes=8,
+        idle_timeout_s=0.5,
+        sampling=Sampling("sequential", unit_cells=100),
+    )
     producer = Producer(config, queue, store, dataset=small_synth)
     summaries = [PlanSummary.of(producer.plan(e), 1) for e in EPOCHS]
     for summary in summaries:
@@ -232,8 +282,10 @@ def test_a_resumed_driver_does_not_produce_again_what_an_earlier_one_produced_ah
     assert driver.stats.already_produced == n1 - 2
     queue.put_many([encode_event("rank-0", redo=[(1, 3)])], partition=EVENTS_PARTITION)  # a rank misses unit 3
     assert decode_task(queue.get_many(1, timeout=10, partition=TASKS_PARTITION)[0]) == (1, 3)
-    wait_for(lambda: json.loads(store.get(produced_key("ahead")))["epochs"]["1"] == [[0, 3], [4, n1]],
-             "the driver to publish unit 3 as in flight again")
+    wait_for(
+        lambda: json.loads(store.get(produced_key("ahead")))["epochs"]["1"] == [[0, 3], [4, n1]],
+        "the driver to publish unit 3 as in flight again",
+    )
     driver.stop()
     thread.join(timeout=10)
     assert driver.error is None and driver.stats.redone == 1 and driver.stats.reopened == 1
@@ -241,8 +293,15 @@ def test_a_resumed_driver_does_not_produce_again_what_an_earlier_one_produced_ah
 
 def test_driver_reissues_expired_leases(small_synth):
     queue, store = MemoryQueue(), MemoryMap()
-    config = ProducerConfig(dataset=small_synth.uri, run="lease", world_size=1, max_genes=8, idle_timeout_s=0.3,
-                            sampling=Sampling("sequential", unit_cells=1000), heartbeat_s=0.05)
+    config = ProducerConfig(
+        dataset=small_synth.uri,
+        run="lease",
+        world_size=1,
+        max_genes=8,
+        idle_timeout_s=0.3,
+        sampling=Sampling("sequential", unit_cells=1000),
+        heartbeat_s=0.05,
+    )
     producer = Producer(config, queue, store, dataset=small_synth)
     summary = PlanSummary.of(producer.plan(0), 1)
     publish_summary(store, "lease", summary)
@@ -269,24 +328,65 @@ def test_a_rank_asks_for_its_epochs_missing_items_while_later_epochs_items_keep_
     def later_items():  # epoch 1's items, one every 50 ms, until the rank has asked
         seq = 0
         while not stop.is_set() and seq < 400:
-            queue.put_many([pack_item(Item(1, 5, seq, False, tag, 400, np.array([seq]), np.array([0, 1]),
-                                           np.array([7], dtype=np.uint16)))], partition=rank_partition(0))
+            queue.put_many(
+                [
+                    pack_item(
+                        Item(
+                            1,
+                            5,
+                            seq,
+                            False,
+                            tag,
+                            400,
+                            np.array([seq]),
+                            np.array([0, 1]),
+                            np.array([7], dtype=np.uint16),
+                        )
+                    )
+                ],
+                partition=rank_partition(0),
+            )
             seq += 1
             stop.wait(0.05)
 
     feeder = threading.Thread(target=later_items, daemon=True)
     feeder.start()
     # (items come 10 times a poll: neither the rank's nor its fetcher's wait ever runs out)
-    stream = ConsumerStream(queue, rank=0, world_size=1, run="ahead", batch_size=4, no_data_timeout_s=30, poll_s=0.5,
-                            on_starved=lambda e, batches: (asked.append(e), stop.set()), starved_after_s=0.3)
+    stream = ConsumerStream(
+        queue,
+        rank=0,
+        world_size=1,
+        run="ahead",
+        batch_size=4,
+        no_data_timeout_s=30,
+        poll_s=0.5,
+        on_starved=lambda e, batches: (asked.append(e), stop.set()),
+        starved_after_s=0.3,
+    )
     batches, got = stream.epoch(0, [3]), []
     reader = threading.Thread(target=lambda: got.append(next(iter(batches))), daemon=True)  # waits for epoch 0's cells
     reader.start()
     try:
         wait_for(lambda: asked, "the rank to ask for epoch 0's missing units", timeout=15)
         assert asked[0] == 0 and stream._future  # it had epoch 1's items in hand all the while
-        queue.put_many([pack_item(Item(0, 0, 0, False, tag, 1, np.array([0, 1, 2]), np.array([0, 1, 2, 3]),
-                                       np.array([7, 8, 9], dtype=np.uint16)))], partition=rank_partition(0))
+        queue.put_many(
+            [
+                pack_item(
+                    Item(
+                        0,
+                        0,
+                        0,
+                        False,
+                        tag,
+                        1,
+                        np.array([0, 1, 2]),
+                        np.array([0, 1, 2, 3]),
+                        np.array([7, 8, 9], dtype=np.uint16),
+                    )
+                )
+            ],
+            partition=rank_partition(0),
+        )
         reader.join(timeout=15)  # the unit asked for came: the epoch's batch
         assert sorted(got[0].cell_ids.tolist()) == [0, 1, 2]
     finally:
@@ -302,8 +402,15 @@ def test_a_producer_going_away_names_its_units_and_they_are_issued_at_once(small
     from coordination.routing import EVENTS_PARTITION, decode_event
 
     queue, store = MemoryQueue(), MemoryMap()
-    config = ProducerConfig(dataset=small_synth.uri, run="away", world_size=1, max_genes=8, idle_timeout_s=0.5,
-                            sampling=Sampling("sequential", unit_cells=200), heartbeat_s=30)
+    config = ProducerConfig(
+        dataset=small_synth.uri,
+        run="away",
+        world_size=1,
+        max_genes=8,
+        idle_timeout_s=0.5,
+        sampling=Sampling("sequential", unit_cells=200),
+        heartbeat_s=30,
+    )
     publish_summary(store, "away", PlanSummary.of(Producer(config, queue, store, dataset=small_synth).plan(0), 1))
     going = Producer(config, queue, store, dataset=small_synth)
     done = []
@@ -344,18 +451,25 @@ def test_the_last_line_says_complete_only_when_every_epoch_was_trained_and_audit
     def ep(e, trained, audited=True, planned=6000):
         return {"epoch": e, "planned": planned, "trained": trained, "audited": audited}
 
-    assert verdict([ep(0, 6000), ep(1, 6000)]) == \
-        (True, "complete: 2 epochs, 12,000 cells, every epoch trained exactly once (audited)")
+    assert verdict([ep(0, 6000), ep(1, 6000)]) == (
+        True,
+        "complete: 2 epochs, 12,000 cells, every epoch trained exactly once (audited)",
+    )
     ok, line = verdict([ep(0, 6000), ep(1, 5472, False)])  # a resume that cut an epoch short
     assert not ok and line == "INCOMPLETE: epoch 1: 5,472 of 6,000 cells trained"
     ok, line = verdict([ep(0, 6000, audited=False), ep(1, 0, False)])
-    assert not ok and line == ("INCOMPLETE: epoch 0: 6,000 cells trained but not audited; "
-                               "epoch 1: not trained (6,000 cells planned)")
+    assert not ok and line == (
+        "INCOMPLETE: epoch 0: 6,000 cells trained but not audited; epoch 1: not trained (6,000 cells planned)"
+    )
     assert verdict([ep(0, 6001, False)])[0] is False  # more than planned is no success either
-    assert verdict([ep(0, 6000), ep(1, 960, False)], "steps", 250) == \
-        (True, "stopped at step 250 as --steps asked: 1 of 2 epochs complete; epoch 1: 960 of 6,000 cells")
-    assert verdict([ep(0, 3000, False)], "asked", 10) == \
-        (True, "stopped as asked: 0 of 1 epochs complete; epoch 0: 3,000 of 6,000 cells")
+    assert verdict([ep(0, 6000), ep(1, 960, False)], "steps", 250) == (
+        True,
+        "stopped at step 250 as --steps asked: 1 of 2 epochs complete; epoch 1: 960 of 6,000 cells",
+    )
+    assert verdict([ep(0, 3000, False)], "asked", 10) == (
+        True,
+        "stopped as asked: 0 of 1 epochs complete; epoch 0: 3,000 of 6,000 cells",
+    )
 
 
 def test_the_drivers_record_and_its_task_list_depth():
@@ -376,4 +490,3 @@ def test_the_drivers_record_and_its_task_list_depth():
     assert driver._depth(35, 0.75) == 52  # the rate falls (smoothed): the list shortens
     assert driver._depth(75, 2.75) == 128  # a 2 s pass: two passes' worth (4 s at ~40/s), at most 128
     assert Driver(MemoryQueue(), MemoryMap(), "d", max_queued_tasks=32)._depth(0, 0.0) == 16
-

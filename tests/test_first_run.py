@@ -21,8 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def first_run(world: ModalEmulator, settings: dict, bucket: str, timeout: float = 500) -> tuple[int, list[str], str]:
     """The command a user runs, in a process whose `import modal` is the emulator's."""
     env = {k: v for k, v in {**world.env, **settings}.items() if k != "CELLFEED_SECRET"}
-    proc = subprocess.run([sys.executable, "-m", "deploy.first_run", "--bucket", f"s3://{bucket}/first", "--yes"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "deploy.first_run", "--bucket", f"s3://{bucket}/first", "--yes"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return proc.returncode, proc.stdout.strip().splitlines(), proc.stderr
 
 
@@ -39,8 +45,11 @@ def test_a_first_run_trains_every_cell_once_and_deletes_what_it_made(seaweed, tm
     with ModalEmulator(tmp_path / "world", grace_s=10, secrets={"cellfeed-s3": seaweed.settings}) as world:
         code, out, err = first_run(world, seaweed.settings, bucket)
         assert code == 0, "\n".join(out[-30:]) + err[-3000:]
-        done = re.fullmatch(r"first run: ok: run (first-run-[\d-]+), 2,000 cells trained exactly once in \d+ s wall "
-                            r"time", out[-1])
+        done = re.fullmatch(
+            r"first run: ok: run (first-run-[\d-]+), 2,000 cells trained exactly once in \d+ s wall "
+            r"time",
+            out[-1],
+        )
         assert done, out[-1]
         run = done[1]
         assert any(line.startswith("this run costs about $") for line in out)

@@ -36,8 +36,9 @@ def server():
 def test_a_rank_reports_its_exit_code_and_writes_where_it_was_sent(server, tmp_path):
     log = tmp_path / "rank.log"
     with open(log, "w") as out:
-        missing = server.start(["--config", str(tmp_path / "missing.json")], dict(os.environ), out.fileno(),
-                               out.fileno())
+        missing = server.start(
+            ["--config", str(tmp_path / "missing.json")], dict(os.environ), out.fileno(), out.fileno()
+        )
         usage = server.start(["--config", "x", "--no-such-flag"], dict(os.environ), out.fileno(), out.fileno())
     assert missing.wait(timeout=60) == 1  # an uncaught error: its traceback, exit 1 (as the interpreter)
     assert usage.wait(timeout=60) == 2  # argparse's SystemExit(2)
@@ -56,8 +57,10 @@ def test_a_fresh_rank_holds_the_stop_signal_in_its_own_session_and_a_dead_server
     bit = 1 << (STOP_SIGNAL - 1)
     assert int(_status(rank.pid)["SigBlk"], 16) & bit  # held from its first instruction
     rank.send_signal(STOP_SIGNAL)  # a stop asked this early waits (pending) instead of killing the rank
-    wait_for(lambda: int(_status(rank.pid)["SigPnd"], 16) & bit or int(_status(rank.pid)["ShdPnd"], 16) & bit,
-             "the stop signal to be pending")
+    wait_for(
+        lambda: int(_status(rank.pid)["SigPnd"], 16) & bit or int(_status(rank.pid)["ShdPnd"], 16) & bit,
+        "the stop signal to be pending",
+    )
     assert rank.poll() is None and _status(rank.pid)["State"][0] in "SR"
     server.proc.kill()  # the server gone: its ranks die with it, and are reported killed
     assert rank.wait(timeout=30) == -signal.SIGKILL
@@ -98,15 +101,19 @@ def test_a_launcher_gone_before_its_rank_was_forked_leaves_no_rank(tmp_path):
 
     fifo = tmp_path / "config.json"
     os.mkfifo(fifo)
-    code = ("import os, socket, sys; import trainer.launch as launch\n"
-            "send = socket.send_fds\n"
-            "def send_then_die(*args):\n"
-            "    send(*args); os._exit(0)\n"
-            "socket.send_fds = send_then_die\n"
-            "server = launch.RankServer(); print(server.proc.pid, flush=True)\n"
-            f"server.start(['--config', {str(fifo)!r}], dict(os.environ), 1, 2)\n")
+    code = (
+        "import os, socket, sys; import trainer.launch as launch\n"
+        "send = socket.send_fds\n"
+        "def send_then_die(*args):\n"
+        "    send(*args); os._exit(0)\n"
+        "socket.send_fds = send_then_die\n"
+        "server = launch.RankServer(); print(server.proc.pid, flush=True)\n"
+        f"server.start(['--config', {str(fifo)!r}], dict(os.environ), 1, 2)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     server_pid = int(out.stdout.split()[0])
-    wait_for(lambda: not Path(f"/proc/{server_pid}").exists() or _status(server_pid)["State"].startswith("Z"),
-             "the server to end with its launcher")
+    wait_for(
+        lambda: not Path(f"/proc/{server_pid}").exists() or _status(server_pid)["State"].startswith("Z"),
+        "the server to end with its launcher",
+    )
     assert not _reading(fifo)

@@ -32,20 +32,26 @@ def counts_atlas(tmp_path_factory):
     from producers.dataset import open_dataset
 
     out = tmp_path_factory.mktemp("atlas") / "ds"
-    assert cli(["synth", str(out), "--cells", "600", "--genes", "3000", "--rows-per-fragment", "40000",
-                "--quiet"]) == 0
+    assert cli(["synth", str(out), "--cells", "600", "--genes", "3000", "--rows-per-fragment", "40000", "--quiet"]) == 0
     assert cli(["stats", str(out), "--quiet"]) == 0
     return open_dataset(out)
 
 
 def local(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app.cli", "local", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", "local", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def start_local(args: list[str], **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "app.cli", "local", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "local", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def interrupt(proc: subprocess.Popen) -> None:
@@ -61,26 +67,59 @@ def interrupt(proc: subprocess.Popen) -> None:
 
 def training_began(proc: subprocess.Popen, steps: Path) -> None:
     """Wait until the campaign logged its first step (producers are mid-campaign then)."""
-    wait_for(lambda: proc.poll() is not None or (steps.exists() and steps.read_text().strip()),
-             "the campaign's first step", timeout=300)  # 300: torch and gloo start slowly on a busy machine
+    wait_for(
+        lambda: proc.poll() is not None or (steps.exists() and steps.read_text().strip()),
+        "the campaign's first step",
+        timeout=300,
+    )  # 300: torch and gloo start slowly on a busy machine
     assert proc.poll() is None, "the campaign ended before its first step was seen: " + proc.communicate()[1][-2000:]
 
 
-
-@pytest.mark.parametrize("tokenizer, gpus", [  # each tokenizer once (the alias for V2), one and two ranks
-    ("geneformer-v1", 1), ("geneformer", 2), ("scgpt", 1),
-])
-def test_every_tokenizer_trains_with_a_held_out_split_and_steps_beyond_an_epoch(counts_atlas, tmp_path, tokenizer,
-                                                                                  gpus):
+@pytest.mark.parametrize(
+    "tokenizer, gpus",
+    [  # each tokenizer once (the alias for V2), one and two ranks
+        ("geneformer-v1", 1),
+        ("geneformer", 2),
+        ("scgpt", 1),
+    ],
+)
+def test_every_tokenizer_trains_with_a_held_out_split_and_steps_beyond_an_epoch(
+    counts_atlas, tmp_path, tokenizer, gpus
+):
     plates = np.asarray(counts_atlas.obs(["plate"]).column(0).to_pylist())
     held_out = set(np.flatnonzero(plates == "plate14").tolist())
     train = set(range(counts_atlas.n_cells)) - held_out
     assert held_out and train
     per_rank = -(-len(train) // gpus)  # about; the plan's largest rank decides
     steps = int(1.5 * per_rank / 16)  # more than one epoch of batches of 16
-    out = local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--run", "t", "--tokenizer", tokenizer,
-                 "--gpus", str(gpus), "--producers", "2", "--max-genes", "24", "--batch-size", "16", "--steps",
-                 str(steps), "--eval-filter", EVAL, "--eval-every", "10", "--audit-cells", "--quiet"])
+    out = local(
+        [
+            "--dataset",
+            counts_atlas.uri,
+            "--workdir",
+            str(tmp_path),
+            "--run",
+            "t",
+            "--tokenizer",
+            tokenizer,
+            "--gpus",
+            str(gpus),
+            "--producers",
+            "2",
+            "--max-genes",
+            "24",
+            "--batch-size",
+            "16",
+            "--steps",
+            str(steps),
+            "--eval-filter",
+            EVAL,
+            "--eval-every",
+            "10",
+            "--audit-cells",
+            "--quiet",
+        ]
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"{steps} steps of 16 cells per rank over 2 epochs" in out.stdout
     rows = [json.loads(line) for line in (tmp_path / "t" / "steps.jsonl").read_text().splitlines()]
@@ -94,23 +133,27 @@ def test_every_tokenizer_trains_with_a_held_out_split_and_steps_beyond_an_epoch(
     assert "held-out at step" in out.stdout
     assert f"epoch 0: {len(train):,} cells trained, 0 missing, 0 duplicated" in out.stdout  # the audit
     assert "epoch 1: 0 missing" not in out.stdout and "epoch 1: " not in out.stdout.replace("complete; epoch 1: ", "")
-    assert out.stdout.strip().splitlines()[-1].startswith(f"stopped at step {steps} as --steps asked: 1 of 2 epochs "
-                                                          "complete; epoch 1: ")  # partial, as asked: exit 0
+    assert (
+        out.stdout.strip()
+        .splitlines()[-1]
+        .startswith(f"stopped at step {steps} as --steps asked: 1 of 2 epochs complete; epoch 1: ")
+    )  # partial, as asked: exit 0
     # (a partial epoch has no audit line of its own; the last line counts its cells)
 
 
 def test_steps_beyond_the_given_epochs_is_refused(counts_atlas, tmp_path):
-    out = local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--steps", "1000", "--epochs", "1",
-                 "--quiet"])
+    out = local(
+        ["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--steps", "1000", "--epochs", "1", "--quiet"]
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "cellfeed: error: --steps 1000 is more than --epochs 1 hold (10 steps of 32 cells per rank): raise "
-        "--epochs, or leave it out to train as many epochs as the steps need"]
+        "--epochs, or leave it out to train as many epochs as the steps need"
+    ]
 
 
 def test_bad_eval_filter_names_the_option(counts_atlas, tmp_path):
-    out = local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--eval-filter", "plat = 'x'",
-                 "--quiet"])
+    out = local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--eval-filter", "plat = 'x'", "--quiet"])
     assert out.returncode == 2
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("cellfeed: error: bad --eval-filter \"plat = 'x'\": ") and "No field named plat" in line
@@ -121,8 +164,9 @@ def test_geneformer_on_floats_suggests_what_works(tmp_path):
     from app.cli import main as cli
 
     assert cli(["convert", str(PBMC), str(tmp_path / "pbmc"), "--layer", "raw.X", "--quiet"]) == 0
-    out = local(["--dataset", str(tmp_path / "pbmc"), "--workdir", str(tmp_path), "--tokenizer", "geneformer",
-                 "--quiet"])
+    out = local(
+        ["--dataset", str(tmp_path / "pbmc"), "--workdir", str(tmp_path), "--tokenizer", "geneformer", "--quiet"]
+    )
     assert out.returncode == 2
     (line,) = out.stderr.strip().splitlines()
     assert "needs integer counts" in line and "--tokenizer scgpt" in line and "gene_medians" not in line
@@ -138,7 +182,8 @@ def test_resume_says_what_it_resumes_or_that_there_is_nothing(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         f"cellfeed: error: --resume: run 'nothing-yet' has no checkpoint in {tmp_path}/checkpoints/nothing-yet; "
-        "leave out --resume to start it, or name an existing run with --run"]
+        "leave out --resume to start it, or name an existing run with --run"
+    ]
     folder = tmp_path / "ck" / "r" / "step-00000007"  # a 2-rank checkpoint at step 7, in the trainer's layout
     folder.mkdir(parents=True)
     for rank, trained in enumerate((40, 24)):
@@ -146,8 +191,8 @@ def test_resume_says_what_it_resumes_or_that_there_is_nothing(tmp_path):
     (tmp_path / "ck" / "r" / "latest").write_text(folder.name)
     cfg = CampaignConfig(dataset="-", run="r", checkpoint_dir=str(tmp_path / "ck"))
     assert describe_resume(cfg) == (
-        f"resuming run r from its checkpoint at step 7 (epoch 1, 64 cells of that epoch already trained): "
-        f"{folder}")
+        f"resuming run r from its checkpoint at step 7 (epoch 1, 64 cells of that epoch already trained): {folder}"
+    )
     with pytest.raises(CellfeedError, match="has no checkpoint"):
         describe_resume(CampaignConfig(dataset="-", run="other", checkpoint_dir=str(tmp_path / "ck")))
 
@@ -174,12 +219,27 @@ def test_small_real_dataset_gives_every_producer_and_rank_work(tmp_path):
     from app.local import run_local
 
     assert cli(["convert", str(PBMC), str(tmp_path / "pbmc"), "--layer", "raw.X", "--quiet"]) == 0
-    cfg = CampaignConfig(dataset=str(tmp_path / "pbmc"), run="pbmc", producers=2, gpus=2, batch_size=16,
-                         max_genes=32, preset="tiny", lr=3e-3, warmup_steps=2, checkpoint_every=1000)
+    cfg = CampaignConfig(
+        dataset=str(tmp_path / "pbmc"),
+        run="pbmc",
+        producers=2,
+        gpus=2,
+        batch_size=16,
+        max_genes=32,
+        preset="tiny",
+        lr=3e-3,
+        warmup_steps=2,
+        checkpoint_every=1000,
+    )
     summary = run_local(cfg, tmp_path, quiet=True, audit_cells=True)
     assert [p["units"] > 0 for p in summary["producers"]] == [True, True]  # both producers worked
-    per_rank = [sum(len(json.loads(line)["cells"]) for line in (tmp_path / "pbmc" / f"cells.rank{r}.jsonl")
-                    .read_text().splitlines()) for r in range(2)]
+    per_rank = [
+        sum(
+            len(json.loads(line)["cells"])
+            for line in (tmp_path / "pbmc" / f"cells.rank{r}.jsonl").read_text().splitlines()
+        )
+        for r in range(2)
+    ]
     assert min(per_rank) > 0 and sum(per_rank) == 700  # both ranks trained, every cell once
     assert [(a["epoch"], a["cells"], a["missing"], a["duplicated"]) for a in summary["audits"]] == [(0, 700, 0, 0)]
 
@@ -205,8 +265,17 @@ def test_status_line_shows_queue_tasks_and_producer_states():
     queue.put(b"t", partition=TASKS_PARTITION)
     report = {"cells": 500, "units": 2, "busy_s": 0.25, "heard": time.time()}
     store.put(producers_key("s"), json.dumps({"p0": report, "p1": {**report, "units": 1}}))
-    line = status_line(cfg, queue, store, Path("/nonexistent"), time.monotonic(), 10, ["p0", "p1", "p2", "p3"],
-                       [Proc(None), Proc(0), Proc(None), Proc(-9)], 7)
+    line = status_line(
+        cfg,
+        queue,
+        store,
+        Path("/nonexistent"),
+        time.monotonic(),
+        10,
+        ["p0", "p1", "p2", "p3"],
+        [Proc(None), Proc(0), Proc(None), Proc(-9)],
+        7,
+    )
     assert "units 3/7 done, 1 queued" in line and "queue r0:0 r1:3 items" in line
     assert "producers working 2,000 cells/s, done, starting, failed (-9)" in line
 
@@ -214,13 +283,38 @@ def test_status_line_shows_queue_tasks_and_producer_states():
 def test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact(counts_atlas, tmp_path):
     run_dir = tmp_path / "kill"  # 4 epochs: the campaign runs on after the kill (the death is seen within 0.5 s)
     # a 4 s lease: the units the killed producer held are issued again after 4 s of its silence, not 12
-    proc = start_local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--run", "kill", "--producers", "2",
-                        "--gpus", "2", "--max-genes", "24", "--batch-size", "16", "--epochs", "4", "--rpc-latency-ms",
-                        "20", "--lease-s", "4", "--audit-cells", "--quiet"])
+    proc = start_local(
+        [
+            "--dataset",
+            counts_atlas.uri,
+            "--workdir",
+            str(tmp_path),
+            "--run",
+            "kill",
+            "--producers",
+            "2",
+            "--gpus",
+            "2",
+            "--max-genes",
+            "24",
+            "--batch-size",
+            "16",
+            "--epochs",
+            "4",
+            "--rpc-latency-ms",
+            "20",
+            "--lease-s",
+            "4",
+            "--audit-cells",
+            "--quiet",
+        ]
+    )
     try:
         training_began(proc, run_dir / "steps.jsonl")
         producer = wait_for(lambda: child_named(proc.pid, "producer-0"), "the campaign's producer-0")
-        os.kill(producer, signal.SIGKILL)  # our campaign's own child: its pid stays reserved until the campaign reaps it
+        os.kill(
+            producer, signal.SIGKILL
+        )  # our campaign's own child: its pid stays reserved until the campaign reaps it
         out, err = proc.communicate(timeout=400)  # bounds a broken run only
     finally:
         interrupt(proc)
@@ -229,19 +323,50 @@ def test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact(counts_at
     epochs = trained_per_epoch(run_dir)
     everything = Counter(range(counts_atlas.n_cells))
     assert [epochs[e] for e in range(4)] == [everything] * 4  # 0 lost, 0 duplicated, in every epoch
-    assert out.strip().splitlines()[-1] == \
-        f"complete: 4 epochs, {4 * counts_atlas.n_cells:,} cells, every epoch trained exactly once (audited)"
-    again = local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--run", "kill", "--max-genes", "24",
-                   "--batch-size", "16", "--epochs", "4", "--resume", "--quiet"])  # a finished run: nothing to do
+    assert (
+        out.strip().splitlines()[-1]
+        == f"complete: 4 epochs, {4 * counts_atlas.n_cells:,} cells, every epoch trained exactly once (audited)"
+    )
+    again = local(
+        [
+            "--dataset",
+            counts_atlas.uri,
+            "--workdir",
+            str(tmp_path),
+            "--run",
+            "kill",
+            "--max-genes",
+            "24",
+            "--batch-size",
+            "16",
+            "--epochs",
+            "4",
+            "--resume",
+            "--quiet",
+        ]
+    )  # a finished run: nothing to do
     assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-2000:]
     assert again.stdout.strip().splitlines()[-1].startswith("run kill is complete: 4 epochs trained")
 
 
 @pytest.mark.parametrize("to_group", [False, True], ids=["main-process", "process-group"])
 def test_ctrl_c_stops_every_child_with_one_line(counts_atlas, tmp_path, to_group):
-    proc = start_local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--run", "ctrlc", "--epochs", "20",
-                        "--max-genes", "24", "--quiet"],
-                       start_new_session=True)  # its own group, as a terminal's foreground job
+    proc = start_local(
+        [
+            "--dataset",
+            counts_atlas.uri,
+            "--workdir",
+            str(tmp_path),
+            "--run",
+            "ctrlc",
+            "--epochs",
+            "20",
+            "--max-genes",
+            "24",
+            "--quiet",
+        ],
+        start_new_session=True,
+    )  # its own group, as a terminal's foreground job
     try:
         training_began(proc, tmp_path / "ctrlc" / "steps.jsonl")
         started = {pid: started_at(pid) for pid in descendants(proc.pid)}  # what this campaign started, no other's
@@ -259,15 +384,32 @@ def test_ctrl_c_stops_every_child_with_one_line(counts_atlas, tmp_path, to_group
     assert err.strip().splitlines()[-1] == "cellfeed: interrupted" and "Traceback" not in err, err[-2000:]
     # the campaign killed (or stopped) each before exiting; a SIGKILLed process is gone moments later. 30 s only
     # bounds a process that outlived the campaign (that fails the test)
-    wait_for(lambda: not [pid for pid, at in started.items() if running(pid, at)],
-             "the queue server, producers and ranks to be gone after the campaign", timeout=30)
+    wait_for(
+        lambda: not [pid for pid, at in started.items() if running(pid, at)],
+        "the queue server, producers and ranks to be gone after the campaign",
+        timeout=30,
+    )
 
 
 def test_a_sigkilled_campaign_leaves_no_process_behind(counts_atlas, tmp_path):
     """`cellfeed local` killed outright (SIGKILL: no clean-up runs): its queue server and producers
     end with it (each watches a pipe from it), its ranks with their rank server."""
-    proc = start_local(["--dataset", counts_atlas.uri, "--workdir", str(tmp_path), "--run", "killed", "--epochs", "20",
-                        "--max-genes", "24", "--quiet"], start_new_session=True)
+    proc = start_local(
+        [
+            "--dataset",
+            counts_atlas.uri,
+            "--workdir",
+            str(tmp_path),
+            "--run",
+            "killed",
+            "--epochs",
+            "20",
+            "--max-genes",
+            "24",
+            "--quiet",
+        ],
+        start_new_session=True,
+    )
     try:
         training_began(proc, tmp_path / "killed" / "steps.jsonl")
         started = {pid: started_at(pid) for pid in descendants(proc.pid)}
@@ -277,8 +419,11 @@ def test_a_sigkilled_campaign_leaves_no_process_behind(counts_atlas, tmp_path):
         proc.wait(timeout=30)
     finally:
         interrupt(proc)
-    wait_for(lambda: not [pid for pid, at in started.items() if running(pid, at)],
-             "the queue server, producers and ranks to end with the killed campaign", timeout=30)
+    wait_for(
+        lambda: not [pid for pid, at in started.items() if running(pid, at)],
+        "the queue server, producers and ranks to end with the killed campaign",
+        timeout=30,
+    )
 
 
 # --------------------------------------------------- this test's own processes, from /proc (Linux)
@@ -327,10 +472,18 @@ def test_an_incomplete_run_ends_with_its_numbers_and_a_non_zero_exit(tmp_path, m
     from app.cli import main
 
     def finished(epoch_1_trained):
-        ledger = [{"epoch": 0, "planned": 6000, "trained": 6000, "audited": True},
-                  {"epoch": 1, "planned": 6000, "trained": epoch_1_trained, "audited": epoch_1_trained == 6000}]
-        return lambda cfg, workdir, **kw: {"steps": 0, "producers": [], "epochs": ledger, "stopped": None,
-                                          "last_step": 750, "audits": []}
+        ledger = [
+            {"epoch": 0, "planned": 6000, "trained": 6000, "audited": True},
+            {"epoch": 1, "planned": 6000, "trained": epoch_1_trained, "audited": epoch_1_trained == 6000},
+        ]
+        return lambda cfg, workdir, **kw: {
+            "steps": 0,
+            "producers": [],
+            "epochs": ledger,
+            "stopped": None,
+            "last_step": 750,
+            "audits": [],
+        }
 
     args = ["local", "--dataset", str(tmp_path / "ds"), "--workdir", str(tmp_path), "--epochs", "2", "--quiet"]
     monkeypatch.setattr(app.local, "run_local", finished(5472))
@@ -349,16 +502,44 @@ def test_a_trainer_killed_on_three_ranks_resumes_on_one_from_the_default_workdir
     import re
     import shutil
 
-    common = ["--dataset", counts_atlas.uri, "--run", "el", "--producers", "2", "--epochs", "2", "--batch-size", "8",
-              "--max-genes", "24", "--checkpoint-every", "10", "--audit-cells", "--quiet"]
+    common = [
+        "--dataset",
+        counts_atlas.uri,
+        "--run",
+        "el",
+        "--producers",
+        "2",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--max-genes",
+        "24",
+        "--checkpoint-every",
+        "10",
+        "--audit-cells",
+        "--quiet",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     run_dir = tmp_path / "runs" / "el"
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "local", *common, "--gpus", "3"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "local", *common, "--gpus", "3"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         # 25 steps an epoch: past step 15 a checkpoint (step 10) is written and epoch 0 is not done
-        wait_for(lambda: proc.poll() is not None or ((run_dir / "steps.jsonl").exists() and
-                 (run_dir / "steps.jsonl").read_text().count('"loss"') >= 15), "step 15", timeout=300)
+        wait_for(
+            lambda: (
+                proc.poll() is not None
+                or ((run_dir / "steps.jsonl").exists() and (run_dir / "steps.jsonl").read_text().count('"loss"') >= 15)
+            ),
+            "step 15",
+            timeout=300,
+        )
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         ranks = [pid for pid in descendants(proc.pid) if "trainer." in " ".join(cmdline(pid))]
         assert ranks
@@ -371,8 +552,14 @@ def test_a_trainer_killed_on_three_ranks_resumes_on_one_from_the_default_workdir
     first.mkdir()
     for log in run_dir.glob("cells.rank*.jsonl"):
         shutil.copy(log, first / log.name)
-    out = subprocess.run([sys.executable, "-m", "app.cli", "local", *common, "--gpus", "1", "--resume"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=400)
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "local", *common, "--gpus", "1", "--resume"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     resumed_at = int(re.search(r"checkpoint at step ([\d,]+)", out.stdout).group(1).replace(",", ""))
     assert 0 < resumed_at < 25  # inside epoch 0
@@ -384,5 +571,7 @@ def test_a_trainer_killed_on_three_ranks_resumes_on_one_from_the_default_workdir
                     epochs.setdefault(row["epoch"], Counter()).update(row["cells"])
     assert len(list(first.glob("cells.rank*.jsonl"))) == 3 and len(list(run_dir.glob("cells.rank*.jsonl"))) == 1
     assert [epochs.get(e) for e in (0, 1)] == [Counter(range(counts_atlas.n_cells))] * 2
-    assert out.stdout.strip().splitlines()[-1] == \
-        f"complete: 2 epochs, {2 * counts_atlas.n_cells:,} cells, every epoch trained exactly once (audited)"
+    assert (
+        out.stdout.strip().splitlines()[-1]
+        == f"complete: 2 epochs, {2 * counts_atlas.n_cells:,} cells, every epoch trained exactly once (audited)"
+    )

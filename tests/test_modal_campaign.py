@@ -33,14 +33,33 @@ def atlas(tmp_path_factory):
     from producers.synth import SynthSpec, synthesize
 
     out = tmp_path_factory.mktemp("modal-atlas") / "atlas"
-    return synthesize(str(out), SynthSpec(n_cells=1500, n_genes=2000, median_nnz=300, seed=3), rows_per_fragment=200_000,
-                      progress=False)
+    return synthesize(
+        str(out),
+        SynthSpec(n_cells=1500, n_genes=2000, median_nnz=300, seed=3),
+        rows_per_fragment=200_000,
+        progress=False,
+    )
 
 
 def flags(atlas, **changes) -> list[str]:
-    base = dict(dataset=atlas.uri, run=RUN, producers=2, gpus=2, batch_size=16, max_genes=32, preset="tiny",
-                epochs=2, warmup_steps=2, checkpoint_every=4, eval_filter="plate = 'plate14'", eval_cells=64,
-                eval_every=10, strategy="block", block_size=16, fetch_factor=2)
+    base = dict(
+        dataset=atlas.uri,
+        run=RUN,
+        producers=2,
+        gpus=2,
+        batch_size=16,
+        max_genes=32,
+        preset="tiny",
+        epochs=2,
+        warmup_steps=2,
+        checkpoint_every=4,
+        eval_filter="plate = 'plate14'",
+        eval_cells=64,
+        eval_every=10,
+        strategy="block",
+        block_size=16,
+        fetch_factor=2,
+    )
     out = []
     for name, value in {**base, **changes}.items():
         out += [f"--{name.replace('_', '-')}", str(value)]
@@ -49,8 +68,14 @@ def flags(atlas, **changes) -> list[str]:
 
 def modal_run(world: ModalEmulator, args: list[str]) -> subprocess.Popen:
     """`modal run app/modal_app.py ARGS` against the emulator, in a process of its own."""
-    return subprocess.Popen([sys.executable, "-m", "cellfeed_testing.modal_emulator.run", "app/modal_app.py", *args],
-                            cwd=ROOT, env=world.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cellfeed_testing.modal_emulator.run", "app/modal_app.py", *args],
+        cwd=ROOT,
+        env=world.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str, str]:
@@ -87,8 +112,9 @@ def check_campaign(world: ModalEmulator, out: str, *, epochs: int, producers: in
     assert len(world.calls("produce")) == producers  # reused across attempts, never doubled
     lines = out.strip().splitlines()
     assert len(world.calls("setup")) == 1 and json.loads(lines[-2])["steps"] > 0
-    assert re.match(rf"complete: {epochs} epochs?, [\d,]+ cells, every epoch trained exactly once \(audited\)$",
-                    lines[-1]), lines[-1]
+    assert re.match(
+        rf"complete: {epochs} epochs?, [\d,]+ cells, every epoch trained exactly once \(audited\)$", lines[-1]
+    ), lines[-1]
 
 
 def trained_cells(world: ModalEmulator) -> dict:
@@ -100,7 +126,8 @@ def trained_cells(world: ModalEmulator) -> dict:
     calls: dict[str, list[dict]] = {}
     for path in sorted((world.volume_dir / RUN / "cells").glob("*.rank*.jsonl")):
         calls.setdefault(path.name.split(".")[0], []).extend(
-            json.loads(line) for line in path.read_text().splitlines() if line.endswith("}"))
+            json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")
+        )
     out: dict = {}
     cut = float("inf")
     for started in sorted(calls, key=int, reverse=True):
@@ -153,8 +180,11 @@ def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed
         code, out, err = finish(modal_run(world, flags(atlas, epochs=1, gpus=1, batch_size=64)))
         assert code != 0
         lines = [line for line in err.splitlines() if "Modal's retries spent" in line]
-        assert lines and re.search(r"producer-\d failed 4 times, Modal's retries spent \(RuntimeError: injected "
-                                   r"fault\); the run stops: mend the cause, then run again with --resume", lines[-1])
+        assert lines and re.search(
+            r"producer-\d failed 4 times, Modal's retries spent \(RuntimeError: injected "
+            r"fault\); the run stops: mend the cause, then run again with --resume",
+            lines[-1],
+        )
         assert all(len(c["attempts"]) == 4 for c in world.calls("produce"))  # 1 + retries=3
         described = world.describe()
         assert described["queues"] == [f"cellfeed-{RUN}"] and f"cellfeed-{RUN}" in described["dicts"]  # kept
@@ -195,17 +225,24 @@ def test_an_expired_setup_is_done_again(atlas, tmp_path):
     unused: a train call that finds the held-out set or a plan gone runs `setup` again."""
     from dataclasses import asdict
 
-    from coordination.summary import SetupFacts
     from app.config import CampaignConfig
     from coordination.backends import connect
     from coordination.routing import EVAL_PARTITION, summary_key
+    from coordination.summary import SetupFacts
     from tests.conftest import fresh_import
 
     with ModalEmulator(tmp_path / "world") as world:
         world.install()
         with fresh_import("app.modal_app") as m:
-            cfg = CampaignConfig(dataset=atlas.uri, run="expiry", gpus=2, epochs=2, eval_filter="plate = 'plate14'",
-                                 eval_cells=64, max_genes=32).validate()
+            cfg = CampaignConfig(
+                dataset=atlas.uri,
+                run="expiry",
+                gpus=2,
+                epochs=2,
+                eval_filter="plate = 'plate14'",
+                eval_cells=64,
+                max_genes=32,
+            ).validate()
             config = asdict(cfg)
             facts = SetupFacts(**m.setup.remote(config))
             queue, store = connect(cfg.backend_spec("modal"))
@@ -225,17 +262,38 @@ def test_an_expired_setup_is_done_again(atlas, tmp_path):
 def test_modal_run_trains_a_corpus_with_its_files_carried_into_the_containers(corpus, tmp_path):
     """`modal run --corpus FILE --vocabulary FILE`: the containers cannot read the laptop's files,
     so the entrypoint carries them; every source trains its quota, the vocabulary is the file's."""
+    from coordination.corpus_file import CorpusSpec
     from coordination.vocab import GeneVocab
     from producers.sources import open_sources
-    from coordination.corpus_file import CorpusSpec
 
     path, offsets, quotas = corpus
     identifiers = [s.identifiers for s in open_sources(CorpusSpec.read(path))]
     vocab = GeneVocab.build(identifiers + [[f"EXTRA{i}" for i in range(10)]])  # 10 genes no source has
     (tmp_path / "vocab.json").write_text(json.dumps(vocab.ids))
-    args = ["--corpus", path, "--vocabulary", str(tmp_path / "vocab.json"), "--run", RUN, "--producers", "2",
-            "--gpus", "1", "--batch-size", "16", "--max-genes", "32", "--preset", "tiny", "--epochs", "1",
-            "--warmup-steps", "2", "--checkpoint-every", "50"]
+    args = [
+        "--corpus",
+        path,
+        "--vocabulary",
+        str(tmp_path / "vocab.json"),
+        "--run",
+        RUN,
+        "--producers",
+        "2",
+        "--gpus",
+        "1",
+        "--batch-size",
+        "16",
+        "--max-genes",
+        "32",
+        "--preset",
+        "tiny",
+        "--epochs",
+        "1",
+        "--warmup-steps",
+        "2",
+        "--checkpoint-every",
+        "50",
+    ]
     with ModalEmulator(tmp_path / "world") as world:
         code, out, err = finish(modal_run(world, args))
         assert code == 0, out[-2000:] + err[-3000:]
@@ -252,8 +310,9 @@ def test_a_rerun_with_another_gpus_count_resumes_the_epoch_on_it(atlas, tmp_path
     across both runs."""
     with ModalEmulator(tmp_path / "world") as world:
         # batches of 32: 21 steps an epoch, so step 30 is inside epoch 1
-        code, out, err = finish(modal_run(world, flags(atlas, steps=30, checkpoint_every=10, batch_size=32)
-                                          + ["--audit-cells"]))
+        code, out, err = finish(
+            modal_run(world, flags(atlas, steps=30, checkpoint_every=10, batch_size=32) + ["--audit-cells"])
+        )
         assert code == 0, out[-2000:] + err[-3000:]
         assert out.strip().splitlines()[-1].startswith("stopped at step 30 as --steps asked: 1 of 2 epochs complete")
         code, out, err = finish(modal_run(world, flags(atlas, gpus=1, batch_size=32) + ["--resume", "--audit-cells"]))
@@ -268,5 +327,6 @@ def test_a_rerun_with_another_gpus_count_resumes_the_epoch_on_it(atlas, tmp_path
         trains = world.calls("train")
         logs = container_log(world, trains[-1]["id"], 0)
         assert "written by 2 ranks, its" in logs and "re-planned over 1" in logs, logs[-3000:]
-        assert re.search(r"epoch 1: [\d,]+ cells trained, 0 missing, 0 duplicated .*across the resume", logs), \
-            logs[-3000:]
+        assert re.search(r"epoch 1: [\d,]+ cells trained, 0 missing, 0 duplicated .*across the resume", logs), logs[
+            -3000:
+        ]

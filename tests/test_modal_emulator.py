@@ -24,6 +24,7 @@ def world(tmp_path_factory):
 
 # ---- the emulator's own semantics
 
+
 def test_handles_bind_once_and_a_deleted_object_is_gone_for_them(world):  # S1, S2, S3
     import modal
     import modal.exception
@@ -121,8 +122,10 @@ def test_function_calls_run_in_processes_and_raise_as_modals(world, tmp_path):  
     with pytest.raises(modal.exception.RemoteError):
         sleeper.get(timeout=20)
     overtime = calls("sleeps", 30)  # its timeout is 600 s: on the emulated clock it runs past it
-    wait_for(lambda: any(c["id"] == overtime.object_id and c["status"] == "running" for c in world.calls("sleeps")),
-             "the call to start")
+    wait_for(
+        lambda: any(c["id"] == overtime.object_id and c["status"] == "running" for c in world.calls("sleeps")),
+        "the call to start",
+    )
     world.advance(601)
     with pytest.raises(modal.exception.FunctionTimeoutError):
         overtime.get(timeout=30)
@@ -152,10 +155,16 @@ def test_a_body_imports_only_what_its_image_installs(world):  # S20
     body or in a Python the body starts; an image that pip-installs numpy has it; the rest of the
     repository is not in either."""
     calls = _probe_app(world)
-    assert calls("imports_bare", ["json", "modal", "tests.modal_probe_app"]).get(timeout=60) == \
-        ["json", "modal", "tests.modal_probe_app"]
-    with pytest.raises(ModuleNotFoundError, match=r"No module named 'numpy': this function's image "
-                                                  r"\(debian_slim\(3.11\)\.add_local_python_source\(tests\)\)"):
+    assert calls("imports_bare", ["json", "modal", "tests.modal_probe_app"]).get(timeout=60) == [
+        "json",
+        "modal",
+        "tests.modal_probe_app",
+    ]
+    with pytest.raises(
+        ModuleNotFoundError,
+        match=r"No module named 'numpy': this function's image "
+        r"\(debian_slim\(3.11\)\.add_local_python_source\(tests\)\)",
+    ):
         calls("imports_bare", ["numpy"]).get(timeout=60)
     assert calls("imports_numpy_image", ["numpy"]).get(timeout=60) == ["numpy"]
     for image in ("imports_bare", "imports_numpy_image"):
@@ -168,8 +177,18 @@ def test_an_image_allows_its_packages_dependencies_and_modals():  # S20
 
     spec = container_spec({"pip": ["torch==2.13.0"], "sources": ["trainer"], "label": "t"})
     guard = ImageGuard(spec["allow"], spec["sources"], spec["label"])  # (its finder wrapping: the test above)
-    for ok in ("torch", "sympy", "networkx", "filelock", "modal", "grpclib", "google.protobuf", "trainer.train",
-               "json", "cellfeed_testing.modal_emulator.client"):
+    for ok in (
+        "torch",
+        "sympy",
+        "networkx",
+        "filelock",
+        "modal",
+        "grpclib",
+        "google.protobuf",
+        "trainer.train",
+        "json",
+        "cellfeed_testing.modal_emulator.client",
+    ):
         assert guard.permits(ok), ok
     for refused in ("lance", "pyarrow", "polars", "zstandard", "producers", "cellfeed_testing.object_store"):
         assert not guard.permits(refused), refused
@@ -187,6 +206,7 @@ def _probe_app(world):
 
 
 # ---- cellfeed's Modal backend on it: each test failed before its fix
+
 
 def test_a_named_map_handle_reaches_the_map_a_resumed_epoch_made_again(world):
     """Modal binds a handle to one dict: a producer's handle to an epoch map that a resumed driver
@@ -245,8 +265,8 @@ def test_a_full_partition_is_waited_on_not_sent_to_again_and_again(world, emulat
 def test_a_request_too_large_is_split_not_reported_full(world, emulated_producer):
     """A request over Modal's size limit used to surface as a Modal TimeoutError, read as a full
     partition: the producer spun until "stayed full... is the trainer consuming?"."""
-    from coordination.queues import MAX_ITEM_BYTES, MAX_REQUEST_BYTES, RequestTooLarge
     from cellfeed_testing.modal_emulator.limits import MAX_REQUEST_BYTES as EMULATED_LIMIT
+    from coordination.queues import MAX_ITEM_BYTES, MAX_REQUEST_BYTES, RequestTooLarge
 
     producer, queue = emulated_producer("split", put_timeout_s=30)
     assert MAX_REQUEST_BYTES < EMULATED_LIMIT  # batches are capped under the limit assumed for Modal

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -22,8 +22,10 @@ INSTALL = 'python -m app.pins > c.txt && pip install -c c.txt -e ".[test]"'
 def image_requirements() -> dict[str, list[Requirement]]:
     import app.modal_app as m  # imports offline
 
-    return {"PRODUCER_PIP": [Requirement(p) for p in m.PRODUCER_PIP],
-            "TRAINER_PIP": [Requirement(p) for p in m.TRAINER_PIP]}
+    return {
+        "PRODUCER_PIP": [Requirement(p) for p in m.PRODUCER_PIP],
+        "TRAINER_PIP": [Requirement(p) for p in m.TRAINER_PIP],
+    }
 
 
 def public(version: str) -> Version:
@@ -38,8 +40,9 @@ def test_pins_satisfy_pyproject_bounds_and_cover_both_images():
     for name, version in pins.PINS.items():
         bound = bounds.get(canonicalize_name(name))
         if bound is not None:
-            assert bound.specifier.contains(version, prereleases=True), \
+            assert bound.specifier.contains(version, prereleases=True), (
                 f"app/pins.py pins {name}=={version}, outside pyproject.toml's {bound}"
+            )
     for image, reqs in image_requirements().items():
         unpinned = [str(r) for r in reqs if canonicalize_name(r.name) not in pinned_names]
         assert not unpinned, f"{image} lists packages app/pins.py does not pin: {unpinned}"
@@ -65,14 +68,18 @@ def test_installed_versions_are_the_pins():
             continue
         if public(have) != Version(version):
             wrong.append(f"{name}: installed {have}, pinned {version}")
-    assert not wrong, ("installed versions differ from app/pins.py (the Modal images' pins): "
-                       + "; ".join(wrong) + f". Install with the constraints: {INSTALL}")
+    assert not wrong, (
+        "installed versions differ from app/pins.py (the Modal images' pins): "
+        + "; ".join(wrong)
+        + f". Install with the constraints: {INSTALL}"
+    )
 
 
 def test_module_prints_constraints_matching_the_pins():
     """`python -m app.pins` with no site-packages (-S: the standard library only) prints a constraints file."""
-    out = subprocess.run([sys.executable, "-S", "-m", "app.pins"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-S", "-m", "app.pins"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     lines = out.splitlines()
     assert lines and all(lines), out
     reqs = [Requirement(line) for line in lines]

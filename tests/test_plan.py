@@ -76,8 +76,9 @@ def check_exact_coverage(plan: EpochPlan) -> None:
     emitted = np.concatenate(emitted)
     assert len(emitted) == len(np.unique(emitted))
     assert set(emitted.tolist()).isdisjoint(pieces)
-    np.testing.assert_array_equal(np.sort(np.concatenate([emitted, np.array(sorted(pieces), dtype=np.int64)])),
-                                  plan.selected)
+    np.testing.assert_array_equal(
+        np.sort(np.concatenate([emitted, np.array(sorted(pieces), dtype=np.int64)])), plan.selected
+    )
     for c, held in pieces.items():
         count = held[0][1]
         assert sorted(i for i, _ in held) == list(range(count)) and all(p == count for _, p in held)
@@ -144,8 +145,9 @@ def test_same_seed_same_plan_other_epoch_other_order(sampling):
 
 def test_block_units_hold_fetch_factor_batches_of_sorted_blocks():
     geometry = synthetic_geometry(4, 1000, 300)
-    plan = EpochPlan(geometry, Sampling("block", block_size=10, fetch_factor=4, batch_size=20, min_units=1), seed=1,
-                     epoch=0)
+    plan = EpochPlan(
+        geometry, Sampling("block", block_size=10, fetch_factor=4, batch_size=20, min_units=1), seed=1, epoch=0
+    )
     cells = plan.unit(0).parts[0].cells
     assert len(cells) == 80 and np.all(np.diff(cells) > 0)  # 8 blocks of 10, sorted
     blocks = np.unique(cells // 10)
@@ -189,8 +191,13 @@ def test_expected_cell_hash_per_rank_equals_the_units_cells(strategy, subset, mo
     monkeypatch.setattr(plan_module, "HASH_CHUNK", 97)  # many streaming chunks
     geometry = synthetic_geometry(7, 3000, 900, empty_every=11)  # straddlers and empty cells
     chosen = np.flatnonzero(np.random.default_rng(1).random(3000) < 0.6) if subset else None
-    plan = EpochPlan(geometry, Sampling(strategy, unit_cells=40, n_scanners=3, block_size=8, fetch_factor=3,
-                                        batch_size=16, min_units=1), seed=2, epoch=1, subset=chosen)
+    plan = EpochPlan(
+        geometry,
+        Sampling(strategy, unit_cells=40, n_scanners=3, block_size=8, fetch_factor=3, batch_size=16, min_units=1),
+        seed=2,
+        epoch=1,
+        subset=chosen,
+    )
     for world in (1, 3):
         by_rank = [[] for _ in range(world)]
         for u in plan.units():
@@ -207,7 +214,7 @@ def test_expected_cell_hash_per_rank_equals_the_units_cells(strategy, subset, mo
             holders.setdefault(c, []).append(u.id)
     at = 0
     for c, k in zip(plan.boundary_cells.tolist(), plan.boundary_piece_counts.tolist()):
-        assert sorted(plan.boundary_piece_units[at:at + k].tolist()) == sorted(holders.pop(c))
+        assert sorted(plan.boundary_piece_units[at : at + k].tolist()) == sorted(holders.pop(c))
         at += k
     assert not holders and at == len(plan.boundary_piece_units)
     assert cells_hash(everything[1:]) != cells_hash(everything)  # one lost

@@ -12,8 +12,16 @@ import pytest
 from coordination.errors import CellfeedError
 from coordination.plan import Sampling
 from coordination.queues import MemoryMap, MemoryQueue
-from coordination.routing import (EVENTS_PARTITION, TASKS_PARTITION, decode_event, decode_task, encode_task, epoch_map_name,
-                                  rank_partition, run_tag)
+from coordination.routing import (
+    EVENTS_PARTITION,
+    TASKS_PARTITION,
+    decode_event,
+    decode_task,
+    encode_task,
+    epoch_map_name,
+    rank_partition,
+    run_tag,
+)
 from coordination.vocab import CLS
 from coordination.wire import unpack_item
 from producers.config import ProducerConfig
@@ -55,11 +63,12 @@ def check_scgpt_tokens(ds, items, n_check=40, max_genes=64):
             rows = ds.read_cells(np.array([cell]))
             genes, values = rows.gene.astype(np.int64), rows.value
             order = sorted(range(len(genes)), key=lambda j: (-int(values[j]), genes[j]))[:max_genes]
-            got = item.tokens[item.offsets[i]:item.offsets[i + 1]].astype(np.int64)
+            got = item.tokens[item.offsets[i] : item.offsets[i + 1]].astype(np.int64)
             np.testing.assert_array_equal(got, [CLS] + [int(genes[j]) + 4 for j in order])
             bins = reference_bins(values, 51)
-            np.testing.assert_array_equal(item.values[item.offsets[i]:item.offsets[i + 1]],
-                                          [0] + [int(bins[j]) for j in order])
+            np.testing.assert_array_equal(
+                item.values[item.offsets[i] : item.offsets[i + 1]], [0] + [int(bins[j]) for j in order]
+            )
             checked += 1
         if checked >= n_check:
             return
@@ -69,11 +78,19 @@ def check_scgpt_tokens(ds, items, n_check=40, max_genes=64):
 @pytest.mark.parametrize("strategy", ["sequential", "mixture", "block", "random"])
 def test_every_cell_exactly_once_across_threads(small_synth, strategy):
     queue, store = MemoryQueue(), MemoryMap()
-    config = ProducerConfig(dataset=small_synth.uri, run=f"t-{strategy}", seed=4, world_size=WORLD,
-                            sampling=Sampling(strategy, unit_cells=150, n_scanners=3, block_size=8,
-                                              fetch_factor=4, batch_size=32),
-                            max_genes=64, cells_per_item=50, label_column="plate", idle_timeout_s=0.5,
-                            read_ahead=3, threads=2)  # three units in reading at once per producer
+    config = ProducerConfig(
+        dataset=small_synth.uri,
+        run=f"t-{strategy}",
+        seed=4,
+        world_size=WORLD,
+        sampling=Sampling(strategy, unit_cells=150, n_scanners=3, block_size=8, fetch_factor=4, batch_size=32),
+        max_genes=64,
+        cells_per_item=50,
+        label_column="plate",
+        idle_timeout_s=0.5,
+        read_ahead=3,
+        threads=2,
+    )  # three units in reading at once per producer
     producers = [Producer(config, queue, store, dataset=small_synth) for _ in range(3)]
     plan = enqueue_epoch(queue, producers[0], 0, extra_units=[0, 1])  # two units produced twice
     threads = [threading.Thread(target=p.run) for p in producers]
@@ -99,8 +116,13 @@ def test_every_cell_exactly_once_across_threads(small_synth, strategy):
 
 
 def test_unit_output_is_identical_every_time(small_synth):
-    config = ProducerConfig(dataset=small_synth.uri, run="same", world_size=1, max_genes=32,
-                            sampling=Sampling("block", block_size=4, fetch_factor=2, batch_size=16))
+    config = ProducerConfig(
+        dataset=small_synth.uri,
+        run="same",
+        world_size=1,
+        max_genes=32,
+        sampling=Sampling("block", block_size=4, fetch_factor=2, batch_size=16),
+    )
     outputs = []
     for _ in range(2):
         queue = MemoryQueue()
@@ -120,8 +142,16 @@ def test_chunked_threaded_tokenizing_equals_one_pass(small_synth, monkeypatch, t
 
     monkeypatch.setattr(items_module, "CHUNK_CELLS", 40)  # several chunks of 2 items each
     sampling = Sampling("block", block_size=16, fetch_factor=8, batch_size=32, min_units=1)
-    config = ProducerConfig(dataset=small_synth.uri, run="chunks", world_size=1, max_genes=48,
-                            cells_per_item=20, tokenizer=tokenizer, sampling=sampling, threads=3)
+    config = ProducerConfig(
+        dataset=small_synth.uri,
+        run="chunks",
+        world_size=1,
+        max_genes=48,
+        cells_per_item=20,
+        tokenizer=tokenizer,
+        sampling=sampling,
+        threads=3,
+    )
     producer = Producer(config, MemoryQueue(), MemoryMap(), dataset=small_synth)
     unit = producer.plan(0).unit(2)
     assert unit.n_cells > 3 * 40
@@ -132,10 +162,15 @@ def test_chunked_threaded_tokenizing_equals_one_pass(small_synth, monkeypatch, t
 
     cells = unit.parts[0].cells[unit_rng(0, 0, 2).permutation(unit.n_cells)]  # the one-pass reference
     block = small_synth.read_cells(cells)
-    rows = CellRows(cells, np.concatenate([[0], np.cumsum(np.diff(small_synth.cell_row_start)[cells])]),
-                    block.gene.astype(np.int64) + 4, block.value)  # the built vocabulary: gene g is token g + 4
-    expected = pack_items(producer.tokenizer(rows, None), epoch=0, key_id=2, run_tag=run_tag("chunks"),
-                          cells_per_item=20)
+    rows = CellRows(
+        cells,
+        np.concatenate([[0], np.cumsum(np.diff(small_synth.cell_row_start)[cells])]),
+        block.gene.astype(np.int64) + 4,
+        block.value,
+    )  # the built vocabulary: gene g is token g + 4
+    expected = pack_items(
+        producer.tokenizer(rows, None), epoch=0, key_id=2, run_tag=run_tag("chunks"), cells_per_item=20
+    )
     assert got == expected
 
 
@@ -157,8 +192,15 @@ class CrashingQueue(MemoryQueue):
 
 def test_crash_mid_unit_then_rerun_delivers_exactly_once(small_synth):
     queue, store = CrashingQueue(after=1), MemoryMap()
-    config = ProducerConfig(dataset=small_synth.uri, run="crash", world_size=WORLD, max_genes=16,
-                            sampling=Sampling("sequential", unit_cells=400), cells_per_item=40, idle_timeout_s=0.2)
+    config = ProducerConfig(
+        dataset=small_synth.uri,
+        run="crash",
+        world_size=WORLD,
+        max_genes=16,
+        sampling=Sampling("sequential", unit_cells=400),
+        cells_per_item=40,
+        idle_timeout_s=0.2,
+    )
     producer = Producer(config, queue, store, dataset=small_synth)
     plan = enqueue_epoch(queue, producer, 0)
     with pytest.raises(CellfeedError, match="sending failed: killed"):
@@ -180,9 +222,15 @@ def test_crash_mid_unit_then_rerun_delivers_exactly_once(small_synth):
 
 def test_subset_filter_selects_cells(small_synth):
     queue, store = MemoryQueue(), MemoryMap()
-    config = ProducerConfig(dataset=small_synth.uri, run="subset", world_size=WORLD, max_genes=8,
-                            subset_filter="plate != 'plate01'", sampling=Sampling("mixture", unit_cells=200),
-                            idle_timeout_s=0.2)
+    config = ProducerConfig(
+        dataset=small_synth.uri,
+        run="subset",
+        world_size=WORLD,
+        max_genes=8,
+        subset_filter="plate != 'plate01'",
+        sampling=Sampling("mixture", unit_cells=200),
+        idle_timeout_s=0.2,
+    )
     producer = Producer(config, queue, store, dataset=small_synth)
     enqueue_epoch(queue, producer, 0)
     producer.run()
@@ -191,19 +239,28 @@ def test_subset_filter_selects_cells(small_synth):
     np.testing.assert_array_equal(np.sort(cells), np.flatnonzero(plates != "plate01"))
 
 
-@pytest.mark.parametrize("change, needle", [
-    (dict(tokenizer="bert"), "unknown tokenizer"),
-    (dict(max_genes=0), "max_genes must be >= 1"),
-    (dict(sampling=Sampling("block", block_size=0)), "block_size must be >= 1"),
-    (dict(sampling=Sampling("block", fetch_factor=0)), "fetch_factor must be >= 1"),
-    (dict(sampling=Sampling("zigzag")), "unknown strategy"),
-    (dict(subset_filter="plate = 'nope'"), "selects no cells"),
-    (dict(subset_filter="no_such_column > 1"), r"^bad --subset-filter 'no_such_column > 1': .*No field named "
-                                               r"no_such_column\. Valid fields are cell_id, plate[^/]*$"),
-    (dict(subset_filter="plate = "), r"^bad --subset-filter 'plate = ': .*Expected: an expression.*\(obs columns: "
-                                     r"cell_id, plate, [^/]*\)$"),
-    (dict(tokenizer="geneformer"), "cellfeed stats"),
-])
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (dict(tokenizer="bert"), "unknown tokenizer"),
+        (dict(max_genes=0), "max_genes must be >= 1"),
+        (dict(sampling=Sampling("block", block_size=0)), "block_size must be >= 1"),
+        (dict(sampling=Sampling("block", fetch_factor=0)), "fetch_factor must be >= 1"),
+        (dict(sampling=Sampling("zigzag")), "unknown strategy"),
+        (dict(subset_filter="plate = 'nope'"), "selects no cells"),
+        (
+            dict(subset_filter="no_such_column > 1"),
+            r"^bad --subset-filter 'no_such_column > 1': .*No field named "
+            r"no_such_column\. Valid fields are cell_id, plate[^/]*$",
+        ),
+        (
+            dict(subset_filter="plate = "),
+            r"^bad --subset-filter 'plate = ': .*Expected: an expression.*\(obs columns: "
+            r"cell_id, plate, [^/]*\)$",
+        ),
+        (dict(tokenizer="geneformer"), "cellfeed stats"),
+    ],
+)
 def test_bad_settings_fail_before_any_work(small_synth, change, needle):
     queue = MemoryQueue()
     queue.put_many([encode_task(0, 0)], partition=TASKS_PARTITION)
@@ -217,8 +274,11 @@ def test_float_dataset_refused_by_count_tokenizer(tmp_path):
     from producers.convert import convert
     from tests.conftest import random_counts, write_h5ad
 
-    ds = convert([str(write_h5ad(tmp_path / "f.h5ad", random_counts(20, 30, seed=1, floats=True)))],
-                 str(tmp_path / "ds"), progress=False)
+    ds = convert(
+        [str(write_h5ad(tmp_path / "f.h5ad", random_counts(20, 30, seed=1, floats=True)))],
+        str(tmp_path / "ds"),
+        progress=False,
+    )
     with pytest.raises(CellfeedError, match="needs integer counts"):
         Producer(ProducerConfig(dataset=ds.uri, run="f", tokenizer="geneformer"), MemoryQueue(), MemoryMap())
 
@@ -228,11 +288,21 @@ def test_cells_cut_into_many_pieces(tmp_path, strategy):
     """Fragments smaller than a cell: cells in 2..4 pieces, several pieces of one cell in one unit."""
     from producers.synth import SynthSpec, synthesize
 
-    ds = synthesize(str(tmp_path / "tiny"), SynthSpec(n_cells=120, n_genes=5000, n_plates=2, seed=3),
-                    rows_per_fragment=700, progress=False)
+    ds = synthesize(
+        str(tmp_path / "tiny"),
+        SynthSpec(n_cells=120, n_genes=5000, n_plates=2, seed=3),
+        rows_per_fragment=700,
+        progress=False,
+    )
     queue, store = MemoryQueue(), MemoryMap()
-    config = ProducerConfig(dataset=ds.uri, run="tiny", world_size=WORLD, max_genes=4096, idle_timeout_s=0.3,
-                            sampling=Sampling(strategy, unit_cells=3, n_scanners=16))
+    config = ProducerConfig(
+        dataset=ds.uri,
+        run="tiny",
+        world_size=WORLD,
+        max_genes=4096,
+        idle_timeout_s=0.3,
+        sampling=Sampling(strategy, unit_cells=3, n_scanners=16),
+    )
     producers = [Producer(config, queue, store, dataset=ds) for _ in range(2)]
     plan = enqueue_epoch(queue, producers[0], 0)
     assert plan.boundary_piece_counts.max() >= 3
@@ -251,23 +321,25 @@ def test_cells_cut_into_many_pieces(tmp_path, strategy):
 
 
 def _counts_dataset(path, dense: np.ndarray, rows_per_fragment: int):
-    from producers.writer import DatasetWriter
-
     import pyarrow as pa
+
+    from producers.writer import DatasetWriter
 
     n_cells, n_genes = dense.shape
     with DatasetWriter(path, n_genes=n_genes, value_type=pa.uint16(), rows_per_fragment=rows_per_fragment) as w:
         indptr = np.concatenate([[0], np.cumsum((dense > 0).sum(axis=1))])
-        w.append(pa.table({"cell_id": [f"c{i}" for i in range(n_cells)]}), indptr,
-                 np.nonzero(dense)[1], dense[dense > 0])
+        w.append(
+            pa.table({"cell_id": [f"c{i}" for i in range(n_cells)]}), indptr, np.nonzero(dense)[1], dense[dense > 0]
+        )
         return w.commit(pa.table({"gene_id": [f"g{j}" for j in range(n_genes)]}))
 
 
 def geneformer_medians(dense: np.ndarray) -> np.ndarray:
     """Independently: per gene, the median over cells where it is non-zero of x / n_counts * 10,000."""
     norm = dense / dense.sum(axis=1, keepdims=True) * 10_000.0
-    return np.array([np.median(norm[dense[:, j] > 0, j]) if (dense[:, j] > 0).any() else 0.0
-                     for j in range(dense.shape[1])])
+    return np.array(
+        [np.median(norm[dense[:, j] > 0, j]) if (dense[:, j] > 0).any() else 0.0 for j in range(dense.shape[1])]
+    )
 
 
 def test_gene_medians_known_answers(tmp_path):
@@ -316,9 +388,15 @@ def test_gene_medians_and_geneformer_producer(tmp_path, capsys):
     np.testing.assert_array_equal(load_gene_medians(open_dataset(tmp_path / "ds")), expected)
     for version in ("geneformer-v1", "geneformer-v2"):
         queue, store = MemoryQueue(), MemoryMap()
-        config = ProducerConfig(dataset=ds.uri, run="gf", tokenizer=version, max_genes=10, world_size=1,
-                                sampling=Sampling("block", block_size=4, fetch_factor=1, batch_size=8),
-                                idle_timeout_s=0.2)
+        config = ProducerConfig(
+            dataset=ds.uri,
+            run="gf",
+            tokenizer=version,
+            max_genes=10,
+            world_size=1,
+            sampling=Sampling("block", block_size=4, fetch_factor=1, batch_size=8),
+            idle_timeout_s=0.2,
+        )
         producer = Producer(config, queue, store, dataset=ds)
         enqueue_epoch(queue, producer, 0)
         producer.run()
@@ -331,7 +409,8 @@ def test_gene_medians_and_geneformer_producer(tmp_path, capsys):
             norm = row[genes] / row.sum() * 10_000.0 / expected[genes]
             ranked = [genes[j] + 4 for j in sorted(range(len(genes)), key=lambda j: (-norm[j], genes[j]))[:10]]
             want = ranked if version == "geneformer-v1" else [1] + ranked + [2]
-            np.testing.assert_array_equal(it.tokens[it.offsets[0]:it.offsets[1]], want)
+            np.testing.assert_array_equal(it.tokens[it.offsets[0] : it.offsets[1]], want)
+
 
 def test_a_stop_is_noticed_within_seconds_while_blocked_on_a_full_partition(small_synth):
     from coordination.queues import Full
@@ -358,16 +437,27 @@ def test_a_stop_is_noticed_within_seconds_while_blocked_on_a_full_partition(smal
             return super().len(partition=partition, total=total)
 
     queue, store = WatchedQueue(max_items=100), MemoryMap()  # the trainer consumes nothing: backpressure
-    config = ProducerConfig(dataset=small_synth.uri, run="stop", world_size=1, max_genes=8, cells_per_item=1,
-                            sampling=Sampling("sequential", unit_cells=300), heartbeat_s=0.5, idle_timeout_s=60)
+    config = ProducerConfig(
+        dataset=small_synth.uri,
+        run="stop",
+        world_size=1,
+        max_genes=8,
+        cells_per_item=1,
+        sampling=Sampling("sequential", unit_cells=300),
+        heartbeat_s=0.5,
+        idle_timeout_s=60,
+    )
     producer = Producer(config, queue, store, dataset=small_synth)
     enqueue_epoch(queue, producer, 0)
     thread = threading.Thread(target=producer.run)
     thread.start()
     # blocked: a put to the full partition was refused and the producer has looked at its length again since
     # (the look that marks it full, then its waits for room)
-    wait_for(lambda: queue.looks_since_refused.get(rank_partition(0), 0) >= 3 or not thread.is_alive(),
-             "the producer waiting for room in its full partition", timeout=60)
+    wait_for(
+        lambda: queue.looks_since_refused.get(rank_partition(0), 0) >= 3 or not thread.is_alive(),
+        "the producer waiting for room in its full partition",
+        timeout=60,
+    )
     assert thread.is_alive() and queue.len(partition=rank_partition(0)) > 100 - 32  # puts go 32 at a time
     store.put(stop_key("stop"), "stop")
     # a heartbeat (0.5 s) and a back-off (2 s at most) apart; the bound separates noticing the stop from never

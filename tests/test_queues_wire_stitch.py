@@ -10,11 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from coordination.queues import MAX_ITEM_BYTES, Empty, Full, ItemTooLarge, MemoryMap, MemoryQueue
+from coordination.queues import MAX_ITEM_BYTES, Empty, Full, ItemTooLarge, MapGone, MemoryMap, MemoryQueue
 from coordination.wire import Item, ItemError, pack_item, pack_items, unpack_item
-from coordination.queues import MapGone
-from producers.stitch import arrival_key, offer_piece
 from producers.ranking import CellRows
+from producers.stitch import arrival_key, offer_piece
 
 # ----------------------------------------------------------------------------------- queue / map
 
@@ -85,9 +84,19 @@ def make_item(stitched=False, values=True, labels=True, n=5):
     lengths = rng.integers(0, 30, size=n)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     tokens = rng.integers(0, 60_000, size=offsets[-1]).astype(np.uint16)
-    return Item(3, 17, 2, stitched, 0xABCDEF, 4, np.arange(100, 100 + n), offsets, tokens,
-                rng.integers(0, 51, size=offsets[-1]).astype(np.uint8) if values else None,
-                np.arange(n, dtype=np.int32) if labels else None)
+    return Item(
+        3,
+        17,
+        2,
+        stitched,
+        0xABCDEF,
+        4,
+        np.arange(100, 100 + n),
+        offsets,
+        tokens,
+        rng.integers(0, 51, size=offsets[-1]).astype(np.uint8) if values else None,
+        np.arange(n, dtype=np.int32) if labels else None,
+    )
 
 
 @pytest.mark.parametrize("stitched", [False, True])
@@ -130,8 +139,12 @@ def test_pack_items_splits_to_stay_under_one_mebibyte():
     rng = np.random.default_rng(1)
     n, per_cell = 300, 2048
     offsets = np.arange(0, (n + 1) * per_cell, per_cell, dtype=np.int64)
-    tokens = CellRows(np.arange(n), offsets, rng.integers(0, 2**32 - 1, size=n * per_cell, dtype=np.uint32),
-                    rng.random(n * per_cell).astype(np.float32))  # incompressible: ~16 KiB per cell
+    tokens = CellRows(
+        np.arange(n),
+        offsets,
+        rng.integers(0, 2**32 - 1, size=n * per_cell, dtype=np.uint32),
+        rng.random(n * per_cell).astype(np.float32),
+    )  # incompressible: ~16 KiB per cell
     items = pack_items(tokens, epoch=0, key_id=5, run_tag=1, cells_per_item=300)
     assert len(items) > 1 and all(len(b) <= MAX_ITEM_BYTES for b in items)
     decoded = [unpack_item(b) for b in items]

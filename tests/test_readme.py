@@ -42,8 +42,9 @@ def readme_commands() -> list[list[str]]:
 def command(text: str) -> list[str]:
     """The README's command that is exactly `text`, else its one command that starts with it."""
     shown = {tuple(argv) for argv in readme_commands()}
-    found = [argv for argv in shown if " ".join(argv) == text] or \
-        [argv for argv in shown if " ".join(argv).startswith(text + " ")]
+    found = [argv for argv in shown if " ".join(argv) == text] or [
+        argv for argv in shown if " ".join(argv).startswith(text + " ")
+    ]
     assert len(found) == 1, f"README.md shows {len(found)} commands `{text} ...`, expected one"
     return list(found[0])
 
@@ -52,8 +53,9 @@ def cellfeed(argv: list[str], *small: str, cwd: Path) -> str:
     """Run a README command (plus `small`) as a user would; its stdout, after checking it exited 0."""
     assert argv[0] == "cellfeed"
     out = subprocess.run(CELLFEED + argv[1:] + list(small), cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, \
+    assert out.returncode == 0, (
         f"`{shlex.join(argv)}` exited {out.returncode}:\n{out.stdout[-2000:]}{out.stderr[-2000:]}"
+    )
     return out.stdout
 
 
@@ -66,8 +68,23 @@ def user(tmp_path_factory) -> Path:
     (home / "tests").mkdir()
     (home / "tests" / "data").symlink_to(ROOT / "tests" / "data")
     (home / "runs").mkdir()
-    subprocess.run(CELLFEED + ["synth", "runs/synth-4000-0", "--cells", "600", "--genes", "2000",
-                               "--rows-per-fragment", "20000", "--quiet"], cwd=home, check=True, capture_output=True)
+    subprocess.run(
+        CELLFEED
+        + [
+            "synth",
+            "runs/synth-4000-0",
+            "--cells",
+            "600",
+            "--genes",
+            "2000",
+            "--rows-per-fragment",
+            "20000",
+            "--quiet",
+        ],
+        cwd=home,
+        check=True,
+        capture_output=True,
+    )
     return home
 
 
@@ -115,6 +132,7 @@ def test_the_corpus_example_trains(user):
     assert out.strip().splitlines()[-1].startswith("stopped at step 2 as --steps asked")
     cellfeed(command("cellfeed stats corpus.toml"), "--quiet", cwd=user)
     assert (user / "medians.json").stat().st_size > 0
-    out = cellfeed(command("cellfeed local --corpus corpus.toml --tokenizer geneformer"), *SHORT, "--run", "gf",
-                   cwd=user)
+    out = cellfeed(
+        command("cellfeed local --corpus corpus.toml --tokenizer geneformer"), *SHORT, "--run", "gf", cwd=user
+    )
     assert out.strip().splitlines()[-1].startswith("stopped at step 2 as --steps asked")

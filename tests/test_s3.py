@@ -1,5 +1,6 @@
 """The same dataset written to and read from s3:// on a real S3-compatible server (SeaweedFS on
-127.0.0.1, directly and through a 30 ms latency proxy) gives identical results; storage failures give one clear line without secrets."""
+127.0.0.1, directly and through a 30 ms latency proxy) gives identical results; storage failures
+give one clear line without secrets."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ def assert_same_dataset(a, b):
     np.testing.assert_array_equal(a.straddling_cells(), b.straddling_cells())
     assert a.obs().equals(b.obs()) and a.var().equals(b.var())
     ranges = np.array([[0, 10], [a.n_rows // 2, a.n_rows // 2 + 100], [a.n_rows - 7, a.n_rows]])
-    for x, y in ((a.read_rows(0, a.n_rows), b.read_rows(0, b.n_rows)),
-                 (a.read_row_ranges(ranges), b.read_row_ranges(ranges))):
+    for x, y in (
+        (a.read_rows(0, a.n_rows), b.read_rows(0, b.n_rows)),
+        (a.read_row_ranges(ranges), b.read_row_ranges(ranges)),
+    ):
         for field in ("cell", "gene", "value"):
             np.testing.assert_array_equal(getattr(x, field), getattr(y, field))
 
@@ -59,8 +62,9 @@ def test_failed_s3_write_leaves_no_objects(s3):
     uri = f"s3://{s3}/half"
     with pytest.raises(RuntimeError):
         with DatasetWriter(uri, n_genes=5, value_type=pa.uint16(), rows_per_fragment=2) as writer:
-            writer.append(pa.table({"cell_id": ["a", "b"]}), np.array([0, 2, 3]), np.array([0, 4, 1]),
-                          np.array([1, 2, 3]))
+            writer.append(
+                pa.table({"cell_id": ["a", "b"]}), np.array([0, 2, 3]), np.array([0, 4, 1]), np.array([1, 2, 3])
+            )
             raise RuntimeError("crash mid-write")
     assert not S3Location(uri).exists()
     with pytest.raises(CellfeedError, match="config.json is missing"):
@@ -72,8 +76,11 @@ def test_failed_s3_write_leaves_no_objects(s3):
     [("missing bucket", "does not exist"), ("unreachable", "unreachable"), ("no dataset", "config.json is missing")],
 )
 def test_s3_errors_are_one_clear_line(s3, monkeypatch, capsys, case, needle):
-    uri = {"missing bucket": "s3://no-such-bucket-here/x", "unreachable": f"s3://{s3}/x",
-           "no dataset": f"s3://{s3}/empty"}[case]
+    uri = {
+        "missing bucket": "s3://no-such-bucket-here/x",
+        "unreachable": f"s3://{s3}/x",
+        "no dataset": f"s3://{s3}/empty",
+    }[case]
     if case == "unreachable":
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     assert cli(["inspect", uri]) == 2
@@ -83,8 +90,9 @@ def test_s3_errors_are_one_clear_line(s3, monkeypatch, capsys, case, needle):
 
 
 def test_bad_credentials_are_reported_without_the_secret(seaweed):
-    settings = S3Settings(endpoint=seaweed.endpoint, access_key_id="AKIAWRONGKEY",
-                          secret_access_key="super-secret-value")
+    settings = S3Settings(
+        endpoint=seaweed.endpoint, access_key_id="AKIAWRONGKEY", secret_access_key="super-secret-value"
+    )
     with pytest.raises(CellfeedError) as info:
         open_dataset("s3://some-bucket/ds", settings)
     message = str(info.value)
@@ -116,12 +124,22 @@ def test_upload_script_stages_a_local_dataset(s3, tmp_path):
     spec = SynthSpec(n_cells=200, n_genes=1000, n_plates=2, seed=8)
     local = synthesize(str(tmp_path / "atlas"), spec, rows_per_fragment=40_000, progress=False)
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "deploy/upload.py", local.uri, f"s3://{s3}/staged"], cwd=root,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "deploy/upload.py", local.uri, f"s3://{s3}/staged"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert_same_dataset(local, open_dataset(f"s3://{s3}/staged"))
-    again = subprocess.run([sys.executable, "deploy/upload.py", local.uri, f"s3://{s3}/staged"], cwd=root,
-                           capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        [sys.executable, "deploy/upload.py", local.uri, f"s3://{s3}/staged"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 2 and "--overwrite" in again.stderr
 
 
@@ -129,14 +147,25 @@ def test_s3_timeouts_and_retries_are_one_setting_for_lance_and_boto3(monkeypatch
     from producers import storage
 
     settings = S3Settings.from_env({})
-    assert (settings.connect_timeout_s, settings.request_timeout_s, settings.retries) == (
-        storage.CONNECT_TIMEOUT_S, storage.REQUEST_TIMEOUT_S, storage.RETRIES) == (5.0, 30.0, 3)
-    env = {"CELLFEED_S3_CONNECT_TIMEOUT_S": "0.5", "CELLFEED_S3_REQUEST_TIMEOUT_S": "2", "CELLFEED_S3_RETRIES": "1",
-           "AWS_ENDPOINT_URL": "http://127.0.0.1:1"}
+    assert (
+        (settings.connect_timeout_s, settings.request_timeout_s, settings.retries)
+        == (storage.CONNECT_TIMEOUT_S, storage.REQUEST_TIMEOUT_S, storage.RETRIES)
+        == (5.0, 30.0, 3)
+    )
+    env = {
+        "CELLFEED_S3_CONNECT_TIMEOUT_S": "0.5",
+        "CELLFEED_S3_REQUEST_TIMEOUT_S": "2",
+        "CELLFEED_S3_RETRIES": "1",
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:1",
+    }
     settings = S3Settings.from_env(env)
     opts = settings.lance_options()
     assert (opts["connect_timeout"], opts["timeout"], opts["client_max_retries"], opts["client_retry_timeout"]) == (
-        "500ms", "2000ms", "1", "4")
+        "500ms",
+        "2000ms",
+        "1",
+        "4",
+    )
     assert float(opts["lance_aimd_min_rate"]) >= 100  # an outage does not throttle reads to a crawl
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -153,24 +182,37 @@ def test_producers_ride_out_an_s3_server_restart(tmp_path):
     epoch ends seconds after the server answers again, not minutes."""
     import threading
 
+    from cellfeed_testing.object_store import SeaweedServer
     from coordination.plan import Sampling
     from coordination.queues import MemoryMap, MemoryQueue
     from coordination.routing import TASKS_PARTITION, encode_task, epoch_map_name, rank_partition
     from coordination.wire import unpack_item
-    from cellfeed_testing.object_store import SeaweedServer
     from producers.config import ProducerConfig
     from producers.producer import Producer
 
     with SeaweedServer() as server:
         server.client().create_bucket(Bucket="outage")
-        settings = S3Settings(endpoint=server.endpoint, access_key_id=server.settings["AWS_ACCESS_KEY_ID"],
-                              secret_access_key=server.settings["AWS_SECRET_ACCESS_KEY"])
-        synthesize("s3://outage/atlas", SynthSpec(n_cells=1200, n_genes=1000, n_plates=3, seed=4, median_nnz=100),
-                   rows_per_fragment=20_000, progress=False, settings=settings)
+        settings = S3Settings(
+            endpoint=server.endpoint,
+            access_key_id=server.settings["AWS_ACCESS_KEY_ID"],
+            secret_access_key=server.settings["AWS_SECRET_ACCESS_KEY"],
+        )
+        synthesize(
+            "s3://outage/atlas",
+            SynthSpec(n_cells=1200, n_genes=1000, n_plates=3, seed=4, median_nnz=100),
+            rows_per_fragment=20_000,
+            progress=False,
+            settings=settings,
+        )
         ds = open_dataset("s3://outage/atlas", settings)
         queue, store = MemoryQueue(), MemoryMap()
-        config = ProducerConfig(dataset=ds.uri, run="outage", max_genes=16, idle_timeout_s=3.0,
-                                sampling=Sampling("block", block_size=8, fetch_factor=1, batch_size=16, min_units=1))
+        config = ProducerConfig(
+            dataset=ds.uri,
+            run="outage",
+            max_genes=16,
+            idle_timeout_s=3.0,
+            sampling=Sampling("block", block_size=8, fetch_factor=1, batch_size=16, min_units=1),
+        )
         producers = [Producer(config, queue, store, dataset=ds) for _ in range(2)]
         plan = producers[0].plan(0)
         store.named(epoch_map_name(0), create=True)
@@ -197,7 +239,10 @@ def test_producers_ride_out_an_s3_server_restart(tmp_path):
         assert errors == [] and not any(t.is_alive() for t in threads)
         # the outage was met: a unit's read (its retries included) waited it out
         assert max(s for p in producers for s in p.stats.unit_read_s) >= 3.0
-        cells = [c for data in queue.get_many(10**6, block=False, partition=rank_partition(0))
-                 for c in unpack_item(data).cell_ids.tolist()]
+        cells = [
+            c
+            for data in queue.get_many(10**6, block=False, partition=rank_partition(0))
+            for c in unpack_item(data).cell_ids.tolist()
+        ]
         assert sorted(cells) == list(range(1200))  # every cell once (no driver here: no unit re-issued)
         assert sum(p.stats.units for p in producers) == plan.n_units

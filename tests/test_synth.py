@@ -8,9 +8,9 @@ import pytest
 import scipy.sparse as sp
 
 from app.cli import main as cli
+from cellfeed_testing.sampling_quality import entropy_bits
 from producers.dataset import open_dataset
 from producers.synth import SynthSpec, plate_sizes, synthesize
-from cellfeed_testing.sampling_quality import entropy_bits
 
 
 def test_plate_sizes_match_tahoe_shape():
@@ -59,8 +59,7 @@ def test_same_seed_same_data_other_seed_other_data(tmp_path):
 def test_plate_structure_is_measurable(small_synth):
     ds = small_synth
     rows = ds.read_rows(0, ds.n_rows)
-    x = sp.csr_matrix((np.log1p(rows.value.astype(np.float32)), rows.gene, ds.cell_row_start),
-                      shape=ds.shape)
+    x = sp.csr_matrix((np.log1p(rows.value.astype(np.float32)), rows.gene, ds.cell_row_start), shape=ds.shape)
     x = sp.diags(1.0 / np.sqrt(x.multiply(x).sum(axis=1).A1 + 1e-9)) @ x  # unit-norm cells
     plates = np.array(ds.obs(["plate"]).column(0).to_pylist())
     labels, y = np.unique(plates, return_inverse=True)
@@ -110,8 +109,26 @@ def test_cell_line_and_dose_carry_signal_on_every_plate(small_synth):
 
 def test_cli_synth_and_inspect(tmp_path, capsys):
     out = tmp_path / "atlas"
-    assert cli(["synth", str(out), "--cells", "500", "--genes", "5000", "--plates", "4", "--seed", "3",
-                "--rows-per-fragment", "100000", "--quiet"]) == 0
+    assert (
+        cli(
+            [
+                "synth",
+                str(out),
+                "--cells",
+                "500",
+                "--genes",
+                "5000",
+                "--plates",
+                "4",
+                "--seed",
+                "3",
+                "--rows-per-fragment",
+                "100000",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert cli(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
     ds = open_dataset(out)

@@ -18,8 +18,9 @@ def tokenizer(name, medians=None, **params):
     them first: `producers.items.to_tokens`); `medians` per gene, as `cellfeed stats` stores them."""
     per_token = None if medians is None else np.concatenate([np.ones(4), medians])
     tok = make_tokenizer(name, VOCAB, gene_medians=per_token, **params)
-    return lambda rows, rng=None: tok(CellRows(rows.cell_ids, rows.offsets, rows.ids.astype(np.int64) + 4,
-                                               rows.values), rng)
+    return lambda rows, rng=None: tok(
+        CellRows(rows.cell_ids, rows.offsets, rows.ids.astype(np.int64) + 4, rows.values), rng
+    )
 
 
 def random_cells(seed: int, n_cells: int = 60, n_genes: int = 3000, floats: bool = False) -> CellRows:
@@ -36,8 +37,12 @@ def random_cells(seed: int, n_cells: int = 60, n_genes: int = 3000, floats: bool
         else:
             values.append(np.minimum(rng.geometric(0.4, size=c), 65535).astype(np.uint16))
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return CellRows(np.arange(100, 100 + n_cells, dtype=np.int64), offsets,
-                    np.concatenate(genes).astype(np.uint16), np.concatenate(values))
+    return CellRows(
+        np.arange(100, 100 + n_cells, dtype=np.int64),
+        offsets,
+        np.concatenate(genes).astype(np.uint16),
+        np.concatenate(values),
+    )
 
 
 def per_cell(rows: CellRows):
@@ -47,11 +52,11 @@ def per_cell(rows: CellRows):
 
 
 def tokens_of(tok, i):
-    return tok.ids[tok.offsets[i]:tok.offsets[i + 1]].astype(np.int64)
+    return tok.ids[tok.offsets[i] : tok.offsets[i + 1]].astype(np.int64)
 
 
 def values_of(tok, i):
-    return tok.values[tok.offsets[i]:tok.offsets[i + 1]]
+    return tok.values[tok.offsets[i] : tok.offsets[i + 1]]
 
 
 def reference_bins(values: np.ndarray, n_bins: int) -> np.ndarray:
@@ -132,7 +137,7 @@ def test_raw_matches_reference(floats, as_stored):
         order = np.lexsort((rows.ids, rows.cell_of_row()))
         offsets = rows.offsets.copy()
         offsets[-2:] = offsets[-3]  # and two empty cells at the end (the first is empty too)
-        order = order[:offsets[-1]]
+        order = order[: offsets[-1]]
         rows = CellRows(rows.cell_ids, offsets, rows.ids[order], rows.values[order])
         assert rows.counts[0] == 0 and gene_order(rows) is rows
     tok = tokenizer("raw", max_genes=50)(rows)
@@ -146,8 +151,11 @@ def test_raw_matches_reference(floats, as_stored):
 def test_rank_order_fast_path_equals_general_path(floats):
     rows = random_cells(9, floats=floats)
     if floats:  # and exact float ties, as log-normalised values have
-        rows.values[::5] = rows.values[1::5][: len(rows.values[::5])] if len(rows.values[1::5]) >= \
-            len(rows.values[::5]) else rows.values[::5]
+        rows.values[::5] = (
+            rows.values[1::5][: len(rows.values[::5])]
+            if len(rows.values[1::5]) >= len(rows.values[::5])
+            else rows.values[::5]
+        )
     fast = rank_order(rows)
     general = rank_order(rows, score=rows.values.astype(np.float64))
     np.testing.assert_array_equal(fast.ids, general.ids)
@@ -179,8 +187,12 @@ def test_rank_by_score_equals_lexsort_with_exact_and_one_ulp_ties(seed):
     rng = np.random.default_rng(seed)
     base = rng.choice([0.0, 1.0, 1.5, 3.0, 1e-7, 2.5e6], size=len(rows.ids))
     ulps = rng.integers(-2, 3, size=len(rows.ids))
-    score = np.array([np.nextafter(b, np.inf) if u > 0 else np.nextafter(b, -np.inf) if u < 0 and b > 0 else b
-                      for b, u in zip(base, ulps)])
+    score = np.array(
+        [
+            np.nextafter(b, np.inf) if u > 0 else np.nextafter(b, -np.inf) if u < 0 and b > 0 else b
+            for b, u in zip(base, ulps)
+        ]
+    )
     score[::7] = rng.random(len(score[::7])) * 10.0 ** rng.integers(-5, 6, size=len(score[::7]))
     for s in (score, np.abs(score)):
         cell = rows.cell_of_row()
@@ -197,8 +209,7 @@ def test_bad_tokenizer_settings_fail_before_work():
     with pytest.raises(CellfeedError, match="max_genes must be >= 1"):
         make_tokenizer("scgpt", small, max_genes=0)
     with pytest.raises(CellfeedError, match="needs integer counts.*--tokenizer scgpt"):
-        make_tokenizer("geneformer", small, values_are_counts=False,
-                       gene_medians=np.ones(small.size))
+        make_tokenizer("geneformer", small, values_are_counts=False, gene_medians=np.ones(small.size))
     with pytest.raises(CellfeedError, match="cellfeed stats"):
         make_tokenizer("geneformer", small)
     with pytest.raises(CellfeedError, match="gene_selection"):

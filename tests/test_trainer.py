@@ -14,21 +14,21 @@ import pytest
 import torch
 
 from coordination.errors import CellfeedError
-from coordination.summary import PlanSummary, publish_summary
 from coordination.local_backend import ServerProcess
 from coordination.local_client import LocalMap, LocalQueue
-from coordination.queues import MemoryMap, MemoryQueue
 from coordination.plan import Sampling
+from coordination.queues import MemoryMap, MemoryQueue
 from coordination.routing import stop_key
+from coordination.summary import PlanSummary, publish_summary
 from coordination.vocab import CLS, EOS
 from producers.config import ProducerConfig
-from producers.producer import Producer
 from producers.held_out import produce_held_out
+from producers.producer import Producer
+from tests.conftest import wait_for
+from trainer.config import TrainConfig
 from trainer.launch import launch, wait_all
 from trainer.model import CellTransformer, ModelConfig, mask_positions, masked_loss, train_flops
 from trainer.stream import Batch
-from trainer.config import TrainConfig
-from tests.conftest import wait_for
 
 WORLD = 2
 BATCH = 32
@@ -43,25 +43,48 @@ def atlas(tmp_path_factory):
     from producers.synth import SynthSpec, synthesize
 
     out = tmp_path_factory.mktemp("trainer-atlas") / "atlas"
-    return synthesize(str(out), SynthSpec(n_cells=3000, n_genes=2000, seed=7), rows_per_fragment=250_000,
-                      progress=False)
+    return synthesize(
+        str(out), SynthSpec(n_cells=3000, n_genes=2000, seed=7), rows_per_fragment=250_000, progress=False
+    )
 
 
 class Campaign:
     """Server + published plans + producer threads, as the local campaign sets them up."""
 
-    def __init__(self, ds, run: str, epochs: int, producers: int = 2, subset_filter=None, held_out=None,
-                 sampling: Sampling = Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
-                 corpus: str | None = None, world: int = WORLD, mixtures: str | None = None):
+    def __init__(
+        self,
+        ds,
+        run: str,
+        epochs: int,
+        producers: int = 2,
+        subset_filter=None,
+        held_out=None,
+        sampling: Sampling = Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
+        corpus: str | None = None,
+        world: int = WORLD,
+        mixtures: str | None = None,
+    ):
         self.server = ServerProcess()
         self.run, self.world, self.epochs = run, world, epochs
         self.ds, self.sampling, self.corpus = ds, sampling, corpus
-        config = ProducerConfig(dataset="" if corpus else ds.uri, corpus=corpus, mixtures=mixtures, run=run,
-                                world_size=world,
-                                max_genes=24, cells_per_item=40, sampling=sampling,
-                                idle_timeout_s=300, subset_filter=subset_filter)
-        first = Producer(config, LocalQueue(self.server.address, self.server.token),
-                         LocalMap(self.server.address, token=self.server.token), dataset=ds)
+        config = ProducerConfig(
+            dataset="" if corpus else ds.uri,
+            corpus=corpus,
+            mixtures=mixtures,
+            run=run,
+            world_size=world,
+            max_genes=24,
+            cells_per_item=40,
+            sampling=sampling,
+            idle_timeout_s=300,
+            subset_filter=subset_filter,
+        )
+        first = Producer(
+            config,
+            LocalQueue(self.server.address, self.server.token),
+            LocalMap(self.server.address, token=self.server.token),
+            dataset=ds,
+        )
         self.vocab_size = first.vocab.size  # the model's embedding: the campaign's vocabulary, as the setup gives it
         self.plans = [first.plan(e) for e in range(epochs)]
         if held_out is not None:
@@ -69,18 +92,37 @@ class Campaign:
         self.summaries = [PlanSummary.of(first.plan(e), world) for e in range(epochs)]
         for s in self.summaries:
             publish_summary(first.store, run, s)
-        self.producers = [Producer(config, LocalQueue(self.server.address, self.server.token),
-                                    LocalMap(self.server.address, token=self.server.token), dataset=ds)
-                          for _ in range(producers)]
+        self.producers = [
+            Producer(
+                config,
+                LocalQueue(self.server.address, self.server.token),
+                LocalMap(self.server.address, token=self.server.token),
+                dataset=ds,
+            )
+            for _ in range(producers)
+        ]
         self.threads = [threading.Thread(target=p.run, daemon=True) for p in self.producers]
         for t in self.threads:
             t.start()
 
     def train_config(self, tmp: Path, **changes) -> TrainConfig:
-        base = dict(run=self.run, backend={"kind": "local", **self.server.where}, vocab_size=self.vocab_size,
-                    preset="tiny", batch_size=BATCH, lr=3e-3, warmup_steps=5, epochs=self.epochs, seed=3,
-                    checkpoint_dir=str(tmp / "ckpt"), checkpoint_every=10, log_path=str(tmp / "steps.jsonl"),
-                    cells_log=str(tmp / "cells"), progress_bar=False, no_data_timeout_s=120)
+        base = dict(
+            run=self.run,
+            backend={"kind": "local", **self.server.where},
+            vocab_size=self.vocab_size,
+            preset="tiny",
+            batch_size=BATCH,
+            lr=3e-3,
+            warmup_steps=5,
+            epochs=self.epochs,
+            seed=3,
+            checkpoint_dir=str(tmp / "ckpt"),
+            checkpoint_every=10,
+            log_path=str(tmp / "steps.jsonl"),
+            cells_log=str(tmp / "cells"),
+            progress_bar=False,
+            no_data_timeout_s=120,
+        )
         return TrainConfig(**{**base, **changes})
 
     def close(self) -> None:
@@ -146,8 +188,11 @@ def test_a_corpus_killed_mid_epoch_and_resumed_trains_every_planned_cell_as_plan
     path, offsets, quotas = corpus
     campaign = Campaign(None, "corpus", epochs=1, corpus=path)
     plan = campaign.plans[0]
-    planned = Counter(np.concatenate([plan.unit_cells(u, s) + offsets[s] for u in range(plan.n_units)
-                                      for s in range(len(offsets))]).tolist())
+    planned = Counter(
+        np.concatenate(
+            [plan.unit_cells(u, s) + offsets[s] for u in range(plan.n_units) for s in range(len(offsets))]
+        ).tolist()
+    )
     assert max(planned.values()) == 2  # a small source's cells come twice in this epoch
     elsewhere = None if ranks == WORLD else (lambda: Campaign(None, "corpus", epochs=1, corpus=path, world=ranks))
     before, after, summary = kill_mid_epoch_and_resume(campaign, tmp_path, resume_on=elsewhere)
@@ -164,29 +209,37 @@ def test_a_corpus_resumed_on_three_ranks_with_a_new_mixture_trains_each_epoch_as
     other weights (0.2 / 0.3 / 0.5) from epoch 1: epoch 0 finishes under its plan, epoch 1 trains
     the new quotas, each source's stream continuing where epoch 0 left it."""
     from benchmarks.chaos import trained_per_epoch
-    from coordination.corpus_file import CorpusSpec, Mixtures, SourceSpec
     from coordination.corpus import source_of
+    from coordination.corpus_file import CorpusSpec, Mixtures, SourceSpec
 
     path, offsets, quotas = corpus
     old = CorpusSpec.read(path)
-    new = CorpusSpec(tuple(SourceSpec(**{**s.__dict__, "weight": w}) for s, w in zip(old.sources, (0.2, 0.3, 0.5))),
-                     old.vocabulary, old.gene_column, old.epoch_cells)
+    new = CorpusSpec(
+        tuple(SourceSpec(**{**s.__dict__, "weight": w}) for s, w in zip(old.sources, (0.2, 0.3, 0.5))),
+        old.vocabulary,
+        old.gene_column,
+        old.epoch_cells,
+    )
     mixtures = Mixtures([(0, old)]).changed(new, 1)
     (tmp_path / "mixtures.json").write_text(mixtures.to_json())
     before_change = Campaign(None, "curriculum", epochs=2, corpus=path)
     plan0 = before_change.plans[0]
-    after_change = lambda: Campaign(None, "curriculum", epochs=2, corpus=path, world=3,  # noqa: E731
-                                    mixtures=str(tmp_path / "mixtures.json"))
+
+    def after_change():
+        return Campaign(None, "curriculum", epochs=2, corpus=path, world=3, mixtures=str(tmp_path / "mixtures.json"))
+
     before, after, summary = kill_mid_epoch_and_resume(before_change, tmp_path, resume_on=after_change)
-    planner = Campaign(None, "planner", epochs=2, corpus=path, world=3, mixtures=str(tmp_path / "mixtures.json"),
-                       producers=0)
+    planner = Campaign(
+        None, "planner", epochs=2, corpus=path, world=3, mixtures=str(tmp_path / "mixtures.json"), producers=0
+    )
     plans = planner.plans
     planner.close()
     assert plans[0].plan_id == plan0.plan_id  # epoch 0 kept its plan
     by_epoch = trained_per_epoch(tmp_path / "b")
     for epoch, plan in enumerate(plans):
-        planned = Counter(np.concatenate([plan.unit_cells(u, s) + offsets[s] for u in range(plan.n_units)
-                                          for s in range(3)]).tolist())
+        planned = Counter(
+            np.concatenate([plan.unit_cells(u, s) + offsets[s] for u in range(plan.n_units) for s in range(3)]).tolist()
+        )
         trained = by_epoch.get(epoch, Counter()) + (before if epoch == 0 else Counter())
         assert trained == planned, epoch
         per_source = np.bincount(source_of(list(trained.elements()), offsets), minlength=3).tolist()
@@ -197,19 +250,27 @@ def test_a_corpus_resumed_on_three_ranks_with_a_new_mixture_trains_each_epoch_as
     assert all(a["audited"] and a["cells"] == 2400 and a["missing"] == 0 for a in summary["audits"])
 
 
-def kill_mid_epoch_and_resume(campaign: Campaign, tmp_path: Path, resume_on=None,
-                              kill_again_after: int | None = None) -> tuple[Counter, Counter, dict]:
+def kill_mid_epoch_and_resume(
+    campaign: Campaign, tmp_path: Path, resume_on=None, kill_again_after: int | None = None
+) -> tuple[Counter, Counter, dict]:
     """SIGKILL every rank after their checkpoint at step 20 (run "a"), resume (run "b"): (cells
     trained before the checkpoint, cells trained by the resumed run, its summary). `resume_on`: a
     campaign to resume on instead -- another number of ranks, set up afresh as a re-run does (a
     new queue, plans published for its ranks, producers routing to them). `kill_again_after`:
     run "b" is killed too, after its next checkpoint that many steps on, and resumed once more on
     one rank (run "c"); the middle counter then holds run b's cells up to that checkpoint."""
+
     def crash_after(cfg, world, folder, at_step) -> int:
         procs = launch(cfg, world, folder)
         latest = Path(cfg.checkpoint_dir) / "latest"
-        wait_for(lambda: (latest.exists() and latest.read_text().strip() >= f"step-{at_step:08d}")
-                 or any(p.poll() is not None for p in procs), f"a checkpoint at step {at_step}", timeout=300)
+        wait_for(
+            lambda: (
+                (latest.exists() and latest.read_text().strip() >= f"step-{at_step:08d}")
+                or any(p.poll() is not None for p in procs)
+            ),
+            f"a checkpoint at step {at_step}",
+            timeout=300,
+        )
         assert all(p.poll() is None for p in procs), f"a rank ended before its checkpoint at step {at_step}"
         for p in procs:  # the ranks this test launched
             p.kill()  # SIGKILL, a real crash: no clean-up, no final checkpoint
@@ -225,21 +286,41 @@ def kill_mid_epoch_and_resume(campaign: Campaign, tmp_path: Path, resume_on=None
         if resume_on is not None:
             campaign.close()
             campaign = resume_on()
-        second = campaign.train_config(tmp_path / "b", checkpoint_dir=first.checkpoint_dir, resume=True,
-                                       cells_log=str(tmp_path / "b" / "cells"), buffer_cells=160)
+        second = campaign.train_config(
+            tmp_path / "b",
+            checkpoint_dir=first.checkpoint_dir,
+            resume=True,
+            cells_log=str(tmp_path / "b" / "cells"),
+            buffer_cells=160,
+        )
         again = None
         if kill_again_after is None:
-            codes = wait_all(launch(second, campaign.world, tmp_path / "b",
-                                    summary_path=str(tmp_path / "b" / "summary")), timeout=600)
+            codes = wait_all(
+                launch(second, campaign.world, tmp_path / "b", summary_path=str(tmp_path / "b" / "summary")),
+                timeout=600,
+            )
         else:
             again = crash_after(second, campaign.world, tmp_path / "b", committed + kill_again_after)
             campaign.close()
-            campaign = Campaign(None if campaign.corpus else campaign.ds, campaign.run, epochs=1, producers=1,
-                                sampling=campaign.sampling, corpus=campaign.corpus, world=1)
-            third = campaign.train_config(tmp_path / "c", checkpoint_dir=first.checkpoint_dir, resume=True,
-                                          cells_log=str(tmp_path / "c" / "cells"), buffer_cells=160)
-            codes = wait_all(launch(third, 1, tmp_path / "c", summary_path=str(tmp_path / "c" / "summary")),
-                             timeout=600)
+            campaign = Campaign(
+                None if campaign.corpus else campaign.ds,
+                campaign.run,
+                epochs=1,
+                producers=1,
+                sampling=campaign.sampling,
+                corpus=campaign.corpus,
+                world=1,
+            )
+            third = campaign.train_config(
+                tmp_path / "c",
+                checkpoint_dir=first.checkpoint_dir,
+                resume=True,
+                cells_log=str(tmp_path / "c" / "cells"),
+                buffer_cells=160,
+            )
+            codes = wait_all(
+                launch(third, 1, tmp_path / "c", summary_path=str(tmp_path / "c" / "summary")), timeout=600
+            )
     finally:
         campaign.close()
     assert codes == [0] * campaign.world
@@ -254,10 +335,12 @@ def second_world(tmp_path: Path) -> int:
     return len(list((tmp_path / "b").glob("cells.rank*.jsonl")))
 
 
-SAMPLINGS = {"block": Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
-             "sequential": Sampling("sequential", unit_cells=60),
-             "mixture": Sampling("mixture", unit_cells=60, n_scanners=3),
-             "random": Sampling("random", fetch_factor=2, batch_size=BATCH)}
+SAMPLINGS = {
+    "block": Sampling("block", block_size=8, fetch_factor=2, batch_size=BATCH),
+    "sequential": Sampling("sequential", unit_cells=60),
+    "mixture": Sampling("mixture", unit_cells=60, n_scanners=3),
+    "random": Sampling("random", fetch_factor=2, batch_size=BATCH),
+}
 # A resume sees a strategy only through its plan's shape (`PlanSummary`: each unit's whole cells,
 # the boundary cells and the units holding their pieces): block and random units hold whole cells
 # only, sequential and mixture units also pieces of boundary cells. One strategy of each shape runs
@@ -267,8 +350,9 @@ WHOLE_CELLS_ONLY, WITH_BOUNDARY_CELLS = ("block", "random"), ("sequential", "mix
 
 
 @pytest.mark.parametrize("strategy", ["block", "sequential"])  # one of each plan shape (above)
-def test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_trains_every_cell_once(atlas,
-                                                                                                 tmp_path, strategy):
+def test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_trains_every_cell_once(
+    atlas, tmp_path, strategy
+):
     """Elastic, both ways in one epoch: 2 ranks SIGKILLed mid-epoch, resumed on 3 (each re-run set
     up afresh: a new queue, plans published for its ranks, producers routing to them), those 3
     SIGKILLed after their next checkpoint, resumed on 1 (the producers: 2, 3, 1). The epoch's untrained cells are
@@ -277,6 +361,7 @@ def test_killed_on_two_ranks_resumed_on_three_killed_again_resumed_on_one_trains
     a boundary cell not trained yet are); the audit covers the epoch across all three. (The same
     number of ranks: the corpus test below, on 2.)"""
     sampling = SAMPLINGS[strategy]
+
     def on(world):  # with as many producers as ranks: the producer count changes too (2, 3, then 1)
         return lambda: Campaign(atlas, "elastic", epochs=1, sampling=sampling, world=world, producers=world)
 
@@ -305,9 +390,19 @@ def test_every_strategys_plan_resumes_on_any_number_of_ranks(atlas, strategy):
     a boundary cell not trained yet, so that every untrained cell is produced again."""
     from coordination.routing import cell_rank, unit_rank
 
-    producer = Producer(ProducerConfig(dataset=atlas.uri, run="shapes", world_size=WORLD, max_genes=24,
-                                       cells_per_item=40, sampling=SAMPLINGS[strategy]),
-                        MemoryQueue(), MemoryMap(), dataset=atlas)
+    producer = Producer(
+        ProducerConfig(
+            dataset=atlas.uri,
+            run="shapes",
+            world_size=WORLD,
+            max_genes=24,
+            cells_per_item=40,
+            sampling=SAMPLINGS[strategy],
+        ),
+        MemoryQueue(),
+        MemoryMap(),
+        dataset=atlas,
+    )
     plan = producer.plan(0)
     summary = PlanSummary.of(plan, WORLD)
     units = list(plan.units())
@@ -315,7 +410,9 @@ def test_every_strategys_plan_resumes_on_any_number_of_ranks(atlas, strategy):
     assert boundary == sorted(summary.boundary_cells)
     assert bool(boundary) == (strategy in WITH_BOUNDARY_CELLS)  # the shapes the elastic campaign runs one of each
     # the plan partitions the atlas: each cell whole in exactly one unit, or a boundary cell in pieces
-    assert Counter(np.concatenate([u.cells for u in units]).tolist() + boundary) == Counter(range(atlas.n_cells))
+    assert Counter(np.concatenate([u.parts[0].cells for u in units]).tolist() + boundary) == Counter(
+        range(atlas.n_cells)
+    )
     holders = {c: {u.id for u in units if c in set(u.pieces.tolist())} for c in boundary}
 
     # the checkpoint: each rank trained its first units (u mod 2, in order) through, then half of one more
@@ -325,8 +422,8 @@ def test_every_strategys_plan_resumes_on_any_number_of_ranks(atlas, strategy):
         through = len(mine) * 2 // 5
         for u in mine[:through]:
             done.add(u.id)
-            unit_trained[u.id] = len(u.cells)
-        unit_trained[mine[through].id] = len(mine[through].cells) // 2
+            unit_trained[u.id] = u.n_cells
+        unit_trained[mine[through].id] = mine[through].n_cells // 2
     # boundary cells stitched (every piece's unit done): every other one trained, the rest still in a buffer
     # (or not stitched yet: a piece's unit not done)
     ready = [c for c in boundary if holders[c] <= done]
@@ -337,7 +434,7 @@ def test_every_strategys_plan_resumes_on_any_number_of_ranks(atlas, strategy):
     for world in (1, 2, 3):
         expected = [0] * world
         for u in units:
-            expected[unit_rank(u.id, world)] += len(u.cells) - unit_trained.get(u.id, 0)
+            expected[unit_rank(u.id, world)] += u.n_cells - unit_trained.get(u.id, 0)
         for c in untrained_boundary:
             expected[cell_rank(c, world)] += 1
         left = summary.cells_left_per_rank(world, unit_trained, trained_stitched)
@@ -353,7 +450,7 @@ def test_every_strategys_plan_resumes_on_any_number_of_ranks(atlas, strategy):
     else:
         assert skipped == done
     produced_again = {u.id for u in units} - skipped
-    assert all(u.id in produced_again for u in units if unit_trained.get(u.id, 0) < len(u.cells))
+    assert all(u.id in produced_again for u in units if unit_trained.get(u.id, 0) < u.n_cells)
     assert all(holders[c] <= produced_again for c in untrained_boundary)
 
 
@@ -386,8 +483,12 @@ def single_rank(monkeypatch):
     """This process as rank 0 of a world of 1 (torch.distributed reads these)."""
     from coordination.net import free_port
 
-    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
-                        ("WORLD_SIZE", "1")):
+    for name, value in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(free_port())),
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+    ):
         monkeypatch.setenv(name, value)
 
 
@@ -400,14 +501,29 @@ def test_gradient_accumulation_counts_every_batch_of_a_step(atlas, tmp_path, sin
     from trainer.train import train
 
     queue, store = MemoryQueue(), MemoryMap()
-    config = ProducerConfig(dataset=atlas.uri, run="accum", world_size=1, max_genes=16, idle_timeout_s=0.2,
-                            sampling=Sampling("block", block_size=8, fetch_factor=4, batch_size=16))
+    config = ProducerConfig(
+        dataset=atlas.uri,
+        run="accum",
+        world_size=1,
+        max_genes=16,
+        idle_timeout_s=0.2,
+        sampling=Sampling("block", block_size=8, fetch_factor=4, batch_size=16),
+    )
     producer = Producer(config, queue, store, dataset=atlas)
     publish_summary(store, "accum", PlanSummary.of(producer.plan(0), 1))
     queue.put_many([encode_task(0, u) for u in range(producer.plan(0).n_units)], partition=TASKS_PARTITION)
     producer.run()
-    cfg = TrainConfig(run="accum", backend={"kind": "memory"}, vocab_size=producer.vocab.size, batch_size=16,
-                      grad_accum=2, max_steps=5, run_driver=False, progress_bar=False, log_path=str(tmp_path / "steps.jsonl"))
+    cfg = TrainConfig(
+        run="accum",
+        backend={"kind": "memory"},
+        vocab_size=producer.vocab.size,
+        batch_size=16,
+        grad_accum=2,
+        max_steps=5,
+        run_driver=False,
+        progress_bar=False,
+        log_path=str(tmp_path / "steps.jsonl"),
+    )
     try:
         summary = train(cfg, queue=queue, store=store)
     finally:
@@ -421,8 +537,18 @@ def test_checkpoints_keep_the_last_k_and_the_best(tmp_path):
 
     losses = {1: 5.0, 2: 1.0, 3: 3.0, 4: None, 5: 2.5}  # step -> held-out loss when it was written (4: none yet)
     for step, loss in losses.items():
-        checkpoint.save(tmp_path, step, 0, 0, 1, checkpoint.RankProgress(), lambda: {"w": torch.zeros(1)},
-                        lambda: None, keep=2, eval_loss=loss)
+        checkpoint.save(
+            tmp_path,
+            step,
+            0,
+            0,
+            1,
+            checkpoint.RankProgress(),
+            lambda: {"w": torch.zeros(1)},
+            lambda: None,
+            keep=2,
+            eval_loss=loss,
+        )
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000004", "step-00000005"]
     assert checkpoint.latest(tmp_path).step == 5 and checkpoint.load(tmp_path, torch.device("cpu")).step == 5
     assert checkpoint.prune(tmp_path, keep=1) == ["step-00000004"]  # the best (2) stays with the last
@@ -439,8 +565,14 @@ def test_end_of_epoch_audit_passes_exactly_or_fails_loudly(atlas, tmp_path, sing
     from trainer.train import train
 
     queue, store = MemoryQueue(), MemoryMap()
-    config = ProducerConfig(dataset=atlas.uri, run="audit", world_size=1, max_genes=16, idle_timeout_s=0.2,
-                            sampling=Sampling("sequential", unit_cells=100))
+    config = ProducerConfig(
+        dataset=atlas.uri,
+        run="audit",
+        world_size=1,
+        max_genes=16,
+        idle_timeout_s=0.2,
+        sampling=Sampling("sequential", unit_cells=100),
+    )
     producer = Producer(config, queue, store, dataset=atlas)
     plan = producer.plan(0)
     summary = PlanSummary.of(plan, 1)
@@ -451,12 +583,23 @@ def test_end_of_epoch_audit_passes_exactly_or_fails_loudly(atlas, tmp_path, sing
     store.named(epoch_map_name(0), create=True)  # what the driver does first: the epoch's stitching map
     queue.put_many([encode_task(0, u) for u in range(plan.n_units)], partition=TASKS_PARTITION)
     producer.run()
-    cfg = TrainConfig(run="audit", backend={"kind": "memory"}, vocab_size=producer.vocab.size, batch_size=64, epochs=1,
-                      run_driver=False, progress_bar=False, no_data_timeout_s=20)
+    cfg = TrainConfig(
+        run="audit",
+        backend={"kind": "memory"},
+        vocab_size=producer.vocab.size,
+        batch_size=64,
+        epochs=1,
+        run_driver=False,
+        progress_bar=False,
+        no_data_timeout_s=20,
+    )
     try:
         if tamper:
-            with pytest.raises(CellfeedError, match="epoch 0 failed its exactly-once audit: rank 0 trained the "
-                                                    "planned number of cells, but not the planned cells"):
+            with pytest.raises(
+                CellfeedError,
+                match="epoch 0 failed its exactly-once audit: rank 0 trained the "
+                "planned number of cells, but not the planned cells",
+            ):
                 train(cfg, queue=queue, store=store)
         else:
             result = train(cfg, queue=queue, store=store)
@@ -476,9 +619,16 @@ def test_a_resume_under_another_gene_vocabulary_is_refused_in_one_line():
     from trainer.resume import check_resume
 
     cfg = TrainConfig(run="v", backend={"kind": "memory"}, vocab_size=100, vocab_fingerprint="aaaa")
-    saved = Checkpoint(10, 0, {"config": json.dumps(asdict(TrainConfig(**{**asdict(cfg), "vocab_fingerprint": "bbbb"})))},
-                       [RankProgress()])
-    with pytest.raises(CellfeedError, match=r"^--resume: the checkpoint at step 10 was trained on another gene "
-                                            r"vocabulary \(bbbb, this campaign's aaaa\)") as err:
+    saved = Checkpoint(
+        10,
+        0,
+        {"config": json.dumps(asdict(TrainConfig(**{**asdict(cfg), "vocab_fingerprint": "bbbb"})))},
+        [RankProgress()],
+    )
+    with pytest.raises(
+        CellfeedError,
+        match=r"^--resume: the checkpoint at step 10 was trained on another gene "
+        r"vocabulary \(bbbb, this campaign's aaaa\)",
+    ) as err:
         check_resume(saved, cfg, model=None, store=None)
     assert "\n" not in str(err.value)
