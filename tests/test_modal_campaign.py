@@ -205,8 +205,9 @@ def test_a_campaign_longer_than_a_call_continues_in_new_calls(atlas, tmp_path):
     """Each train call hands over to a new one when its --attempt-hours are up (Modal ends a call
     at 24 h). Here the hours are up at once, so every call trains one step (the event), saves and
     hands over: an epoch of 3 steps spans 3 calls and is still trained exactly once; on the
-    emulator's clock a day is a minute, and no call reaches it."""
-    with ModalEmulator(tmp_path / "world", grace_s=10, clock_speed=24 * 60) as world:
+    emulator's clock a day is three minutes (a minute was reached by a call on 2 cores under a load
+    of 9, whose producers retire at 23 h), and no call reaches it."""
+    with ModalEmulator(tmp_path / "world", grace_s=10, clock_speed=24 * 20) as world:
         # one rank, batches of 512: the epoch's 1,344 cells are 3 steps
         code, out, err = finish(modal_run(world, flags(atlas, epochs=1, gpus=1, batch_size=512, attempt_hours=1e-6)))
         assert code == 0, err[-3000:]
