@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from app import ops
 from app.config import DEFAULT_LENGTHS
 from coordination.errors import CellfeedError
 
@@ -189,6 +190,8 @@ def cmd_local(args) -> int:
         return 0
     print_summary(summary, workdir / cfg.run, layout(cfg.tokenizer).objective)
     ok, line = verdict(summary["epochs"], summary.get("stopped"), summary.get("last_step"))
+    if summary.get("stopped") == "asked":  # (a stop asked for is not a failure: where, and how to go on)
+        line += f"; checkpoint at step {summary['last_step']:,}; resume: {summary['resume_command']}"
     print(line, flush=True)  # the last line tells the truth: an epoch short or unaudited exits non-zero
     return 0 if ok else 1
 
@@ -388,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_inspect)
+    ops.add_commands(command)
     return parser
 
 

@@ -57,6 +57,10 @@ class ProducerFleet:
         self.restarts = [0] * n
         self._due: list[float | None] = [None] * n  # when a dead producer is started again
 
+    def codes(self) -> list[int | None]:
+        """Each producer's exit code, None while it runs."""
+        return [p.poll() for p in self.procs]
+
     def check(self) -> None:
         """Restart the producers that died; raise once one has died more than `retries` times."""
         now = time.monotonic()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import time
@@ -17,19 +18,21 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.campaign import prepare, record_mixtures
-from app.config import CampaignConfig
+from app.config import CAMPAIGN_FLAGS, CampaignConfig, resume_command
 from app.fleet import ProducerFleet, stop_campaign
-from app.status import last_step, plural, status_line
+from app.journal import Journal
+from app.status import CampaignScalars, StepLog, plural, snapshot, status_line
 from coordination.backends import connect
 from coordination.errors import CellfeedError
 from coordination.local_backend import ServerProcess
 from coordination.routing import producers_key
 from trainer import checkpoint
-from trainer.launch import launch, wait_all
+from trainer.launch import ask_to_stop, launch, wait_all
 
 STATUS_EVERY_S = 2.0
 MIN_LOCAL_RANKS = 4  # `cellfeed local --gpus` may go to twice the cores, and at least this far
 CHECK_EVERY_S = 0.5  # how often the ranks and producers are looked at
+SLOW_STEP_S = 2.0  # steps this slow on CPU ranks are said once, with the campaign's expected time
 
 
 def default_dataset(workdir: Path, cells: int, seed: int) -> str:
@@ -81,16 +84,22 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
     """`run_local`'s campaign in its run folder; `ranks` is filled as they start."""
     latest = checkpoint.latest(cfg.run_checkpoint_dir) if cfg.resume else None
     cfg.mixtures = record_mixtures(cfg, workdir, latest.epoch if latest else None)
+    journal, started_at = Journal(workdir), time.time()
+    journal.clear_stop()  # (a stop asked of an earlier run of this name is not this one's)
     server = ServerProcess(token_file=workdir / ".queue-token")
     backend = cfg.backend_spec("local", **server.where)
     queue, store = connect(backend)
-    fleet = None
+    fleet, facts, state, summary, steps = None, None, "failed", None, StepLog(workdir / "steps.jsonl")
+    resume = resume_command(cfg, "cellfeed local", CAMPAIGN_FLAGS) + f" --workdir {shlex.quote(str(workdir.parent))}"
+    resume += " --audit-cells" if audit_cells else ""
+    previous_sigint, scalars = signal.getsignal(signal.SIGINT), None
     try:
         facts = prepare(cfg, queue, store, vocab_path=workdir / "vocab.json")
         if latest is not None:  # refused here, before any producer or rank starts
             checkpoint.check_same_data(latest.step, latest.data_id, facts.data_id)
             if latest.epoch >= facts.epochs:  # a finished run: nothing to train
                 trained = plural(latest.epoch, "epoch")  # (the checkpoint's epoch: the first not begun)
+                state = "complete"
                 return {
                     "already_complete": f"run {cfg.run} is complete: {trained} trained (last checkpoint at step "
                     f"{latest.step:,}, {latest.folder}) and --epochs {facts.epochs} asks for no more; nothing to "
@@ -112,34 +121,65 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
             + (f", {facts.held_out_cells:,} held-out cells" if facts.held_out_cells else ""),
             flush=True,
         )
+        print(
+            f"checkpoints: {cfg.run_checkpoint_dir} (every {cfg.checkpoint_every} steps); step log, TensorBoard "
+            f"(tb/), status: {workdir}" + (f"; cell logs: {workdir}/cells.rank<r>.jsonl" if audit_cells else ""),
+            flush=True,
+        )
+        if cfg.preset != "tiny":
+            print(f"note: --preset {cfg.preset} on CPU ranks is slow; --preset tiny is the CPU model", flush=True)
+        journal.event("resumed" if latest else "started", step=latest.step if latest else 0, ranks=cfg.gpus)
         config_path = workdir / "campaign.json"
         config_path.write_text(json.dumps(asdict(cfg)))
         fleet = ProducerFleet(config_path, server.where, cfg.producers, workdir)
-        log = workdir / "steps.jsonl"
-        log.unlink(missing_ok=True)
-        changes = dict(log_path=str(log), progress_bar=False)
+        if not cfg.resume:  # (a resume appends: the report shows the whole campaign)
+            steps.path.unlink(missing_ok=True)
+        steps.update()  # (a resumed run's status counts on from the log's end)
+        changes = dict(log_path=str(steps.path), progress_bar=False, tb_dir=str(workdir / "tb"))
         if audit_cells:
             for old in workdir.glob("cells.rank*.jsonl"):
                 old.unlink()
             changes["cells_log"] = str(workdir / "cells")
         train_cfg = cfg.train_config(backend, facts, **changes)
         ranks += launch(train_cfg, cfg.gpus, workdir, summary_path=str(workdir / "summary"), log_ranks=True)
-        started = time.monotonic()
-        printed = 0.0
+        interrupts = []
+
+        def on_interrupt(*_):  # the first Ctrl-C stops gracefully (a checkpoint); a second, at once
+            interrupts.append(True)
+            if len(interrupts) > 1:
+                raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, on_interrupt)
+        scalars = CampaignScalars(workdir / "tb")
+        printed, asked, restarts, warned = 0.0, None, 0, False
         while any(p.poll() is None for p in ranks):
             if any(p.poll() not in (None, 0) for p in ranks):
                 break
             fleet.check()  # a dead producer is restarted; its unit is re-issued by the driver
-            row = last_step(log)
-            due = time.monotonic() - printed >= STATUS_EVERY_S
-            if due and not quiet and not (row and row["step"] >= total_steps):  # rank 0 prints the final table
+            if sum(fleet.restarts) > restarts:
+                journal.event("producer restarted", restarts=sum(fleet.restarts))
+                restarts = sum(fleet.restarts)
+            if asked is None and (interrupts or journal.stop_asked()):
+                asked = "Ctrl-C" if interrupts else "cellfeed stop"
+                ask_to_stop(ranks)
+                journal.event("stop asked", by=asked)
                 print(
-                    status_line(
-                        cfg, queue, store, log, started, total_steps, fleet.names, fleet.procs, facts.units_total
-                    ),
-                    flush=True,
+                    f"stopping ({asked}): the ranks checkpoint after this step; Ctrl-C again stops at once", flush=True
                 )
+            if time.monotonic() - printed >= STATUS_EVERY_S:
+                snap = snapshot(
+                    cfg, facts, queue, store, steps, started_at, fleet.names, fleet.codes(), "running", resume
+                )
+                snap["stop_asked"] = asked
+                journal.write_state(snap)
+                scalars.add(snap)
                 printed = time.monotonic()
+                note = None if warned else slow_step_note(cfg, snap)
+                if note:
+                    print(note, flush=True)
+                    warned = True
+                if not quiet and not (snap["step"] >= total_steps):  # rank 0 prints the final table
+                    print(status_line(snap), flush=True)
             time.sleep(CHECK_EVERY_S)
         codes = wait_all(ranks, timeout=60)
         if codes != [0] * cfg.gpus:
@@ -148,16 +188,41 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
         reports = json.loads(store.get(producers_key(cfg.run)) or "{}")
         summary["producers"] = [reports.get(n, {}) for n in fleet.names]
         summary["producer_restarts"] = sum(fleet.restarts)
+        summary["resume_command"] = resume
+        state = "complete" if summary.get("complete") else "stopped" if summary.get("stopped") else "incomplete"
         return summary
+    except KeyboardInterrupt:
+        state = "interrupted"
+        raise
     finally:  # whatever happened (Ctrl-C included): stop every child, leave nothing behind
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         try:
             for p in ranks:
                 if p.poll() is None:
                     p.kill()
+            if facts is not None:  # the journal's last word (`cellfeed status` after the run)
+                codes = fleet.codes() if fleet else []
+                snap = snapshot(cfg, facts, queue, store, steps, started_at, fleet.names if fleet else [], codes, state)
+                journal.write_state({**snap, "resume": resume if state != "complete" else "", "summary": summary})
+                journal.event(state, step=snap["step"])
             stop_campaign(store, cfg.run, fleet.procs if fleet else [], server)
+            if scalars is not None:
+                scalars.close()
         finally:
-            signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGINT, previous_sigint)
+
+
+def slow_step_note(cfg: CampaignConfig, snap: dict) -> str | None:
+    """Once steps are measured: a model too heavy for CPU ranks is said, with the time the campaign
+    will take and the flags that make it lighter (a long --max-genes costs as much as a big model)."""
+    if not snap["step_s"] or snap["step"] < 3 or snap["step_s"] < SLOW_STEP_S:
+        return None
+    hours = (snap["eta_s"] or 0) / 3600
+    return (
+        f"note: a step takes {snap['step_s']:.1f} s on these CPU ranks (--preset {cfg.preset}, "
+        f"{cfg.genes_per_cell:,} genes a cell, batches of {cfg.batch_size}): about {hours:.1f} h to go. "
+        "CPU ranks suit --preset tiny with a short --max-genes (e.g. 64); a GPU runs the rest (modal run)"
+    )
 
 
 def place_checkpoints(cfg: CampaignConfig, workdir: str | Path) -> None:

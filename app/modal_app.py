@@ -69,7 +69,7 @@ FIRST_FLEET_CHECK_S = 1.0  # a producer that cannot start (settings, credentials
 PRODUCER_PIP = pinned(
     "pylance", "pyarrow", "polars", "numpy", "zstandard", "boto3", "anndata", "h5py", "scipy", "tqdm", "pandas"
 )
-TRAINER_PIP = pinned("torch", "numpy", "zstandard", "tqdm")  # no Lance, no Polars
+TRAINER_PIP = pinned("torch", "numpy", "zstandard", "tqdm", "tensorboard")  # no Lance, no Polars
 
 producer_image = (
     modal.Image.debian_slim(python_version="3.11").pip_install(*PRODUCER_PIP).add_local_python_source(*PACKAGES)

@@ -4,8 +4,10 @@ producer's state) and the summary at the end."""
 from __future__ import annotations
 
 import json
-import subprocess
+import os
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 
 from app.config import CampaignConfig
@@ -16,25 +18,61 @@ def plural(n: int, word: str) -> str:
     return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
-def last_step(log: Path) -> dict | None:
-    if not log.exists():
-        return None
-    rows = [json.loads(line) for line in log.read_text().splitlines()[-20:] if line.strip()]
-    rows = [r for r in rows if "loss" in r]
-    return rows[-1] if rows else None
-
-
 IDLE_AFTER_S = 5.0  # a running producer with no unit finished for this long and no task queued is idle
+ETA_STEPS = 20  # the ETA comes from the median of the last this many steps
+
+
+def step_rows(log: Path) -> list[dict]:
+    """Every row of a step log: steps (with "loss"), evaluations, epochs' audits (with "audit")."""
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip().endswith("}")]
+
+
+class StepLog:
+    """Rank 0's step log (`trainer.metrics.Tracker`), read as it grows: each `update` reads only the
+    lines written since the last (a days-long campaign's log is not read whole every few seconds).
+    Keeps the last steps (for the rate and the ETA), the current epoch's cells per step (a step
+    trained again after a resume replaces its first try), and the epochs' audits."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path, self.offset = Path(path), 0
+        self.recent: deque = deque(maxlen=ETA_STEPS)
+        self.epoch, self.epoch_cells, self.audits = None, {}, []
+
+    def update(self) -> "StepLog":
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.splitlines():
+            row = json.loads(line)
+            if "audit" in row:
+                self.audits.append(row["audit"])
+            elif "loss" in row:
+                self.recent.append(row)
+                if row["epoch"] != self.epoch:
+                    self.epoch, self.epoch_cells = row["epoch"], {}
+                self.epoch_cells[row["step"]] = row["cells"]
+        return self
+
+    @property
+    def last(self) -> dict | None:
+        return self.recent[-1] if self.recent else None
 
 
 def producer_states(
-    reports: dict, names: list[str], procs: list[subprocess.Popen], tasks: int, all_done: bool = False
+    reports: dict, names: list[str], codes: list[int | None], tasks: int, all_done: bool = False
 ) -> list[str]:
     """Each producer's state: starting, working (with its rate), idle (nothing left to take), done
-    (exited) or failed. `reports`: the producers' totals as the driver publishes them."""
+    (exited) or failed. `reports`: the producers' totals as the driver publishes them; `codes`: each
+    producer's exit code, None while it runs (or where only its reports are known, on Modal)."""
     states = []
-    for name, proc in zip(names, procs):
-        code = proc.poll()
+    for name, code in zip(names, codes):
         r = reports.get(name)
         if code is not None:
             states.append("done" if code == 0 else f"failed ({code})")
@@ -49,37 +87,109 @@ def producer_states(
     return states
 
 
-def status_line(
+def snapshot(
     cfg: CampaignConfig,
+    facts,
     queue,
     store,
-    log: Path,
+    log: StepLog,
     started: float,
-    total_steps: int,
     names: list[str],
-    procs: list[subprocess.Popen],
-    units_total: int,
-) -> str:
-    row = last_step(log)
+    codes: list[int | None],
+    state: str = "running",
+    resume: str = "",
+) -> dict:
+    """What a campaign is doing now, as one JSON-able dict: the live status line, `cellfeed status`
+    and the journal (`app.journal`) are made of it. `facts`: the setup's `SetupFacts`; `started`:
+    wall-clock start (time.time()); `codes`: each producer's exit code, None while it runs."""
+    from trainer import checkpoint
+
+    rows, row = list(log.update().recent), log.last
     tasks = queue.len(partition=TASKS_PARTITION)
     depth = [queue.len(partition=rank_partition(r)) for r in range(cfg.gpus)]
     reports = json.loads(store.get(producers_key(cfg.run)) or "{}")
     units = sum(r.get("units", 0) for r in reports.values())
-    parts = [f"{time.monotonic() - started:5.0f}s"]
-    if row:
+    latest = checkpoint.latest(cfg.run_checkpoint_dir)
+    step_s = statistics.median(r["step_s"] for r in rows[-ETA_STEPS:]) if rows else None
+    step = row["step"] if row else (latest.step if latest else 0)
+    return {
+        "run": cfg.run,
+        "state": state,
+        "updated": time.time(),
+        "started": started,
+        "pid": os.getpid(),
+        "epochs": facts.epochs,
+        "cells_per_epoch": facts.cells_per_epoch,
+        "epoch": row["epoch"] if row else (latest.epoch if latest else 0),
+        "epoch_cells_trained": sum(log.epoch_cells.values()),
+        "step": step,
+        "total_steps": facts.total_steps,
+        "loss": row["loss"] if row else None,
+        "cells_per_s": row["cells_per_s"] if row else None,
+        "step_s": step_s,
+        "wait_ms_ranks": row.get("wait_ms_ranks") if row else None,
+        "ready_cells": row.get("ready_cells") if row else None,
+        "eta_s": round(step_s * max(0, facts.total_steps - step), 1) if step_s else None,
+        "units_done": units,
+        "units_total": facts.units_total,
+        "queue": {"tasks": tasks, "ranks": depth},
+        "producers": [
+            {
+                "name": n,
+                "state": s,
+                "cells": reports.get(n, {}).get("cells", 0),
+                "busy_s": reports.get(n, {}).get("busy_s", 0),
+            }
+            for n, s in zip(names, producer_states(reports, names, codes, tasks, units >= facts.units_total))
+        ],
+        "checkpoint": {"step": latest.step, "epoch": latest.epoch, "folder": str(latest.folder)} if latest else None,
+        "audits": log.audits,
+        "resume": resume,
+    }
+
+
+class CampaignScalars:
+    """What only the campaign's monitor sees, in TensorBoard beside the trainer's scalars (the same
+    folder: one run there): queue depths and each producer's rate, at the trainer's step."""
+
+    def __init__(self, tb_dir: str | os.PathLike):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(tb_dir), filename_suffix=".campaign")
+
+    def add(self, snap: dict) -> None:
+        step = snap["step"]
+        self.writer.add_scalar("queue/tasks", snap["queue"]["tasks"], step)
+        for r, depth in enumerate(snap["queue"]["ranks"]):
+            self.writer.add_scalar(f"queue/rank{r}_items", depth, step)
+        for p in snap["producers"]:
+            if p["busy_s"]:
+                self.writer.add_scalar(f"producers/{p['name']}_cells_per_s", p["cells"] / p["busy_s"], step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def status_line(snap: dict) -> str:
+    """The live line a local campaign prints every few seconds."""
+    parts = [f"{snap['updated'] - snap['started']:5.0f}s"]
+    if snap["loss"] is not None:
+        wait = max(snap["wait_ms_ranks"] or [0])
         parts += [
-            f"step {row['step']}/{total_steps}",
-            f"loss {row['loss']:.3f}",
-            f"{row['cells_per_s']:,.0f} cells/s",
-            f"wait {row['wait_ms']:.0f}ms",
+            f"step {snap['step']}/{snap['total_steps']}",
+            f"loss {snap['loss']:.3f}",
+            f"{snap['cells_per_s']:,.0f} cells/s",
+            f"wait {wait:.0f}ms",
         ]
     else:
         parts += ["ranks starting (torch, DDP, first batch)"]
+    queue = snap["queue"]
     parts += [
-        f"units {units:,}/{units_total:,} done, {tasks:,} queued",
-        f"queue {' '.join(f'r{r}:{d}' for r, d in enumerate(depth))} items"
-        + (f", {row['ready_cells']:,} cells ready in the ranks" if row and "ready_cells" in row else ""),
-        "producers " + ", ".join(producer_states(reports, names, procs, tasks, units >= units_total)),
+        f"units {snap['units_done']:,}/{snap['units_total']:,} done, {queue['tasks']:,} queued",
+        f"queue {' '.join(f'r{r}:{d}' for r, d in enumerate(queue['ranks']))} items"
+        + (f", {snap['ready_cells']:,} cells ready in the ranks" if snap["ready_cells"] is not None else ""),
+        "producers " + ", ".join(p["state"] for p in snap["producers"]),
     ]
     return " | ".join(parts)
 

@@ -43,7 +43,7 @@ def verdict(epochs: list[dict], stopped: str | None = None, steps: int | None = 
         )
     short = [e for e in epochs if not (e["trained"] == e["planned"] and e["audited"])]
     if stopped in ("steps", "asked"):
-        why = f"at step {steps:,} as --steps asked" if stopped == "steps" else "as asked"
+        why = f"at step {steps:,} as --steps asked" if stopped == "steps" else f"at step {steps or 0:,} as asked"
         started = [cells(e) for e in short if e["trained"]]
         return True, (
             f"stopped {why}: " + "; ".join([f"{len(epochs) - len(short)} of {len(epochs)} epochs complete"] + started)

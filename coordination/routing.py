@@ -86,7 +86,18 @@ def summary_key(run: str, epoch: int) -> str:
 
 
 def stop_key(run: str) -> str:
+    """Set when the campaign is over (or stopping): the producers stop."""
     return f"{run}/stop"
+
+
+def stop_asked_key(run: str) -> str:
+    """Set by `cellfeed stop RUN --modal`: the trainer checkpoints, then the campaign stops (kept for --resume)."""
+    return f"{run}/stop-asked"
+
+
+def state_key(run: str) -> str:
+    """The campaign's latest status snapshot (`app.status.snapshot`), refreshed every few seconds by `train`."""
+    return f"{run}/state"
 
 
 def fleet_key(run: str) -> str:

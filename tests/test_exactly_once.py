@@ -468,7 +468,7 @@ def test_the_last_line_says_complete_only_when_every_epoch_was_trained_and_audit
     )
     assert verdict([ep(0, 3000, False)], "asked", 10) == (
         True,
-        "stopped as asked: 0 of 1 epochs complete; epoch 0: 3,000 of 6,000 cells",
+        "stopped at step 10 as asked: 0 of 1 epochs complete; epoch 0: 3,000 of 6,000 cells",
     )
 
 

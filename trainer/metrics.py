@@ -1,6 +1,6 @@
-"""Per-step metrics, global over ranks: loss, step time (the slowest rank's), dataloader wait,
-cells/s and tokens/s, MFU, peak memory. A progress bar and JSON lines on rank 0; a summary at
-the end (medians exclude warm-up steps).
+"""Per-step metrics, global over ranks: loss, step time (the slowest rank's), dataloader wait
+(the slowest rank's, and each rank's), cells/s and tokens/s, MFU, peak memory. A progress bar,
+JSON lines and TensorBoard scalars on rank 0; a summary at the end (medians exclude warm-up steps).
 
 MFU = training FLOPs of the step (see `model.train_flops`: 6·N·tokens + attention, real tokens
 only) / (step time x devices x the device's peak dense bf16 FLOP/s). Peaks used: H100 and H200
@@ -61,17 +61,25 @@ class Tracker:
         peak: float | None,
         bar: bool = True,
         first_step: int = 0,
+        tb_dir: str | None = None,
     ):
         self.rank, self.peak = rank, peak
         self.rows: list[dict] = []
         self.evals: list[dict] = []
         self.log = open(log_path, "a") if (log_path and rank == 0) else None
+        self.tb = None
+        if tb_dir and rank == 0:  # (imported here: TensorBoard's writer costs a second to import)
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(tb_dir, filename_suffix=".trainer")
         self.bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step", disable=rank != 0 or not bar)
 
     def record(self, m: StepMetrics) -> dict:
         world = dist.get_world_size()
-        # on the step's device: NCCL reduces CUDA tensors only
-        summed = torch.tensor([m.cells, m.tokens, m.flops, m.ready_cells], dtype=torch.float64, device=m.device)
+        # on the step's device: NCCL reduces CUDA tensors only. Each rank's wait in its own slot: the sum is all of them
+        summed = torch.zeros(4 + world, dtype=torch.float64, device=m.device)
+        summed[:4] = torch.tensor([m.cells, m.tokens, m.flops, m.ready_cells], dtype=torch.float64)
+        summed[4 + self.rank] = m.wait_s
         maxed = torch.tensor([m.seconds, m.wait_s], dtype=torch.float64, device=m.device)
         dist.all_reduce(summed)
         dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
@@ -91,11 +99,20 @@ class Tracker:
             "mfu": round(float(summed[2]) / (seconds * world * self.peak), 4) if self.peak else None,
             "peak_mem_mb": round(peak_memory_mb(m.device), 1),
             "ready_cells": int(summed[3]),
+            "wait_ms_ranks": [round(float(w) * 1000, 3) for w in summed[4:]],
         }
         self.rows.append(row)
         if self.log:
             self.log.write(json.dumps(row) + "\n")
             self.log.flush()
+        if self.tb:
+            for key in ("loss", "accuracy", "lr", "grad_norm", "step_s", "wait_ms", "cells_per_s", "tokens_per_s"):
+                self.tb.add_scalar(f"train/{key}", row[key], m.step)
+            for r, wait in enumerate(row["wait_ms_ranks"]):
+                self.tb.add_scalar(f"data_wait_ms/rank{r}", wait, m.step)
+            self.tb.add_scalar("train/ready_cells", row["ready_cells"], m.step)
+            if row["mfu"] is not None:
+                self.tb.add_scalar("train/mfu", row["mfu"], m.step)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{m.loss:.3f}", cells_s=f"{row['cells_per_s']:,.0f}", wait_ms=row["wait_ms"])
         return row
@@ -106,13 +123,28 @@ class Tracker:
         if self.log:
             self.log.write(json.dumps({"step": step, **values}) + "\n")
             self.log.flush()
+        if self.tb:
+            for k, v in values.items():
+                self.tb.add_scalar(f"eval/{k}", v, step)
         if self.rank == 0:
             self.bar.write(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in values.items()))
+
+    def audited(self, step: int, audit: dict) -> None:
+        """An epoch's exactly-once audit (`trainer.exactly_once.audit_epoch`), in the step log and TensorBoard."""
+        if self.log:
+            self.log.write(json.dumps({"step": step, "audit": audit}) + "\n")
+            self.log.flush()
+        if self.tb:
+            for k in ("cells", "missing", "duplicated"):  # (an epoch that could not be audited has cells only)
+                if k in audit:
+                    self.tb.add_scalar(f"audit/{k}", audit[k], audit["epoch"])
 
     def finish(self) -> dict:
         self.bar.close()
         if self.log:
             self.log.close()
+        if self.tb:
+            self.tb.close()
         rows = self.rows[WARMUP_STEPS:] if len(self.rows) > 2 * WARMUP_STEPS else self.rows
         if not rows:
             return {"steps": 0}

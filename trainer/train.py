@@ -116,7 +116,9 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         on_starved=lambda e, batches: ask_again(queue, store, cfg, rank, world, e, batches, summaries, before),
     )
     cells_log = open(f"{cfg.cells_log}.rank{rank}.jsonl", "a") if cfg.cells_log else None
-    tracker = Tracker(rank, cfg.log_path, total_steps, peak_flops(device), cfg.progress_bar, first_step=step)
+    tracker = Tracker(
+        rank, cfg.log_path, total_steps, peak_flops(device), cfg.progress_bar, first_step=step, tb_dir=cfg.tb_dir
+    )
     if rank == 0:
         print(
             f"model {cfg.preset}: {model.n_params() / 1e6:.1f}M parameters "
@@ -253,6 +255,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             if batches.step < batches.steps:  # stopped inside the epoch (--steps are done, or asked to stop)
                 break
             audits.append(audit_epoch(epoch, progress, summary, world, device))  # the epoch is complete
+            tracker.audited(step, audits[-1])
             if rank == 0:
                 print(audits[-1]["line"], flush=True)
             epoch += 1
