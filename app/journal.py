@@ -40,7 +40,7 @@ class Journal:
         path = self.folder / "events.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
-    def write_state(self, snapshot: dict) -> None:
+    def write_state(self, snapshot: dict, final: bool = False) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = self.folder / f".state.json.{os.getpid()}"
         tmp.write_text(json.dumps(snapshot))

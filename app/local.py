@@ -21,7 +21,8 @@ from app.campaign import prepare, record_mixtures
 from app.config import CAMPAIGN_FLAGS, CampaignConfig, resume_command
 from app.fleet import ProducerFleet, stop_campaign
 from app.journal import Journal
-from app.status import CampaignScalars, StepLog, plural, snapshot, status_line
+from app.monitor import Monitor
+from app.status import plural, status_line
 from coordination.backends import connect
 from coordination.errors import CellfeedError
 from coordination.local_backend import ServerProcess
@@ -84,15 +85,15 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
     """`run_local`'s campaign in its run folder; `ranks` is filled as they start."""
     latest = checkpoint.latest(cfg.run_checkpoint_dir) if cfg.resume else None
     cfg.mixtures = record_mixtures(cfg, workdir, latest.epoch if latest else None)
-    journal, started_at = Journal(workdir), time.time()
+    journal = Journal(workdir)
     journal.clear_stop()  # (a stop asked of an earlier run of this name is not this one's)
     server = ServerProcess(token_file=workdir / ".queue-token")
     backend = cfg.backend_spec("local", **server.where)
     queue, store = connect(backend)
-    fleet, facts, state, summary, steps = None, None, "failed", None, StepLog(workdir / "steps.jsonl")
+    fleet, facts, state, summary, steps = None, None, "failed", None, workdir / "steps.jsonl"
     resume = resume_command(cfg, "cellfeed local", CAMPAIGN_FLAGS) + f" --workdir {shlex.quote(str(workdir.parent))}"
     resume += " --audit-cells" if audit_cells else ""
-    previous_sigint, scalars = signal.getsignal(signal.SIGINT), None
+    previous_sigint, monitor = signal.getsignal(signal.SIGINT), None
     try:
         facts = prepare(cfg, queue, store, vocab_path=workdir / "vocab.json")
         if latest is not None:  # refused here, before any producer or rank starts
@@ -133,9 +134,8 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
         config_path.write_text(json.dumps(asdict(cfg)))
         fleet = ProducerFleet(config_path, server.where, cfg.producers, workdir)
         if not cfg.resume:  # (a resume appends: the report shows the whole campaign)
-            steps.path.unlink(missing_ok=True)
-        steps.update()  # (a resumed run's status counts on from the log's end)
-        changes = dict(log_path=str(steps.path), progress_bar=False, tb_dir=str(workdir / "tb"))
+            steps.unlink(missing_ok=True)
+        changes = dict(log_path=str(steps), progress_bar=False, tb_dir=str(workdir / "tb"))
         if audit_cells:
             for old in workdir.glob("cells.rank*.jsonl"):
                 old.unlink()
@@ -150,36 +150,28 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
                 raise KeyboardInterrupt
 
         signal.signal(signal.SIGINT, on_interrupt)
-        scalars = CampaignScalars(workdir / "tb")
-        printed, asked, restarts, warned = 0.0, None, 0, False
+        monitor = Monitor(cfg, facts, queue, store, journal, steps, fleet.names, resume, workdir / "tb", STATUS_EVERY_S)
+        stopping, restarts, warned = False, 0, False
         while any(p.poll() is None for p in ranks):
             if any(p.poll() not in (None, 0) for p in ranks):
                 break
             fleet.check()  # a dead producer is restarted; its unit is re-issued by the driver
             if sum(fleet.restarts) > restarts:
-                journal.event("producer restarted", restarts=sum(fleet.restarts))
                 restarts = sum(fleet.restarts)
-            if asked is None and (interrupts or journal.stop_asked()):
-                asked = "Ctrl-C" if interrupts else "cellfeed stop"
+                journal.event("producer restarted", restarts=restarts)
+            snap = monitor.look(fleet.codes())
+            if interrupts:
+                monitor.ask("Ctrl-C")
+            if monitor.asked and not stopping:
                 ask_to_stop(ranks)
-                journal.event("stop asked", by=asked)
-                print(
-                    f"stopping ({asked}): the ranks checkpoint after this step; Ctrl-C again stops at once", flush=True
-                )
-            if time.monotonic() - printed >= STATUS_EVERY_S:
-                snap = snapshot(
-                    cfg, facts, queue, store, steps, started_at, fleet.names, fleet.codes(), "running", resume
-                )
-                snap["stop_asked"] = asked
-                journal.write_state(snap)
-                scalars.add(snap)
-                printed = time.monotonic()
-                note = None if warned else slow_step_note(cfg, snap)
-                if note:
-                    print(note, flush=True)
-                    warned = True
-                if not quiet and not (snap["step"] >= total_steps):  # rank 0 prints the final table
-                    print(status_line(snap), flush=True)
+                stopping = True
+                print(f"stopping ({monitor.asked}): the ranks checkpoint after this step; Ctrl-C again stops at once")
+            if snap is not None and not quiet and snap["step"] < facts.total_steps:  # rank 0 prints the final table
+                print(status_line(snap), flush=True)
+            note = None if (warned or snap is None) else slow_step_note(cfg, snap)
+            if note:
+                print(note, flush=True)
+                warned = True
             time.sleep(CHECK_EVERY_S)
         codes = wait_all(ranks, timeout=60)
         if codes != [0] * cfg.gpus:
@@ -200,14 +192,9 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
             for p in ranks:
                 if p.poll() is None:
                     p.kill()
-            if facts is not None:  # the journal's last word (`cellfeed status` after the run)
-                codes = fleet.codes() if fleet else []
-                snap = snapshot(cfg, facts, queue, store, steps, started_at, fleet.names if fleet else [], codes, state)
-                journal.write_state({**snap, "resume": resume if state != "complete" else "", "summary": summary})
-                journal.event(state, step=snap["step"])
+            if monitor is not None:  # the journal's last word (`cellfeed status` after the run)
+                monitor.final(state, fleet.codes(), summary=summary)
             stop_campaign(store, cfg.run, fleet.procs if fleet else [], server)
-            if scalars is not None:
-                scalars.close()
         finally:
             signal.signal(signal.SIGINT, previous_sigint)
 

@@ -65,6 +65,7 @@ NO_DATA_S = 600.0  # a rank with no data this long (past --modal-retry-s of retr
 FAILURE_SAVE_S = 10.0  # after a real failure: ranks still stepping checkpoint; starved ones (no step to end) are killed
 FLEET_CHECK_S = 15.0  # how often `train` looks at its producer calls (soon after the start, then less often)
 FIRST_FLEET_CHECK_S = 1.0  # a producer that cannot start (settings, credentials) is found within seconds
+STATUS_EVERY_S = 5.0  # how often `train` publishes its status and looks for a stop (2 Dict calls, a len per rank)
 
 PRODUCER_PIP = pinned(
     "pylance", "pyarrow", "polars", "numpy", "zstandard", "boto3", "anndata", "h5py", "scipy", "tqdm", "pandas"
@@ -132,7 +133,10 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     import tempfile
     from pathlib import Path
 
+    from app.journal import DictJournal
+    from app.monitor import Monitor
     from coordination.backends import connect
+    from coordination.routing import stop_key
     from coordination.summary import SetupFacts
     from trainer import checkpoint
     from trainer.launch import checkpoint_and_stop, launch, rank_server
@@ -156,30 +160,51 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     # a rank (or the driver) waits out an outage inside the calls' retries: its no-data wait outlasts them
     no_data = {"no_data_timeout_s": max(NO_DATA_S, cfg.modal_retry_s + NO_DATA_S)}
     train_cfg = cfg.train_config(
-        cfg.backend_spec("modal"), facts, log_path=str(workdir / "steps.jsonl"), **cells_log, **no_data
+        cfg.backend_spec("modal"),
+        facts,
+        log_path=str(workdir / "steps.jsonl"),
+        tb_dir=f"{cfg.run_checkpoint_dir}/tb",  # (on the Volume: TensorBoard and `cellfeed report` read it there)
+        **cells_log,
+        **no_data,
     )
+    journal = DictJournal(store, cfg.run, folder=cfg.run_checkpoint_dir)  # (the Dict now, the Volume at the end)
+    resume = resume_command(CampaignConfig(**config))  # (the laptop's file paths, not this container's)
+    log, tb = workdir / "steps.jsonl", f"{cfg.run_checkpoint_dir}/tb"
+    monitor = Monitor(cfg, facts, queue, store, journal, log, list(fleet.calls), resume, tb, every_s=STATUS_EVERY_S)
+    monitor.journal.event("resumed" if cfg.resume else "started", step=latest.step if latest else 0, ranks=cfg.gpus)
     ranks = []
     try:
         with interrupt_held():  # the ranks are all started, or none: a preemption cannot orphan one
             ranks = launch(train_cfg, cfg.gpus, workdir, summary_path=str(workdir / "summary"))
-        watch(ranks, fleet, deadline=started + cfg.attempt_hours * 3600)
+        watch(ranks, fleet, deadline=started + cfg.attempt_hours * 3600, monitor=monitor)
     except KeyboardInterrupt:  # preempted: checkpoint, leave everything in place; Modal runs this input again
         print("preempted: the ranks checkpoint; Modal runs this call again and it resumes", flush=True)
         checkpoint_and_stop(ranks, timeout=PREEMPT_SAVE_S)  # (they had the SIGINT too: the container's every process)
+        monitor.journal.event("preempted")
         retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
         raise
     except BaseException as exc:  # a real failure stops the campaign; its state stays for --resume
         checkpoint_and_stop(ranks, timeout=FAILURE_SAVE_S)  # healthy ranks save a checkpoint; a broken DDP is killed
+        if not isinstance(exc, ModalUnreachable):  # (Modal's network may be what failed)
+            monitor.final("failed")
         stop_campaign(cfg, config, fleet, store, exc)
         raise
     retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
     summary = json.loads((workdir / "summary.rank0").read_text())
+    if summary["stopped"] == "asked" and monitor.asked:  # `cellfeed stop`: the campaign stops, its state kept
+        monitor.final("stopped")
+        store.put(stop_key(cfg.run), "stop")  # (the producers)
+        fleet.stop(STOP_GRACE_S, cfg.modal_retry_s)
+        retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
+        return {**summary, "resume_command": resume}
     if summary["stopped"] == "asked":  # this call's time is up: a new call continues from the checkpoint
         after = spawn(train.with_options(gpu=f"H100:{cfg.gpus}"), config, asdict(facts), retry=cfg.modal_retry_s)
         print(
             f"train ran {cfg.attempt_hours:g} h: a new call {after.object_id} continues from the checkpoint", flush=True
         )
         return {**summary, "continued_as": after.object_id}
+    monitor.final("complete" if summary.get("complete") else "incomplete")  # (to the Volume: the Dict goes now)
+    retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
     end_campaign(cfg, fleet, facts, store)
     return summary
 
@@ -209,10 +234,11 @@ def ensure_setup(cfg: CampaignConfig, config: dict, facts, queue, store) -> None
         result(spawn(setup, config, retry=cfg.modal_retry_s), cfg.modal_retry_s)
 
 
-def watch(ranks, fleet: "Fleet", deadline: float) -> None:
-    """Until the ranks exit: a failed rank or producer raises; at `deadline` the ranks are asked
-    to checkpoint and stop (the call then hands over to a new one). The producer calls are looked
-    at after 1 s, then at doubling gaps up to FLEET_CHECK_S: most failures come at the start."""
+def watch(ranks, fleet: "Fleet", deadline: float, monitor) -> None:
+    """Until the ranks exit: a failed rank or producer raises; at `deadline`, or when a stop is asked
+    (`monitor`), the ranks are asked to checkpoint and stop (at the deadline the call then hands
+    over to a new one). The producer calls are looked at after 1 s, then at doubling gaps up to
+    FLEET_CHECK_S: most failures come at the start."""
     from trainer.launch import ask_to_stop
 
     asked, gap = False, FIRST_FLEET_CHECK_S
@@ -223,6 +249,11 @@ def watch(ranks, fleet: "Fleet", deadline: float) -> None:
             raise RuntimeError(f"trainer ranks exited {codes}; their output is in the function's logs")
         if all(c == 0 for c in codes):
             return
+        monitor.look()  # (its status every STATUS_EVERY_S, and whether a stop was asked)
+        if monitor.asked and not asked:
+            print("a stop was asked (cellfeed stop): the ranks checkpoint and the campaign stops", flush=True)
+            ask_to_stop(ranks)
+            asked = True
         if not asked and time.monotonic() > deadline:
             print("this call's time is nearly up: the ranks checkpoint and a new call continues", flush=True)
             ask_to_stop(ranks)
@@ -304,8 +335,10 @@ def main(**flags) -> dict:
     """Start (or, with --resume, continue) a pretraining campaign on Modal. The flags are
     `cellfeed local`'s (described by `cellfeed local --help`; Modal 1.6's `modal run --help` can
     show no help text), plus --attempt-hours."""
+    from app.journal import DictJournal
     from coordination.audit import verdict
     from coordination.errors import CellfeedError
+    from coordination.modal_backend import run_backends
 
     cfg = CampaignConfig.from_flags(flags)
     if cfg.gpus > MAX_GPUS:
@@ -317,6 +350,7 @@ def main(**flags) -> dict:
         flush=True,
     )
     try:
+        DictJournal(run_backends(cfg.run, retry_s=cfg.modal_retry_s)[1], cfg.run).clear_stop()  # (an old request)
         facts = result(spawn(setup, config, retry=cfg.modal_retry_s), cfg.modal_retry_s)  # SetupFacts, as a dict
         print(
             f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units, "
@@ -351,6 +385,8 @@ def main(**flags) -> dict:
         raise SystemExit(1) from None
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "audits") if k in summary}), flush=True)
     ok, line = verdict(summary["epochs"], summary.get("stopped"), summary.get("last_step"))
+    if summary.get("resume_command"):  # stopped by `cellfeed stop`: where, and how to go on
+        line += f"; checkpoint at step {summary['last_step']:,}; resume: {summary['resume_command']}"
     print(line, flush=True)  # the last line tells the truth: an epoch short or unaudited exits non-zero
     if not ok:
         raise SystemExit(1)

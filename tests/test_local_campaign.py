@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -244,40 +245,35 @@ def test_small_real_dataset_gives_every_producer_and_rank_work(tmp_path):
     assert [(a["epoch"], a["cells"], a["missing"], a["duplicated"]) for a in summary["audits"]] == [(0, 700, 0, 0)]
 
 
-def test_status_line_shows_queue_tasks_and_producer_states():
+def test_status_line_shows_queue_tasks_and_producer_states(tmp_path):
     import time
 
     from app.config import CampaignConfig
-    from app.status import status_line
+    from app.status import StepLog, snapshot, status_line
     from coordination.queues import MemoryMap, MemoryQueue
     from coordination.routing import TASKS_PARTITION, producers_key, rank_partition
+    from coordination.summary import SetupFacts
 
-    class Proc:  # what the monitor reads of a producer process
-        def __init__(self, code):
-            self.code = code
-
-        def poll(self):
-            return self.code
-
-    cfg = CampaignConfig(dataset="x", run="s", gpus=2)
+    cfg = CampaignConfig(dataset="x", run="s", gpus=2, checkpoint_dir=str(tmp_path / "checkpoints"))
+    facts = SetupFacts(10, 14, 0, 1, (), "", 1, 700, 7, 7, 5, 10, 0, 0)
     queue, store = MemoryQueue(), MemoryMap()
     queue.put_many([b"a", b"b", b"c"], partition=rank_partition(1))
     queue.put(b"t", partition=TASKS_PARTITION)
     report = {"cells": 500, "units": 2, "busy_s": 0.25, "heard": time.time()}
     store.put(producers_key("s"), json.dumps({"p0": report, "p1": {**report, "units": 1}}))
-    line = status_line(
-        cfg,
-        queue,
-        store,
-        Path("/nonexistent"),
-        time.monotonic(),
-        10,
-        ["p0", "p1", "p2", "p3"],
-        [Proc(None), Proc(0), Proc(None), Proc(-9)],
-        7,
-    )
-    assert "units 3/7 done, 1 queued" in line and "queue r0:0 r1:3 items" in line
+    log = tmp_path / "steps.jsonl"
+    log.write_text(
+        json.dumps({"step": 3, "epoch": 0, "loss": 2.5, "cells": 64, "cells_per_s": 900.0, "step_s": 0.07,
+                    "wait_ms_ranks": [1.0, 12.0], "ready_cells": 40}) + "\n"
+        + json.dumps({"step": 3, "audit": {"epoch": 0, "cells": 700}}) + "\n"
+    )  # fmt: skip
+    snap = snapshot(cfg, facts, queue, store, StepLog(log), time.time(), ["p0", "p1", "p2", "p3"], [None, 0, None, -9])
+    line = status_line(snap)
+    assert "step 3/10" in line and "900 cells/s" in line and "wait 12ms" in line
+    assert "units 3/7 done, 1 queued" in line and "queue r0:0 r1:3 items, 40 cells ready in the ranks" in line
     assert "producers working 2,000 cells/s, done, starting, failed (-9)" in line
+    assert snap["wait_ms_ranks"] == [1.0, 12.0] and snap["audits"] == [{"epoch": 0, "cells": 700}]
+    assert snap["eta_s"] == round(0.07 * 7, 1) and snap["epoch_cells_trained"] == 64 and snap["checkpoint"] is None
 
 
 def test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact(counts_atlas, tmp_path):
@@ -349,8 +345,12 @@ def test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact(counts_at
     assert again.stdout.strip().splitlines()[-1].startswith("run kill is complete: 4 epochs trained")
 
 
-@pytest.mark.parametrize("to_group", [False, True], ids=["main-process", "process-group"])
-def test_ctrl_c_stops_every_child_with_one_line(counts_atlas, tmp_path, to_group):
+@pytest.mark.parametrize("presses", [1, 2], ids=["once-graceful", "twice-at-once"])
+def test_ctrl_c_stops_every_child_once_gracefully_twice_at_once(counts_atlas, tmp_path, presses):
+    """Ctrl-C in the campaign's terminal (SIGINT to its foreground process group): the first asks the
+    ranks to checkpoint after their step and stops the campaign like `cellfeed stop` (exit 0, the last
+    line says where and how to resume); a second, sent once the first is being acted on, stops at once
+    (exit 130). Either way every process the campaign started is gone."""
     proc = start_local(
         [
             "--dataset",
@@ -367,21 +367,38 @@ def test_ctrl_c_stops_every_child_with_one_line(counts_atlas, tmp_path, to_group
         ],
         start_new_session=True,
     )  # its own group, as a terminal's foreground job
+    out = ""
     try:
         training_began(proc, tmp_path / "ctrlc" / "steps.jsonl")
         started = {pid: started_at(pid) for pid in descendants(proc.pid)}  # what this campaign started, no other's
         kinds = " ".join(" ".join(cmdline(pid)) for pid in started)
         assert all(k in kinds for k in ("coordination.local_backend", "app.fleet --produce", "trainer.launch")), kinds
         assert any(children(pid) for pid in started if "trainer.launch" in cmdline(pid))  # the rank server's ranks
-        if to_group:  # Ctrl-C in a terminal: SIGINT to the foreground process group
+        os.killpg(proc.pid, signal.SIGINT)
+        if presses == 2:  # the second once the first is acted on (its line is printed)
+            line = proc.stdout.readline()
+            while line and not line.startswith("stopping (Ctrl-C)"):
+                out, line = out + line, proc.stdout.readline()
+            assert line.startswith("stopping (Ctrl-C): the ranks checkpoint"), out[-2000:]
             os.killpg(proc.pid, signal.SIGINT)
-        else:  # SIGINT to the main process alone
-            proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        rest, err = proc.communicate(timeout=120)
+        out += rest
     finally:
         interrupt(proc)
-    assert proc.returncode == 130
-    assert err.strip().splitlines()[-1] == "cellfeed: interrupted" and "Traceback" not in err, err[-2000:]
+    if presses == 1:
+        assert proc.returncode == 0, err[-2000:]
+        last = out.strip().splitlines()[-1]
+        stopped = re.match(
+            r"stopped at step (\d+) as asked: \d+ of 20 epochs complete.*; checkpoint at step \1; resume: ", last
+        )
+        assert stopped and re.search(r"resume: cellfeed local --dataset .* --run ctrlc --resume --workdir ", last), last
+        from trainer import checkpoint
+
+        assert checkpoint.latest(tmp_path / "checkpoints" / "ctrlc").step == int(stopped[1])  # saved at the stop
+        assert json.loads((tmp_path / "ctrlc" / "state.json").read_text())["state"] == "stopped"
+    else:
+        assert proc.returncode == 130
+        assert err.strip().splitlines()[-1] == "cellfeed: interrupted" and "Traceback" not in err, err[-2000:]
     # the campaign killed (or stopped) each before exiting; a SIGKILLed process is gone moments later. 30 s only
     # bounds a process that outlived the campaign (that fails the test)
     wait_for(

@@ -331,3 +331,62 @@ def test_a_rerun_with_another_gpus_count_resumes_the_epoch_on_it(atlas, tmp_path
         assert re.search(r"epoch 1: [\d,]+ cells trained, 0 missing, 0 duplicated .*across the resume", logs), logs[
             -3000:
         ]
+
+
+def cellfeed(world: ModalEmulator, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`cellfeed ARGS` on the laptop, whose `import modal` is the emulator's."""
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        cwd=ROOT,
+        env=world.env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_status_and_stop_from_the_laptop_then_the_printed_command_resumes_exactly(atlas, tmp_path):
+    """`cellfeed status emu --modal` reads a running campaign's Dict (no GPU started); `cellfeed stop
+    emu --modal` has its ranks checkpoint and its producers stop, the state kept; the run's last line
+    says where it stopped and how to resume, and exits 0; that command completes the campaign,
+    every epoch's cells once across the stop."""
+    import shlex
+    from collections import Counter
+
+    with ModalEmulator(tmp_path / "world", grace_s=10) as world:
+        # 3 epochs of 84 steps (batches of 8), at Modal's 25 ms a call: the stop comes inside them
+        proc = modal_run(world, flags(atlas, rpc_latency_ms=25, batch_size=8, epochs=3) + ["--audit-cells"])
+        call = wait_for(lambda: train_attempt(world), "train to start")
+        wait_for(lambda: steps_logged(world, call["id"], 0) >= 1 or proc.poll() is not None, "a step")
+
+        def status():
+            out = cellfeed(world, "status", RUN, "--modal", "--json")
+            assert out.returncode == 0, out.stderr[-2000:]
+            return json.loads(out.stdout)
+
+        snap = wait_for(lambda: (s := status())["step"] >= 1 and s, "the status to show a step (published every 5 s)")
+        assert snap["state"] == "running" and snap["epochs"] == 3 and snap["cells_per_epoch"] == 1344
+        assert snap["loss"] > 0 and len(snap["producers"]) == 2 and len(snap["queue"]["ranks"]) == 2
+        assert proc.poll() is None, "the campaign ended before the stop"
+        stop = cellfeed(world, "stop", RUN, "--modal")
+        assert stop.returncode == 0, stop.stdout[-2000:] + stop.stderr[-2000:]
+        assert re.search(r"run emu stopped at step \d+ \(checkpoint at step \d+\)", stop.stdout), stop.stdout
+        code, out, err = finish(proc)
+        assert code == 0, err[-3000:]
+        last = out.strip().splitlines()[-1]
+        stopped = re.match(r"stopped at step (\d+) as asked: .*; checkpoint at step \1; resume: (modal run .*)$", last)
+        assert stopped, last
+        assert f"cellfeed-{RUN}" in world.describe()["dicts"]  # kept for the resume
+        assert json.loads(cellfeed(world, "status", RUN, "--modal", "--json").stdout)["state"] == "stopped"
+        code, out, err = finish(modal_run(world, shlex.split(stopped[2])[3:]))
+        assert code == 0, err[-3000:]
+        assert out.strip().splitlines()[-1].startswith("complete: 3 epochs, ")
+        held_out = set(np.flatnonzero(np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) == "plate14").tolist())
+        train_cells = Counter(c for c in range(atlas.n_cells) if c not in held_out)
+        assert [trained_cells(world).get(e) for e in (0, 1, 2)] == [train_cells] * 3
+        # the Dict is gone with the campaign; its last status stayed on the Volume
+        after = json.loads(cellfeed(world, "status", RUN, "--modal", "--json").stdout)
+        assert after["state"] == "complete" and after["cells_per_epoch"] == 1344
+        assert {
+            e["event"] for e in map(json.loads, (world.volume_dir / RUN / "events.jsonl").read_text().split("\n")[:-1])
+        } >= {"started", "stop asked", "stopped", "resumed", "complete"}

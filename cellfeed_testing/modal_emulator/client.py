@@ -392,6 +392,21 @@ class Volume:
         shutil.rmtree(target) if target.is_dir() else target.unlink()
 
 
+    def read_file(self, path: str):
+        """S26: the file's bytes, as a generator (modal's `read_file` is an async generator, wrapped
+        sync: nothing happens until it is first advanced); a missing file is `FileNotFoundError`
+        (the client's mapping of NOT_FOUND)."""
+        import modal.exception
+
+        root = _volume_folder().resolve()
+        target = (root / path.lstrip("/")).resolve()
+        if root not in target.parents:
+            raise modal.exception.InvalidError(f"{path!r}: the emulator reads paths inside the Volume only")
+        if not target.is_file():
+            raise FileNotFoundError(f"{path} not found in Volume {self.name}")
+        yield target.read_bytes()
+
+
 def _volume_folder():
     """The emulator's Volume folder (S19, S23), as its containers and the test's processes see it."""
     from pathlib import Path
