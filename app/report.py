@@ -134,8 +134,8 @@ def write_report(folder: Path, out: Path) -> int:
         ),
         _lines("throughput", "cells/s", {"cells/s (all ranks)": values.get("train/cells_per_s", [])}),
         _lines("data wait per rank", "ms waiting for the batch", pick("data_wait_ms/")),
-        _lines("queue depth", "items / tasks", pick("queue/")),
-        _lines("producer throughput", "cells/s while busy", pick("producers/")),
+        _lines("queue depth (and cells decoded in the ranks' buffers)", "items / tasks / cells", pick("queue/")),
+        _lines("producer throughput", "cells made per second", pick("producers/")),
         _timeline(events),
         _audits(state.get("audits", []), state.get("cells_per_epoch", 0)),
     ]

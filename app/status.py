@@ -150,21 +150,29 @@ def snapshot(
 
 class CampaignScalars:
     """What only the campaign's monitor sees, in TensorBoard beside the trainer's scalars (the same
-    folder: one run there): queue depths and each producer's rate, at the trainer's step."""
+    folder: one run there), at the trainer's step: queue depths, and each producer's throughput
+    since the last snapshot (cells it made per second of wall time, idle time included)."""
 
     def __init__(self, tb_dir: str | os.PathLike):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(tb_dir), filename_suffix=".campaign")
+        self.before: dict[str, tuple[float, int]] = {}  # producer -> (when, cells) at the last snapshot
 
     def add(self, snap: dict) -> None:
         step = snap["step"]
         self.writer.add_scalar("queue/tasks", snap["queue"]["tasks"], step)
         for r, depth in enumerate(snap["queue"]["ranks"]):
             self.writer.add_scalar(f"queue/rank{r}_items", depth, step)
+        if snap["ready_cells"] is not None:
+            self.writer.add_scalar("queue/cells_ready_in_ranks", snap["ready_cells"], step)
         for p in snap["producers"]:
-            if p["busy_s"]:
-                self.writer.add_scalar(f"producers/{p['name']}_cells_per_s", p["cells"] / p["busy_s"], step)
+            when, cells = self.before.get(p["name"], (None, 0))
+            if when is not None and snap["updated"] > when and p["cells"] >= cells:  # (a restart starts from 0)
+                self.writer.add_scalar(
+                    f"producers/{p['name']}_cells_per_s", (p["cells"] - cells) / (snap["updated"] - when), step
+                )
+            self.before[p["name"]] = (snap["updated"], p["cells"])
         self.writer.flush()
 
     def close(self) -> None:

@@ -119,7 +119,10 @@ def _align_genes(sources: list[_Source]) -> None:
 def _choose_value_type(sources: list[_Source], chunk_rows: int, allow_negative: bool, progress: bool) -> pa.DataType:
     integral, vmax = True, 0.0
     total = sum(s.n_obs for s in sources)
-    with tqdm(total=len(sources), desc="check values", unit="file", disable=not progress or total < 1) as bar:
+    # disable=None: a bar on a terminal only, quiet in logs (tqdm's own test)
+    with tqdm(
+        total=len(sources), desc="check values", unit="file", disable=None if progress and total >= 1 else True
+    ) as bar:
         for src in sources:
             for values, where in src.data_chunks(chunk_rows):
                 if values.size == 0:
@@ -213,7 +216,10 @@ def convert(
         settings=settings,
     )
     np_type = value_type.to_pandas_dtype()
-    with writer, tqdm(total=total, desc="convert", unit="cell", unit_scale=True, disable=not progress) as bar:
+    with (
+        writer,
+        tqdm(total=total, desc="convert", unit="cell", unit_scale=True, disable=None if progress else True) as bar,
+    ):
         offset = 0
         for src in sources:
             for start in range(0, src.n_obs, chunk_cells):

@@ -45,7 +45,14 @@ def normalized_values(ds: Dataset, chunk_rows: int = CHUNK_ROWS, progress: bool 
     starts = ds.cell_row_start
     bounds = np.searchsorted(starts, np.arange(0, ds.n_rows, chunk_rows), side="right") - 1
     bounds = np.unique(np.r_[bounds, ds.n_cells])  # cell boundaries near every chunk_rows rows
-    with tqdm(total=ds.n_rows, desc=desc, unit="row", unit_scale=True, disable=not progress) as bar:
+    # disable=None: a bar on a terminal only, quiet in logs (tqdm's own test)
+    with tqdm(
+        total=ds.n_rows,
+        desc=desc,
+        unit="row",
+        unit_scale=True,
+        disable=None if progress else True,
+    ) as bar:
         for c0, c1 in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             block = ds.read_rows(int(starts[c0]), int(starts[c1]))
             counts = np.diff(starts[c0 : c1 + 1])

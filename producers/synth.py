@@ -245,7 +245,11 @@ def synthesize(
         overwrite=overwrite,
         settings=settings,
     )
-    with writer, tqdm(total=spec.n_cells, unit="cell", unit_scale=True, desc="synth", disable=not progress) as bar:
+    # disable=None: a bar on a terminal only, quiet in logs (tqdm's own test)
+    with (
+        writer,
+        tqdm(total=spec.n_cells, unit="cell", unit_scale=True, desc="synth", disable=None if progress else True) as bar,
+    ):
         for obs, indptr, genes, values in iter_chunks(spec):
             writer.append(obs, indptr, genes, values)
             bar.update(obs.num_rows)

@@ -391,7 +391,6 @@ class Volume:
             raise modal.exception.InvalidError(f"{path} is a directory: pass recursive=True to remove it")
         shutil.rmtree(target) if target.is_dir() else target.unlink()
 
-
     def read_file(self, path: str):
         """S26: the file's bytes, as a generator (modal's `read_file` is an async generator, wrapped
         sync: nothing happens until it is first advanced); a missing file is `FileNotFoundError`

@@ -1,0 +1,129 @@
+"""Operating a local campaign as a user does, from another terminal: `cellfeed status` while it runs,
+`cellfeed stop`, the resume, `cellfeed status` and `cellfeed report` after; TensorBoard's own reader
+on the run's event files; the report opened in a real headless browser (Debian's chromium, where
+installed). (The same status and stop against a Modal campaign: tests/test_modal_campaign.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+CELLS = 1000
+
+
+def cellfeed(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def cells_by_epoch(folder: Path, before: int | None = None) -> dict[int, Counter]:
+    out: dict[int, Counter] = {}
+    for log in folder.glob("cells.rank*.jsonl"):
+        for row in map(json.loads, log.read_text().splitlines()):
+            if before is None or row["step"] < before:
+                out.setdefault(row["epoch"], Counter()).update(row["cells"])
+    return out
+
+
+def test_status_stop_resume_report_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert cellfeed("synth", str(tmp_path / "ds"), "--cells", str(CELLS), "--genes", "2000", "--quiet").returncode == 0
+    flags = ["--dataset", str(tmp_path / "ds"), "--producers", "2", "--gpus", "2", "--epochs", "3", "--batch-size",
+             "4", "--max-genes", "24", "--checkpoint-every", "10", "--workdir", str(tmp_path / "w"), "--run", "r1",
+             "--audit-cells", "--quiet"]  # fmt: skip
+    run = tmp_path / "w" / "r1"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "local", *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        # the event: a status published after the fifth step (the monitor writes one every 2 s)
+        def status() -> dict | None:
+            out = cellfeed("status", "r1", "--workdir", str(tmp_path / "w"), "--json", timeout=60)
+            return json.loads(out.stdout) if out.returncode == 0 else None
+
+        snap = wait_for(lambda: (s := status()) and s["step"] >= 5 and s, "a status past step 5", timeout=300)
+        assert proc.poll() is None, "the run ended before the stop"
+        assert snap["state"] == "running" and snap["epochs"] == 3 and snap["cells_per_epoch"] == CELLS
+        assert len(snap["wait_ms_ranks"]) == 2 and len(snap["producers"]) == 2 and snap["eta_s"] > 0
+        text = cellfeed("status", "r1", "--workdir", str(tmp_path / "w"))
+        assert text.stdout.startswith("run r1: running") and "data wait per rank" in text.stdout, text.stdout
+        stop = cellfeed("stop", "r1", "--workdir", str(tmp_path / "w"))
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
+    last = out.strip().splitlines()[-1]
+    stopped = re.match(r"stopped at step (\d+) as asked: .*; checkpoint at step \1; resume: (cellfeed local .*)", last)
+    assert stopped, last
+    assert f"run r1 stopped at step {stopped[1]}" in stop.stdout
+    step = int(stopped[1])
+    first = cells_by_epoch(run, before=step)  # (steps past the checkpoint are trained again by the resume)
+    resumed = cellfeed("local", *flags, "--resume", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"checkpoint at step {step:,}" in resumed.stdout
+    assert resumed.stdout.strip().splitlines()[-1].startswith("complete: 3 epochs, 3,000 cells")
+    second = cells_by_epoch(run)
+    assert [first.get(e, Counter()) + second.get(e, Counter()) for e in range(3)] == [Counter(range(CELLS))] * 3
+
+    after = json.loads(cellfeed("status", "r1", "--workdir", str(tmp_path / "w"), "--json").stdout)
+    assert after["state"] == "complete" and [a["cells"] for a in after["audits"]][-1] == CELLS
+    events = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
+    assert events == ["started", "stop asked", "stopped", "resumed", "complete"]
+
+    scalars: dict[str, list] = {}  # TensorBoard's own reader, over every event file of the run
+    for path in (run / "tb").glob("events.out.tfevents*"):
+        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend(e.step for e in acc.Scalars(tag))
+    total = after["step"]
+    for tag in ("train/loss", "train/cells_per_s", "data_wait_ms/rank0", "data_wait_ms/rank1"):
+        assert set(scalars[tag]) == set(range(1, total + 1)), tag  # one value per step (resumed steps again)
+    assert {"queue/tasks", "queue/rank0_items", "audit/cells"} <= set(scalars)
+
+    report = tmp_path / "report.html"
+    made = cellfeed("report", "r1", "--workdir", str(tmp_path / "w"), "--out", str(report))
+    assert made.returncode == 0, made.stderr[-2000:]
+    page = report.read_text()
+    assert page.count("<svg") == 7 and "http://" not in page.split("<svg")[0] and "<script src" not in page
+    assert "Cost at Modal" in page and "$" in page
+    rendered(report, tmp_path / "report.png")
+
+
+def rendered(page: Path, screenshot: Path) -> None:
+    """Open the page in headless chromium: it loads without errors, every plot has a laid-out size,
+    and a screenshot is taken. Skips, saying why, where chromium is not installed."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("chromium is not installed (`apt-get install chromium`, as .ci/run does): the report's render")
+    probe = page.with_name("probe.html")  # the page plus a script that measures each plot once it has loaded
+    probe.write_text(
+        page.read_text().replace(
+            "</body>",
+            "<script>window.onerror=()=>document.title='ERROR';addEventListener('load',()=>{const s=[...document."
+            "querySelectorAll('figure.plot > svg')].map(e=>e.getBoundingClientRect());document.body.dataset.plots="
+            "s.filter(r=>r.width>100&&r.height>50).length})</script></body>",
+        )
+    )
+    common = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1100,4000"]
+    dom = subprocess.run([*common, "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert 'data-plots="7"' in dom.stdout and "<title>ERROR" not in dom.stdout, dom.stdout[:500]
+    shot = subprocess.run([*common, f"--screenshot={screenshot}", page.as_uri()], capture_output=True, timeout=120)
+    assert shot.returncode == 0 and screenshot.stat().st_size > 10_000
