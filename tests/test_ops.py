@@ -40,7 +40,7 @@ def test_status_stop_resume_report_and_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     assert cellfeed("synth", str(tmp_path / "ds"), "--cells", str(CELLS), "--genes", "2000", "--quiet").returncode == 0
-    flags = ["--dataset", str(tmp_path / "ds"), "--producers", "2", "--gpus", "2", "--epochs", "3", "--batch-size",
+    flags = ["--dataset", str(tmp_path / "ds"), "--producers", "2", "--gpus", "2", "--epochs", "4", "--batch-size",
              "4", "--max-genes", "24", "--checkpoint-every", "10", "--workdir", str(tmp_path / "w"), "--run", "r1",
              "--audit-cells", "--quiet"]  # fmt: skip
     run = tmp_path / "w" / "r1"
@@ -49,18 +49,19 @@ def test_status_stop_resume_report_and_tensorboard(tmp_path):
         text=True,
     )  # fmt: skip
     try:
-        # the event: a status published after the fifth step (the monitor writes one every 2 s)
-        def status() -> dict | None:
-            out = cellfeed("status", "r1", "--workdir", str(tmp_path / "w"), "--json", timeout=60)
-            return json.loads(out.stdout) if out.returncode == 0 else None
+        # the event: a status published after a step (the monitor writes one every 2 s); then at once the stop,
+        # which the monitor sees at its next look (4 epochs of 250 steps: the run is still in epoch 0 or 1)
+        def status(*json_flag: str) -> subprocess.CompletedProcess:
+            return cellfeed("status", "r1", "--workdir", str(tmp_path / "w"), *json_flag, timeout=60)
 
-        snap = wait_for(lambda: (s := status()) and s["step"] >= 5 and s, "a status past step 5", timeout=300)
-        assert proc.poll() is None, "the run ended before the stop"
-        assert snap["state"] == "running" and snap["epochs"] == 3 and snap["cells_per_epoch"] == CELLS
-        assert len(snap["wait_ms_ranks"]) == 2 and len(snap["producers"]) == 2 and snap["eta_s"] > 0
-        text = cellfeed("status", "r1", "--workdir", str(tmp_path / "w"))
-        assert text.stdout.startswith("run r1: running") and "data wait per rank" in text.stdout, text.stdout
+        snap = wait_for(
+            lambda: (s := status("--json")).returncode == 0 and (j := json.loads(s.stdout))["step"] >= 1 and j,
+            "a status past step 1",
+            timeout=300,
+        )
         stop = cellfeed("stop", "r1", "--workdir", str(tmp_path / "w"))
+        assert snap["state"] == "running" and snap["epochs"] == 4 and snap["cells_per_epoch"] == CELLS
+        assert len(snap["wait_ms_ranks"]) == 2 and len(snap["producers"]) == 2 and snap["eta_s"] > 0
         assert stop.returncode == 0, stop.stdout + stop.stderr
         out, err = proc.communicate(timeout=120)
     finally:
@@ -72,14 +73,16 @@ def test_status_stop_resume_report_and_tensorboard(tmp_path):
     stopped = re.match(r"stopped at step (\d+) as asked: .*; checkpoint at step \1; resume: (cellfeed local .*)", last)
     assert stopped, last
     assert f"run r1 stopped at step {stopped[1]}" in stop.stdout
+    text = status().stdout
+    assert text.startswith("run r1: stopped") and "data wait per rank" in text and "resume: cellfeed local" in text
     step = int(stopped[1])
     first = cells_by_epoch(run, before=step)  # (steps past the checkpoint are trained again by the resume)
     resumed = cellfeed("local", *flags, "--resume", timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"checkpoint at step {step:,}" in resumed.stdout
-    assert resumed.stdout.strip().splitlines()[-1].startswith("complete: 3 epochs, 3,000 cells")
+    assert resumed.stdout.strip().splitlines()[-1].startswith("complete: 4 epochs, 4,000 cells")
     second = cells_by_epoch(run)
-    assert [first.get(e, Counter()) + second.get(e, Counter()) for e in range(3)] == [Counter(range(CELLS))] * 3
+    assert [first.get(e, Counter()) + second.get(e, Counter()) for e in range(4)] == [Counter(range(CELLS))] * 4
 
     after = json.loads(cellfeed("status", "r1", "--workdir", str(tmp_path / "w"), "--json").stdout)
     assert after["state"] == "complete" and [a["cells"] for a in after["audits"]][-1] == CELLS
