@@ -165,7 +165,7 @@ def cmd_local(args) -> int:
     from pathlib import Path
 
     from app.config import CampaignConfig
-    from app.local import default_dataset, describe_resume, place_checkpoints, run_local
+    from app.local import check_wandb, default_dataset, describe_resume, place_checkpoints, run_local
     from app.status import print_summary
     from coordination.audit import verdict
     from producers.tokenizers import layout
@@ -182,9 +182,11 @@ def cmd_local(args) -> int:
     place_checkpoints(cfg, workdir)
     if cfg.resume:  # nothing to resume: say so before any work (synthesizing a dataset included)
         describe_resume(cfg)
+    if args.wandb:  # (likewise)
+        check_wandb()
     if synthesized:
         cfg.dataset = default_dataset(workdir, args.cells, args.seed)
-    summary = run_local(cfg, workdir, quiet=args.quiet, audit_cells=args.audit_cells)
+    summary = run_local(cfg, workdir, quiet=args.quiet, audit_cells=args.audit_cells, wandb=args.wandb)
     if summary.get("already_complete"):
         print(summary["already_complete"])
         return 0
@@ -372,6 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--audit-cells",
         action="store_true",
         help="write each rank's trained cell ids per step to WORKDIR/RUN/cells.rank<r>.jsonl",
+    )
+    p.add_argument(
+        "--wandb",
+        metavar="PROJECT",
+        help="also log the trainer's scalars to this W&B project (needs `pip install wandb` and WANDB_API_KEY, "
+        "`wandb login`, or WANDB_MODE=offline); TensorBoard files are written either way",
     )
     p.add_argument("--quiet", action="store_true", help="no live status line")
     p.set_defaults(func=cmd_local)

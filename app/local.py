@@ -49,11 +49,17 @@ def default_dataset(workdir: Path, cells: int, seed: int) -> str:
 
 
 def run_local(
-    cfg: CampaignConfig, workdir: str | Path = "runs", quiet: bool = False, audit_cells: bool = False
+    cfg: CampaignConfig,
+    workdir: str | Path = "runs",
+    quiet: bool = False,
+    audit_cells: bool = False,
+    wandb: str | None = None,
 ) -> dict:
     """Run a whole campaign locally; returns the trainer's summary (rank 0). With `audit_cells`,
     each rank writes the cell ids of every step to WORKDIR/RUN/cells.rank<r>.jsonl."""
     cfg.validate()
+    if wandb:
+        check_wandb()
     most = max(MIN_LOCAL_RANKS, 2 * (os.cpu_count() or 1))
     if cfg.gpus > most:
         raise CellfeedError(
@@ -74,14 +80,14 @@ def run_local(
         ) from None
     ranks = []
     try:
-        return _run(cfg, workdir, quiet, audit_cells, ranks)
+        return _run(cfg, workdir, quiet, audit_cells, ranks, wandb)
     except BaseException:
         if fresh and not ranks:  # never started training: nothing of it to keep
             shutil.rmtree(workdir, ignore_errors=True)
         raise
 
 
-def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ranks: list) -> dict:
+def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ranks: list, wandb: str | None) -> dict:
     """`run_local`'s campaign in its run folder; `ranks` is filled as they start."""
     latest = checkpoint.latest(cfg.run_checkpoint_dir) if cfg.resume else None
     cfg.mixtures = record_mixtures(cfg, workdir, latest.epoch if latest else None)
@@ -135,7 +141,7 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
         fleet = ProducerFleet(config_path, server.where, cfg.producers, workdir)
         if not cfg.resume:  # (a resume appends: the report shows the whole campaign)
             steps.unlink(missing_ok=True)
-        changes = dict(log_path=str(steps), progress_bar=False, tb_dir=str(workdir / "tb"))
+        changes = dict(log_path=str(steps), progress_bar=False, tb_dir=str(workdir / "tb"), wandb_project=wandb)
         if audit_cells:
             for old in workdir.glob("cells.rank*.jsonl"):
                 old.unlink()
@@ -210,6 +216,22 @@ def slow_step_note(cfg: CampaignConfig, snap: dict) -> str | None:
         f"{cfg.genes_per_cell:,} genes a cell, batches of {cfg.batch_size}): about {hours:.1f} h to go. "
         "CPU ranks suit --preset tiny with a short --max-genes (e.g. 64); a GPU runs the rest (modal run)"
     )
+
+
+def check_wandb() -> None:
+    """--wandb: the package is here and W&B can be reached (a key) or is not needed (offline)."""
+    import importlib.util
+    import netrc
+    import os
+
+    if importlib.util.find_spec("wandb") is None:
+        raise CellfeedError("--wandb: wandb is not installed: `pip install wandb`, or leave out --wandb")
+    try:
+        logged_in = bool(netrc.netrc().authenticators("api.wandb.ai"))
+    except (OSError, netrc.NetrcParseError):
+        logged_in = False
+    if not (os.environ.get("WANDB_API_KEY") or logged_in or os.environ.get("WANDB_MODE") in ("offline", "disabled")):
+        raise CellfeedError("--wandb: no W&B key: set WANDB_API_KEY, run `wandb login`, or set WANDB_MODE=offline")
 
 
 def place_checkpoints(cfg: CampaignConfig, workdir: str | Path) -> None:

@@ -40,6 +40,9 @@ class TrainConfig:
     lease_s: float = LEASE_S  # rank 0's driver issues a unit again after its producer is silent this long
     log_path: str | None = None  # JSON lines, one per step (rank 0)
     tb_dir: str | None = None  # TensorBoard event files (rank 0): loss, lr, cells/s, data wait per rank, MFU, audits
+    wandb_project: str | None = (
+        None  # the same scalars to W&B too (rank 0; `cellfeed local --wandb`), run files in tb_dir/..
+    )
     cells_log: str | None = None  # per rank, JSON lines of the cell ids each step trained on (tests, audits)
     no_data_timeout_s: float = 600.0
     eval_every: int | None = None  # masked-bin accuracy on the held-out set every N steps (rank 0)

@@ -10,6 +10,7 @@ SXM 989.4 TFLOP/s, A100 312 TFLOP/s (NVIDIA's dense, no-sparsity figures). None 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ class Tracker:
         bar: bool = True,
         first_step: int = 0,
         tb_dir: str | None = None,
+        wandb_project: str | None = None,
+        run: str = "",
     ):
         self.rank, self.peak = rank, peak
         self.rows: list[dict] = []
@@ -72,6 +75,12 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(tb_dir, filename_suffix=".trainer")
+        self.wandb = None
+        if wandb_project and rank == 0:  # (checked installed, with a key or offline, before the run started)
+            import wandb
+
+            folder = os.path.dirname(os.path.abspath(tb_dir or log_path or "."))
+            self.wandb = wandb.init(project=wandb_project, name=run or None, dir=folder, resume="allow")
         self.bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step", disable=rank != 0 or not bar)
 
     def record(self, m: StepMetrics) -> dict:
@@ -105,14 +114,20 @@ class Tracker:
         if self.log:
             self.log.write(json.dumps(row) + "\n")
             self.log.flush()
-        if self.tb:
-            for key in ("loss", "accuracy", "lr", "grad_norm", "step_s", "wait_ms", "cells_per_s", "tokens_per_s"):
-                self.tb.add_scalar(f"train/{key}", row[key], m.step)
-            for r, wait in enumerate(row["wait_ms_ranks"]):
-                self.tb.add_scalar(f"data_wait_ms/rank{r}", wait, m.step)
-            self.tb.add_scalar("train/ready_cells", row["ready_cells"], m.step)
-            if row["mfu"] is not None:
-                self.tb.add_scalar("train/mfu", row["mfu"], m.step)
+        keys = (
+            "loss",
+            "accuracy",
+            "lr",
+            "grad_norm",
+            "step_s",
+            "wait_ms",
+            "cells_per_s",
+            "tokens_per_s",
+            "ready_cells",
+        )
+        scalars = {f"train/{k}": row[k] for k in keys + (("mfu",) if row["mfu"] is not None else ())}
+        scalars.update({f"data_wait_ms/rank{r}": wait for r, wait in enumerate(row["wait_ms_ranks"])})
+        self._scalars(scalars, m.step)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{m.loss:.3f}", cells_s=f"{row['cells_per_s']:,.0f}", wait_ms=row["wait_ms"])
         return row
@@ -123,9 +138,7 @@ class Tracker:
         if self.log:
             self.log.write(json.dumps({"step": step, **values}) + "\n")
             self.log.flush()
-        if self.tb:
-            for k, v in values.items():
-                self.tb.add_scalar(f"eval/{k}", v, step)
+        self._scalars({f"eval/{k}": v for k, v in values.items()}, step)
         if self.rank == 0:
             self.bar.write(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in values.items()))
 
@@ -134,10 +147,21 @@ class Tracker:
         if self.log:
             self.log.write(json.dumps({"step": step, "audit": audit}) + "\n")
             self.log.flush()
-        if self.tb:
+        if self.tb:  # (by epoch: W&B's steps only go forward, so its audits are in the run's summary)
             for k in ("cells", "missing", "duplicated"):  # (an epoch that could not be audited has cells only)
                 if k in audit:
                     self.tb.add_scalar(f"audit/{k}", audit[k], audit["epoch"])
+        if self.wandb:
+            self.wandb.summary[f"audit/epoch{audit['epoch']}"] = audit.get("line", "")
+
+    def _scalars(self, values: dict, step: int) -> None:
+        """One step's scalars to TensorBoard and W&B (rank 0). W&B ignores a step below its last
+        (a resumed run's steps trained again): TensorBoard keeps them."""
+        if self.tb:
+            for tag, value in values.items():
+                self.tb.add_scalar(tag, value, step)
+        if self.wandb:
+            self.wandb.log(values, step=step)
 
     def finish(self) -> dict:
         self.bar.close()
@@ -145,6 +169,8 @@ class Tracker:
             self.log.close()
         if self.tb:
             self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
         rows = self.rows[WARMUP_STEPS:] if len(self.rows) > 2 * WARMUP_STEPS else self.rows
         if not rows:
             return {"steps": 0}

@@ -117,7 +117,15 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     )
     cells_log = open(f"{cfg.cells_log}.rank{rank}.jsonl", "a") if cfg.cells_log else None
     tracker = Tracker(
-        rank, cfg.log_path, total_steps, peak_flops(device), cfg.progress_bar, first_step=step, tb_dir=cfg.tb_dir
+        rank,
+        cfg.log_path,
+        total_steps,
+        peak_flops(device),
+        cfg.progress_bar,
+        first_step=step,
+        tb_dir=cfg.tb_dir,
+        wandb_project=cfg.wandb_project,
+        run=cfg.run,
     )
     if rank == 0:
         print(
