@@ -387,6 +387,10 @@ def test_status_and_stop_from_the_laptop_then_the_printed_command_resumes_exactl
         # the Dict is gone with the campaign; its last status stayed on the Volume
         after = json.loads(cellfeed(world, "status", RUN, "--modal", "--json").stdout)
         assert after["state"] == "complete" and after["cells_per_epoch"] == 1344
+        # the report from the Volume's copy of the run (`modal volume get cellfeed-checkpoints emu ...`)
+        page = tmp_path / "report.html"
+        made = cellfeed(world, "report", RUN, "--workdir", str(world.volume_dir), "--out", str(page))
+        assert made.returncode == 0 and page.read_text().count("<svg") == 7, made.stderr[-2000:]
         assert {
             e["event"] for e in map(json.loads, (world.volume_dir / RUN / "events.jsonl").read_text().split("\n")[:-1])
         } >= {"started", "stop asked", "stopped", "resumed", "complete"}
