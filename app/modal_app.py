@@ -367,7 +367,11 @@ def main(**flags) -> dict:
             summary = result(modal.FunctionCall.from_id(summary["continued_as"]), cfg.modal_retry_s)
     except (Exception, KeyboardInterrupt) as exc:  # one line, and the command that continues the campaign
         if isinstance(exc, KeyboardInterrupt):  # (this process only: with --detach the campaign goes on)
-            print("interrupted: the campaign's calls go on in Modal unless you stop the app", file=sys.stderr)
+            print(
+                f"interrupted: the campaign's calls go on in Modal; `cellfeed status {cfg.run} --modal` shows it, "
+                f"`cellfeed stop {cfg.run} --modal` stops it with a checkpoint",
+                file=sys.stderr,
+            )
         elif isinstance(exc, ModalUnreachable):  # this laptop lost Modal: a train call may still be running there
             print(
                 f"cellfeed: error: {exc}. A train call already started may still be running in Modal: look at "

@@ -64,6 +64,8 @@ class Monitor:
         """The campaign's last snapshot and event (`state`: complete, stopped, failed, interrupted, incomplete)."""
         try:
             snap = self.snapshot(state, codes)
+            for p in snap["producers"]:  # (they stop with the campaign, now)
+                p["state"] = f"stopped with the campaign, {p['cells']:,} cells made"
             self.journal.write_state(
                 {**snap, "resume": self.resume if state != "complete" else "", **extra}, final=True
             )

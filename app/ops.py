@@ -85,14 +85,14 @@ def describe(snap: dict) -> str:
         lines.append(f"  {epochs} of {epochs} epochs trained, {snap['cells_per_epoch']:,} cells each")
     else:
         lines.append(
-            f"  epoch {epoch} of {epochs} (from 0): {snap['epoch_cells_trained']:,} of {snap['cells_per_epoch']:,} "
+            f"  epoch {epoch} (of 0-{epochs - 1}): {snap['epoch_cells_trained']:,} of {snap['cells_per_epoch']:,} "
             f"cells trained; step {snap['step']:,} of {snap['total_steps']:,}"
             + (f", loss {snap['loss']:.3f}" if snap["loss"] is not None else "")
         )
     if snap["cells_per_s"] is not None:
         waits = ", ".join(f"r{r} {w:.0f} ms" for r, w in enumerate(snap["wait_ms_ranks"] or []))
         lines.append(f"  {snap['cells_per_s']:,.0f} cells/s; data wait per rank at the last step: {waits}")
-    alive = [p for p in snap["producers"] if not p["state"].startswith(("done", "failed"))]
+    alive = [p for p in snap["producers"] if not p["state"].startswith(("done", "failed", "stopped"))]
     lines.append(
         f"  producers: {len(alive)} of {len(snap['producers'])} alive: "
         + ", ".join(f"{p['name']} {p['state']}" for p in snap["producers"])

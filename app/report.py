@@ -51,7 +51,7 @@ def _lines(title: str, ylabel: str, series: dict[str, list[tuple[int, float]]], 
     for label, points in series.items():
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, label=label, linewidth=1.2)
+            ax.plot(xs, ys, label=label, linewidth=1.2, marker="." if len(xs) < 60 else None)  # (sparse: its points)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     if not any(series.values()):
         ax.text(0.5, 0.5, "no data recorded", ha="center", va="center", transform=ax.transAxes)
