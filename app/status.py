@@ -167,8 +167,8 @@ class CampaignScalars:
         if snap["ready_cells"] is not None:
             self.writer.add_scalar("queue/cells_ready_in_ranks", snap["ready_cells"], step)
         for p in snap["producers"]:
-            when, cells = self.before.get(p["name"], (snap["started"], 0))  # (the first: since the monitor began)
-            if snap["updated"] > when and p["cells"] >= cells:  # (a restart starts from 0)
+            when, cells = self.before.get(p["name"], (None, 0))  # (the first snapshot is the baseline)
+            if when is not None and snap["updated"] > when and p["cells"] >= cells:  # (a restart starts from 0)
                 self.writer.add_scalar(
                     f"producers/{p['name']}_cells_per_s", (p["cells"] - cells) / (snap["updated"] - when), step
                 )
