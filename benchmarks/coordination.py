@@ -9,7 +9,8 @@ them and count cells from item headers (no decompression). Plans are real: the b
 its first units (a whole Tahoe epoch is ~100k units, ~25 minutes at 64k cells/s).
 
 Reports: delivered cells/s against the producers' total capacity (efficiency), coordination calls
-per 1,000 cells by kind (item puts/gets apart), driver pass time, time from a producer's death to
+per 1,000 cells by kind (item puts/gets apart), the driver's CPU seconds per 1M cells, the same
+three for 64 ranks (8 nodes x 8 GPUs: `*_64_ranks`), driver pass time, time from a producer's death to
 its unit's re-issue, the gap between epochs, time to the first batch, and the setup and producer
 start-up seconds / peak RSS at 100M cells (each in a fresh process).
 
@@ -93,9 +94,10 @@ NO_ROWS = SimpleNamespace(gene=np.empty(0, np.uint32), value=np.empty(0, np.floa
 class SimulatedProducer(Producer):
     """The real producer loop; the data work is a sleep at `rate` cells/s and real-size items."""
 
-    def __init__(self, queue, store, name: str, rate: float, plans: dict, payload: bytes, **config):
+    def __init__(self, queue, store, name: str, rate: float, plans: dict, payload: bytes, world: int = 0, **config):
         # reads are instant here, so one unit ahead is enough (the real producer sizes it from its reads)
-        self.config = ProducerConfig(dataset="-", run=RUN, world_size=WORLD, sampling=SAMPLING, read_ahead=1, **config)
+        world = world or WORLD
+        self.config = ProducerConfig(dataset="-", run=RUN, world_size=world, sampling=SAMPLING, read_ahead=1, **config)
         self.queue, self.store, self.name = queue, store, name
         self.rate, self.plans, self.payload = rate, plans, payload
         self.stats = ProducerStats()
@@ -120,16 +122,17 @@ class SimulatedProducer(Producer):
             fake_item(epoch, unit_id, s, n_items, min(CELLS_PER_ITEM, cells - s * CELLS_PER_ITEM), self.payload)
             for s in range(n_items)
         ]
-        self.hand_off(items, rank_partition(unit_rank(unit_id, WORLD)))
+        self.hand_off(items, rank_partition(unit_rank(unit_id, self.config.world_size)))
         self.stats.cells += cells
         self.stats.units += 1
 
 
-def window_summary(plan: EpochPlan, n_units: int) -> PlanSummary:
-    """The summary of the epoch's first `n_units` units (the simulated window)."""
+def window_summary(plan: EpochPlan, n_units: int, world: int = 0) -> PlanSummary:
+    """The summary of the epoch's first `n_units` units (the simulated window) for `world` ranks."""
+    world = world or WORLD
     counts = plan.unit_cell_counts[:n_units]
-    per_rank = np.bincount(np.arange(n_units) % WORLD, weights=counts, minlength=WORLD).astype(np.int64)
-    return PlanSummary(plan.epoch, plan.plan_id, n_units, int(counts.sum()), WORLD, per_rank.tolist())
+    per_rank = np.bincount(np.arange(n_units) % world, weights=counts, minlength=world).astype(np.int64)
+    return PlanSummary(plan.epoch, plan.plan_id, n_units, int(counts.sum()), world, per_rank.tolist())
 
 
 def consume(queue, rank: int, summaries: dict, log: dict, stop: threading.Event) -> None:
@@ -165,11 +168,14 @@ def simulate(
     plans: dict,
     lease_s: float = LEASE_S,
     kill_after_s: float = 5.0,
+    world: int = 0,
 ) -> dict:
+    """One simulated campaign; `world` ranks (default WORLD) pop their partitions."""
+    world = world or WORLD
     queue, store = MemoryQueue(), MemoryMap()
     kind = lambda p: ".tasks" if p == TASKS_PARTITION else ".items" if (p or "").startswith("rank-") else ""  # noqa: E731
     queue, store, counts = with_latency(queue, store, latency_ms, jitter_ms, partition_kind=kind)
-    summaries = {e: window_summary(plans[e], units) for e in range(epochs)}
+    summaries = {e: window_summary(plans[e], units, world) for e in range(epochs)}
     for s in summaries.values():
         publish_summary(store, RUN, s)
     payload = os.urandom(CELLS_PER_ITEM * BYTES_PER_CELL)
@@ -177,17 +183,31 @@ def simulate(
     log = {"first": defaultdict(list), "last": defaultdict(list), "cells": []}
     stop = threading.Event()
     started = time.monotonic()
-    driver = Driver(queue, store, RUN, lease_s=lease_s)
-    driver.start(list(range(epochs)))
+    driver, driver_cpu = Driver(queue, store, RUN, lease_s=lease_s, world_size=world), []
+
+    def drive():  # (`Driver.start`'s thread, with its CPU time measured: what one driver costs per cell)
+        cpu = time.thread_time()
+        driver.run_epochs(list(range(epochs)))
+        driver_cpu.append(time.thread_time() - cpu)
+
+    threading.Thread(target=drive, daemon=True, name="cellfeed-driver").start()
     sims = [
         SimulatedProducer(
-            queue, store, f"p{i}", rate, plans, payload, idle_timeout_s=3600, heartbeat_s=heartbeat_interval(lease_s)
+            queue,
+            store,
+            f"p{i}",
+            rate,
+            plans,
+            payload,
+            world,
+            idle_timeout_s=3600,
+            heartbeat_s=heartbeat_interval(lease_s),
         )
         for i in range(producers)
     ]
     threads = [threading.Thread(target=p.run, daemon=True) for p in sims]
     consumers = [
-        threading.Thread(target=consume, args=(queue, r, summaries, log, stop), daemon=True) for r in range(WORLD)
+        threading.Thread(target=consume, args=(queue, r, summaries, log, stop), daemon=True) for r in range(world)
     ]
     for t in threads + consumers:
         t.start()
@@ -201,6 +221,9 @@ def simulate(
     elapsed = time.monotonic() - started
     stop.set()
     driver.stop()
+    deadline = time.monotonic() + 10
+    while not driver_cpu and time.monotonic() < deadline:  # (its thread ends within a pass)
+        time.sleep(0.05)
     from coordination.routing import stop_key
 
     store.inner.put(stop_key(RUN), "stop")
@@ -215,7 +238,7 @@ def simulate(
     gaps = [
         min(log["first"][e + 1]) - max(log["last"][e])
         for e in range(epochs - 1)
-        if log["first"].get(e + 1) and len(log["last"].get(e, [])) == WORLD
+        if log["first"].get(e + 1) and len(log["last"].get(e, [])) == sum(1 for c in summaries[e].cells_per_rank if c)
     ]
     return {
         "finished": cells >= expected,
@@ -236,6 +259,8 @@ def simulate(
             else None
         ),
         "reissued": driver.stats.reissued,
+        "driver_cpu_s_per_1m_cells": round(driver_cpu[0] / max(cells, 1) * 1e6, 3) if driver_cpu else None,
+        "world": world,
     }
 
 
@@ -487,6 +512,25 @@ def main() -> None:
             f"did not finish: the simulation delivered {sim['cells']:,} of {sim['expected_cells']:,} cells "
             f"in {sim['seconds']}s"
         )
+    # past one node: the same campaign for 64 ranks (8 nodes x 8 GPUs), no death; one driver serves them all
+    sim64 = simulate(
+        producers=args.producers,
+        rate=args.rate,
+        units=args.units,
+        epochs=args.epochs,
+        latency_ms=args.latency_ms,
+        jitter_ms=args.jitter_ms,
+        kill=False,
+        max_seconds=args.max_seconds,
+        plans=plans,
+        lease_s=args.lease_s,
+        world=64,
+    )
+    if not sim64["finished"]:
+        fail(
+            f"did not finish: 64 ranks got {sim64['cells']:,} of {sim64['expected_cells']:,} cells "
+            f"in {sim64['seconds']}s"
+        )
     spin = full_partition_phase(
         seconds=args.spin_seconds, latency_ms=args.latency_ms, jitter_ms=args.jitter_ms, plans=plans
     )
@@ -518,6 +562,15 @@ def main() -> None:
         ),
         ("driver pass", f"{sim['driver_pass_s']} s"),
         ("re-issue after a death", f"{sim['reissue_s']} s ({sim['reissued']} re-issued; a {args.lease_s:g} s lease)"),
+        (
+            "driver CPU per 1M cells",
+            f"{sim['driver_cpu_s_per_1m_cells']} s (8 ranks), {sim64['driver_cpu_s_per_1m_cells']} s (64)",
+        ),
+        (
+            "64 ranks (8 nodes x 8 GPUs)",
+            f"efficiency {sim64['efficiency']:.3f}, {sim64['calls_per_1k_cells']} calls / 1k cells, "
+            f"{sim64['delivered_cells_per_s']:,} cells/s, first item {sim64['first_batch_s']} s",
+        ),
         (f"setup at {args.startup_cells / 1e6:g}M cells", f"{setup['seconds']:.1f} s, {setup['rss_mb']:,.0f} MB RSS"),
         (
             f"driver, one epoch at {args.startup_cells / 1e6:g}M",
@@ -550,6 +603,10 @@ def main() -> None:
         print(f"  {k:<24} {v}")
     figures = {
         **sim,
+        "efficiency_64_ranks": sim64["efficiency"],
+        "calls_per_1k_cells_64_ranks": sim64["calls_per_1k_cells"],
+        "driver_cpu_s_per_1m_cells_64_ranks": sim64["driver_cpu_s_per_1m_cells"],
+        "ranks_64": {k: v for k, v in sim64.items() if k not in ("calls_by_kind_per_1k", "reissue_s")},  # (no death)
         "full_partition": spin,
         "full_partition_bytes_sent_per_delivered": spin["full_partition_bytes_sent_per_delivered"],
         "full_partition_calls_per_1k_cells": spin["full_partition_calls_per_1k_cells"],

@@ -170,6 +170,13 @@ def test_coordination():
     assert figures["full_partition"]["accepted_cells"] > 0
     assert finite(figures["full_partition_bytes_sent_per_delivered"], figures["full_partition_calls_per_1k_cells"])
     assert figures["startup_cells"] == 200_000
+    # past one node: 64 ranks, every cell delivered, the figures issue 32 asks for
+    assert figures["ranks_64"]["world"] == 64 and figures["ranks_64"]["cells"] == figures["ranks_64"]["expected_cells"]
+    assert finite(
+        figures["efficiency_64_ranks"],
+        figures["calls_per_1k_cells_64_ranks"],
+        figures["driver_cpu_s_per_1m_cells_64_ranks"],
+    )
     assert finite(figures["setup_s_100m"], figures["producer_start_s_100m"], figures["driver_epoch_s_100m"])
 
 
