@@ -27,7 +27,7 @@ def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
     while len(summaries) < (cfg.epochs or 1) or (cfg.epochs is None and cfg.steps and steps < cfg.steps):
         if len(summaries) == MAX_EPOCHS:
             raise CellfeedError(f"--steps {cfg.steps} needs more than {MAX_EPOCHS:,} epochs of this dataset")
-        summaries.append(PlanSummary.of(producer.plan(len(summaries)), cfg.gpus))
+        summaries.append(PlanSummary.of(producer.plan(len(summaries)), cfg.world_size))
         steps += optimizer_steps(summaries[-1:], cfg.batch_size, cfg.grad_accum)
     if cfg.steps and steps < cfg.steps:
         raise CellfeedError(

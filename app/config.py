@@ -48,7 +48,9 @@ FLAG_HELP = {
     "n_scanners": "mixture sampling: fragments read together in one work unit",
     "unit_cells": "sequential/mixture sampling: consecutive cells per scanner chunk",
     "producers": "producer processes (CPU); scale them until the trainer never waits",
-    "gpus": "trainer ranks (DDP world size)",
+    "gpus": "trainer ranks per node (GPUs of one train container; the DDP world is --nodes x --gpus)",
+    "nodes": "trainer nodes: --nodes x --gpus ranks in one DDP world (on Modal a clustered train of --nodes "
+    "containers of 8 GPUs; locally, groups of CPU ranks rendezvousing as nodes do)",
     "batch_size": "cells per rank per step",
     "grad_accum": "batches accumulated per optimizer step",
     "steps": "optimizer steps; alone, as many epochs as they need (default: --epochs through)",
@@ -95,6 +97,7 @@ CAMPAIGN_FLAGS = (
     "eval_every",
     "producers",
     "gpus",
+    "nodes",
     "batch_size",
     "grad_accum",
     "steps",
@@ -134,7 +137,8 @@ class CampaignConfig:
     n_scanners: int = 8
     unit_cells: int = 1024
     producers: int = 16
-    gpus: int = 8  # trainer world size
+    gpus: int = 8  # trainer ranks per node
+    nodes: int = 1  # trainer nodes: the DDP world is nodes x gpus ranks (`world_size`)
     batch_size: int = 240
     grad_accum: int = 1
     steps: int | None = None  # None: train the epochs through
@@ -182,6 +186,7 @@ class CampaignConfig:
         for name in (
             "producers",
             "gpus",
+            "nodes",
             "batch_size",
             "grad_accum",
             "checkpoint_every",
@@ -273,6 +278,11 @@ class CampaignConfig:
         return BackendSpec(kind=kind, run=self.run, latency_ms=self.rpc_latency_ms, retry_s=self.modal_retry_s, **where)
 
     @property
+    def world_size(self) -> int:
+        """The DDP world: every node's ranks."""
+        return self.nodes * self.gpus
+
+    @property
     def run_checkpoint_dir(self) -> str:
         """Where this run's checkpoints go (and `--resume` looks)."""
         return f"{self.checkpoint_dir.rstrip('/')}/{self.run}"
@@ -309,7 +319,7 @@ class CampaignConfig:
             tokenizer=self.tokenizer,
             max_genes=self.genes_per_cell,
             tokenizer_params=params,
-            world_size=self.gpus,
+            world_size=self.world_size,
             cells_per_item=self.cells_per_item,
             label_column=self.label_column,
             subset_filter=self.subset_filter,

@@ -26,6 +26,7 @@ from app.status import plural, status_line
 from coordination.backends import connect
 from coordination.errors import CellfeedError
 from coordination.local_backend import ServerProcess
+from coordination.net import free_port
 from coordination.routing import producers_key
 from trainer import checkpoint
 from trainer.launch import ask_to_stop, launch, wait_all
@@ -61,10 +62,10 @@ def run_local(
     if wandb:
         check_wandb()
     most = max(MIN_LOCAL_RANKS, 2 * (os.cpu_count() or 1))
-    if cfg.gpus > most:
+    if cfg.world_size > most:
         raise CellfeedError(
-            f"--gpus {cfg.gpus}: cellfeed local runs each rank as a CPU process, and this machine has "
-            f"{os.cpu_count()} cores; use --gpus {most} or fewer (Modal runs up to 8 per container)"
+            f"--nodes {cfg.nodes} x --gpus {cfg.gpus}: cellfeed local runs each rank as a CPU process, and this "
+            f"machine has {os.cpu_count()} cores; use {most} ranks or fewer (Modal runs up to 8 per container)"
         )
     workdir = Path(workdir).resolve()  # (the ranks and producers run in other folders)
     place_checkpoints(cfg, workdir)
@@ -123,7 +124,9 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
                 print(f"  {cells:>10,} cells per epoch from {line}")
         print(
             f"campaign {cfg.run}: {facts.cells_per_epoch:,} cells/epoch in {plural(facts.units_per_epoch, 'unit')}, "
-            f"{plural(cfg.producers, 'producer')}, {plural(cfg.gpus, 'rank')} (gloo, CPU), "
+            f"{plural(cfg.producers, 'producer')}, {plural(cfg.world_size, 'rank')} (gloo, CPU"
+            + (f"; {cfg.nodes} nodes of {cfg.gpus}" if cfg.nodes > 1 else "")
+            + "), "
             f"{plural(total_steps, 'step')} of {cfg.batch_size} cells per rank over {plural(facts.epochs, 'epoch')}"
             + (f", {facts.held_out_cells:,} held-out cells" if facts.held_out_cells else ""),
             flush=True,
@@ -135,7 +138,7 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
         )
         if cfg.preset != "tiny":
             print(f"note: --preset {cfg.preset} on CPU ranks is slow; --preset tiny is the CPU model", flush=True)
-        journal.event("resumed" if latest else "started", step=latest.step if latest else 0, ranks=cfg.gpus)
+        journal.event("resumed" if latest else "started", step=latest.step if latest else 0, ranks=cfg.world_size)
         config_path = workdir / "campaign.json"
         config_path.write_text(json.dumps(asdict(cfg)))
         fleet = ProducerFleet(config_path, server.where, cfg.producers, workdir)
@@ -147,7 +150,11 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
                 old.unlink()
             changes["cells_log"] = str(workdir / "cells")
         train_cfg = cfg.train_config(backend, facts, **changes)
-        ranks += launch(train_cfg, cfg.gpus, workdir, summary_path=str(workdir / "summary"), log_ranks=True)
+        master, summary_path = ("127.0.0.1", free_port()), str(workdir / "summary")  # (node 0's address)
+        for node in range(cfg.nodes):  # each node's ranks meet at node 0's, as a cluster's containers do
+            ranks += launch(
+                train_cfg, cfg.gpus, workdir, summary_path, log_ranks=True, node=node, nodes=cfg.nodes, master=master
+            )
         interrupts = []
 
         def on_interrupt(*_):  # the first Ctrl-C stops gracefully (a checkpoint); a second, at once
@@ -180,7 +187,7 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
                 warned = True
             time.sleep(CHECK_EVERY_S)
         codes = wait_all(ranks, timeout=60)
-        if codes != [0] * cfg.gpus:
+        if codes != [0] * cfg.world_size:
             raise CellfeedError(f"the campaign failed: trainer ranks exited {codes}; rank logs are in {workdir}")
         summary = json.loads((workdir / "summary.rank0").read_text())
         reports = json.loads(store.get(producers_key(cfg.run)) or "{}")

@@ -106,7 +106,7 @@ def snapshot(
 
     rows, row = list(log.update().recent), log.last
     tasks = queue.len(partition=TASKS_PARTITION)
-    depth = [queue.len(partition=rank_partition(r)) for r in range(cfg.gpus)]
+    depth = [queue.len(partition=rank_partition(r)) for r in range(cfg.world_size)]
     reports = json.loads(store.get(producers_key(cfg.run)) or "{}")
     units = sum(r.get("units", 0) for r in reports.values())
     latest = checkpoint.latest(cfg.run_checkpoint_dir)

@@ -47,32 +47,38 @@ MAX_MESSAGE = 1 << 20  # a start request carries the rank's environment
 
 def launch(
     cfg: TrainConfig,
-    world_size: int,
+    gpus: int,
     workdir: str | os.PathLike,
     summary_path: str | None = None,
     env: dict | None = None,
     log_ranks: bool = False,
+    node: int = 0,
+    nodes: int = 1,
+    master: tuple[str, int] | None = None,
 ) -> list[Rank]:
-    """Start one `trainer.train` rank per rank; the caller waits (or kills). With `log_ranks`,
-    ranks other than 0 write their output to WORKDIR/rank<r>.log; the rest write to this
-    process's stdout and stderr."""
+    """Start this node's `trainer.train` ranks (`gpus` of them: global ranks node x gpus ...); the
+    caller waits (or kills). The DDP world is nodes x gpus ranks, meeting at `master` (node 0's
+    address and a free port there; one node: this machine, a free port). With `log_ranks`, ranks
+    other than 0 write their output to WORKDIR/rank<r>.log; the rest write to this process's
+    stdout and stderr."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    config_path = workdir / "train_config.json"
+    config_path = workdir / f"train_config.node{node}.json"
     config_path.write_text(json.dumps(asdict(cfg)))
-    port = free_port()
+    address, port = master or ("127.0.0.1", free_port())
     argv = ["--config", str(config_path)] + (["--summary", str(summary_path)] if summary_path else [])
     server = rank_server()
     ranks = []
     try:
-        for rank in range(world_size):
+        for local in range(gpus):
+            rank = node * gpus + local
             rank_env = dict(
                 os.environ,
                 **(env or {}),
                 RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                MASTER_ADDR="127.0.0.1",
+                LOCAL_RANK=str(local),
+                WORLD_SIZE=str(nodes * gpus),
+                MASTER_ADDR=address,
                 MASTER_PORT=str(port),
                 OMP_NUM_THREADS="1",
             )
