@@ -45,6 +45,7 @@ import modal
 
 from app.config import MODAL_FLAGS, CampaignConfig, flags_signature, resume_command
 from app.modal_calls import PRODUCER_RETRIES, Fleet, interrupt_held, result, spawn
+from app.modal_nodes import cluster, meet, node_body
 from app.pins import pinned
 from coordination.modal_backend import ModalUnreachable, retrying
 
@@ -143,6 +144,10 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
 
     started = time.monotonic()
     rank_server()  # it imports torch while the campaign is set up, not inside the preemption-held launch
+    here = cluster() if config.get("nodes", 1) > 1 else None  # `--nodes`: this container's place in the cluster
+    if here is not None and here.rank > 0:  # another node's container: its ranks join container 0's world
+        commit = lambda: retrying(checkpoints.commit, "committing the checkpoints Volume", 60.0)  # noqa: E731
+        return node_body(config, here, config["gpus"], config["nodes"], commit, PREEMPT_SAVE_S)
     cfg, facts = unpacked(config), SetupFacts.of(facts)
     cfg.checkpoint_dir = checkpoint_mount()
     queue, store = connect(cfg.backend_spec("modal"))
@@ -174,8 +179,10 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     monitor.journal.event("resumed" if cfg.resume else "started", step=latest.step if latest else 0, ranks=cfg.gpus)
     ranks = []
     try:
+        master = meet(store, cfg.run, here, train_cfg) if here is not None else None  # (node 0's address)
         with interrupt_held():  # the ranks are all started, or none: a preemption cannot orphan one
-            ranks = launch(train_cfg, cfg.gpus, workdir, summary_path=str(workdir / "summary"))
+            summary_path = str(workdir / "summary")
+            ranks = launch(train_cfg, cfg.gpus, workdir, summary_path, node=0, nodes=cfg.nodes, master=master)
         watch(ranks, fleet, deadline=started + cfg.attempt_hours * 3600, monitor=monitor)
     except KeyboardInterrupt:  # preempted: checkpoint, leave everything in place; Modal runs this input again
         print("preempted: the ranks checkpoint; Modal runs this call again and it resumes", flush=True)
@@ -198,7 +205,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
         return {**summary, "resume_command": resume}
     if summary["stopped"] == "asked":  # this call's time is up: a new call continues from the checkpoint
-        after = spawn(train.with_options(gpu=f"H100:{cfg.gpus}"), config, asdict(facts), retry=cfg.modal_retry_s)
+        after = spawn(trainer_of(cfg), config, asdict(facts), retry=cfg.modal_retry_s)
         print(
             f"train ran {cfg.attempt_hours:g} h: a new call {after.object_id} continues from the checkpoint", flush=True
         )
@@ -328,6 +335,38 @@ def train(config: dict, facts: dict) -> dict:
     return train_body(config, facts)
 
 
+# `--nodes K`: the same body on a cluster of K containers (`app/modal_nodes.py`). A cluster's size is
+# fixed where its function is defined, so each K has its own function; Modal's docs ask each container
+# of a cluster for all GPUs of its host (`--gpus 8`).
+_train_on = dict(image=trainer_image, gpu="H100:8", volumes={CHECKPOINTS: checkpoints}, timeout=DAY)
+
+
+@app.function(**_train_on, cpu=TRAINER_CPU, memory=TRAINER_MEMORY_MB)
+@modal.clustered(size=2)
+def train_2_nodes(config: dict, facts: dict) -> dict:
+    return train_body(config, facts)
+
+
+@app.function(**_train_on, cpu=TRAINER_CPU, memory=TRAINER_MEMORY_MB)
+@modal.clustered(size=4)
+def train_4_nodes(config: dict, facts: dict) -> dict:
+    return train_body(config, facts)
+
+
+@app.function(**_train_on, cpu=TRAINER_CPU, memory=TRAINER_MEMORY_MB)
+@modal.clustered(size=8)
+def train_8_nodes(config: dict, facts: dict) -> dict:
+    return train_body(config, facts)
+
+
+TRAIN_ON = {1: train, 2: train_2_nodes, 4: train_4_nodes, 8: train_8_nodes}
+
+
+def trainer_of(cfg: CampaignConfig):
+    """The train function for the campaign's node count, with its GPUs per node."""
+    return TRAIN_ON[cfg.nodes].with_options(gpu=f"H100:{cfg.gpus}")
+
+
 # ---- the laptop's side
 
 
@@ -343,9 +382,13 @@ def main(**flags) -> dict:
     cfg = CampaignConfig.from_flags(flags)
     if cfg.gpus > MAX_GPUS:
         raise CellfeedError(f"--gpus {cfg.gpus}: a Modal container has at most {MAX_GPUS} GPUs")
+    if cfg.nodes not in TRAIN_ON:
+        raise CellfeedError(f"--nodes {cfg.nodes}: on Modal, one of {', '.join(map(str, TRAIN_ON))}")
     config = asdict(cfg.carry_files())  # containers cannot read this machine's files: their bytes travel
     print(
-        f"campaign {cfg.run}: {cfg.producers} producers -> {cfg.gpus} x H100, "
+        f"campaign {cfg.run}: {cfg.producers} producers -> "
+        + (f"{cfg.nodes} nodes x " if cfg.nodes > 1 else "")
+        + f"{cfg.gpus} x H100, "
         f"{'corpus ' + cfg.corpus if cfg.corpus else 'dataset ' + cfg.dataset}",
         flush=True,
     )
@@ -360,7 +403,7 @@ def main(**flags) -> dict:
         )
         for name, cells, line in facts.get("sources", ()) if cfg.corpus else ():
             print(f"  {cells:>10,} cells per epoch from {line}", flush=True)
-        call = spawn(train.with_options(gpu=f"H100:{cfg.gpus}"), config, facts, retry=cfg.modal_retry_s)
+        call = spawn(trainer_of(cfg), config, facts, retry=cfg.modal_retry_s)
         summary = result(call, cfg.modal_retry_s)
         while "continued_as" in summary:  # Modal's 24 h: each call hands over to the next
             print(f"train continues in call {summary['continued_as']} (a call ends at {DAY // 3600} h)", flush=True)

@@ -54,12 +54,21 @@ class Fleet:
         self.cfg, self.config, self.store, self.key = cfg, config, store, fleet_key(cfg.run)
         self.produce = produce  # the app's producer function
         known = json.loads(store.get(self.key) or "{}")
+        ids, world = known.get("calls", {}), known.get("world_size")
         self.calls = {}
         for i in range(cfg.producers):
             name = f"producer-{i}"
-            call = modal.FunctionCall.from_id(known[name]) if name in known else None
+            call = modal.FunctionCall.from_id(ids[name]) if name in ids else None
             if call is not None and call_state(call, cfg.modal_retry_s)[0] == "running":
                 self.calls[name] = call
+        if self.calls and world != cfg.world_size:  # they route items to another number of ranks: replaced
+            print(
+                f"the {len(self.calls)} producers still running were started for {world} ranks: cancelling them",
+                flush=True,
+            )
+            for call in self.calls.values():
+                retrying(call.cancel, f"cancelling {call.object_id}", cfg.modal_retry_s)
+            self.calls = {}
         if self.calls:
             print(f"reusing the {len(self.calls)} producers still running from an earlier call of this run", flush=True)
         for i in range(cfg.producers):
@@ -69,7 +78,8 @@ class Fleet:
     def _spawn(self, name: str) -> None:
         with interrupt_held():  # spawned and recorded, or neither: a re-run must not spawn it twice
             self.calls[name] = spawn(self.produce, self.config, name, retry=self.cfg.modal_retry_s)
-            self.store.put(self.key, json.dumps({n: c.object_id for n, c in self.calls.items()}))
+            calls = {n: c.object_id for n, c in self.calls.items()}
+            self.store.put(self.key, json.dumps({"calls": calls, "world_size": self.cfg.world_size}))
 
     def check(self) -> None:
         for name, call in list(self.calls.items()):

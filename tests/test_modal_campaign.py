@@ -101,7 +101,7 @@ def train_attempt(world: ModalEmulator, n: int = 0) -> dict | None:
 def check_campaign(world: ModalEmulator, out: str, *, epochs: int, producers: int) -> None:
     """Every epoch audited once, exactly once; the run's queue and dicts gone; no call left
     running; the fleet never doubled."""
-    trains = world.calls("train")
+    trains = [c for c in world.calls() if c["function"].startswith("train")]  # (`train_2_nodes`: --nodes 2)
     logs = "".join(container_log(world, c["id"], a) for c in trains for a in range(len(c["attempts"])))
     audits = re.findall(r"epoch (\d+): ([\d,]+) cells trained, 0 missing, 0 duplicated", logs)
     assert sorted(int(e) for e, _ in audits) == list(range(epochs)), logs[-3000:]
@@ -394,3 +394,56 @@ def test_status_and_stop_from_the_laptop_then_the_printed_command_resumes_exactl
         assert {
             e["event"] for e in map(json.loads, (world.volume_dir / RUN / "events.jsonl").read_text().split("\n")[:-1])
         } >= {"started", "stop asked", "stopped", "resumed", "complete"}
+
+
+def test_modal_run_on_two_nodes_trains_every_cell_once(atlas, tmp_path):
+    """`--nodes 2 --gpus 1`: `train_2_nodes`, a clustered function, runs each input in 2 containers
+    started together (S27); container 1's rank joins container 0's DDP world at the address it
+    publishes. Every epoch's cells once, from the cell logs of both nodes."""
+    from collections import Counter
+
+    with ModalEmulator(tmp_path / "world", grace_s=10) as world:
+        code, out, err = finish(
+            modal_run(world, flags(atlas, gpus=1, nodes=2, epochs=1, batch_size=32) + ["--audit-cells"])
+        )
+        assert code == 0, err[-3000:]
+        assert "campaign emu: 2 producers -> 2 nodes x 1 x H100" in out
+        (call,) = world.calls("train_2_nodes")
+        assert [len(a["pids"]) for a in call["attempts"]] == [2] and call["status"] == "success"
+        held_out = set(np.flatnonzero(np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) == "plate14").tolist())
+        train_cells = Counter(c for c in range(atlas.n_cells) if c not in held_out)
+        assert trained_cells(world).get(0) == train_cells
+        assert {p.name.split(".")[1] for p in (world.volume_dir / RUN / "cells").glob("*.rank*.jsonl")} == {
+            "rank0",
+            "rank1",
+        }
+        check_campaign(world, out, epochs=1, producers=2)
+
+
+def test_a_node_lost_mid_epoch_on_modal_then_resumed_on_one_node_is_exact(atlas, tmp_path):
+    """Container 1 of a 2-node train is lost mid-epoch, past a checkpoint (SIGKILL, no grace): the
+    attempt fails with its cluster, the run stops with the command that resumes it, state kept. That
+    command with `--nodes 1` replaces the producers started for 2 ranks and finishes the epoch on one
+    node: every cell once across both, from the cell logs."""
+    import shlex
+    from collections import Counter
+
+    with ModalEmulator(tmp_path / "world", grace_s=10) as world:
+        proc = modal_run(world, flags(atlas, gpus=1, nodes=2, epochs=1, batch_size=16) + ["--audit-cells"])
+        call = wait_for(
+            lambda: next((c for c in world.calls("train_2_nodes") if c["status"] == "running"), None), "train"
+        )
+        wait_for(lambda: steps_logged(world, call["id"], 0) >= 6 or proc.poll() is not None, "six steps")
+        assert proc.poll() is None
+        world.lose_container(call["id"], 1)
+        code, out, err = finish(proc)
+        assert code != 0 and "container 1 of its cluster exited" in err, err[-3000:]
+        command = shlex.split(err.strip().splitlines()[-1].strip())
+        assert command[:3] == ["modal", "run", "app/modal_app.py"] and command[-1] == "--resume"
+        code, out, err = finish(modal_run(world, command[3:] + ["--nodes", "1"]))
+        assert code == 0, err[-3000:]
+        assert out.strip().splitlines()[-1].startswith("complete: 1 epoch, ")
+        logs = "".join(container_log(world, c["id"], 0) for c in world.calls("train"))
+        assert "were started for 2 ranks: cancelling them" in logs and "resumed from step" in logs
+        held_out = set(np.flatnonzero(np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) == "plate14").tolist())
+        assert trained_cells(world).get(0) == Counter(c for c in range(atlas.n_cells) if c not in held_out)

@@ -138,6 +138,10 @@ class ModalEmulator:
         """Every fault rule with its state: calls seen, when it fired, hits, items lost, done."""
         return self._call({"op": "fault.list"})["rules"]
 
+    def lose_container(self, call_id: str, rank: int) -> None:
+        """A container of a clustered call's running attempt is lost (SIGKILL, no grace): S27."""
+        self._call({"op": "f.lose", "id": call_id, "rank": rank})
+
     def fail(self, function: str, times: int) -> None:
         """The next `times` attempts of `function` fail before its body runs (an injected fault)."""
         self._call({"op": "f.fail", "function": function, "times": times})

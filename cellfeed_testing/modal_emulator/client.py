@@ -517,6 +517,48 @@ class _Spec:
     cpu: float | None
     memory: int | None
     image: Image | None = None
+    cluster_size: int = 0  # S27: `@modal.clustered(size=N)`: N containers run each input
+
+
+def clustered(size: int, broadcast: bool = True, rdma: bool = False):
+    """S27: `@modal.clustered(size=N, rdma=...)`, applied below `@app.function`: every input runs in N
+    containers started together (rank 0's output is the call's); `size` must be a positive int
+    (_partial_function.py:808-845)."""
+    import modal.exception
+
+    if not isinstance(size, int) or size < 1:
+        raise modal.exception.InvalidError("cluster size must be a positive integer")
+
+    def wrap(raw_f):
+        raw_f.__modal_cluster_size__ = size
+        return raw_f
+
+    return wrap
+
+
+@dataclass
+class ClusterInfo:
+    """S27: what `modal.experimental.get_cluster_info()` returns in a cluster's container
+    (_cluster.py:19-27): this container's rank and every container's address, by rank."""
+
+    rank: int
+    cluster_id: str
+    container_ips: list
+    container_ipv4_ips: list
+    fabric_ids: list
+
+
+def get_cluster_info() -> ClusterInfo:
+    """S27: this container's cluster context; outside a cluster, modal raises InvalidError (_cluster.py:33-40)."""
+    import modal.exception
+
+    found = os.environ.get("MODAL_EMULATOR_CLUSTER")
+    if not found:
+        raise modal.exception.InvalidError(
+            "Cluster context is not initialized. This function is only available in a clustered function."
+        )
+    c = json.loads(found)
+    return ClusterInfo(c["rank"], c["cluster_id"], c["ips"], c["ips"], [])
 
 
 class Function:
@@ -570,6 +612,7 @@ class Function:
                 "cpu": self.spec.cpu,
                 "memory": self.spec.memory,
                 "image": self.spec.image.spec() if self.spec.image is not None else None,
+                "cluster_size": self.spec.cluster_size,
             }
         )
         return FunctionCall(reply["id"])
@@ -627,7 +670,9 @@ class App:
                     f"{raw_f.__name__}: image= must be an emulated modal.Image "
                     "(build it after the emulator is installed)"
                 )
-            fn = Function(raw_f, _Spec(float(timeout), int(n_retries), gpu, dict(volumes or {}), cpu, memory, image))
+            size = getattr(raw_f, "__modal_cluster_size__", 0)
+            spec = _Spec(float(timeout), int(n_retries), gpu, dict(volumes or {}), cpu, memory, image, size)
+            fn = Function(raw_f, spec)
             self.registered_functions[raw_f.__name__] = fn
             return fn
 
@@ -693,6 +738,7 @@ _EMULATED = {
     "Volume": Volume,
     "Image": Image,
     "Secret": Secret,
+    "clustered": clustered,
 }
 _originals: dict = {}
 
@@ -700,16 +746,23 @@ _originals: dict = {}
 def install() -> None:
     """Put the emulated objects where `import modal` finds them (this process only)."""
     import modal
+    import modal.experimental
 
     for name, obj in _EMULATED.items():
         _originals.setdefault(name, getattr(modal, name))
         setattr(modal, name, obj)
+    _originals.setdefault("experimental.get_cluster_info", modal.experimental.get_cluster_info)
+    modal.experimental.get_cluster_info = get_cluster_info
 
 
 def uninstall() -> None:
     """Give `modal` its own objects back (a test process that goes on with the real client)."""
     import modal
+    import modal.experimental
 
     for name, obj in _originals.items():
-        setattr(modal, name, obj)
+        if name.startswith("experimental."):
+            setattr(modal.experimental, name.split(".", 1)[1], obj)
+        else:
+            setattr(modal, name, obj)
     _originals.clear()

@@ -100,6 +100,7 @@ class Call:
     cpu: float | None = None
     memory: int | None = None
     image: dict | None = None  # S20: the container's import spec (images.container_spec)
+    cluster_size: int = 0  # S27: a clustered function's containers per attempt (0: one, unclustered)
     status: str = "pending"  # pending, running, success, failure, cancelled, timeout
     attempts: list = field(default_factory=list)  # one dict per attempt: started, ended, outcome, pid
     result: object = None
@@ -300,6 +301,7 @@ class Emulated:
                 header.get("cpu"),
                 header.get("memory"),
                 self.images[key],
+                int(header.get("cluster_size") or 0),
             )
             self.calls[call.id] = call
         threading.Thread(target=self._supervise, args=(call,), daemon=True, name=f"emu-{call.id}").start()
@@ -330,15 +332,12 @@ class Emulated:
                 return
 
     def _attempt(self, call: Call) -> str:
-        tmp = self.root / "containers" / f"{call.id}-{len(call.attempts)}"
-        (tmp / "tmp").mkdir(parents=True, exist_ok=True)
-        env = dict(
-            self.env,
-            TMPDIR=str(tmp / "tmp"),
-            MODAL_EMULATOR_CALL=call.id,
-            MODAL_EMULATOR_ATTEMPT=str(len(call.attempts)),
-            MODAL_EMULATOR_IMAGE=json.dumps(call.image),
-        )
+        """One attempt: one container, or a clustered function's `cluster_size` containers started
+        together (S27). Rank 0's report is the attempt's; any container's failure fails the attempt
+        and takes the others with it; a preemption interrupts every container of the cluster."""
+        size = max(1, call.cluster_size)
+        index = len(call.attempts)
+        base = self.root / "containers" / f"{call.id}-{index}"
         fail = False
         with self.lock:
             if call.cancel_requested:
@@ -346,19 +345,42 @@ class Emulated:
             if self.faults.get(call.function, 0) > 0:
                 self.faults[call.function] -= 1
                 fail = True
-            if fail:
-                env["MODAL_EMULATOR_FAIL"] = "injected fault"
-            log = open(tmp / "output.log", "wb")
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "cellfeed_testing.modal_emulator.worker"],
-                env=env,
-                cwd=str(tmp),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            log.close()
-            attempt = {"started": self.clock.now(), "pid": proc.pid, "outcome": None, "log": str(tmp / "output.log")}
+            procs = []
+            for rank in range(size):
+                tmp = base if rank == 0 else base.with_name(f"{base.name}.node{rank}")
+                (tmp / "tmp").mkdir(parents=True, exist_ok=True)
+                env = dict(
+                    self.env,
+                    TMPDIR=str(tmp / "tmp"),
+                    MODAL_EMULATOR_CALL=call.id,
+                    MODAL_EMULATOR_ATTEMPT=str(index),
+                    MODAL_EMULATOR_IMAGE=json.dumps(call.image),
+                )
+                if call.cluster_size:  # S27: every container reaches the others at its own address (here, this host)
+                    cluster = {"rank": rank, "cluster_id": f"cl-{call.id}-{index}", "ips": ["127.0.0.1"] * size}
+                    env["MODAL_EMULATOR_CLUSTER"] = json.dumps(cluster)
+                if fail:
+                    env["MODAL_EMULATOR_FAIL"] = "injected fault"
+                log = open(tmp / "output.log", "wb")
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "cellfeed_testing.modal_emulator.worker"],
+                        env=env,
+                        cwd=str(tmp),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+                log.close()
+            proc = procs[0]
+            attempt = {
+                "started": self.clock.now(),
+                "pid": proc.pid,
+                "pids": [p.pid for p in procs],
+                "outcome": None,
+                "log": str(base / "output.log"),
+            }
             call.attempts.append(attempt)
             call.proc, call.status, call.error = proc, "running", None
             self.lock.notify_all()
@@ -368,17 +390,19 @@ class Emulated:
                 code = proc.wait(timeout=0.05)
             except subprocess.TimeoutExpired:
                 code = None
+            others = [p.poll() for p in procs[1:]]
             with self.lock:
                 if call.preempt_requested:  # S15: an interrupt, a grace period, then the container is gone
                     call.preempt_requested = False
                     attempt["preempted_at"] = self.clock.now()
-                    every = [proc.pid, *_descendants(proc.pid)]  # the whole container: each of its processes
+                    every = [q for p in procs for q in [p.pid, *_descendants(p.pid)]]  # each container's every process
                     for pid in every:
                         _signal(pid, signal.SIGINT)
                     attempt["interrupted_processes"] = len(every)
                     outcome = "preempted"
                 elif call.cancel_requested:  # S13: SIGUSR1 (InputCancellation in the body), then the container goes
-                    _signal(proc.pid, signal.SIGUSR1)
+                    for p in procs:
+                        _signal(p.pid, signal.SIGUSR1)
                     outcome = "cancelled"
                 elif code is None and self.clock.now() - attempt["started"] > call.timeout_s:  # S13
                     call.error = {
@@ -386,15 +410,33 @@ class Emulated:
                         "message": f"Function {call.function} timed out after {call.timeout_s:.0f}s",
                     }
                     outcome = "timeout"
+                elif any(c not in (None, 0) for c in others):  # S27: a container of the cluster failed or was lost
+                    lost = next(r for r, c in enumerate(others, 1) if c not in (None, 0))
+                    attempt["lost_container"] = lost
+                    if call.error is None:
+                        call.error = {
+                            "type": "modal.exception.RemoteError",
+                            "message": f"{call.function}: container {lost} of its cluster exited "
+                            f"with code {others[lost - 1]}",
+                        }
+                    outcome = "failure"
                 elif code is not None:
                     outcome = "success" if (code == 0 and attempt.get("reported") == "ok") else "failure"
         if outcome in ("preempted", "cancelled"):
-            try:
-                proc.wait(timeout=self.grace_s if outcome == "preempted" else min(5.0, self.grace_s))
-            except subprocess.TimeoutExpired:
-                pass
-        kill_tree(proc.pid)
-        proc.wait()
+            for p in procs:
+                try:
+                    p.wait(timeout=self.grace_s if outcome == "preempted" else min(5.0, self.grace_s))
+                except subprocess.TimeoutExpired:
+                    pass
+        elif outcome == "success":  # rank 0 returned: the cluster's other containers end with the input
+            for p in procs[1:]:
+                try:
+                    p.wait(timeout=min(5.0, self.grace_s))
+                except subprocess.TimeoutExpired:
+                    pass
+        for p in procs:
+            kill_tree(p.pid)
+            p.wait()
         with self.lock:
             attempt["outcome"], attempt["ended"] = outcome, self.clock.now()
             if outcome == "failure" and call.error is None:
@@ -405,11 +447,24 @@ class Emulated:
             self.lock.notify_all()
         return outcome
 
-    def report(self, call_id: str, attempt: int, ok: bool, result, error: dict | None) -> None:
+    def lose_container(self, call_id: str, rank: int) -> None:
+        """A container of a running attempt is lost (its machine gone): SIGKILL, no grace (S27)."""
+        with self.lock:
+            call = self.calls[call_id]
+            if call.status != "running":
+                raise Rejected(INVALID, f"call {call_id} is {call.status}, not running")
+            pid = call.attempts[-1]["pids"][rank]
+        kill_tree(pid)
+
+    def report(self, call_id: str, attempt: int, ok: bool, result, error: dict | None, rank: int = 0) -> None:
         with self.lock:
             call = self.calls[call_id]
             if attempt != len(call.attempts) - 1:
                 return  # a report from an attempt already given up on
+            if rank:  # S27: only rank 0's output is the call's; another container's error is kept if none is yet
+                if not ok and call.error is None:
+                    call.error = error
+                return
             call.attempts[attempt]["reported"] = "ok" if ok else "error"
             if ok:
                 call.result = result
@@ -553,7 +608,7 @@ class _Handler(socketserver.BaseRequestHandler):
             c = w.calls[h["id"]]
             return {"app_file": c.app_file, "function": c.function, "args": c.args}, []
         if kind == "f.report":
-            w.report(h["id"], h["attempt"], h["ok"], h.get("result"), h.get("error"))
+            w.report(h["id"], h["attempt"], h["ok"], h.get("result"), h.get("error"), h.get("rank", 0))
             return {}, []
         if kind == "f.poll":
             return w.poll(h["id"], h["wait_s"]), []
@@ -562,6 +617,9 @@ class _Handler(socketserver.BaseRequestHandler):
             return {}, []
         if kind == "f.preempt":
             w.preempt(h["id"])
+            return {}, []
+        if kind == "f.lose":
+            w.lose_container(h["id"], h["rank"])
             return {}, []
         if kind == "f.fail":
             with w.lock:

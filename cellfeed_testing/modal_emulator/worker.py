@@ -25,6 +25,7 @@ def main() -> int:
     # test run started where SIGINT is ignored (a shell's background job) still sees it
     signal.signal(signal.SIGINT, signal.default_int_handler)
     call_id, attempt = os.environ["MODAL_EMULATOR_CALL"], int(os.environ["MODAL_EMULATOR_ATTEMPT"])
+    rank = json.loads(os.environ.get("MODAL_EMULATOR_CLUSTER") or '{"rank": 0}')["rank"]  # S27
     spec, _ = _conn.call({"op": "f.input", "id": call_id})
     try:
         if os.environ.get("MODAL_EMULATOR_FAIL"):  # S16: a fault injected by the test
@@ -49,10 +50,11 @@ def main() -> int:
                 "attempt": attempt,
                 "ok": False,
                 "error": {"type": f"{cls.__module__}.{cls.__qualname__}", "message": message},
+                "rank": rank,
             }
         )
         return 1
-    _conn.call({"op": "f.report", "id": call_id, "attempt": attempt, "ok": True, "result": result})
+    _conn.call({"op": "f.report", "id": call_id, "attempt": attempt, "ok": True, "result": result, "rank": rank})
     return 0
 
 
