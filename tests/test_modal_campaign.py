@@ -92,6 +92,11 @@ def steps_logged(world: ModalEmulator, call_id: str, attempt: int) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"loss"' in line) if path.exists() else 0
 
 
+def train_attempt_of(world: ModalEmulator, function: str) -> dict | None:
+    """The running call of `function` once its first attempt has started."""
+    return next((c for c in world.calls(function) if c["status"] == "running" and c["attempts"]), None)
+
+
 def train_attempt(world: ModalEmulator, n: int = 0) -> dict | None:
     """The running train call once its attempt `n` has started."""
     calls = [c for c in world.calls("train") if c["status"] == "running" and len(c["attempts"]) > n]
@@ -399,17 +404,23 @@ def test_status_and_stop_from_the_laptop_then_the_printed_command_resumes_exactl
 def test_modal_run_on_two_nodes_trains_every_cell_once(atlas, tmp_path):
     """`--nodes 2 --gpus 1`: `train_2_nodes`, a clustered function, runs each input in 2 containers
     started together (S27); container 1's rank joins container 0's DDP world at the address it
-    publishes. Every epoch's cells once, from the cell logs of both nodes."""
+    publishes. Preempted mid-epoch (every container interrupted: each node's rank checkpoints at the
+    same step), the input runs again on a new cluster and resumes. Every cell once, from the cell
+    logs of both nodes and both attempts."""
     from collections import Counter
 
-    with ModalEmulator(tmp_path / "world", grace_s=10) as world:
-        code, out, err = finish(
-            modal_run(world, flags(atlas, gpus=1, nodes=2, epochs=1, batch_size=32) + ["--audit-cells"])
-        )
+    with ModalEmulator(tmp_path / "world", grace_s=30) as world:
+        proc = modal_run(world, flags(atlas, gpus=1, nodes=2, epochs=1, batch_size=16) + ["--audit-cells"])
+        call = wait_for(lambda: train_attempt_of(world, "train_2_nodes"), "train to start")
+        wait_for(lambda: steps_logged(world, call["id"], 0) >= 6 or proc.poll() is not None, "six steps")
+        world.preempt(call["id"])  # past a checkpoint (every 4 steps): the whole cluster is interrupted
+        code, out, err = finish(proc)
         assert code == 0, err[-3000:]
         assert "campaign emu: 2 producers -> 2 nodes x 1 x H100" in out
         (call,) = world.calls("train_2_nodes")
-        assert [len(a["pids"]) for a in call["attempts"]] == [2] and call["status"] == "success"
+        assert [(a["outcome"], len(a["pids"])) for a in call["attempts"]] == [("preempted", 2), ("success", 2)]
+        assert call["attempts"][0]["interrupted_processes"] >= 6  # both containers, each with its rank server and rank
+        assert "resumed from step" in container_log(world, call["id"], 1)
         held_out = set(np.flatnonzero(np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) == "plate14").tolist())
         train_cells = Counter(c for c in range(atlas.n_cells) if c not in held_out)
         assert trained_cells(world).get(0) == train_cells
