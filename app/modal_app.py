@@ -3,6 +3,7 @@
     modal run app/modal_app.py --dataset s3://bucket/atlas --producers 16 --gpus 8 --steps 2000
     modal run --detach app/modal_app.py ...      # nothing depends on the laptop once it starts
     modal run app/modal_app.py --help            # every flag (works offline)
+    cellfeed status RUN --modal; cellfeed stop RUN --modal   # from the laptop (app/ops.py); --nodes: modal_nodes.py
 
 A campaign, from the laptop's side (`main`, at the bottom): validate the flags, call `setup`
 (producer image: opens the dataset, publishes every epoch's plan into the run's modal.Dict,
