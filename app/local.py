@@ -178,7 +178,10 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
             if monitor.asked and not stopping:
                 ask_to_stop(ranks)
                 stopping = True
-                print(f"stopping ({monitor.asked}): the ranks checkpoint after this step; Ctrl-C again stops at once")
+                print(
+                    f"stopping ({monitor.asked}): the ranks checkpoint after this step; Ctrl-C again stops at once",
+                    flush=True,
+                )
             if snap is not None and not quiet and snap["step"] < facts.total_steps:  # rank 0 prints the final table
                 print(status_line(snap), flush=True)
             note = None if (warned or snap is None) else slow_step_note(cfg, snap)

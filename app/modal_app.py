@@ -177,7 +177,9 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     resume = resume_command(CampaignConfig(**config))  # (the laptop's file paths, not this container's)
     log, tb = workdir / "steps.jsonl", f"{cfg.run_checkpoint_dir}/tb"
     monitor = Monitor(cfg, facts, queue, store, journal, log, list(fleet.calls), resume, tb, every_s=STATUS_EVERY_S)
-    monitor.journal.event("resumed" if cfg.resume else "started", step=latest.step if latest else 0, ranks=cfg.gpus)
+    monitor.journal.event(
+        "resumed" if cfg.resume else "started", step=latest.step if latest else 0, ranks=cfg.world_size
+    )
     ranks = []
     try:
         master = meet(store, cfg.run, here, train_cfg) if here is not None else None  # (node 0's address)

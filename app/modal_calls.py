@@ -54,7 +54,9 @@ class Fleet:
         self.cfg, self.config, self.store, self.key = cfg, config, store, fleet_key(cfg.run)
         self.produce = produce  # the app's producer function
         known = json.loads(store.get(self.key) or "{}")
-        ids, world = known.get("calls", {}), known.get("world_size")
+        if "calls" not in known:  # (an entry written before the world size was kept: the run's own)
+            known = {"calls": known, "world_size": cfg.world_size}
+        ids, world = known["calls"], known["world_size"]
         self.calls = {}
         for i in range(cfg.producers):
             name = f"producer-{i}"

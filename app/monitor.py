@@ -43,15 +43,21 @@ class Monitor:
         )
 
     def look(self, codes: list | None = None) -> dict | None:
-        """The snapshot, published, when one is due (else None); notes a stop request in `asked`."""
+        """The snapshot, published, when one is due (else None); notes a stop request in `asked`. A
+        failure here (the Dict, the Volume, TensorBoard's writer) is said and the campaign goes on:
+        the status is a report, not part of training."""
         if time.monotonic() < self.due:
             return None
         self.due = time.monotonic() + self.every_s
-        snap = {**self.snapshot("stopping" if self.asked else "running", codes), "stop_asked": self.asked}
-        self.journal.write_state(snap)
-        self.scalars.add(snap)
-        if self.asked is None and self.journal.stop_asked():
-            self.ask("cellfeed stop", snap["step"])
+        try:
+            snap = {**self.snapshot("stopping" if self.asked else "running", codes), "stop_asked": self.asked}
+            self.journal.write_state(snap)
+            self.scalars.add(snap)
+            if self.asked is None and self.journal.stop_asked():
+                self.ask("cellfeed stop", snap["step"])
+        except Exception as exc:  # noqa: BLE001 - see above
+            print(f"the campaign's status was not published ({type(exc).__name__}: {exc})", flush=True)
+            return None
         return snap
 
     def ask(self, by: str, step: int | None = None) -> None:

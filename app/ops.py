@@ -47,7 +47,7 @@ def read_state(args, journal: Journal) -> dict:
         where = "its Modal Dict" if args.modal else journal.folder
         raise CellfeedError(f"run {args.run!r} has no status in {where} yet: it is starting, or predates status")
     state = seen_state(snap)
-    if not args.modal and state == "running" and not pid_alive(snap.get("pid")):
+    if not args.modal and state in ("running", "stopping") and not pid_alive(snap.get("pid")):
         state = "incomplete"  # (its process is gone: killed)
     return {**snap, "state": state}
 
@@ -126,7 +126,8 @@ def cmd_stop(args) -> int:
     """Ask the run to stop; wait until it has (its ranks checkpoint, its producers stop)."""
     journal = journal_of(args)
     snap = read_state(args, journal)
-    if snap["state"] not in ("running", "stopping"):
+    restarting = args.modal and snap["state"] == "incomplete"  # (a preempted or handed-over call starting again)
+    if snap["state"] not in ("running", "stopping") and not restarting:
         raise CellfeedError(f"run {args.run!r} is not running (its state: {snap['state']}); there is nothing to stop")
     journal.ask_stop()
     print(f"asked run {args.run} to stop: its ranks checkpoint after their current step", flush=True)

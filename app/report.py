@@ -167,16 +167,16 @@ def modal_cost(events: list[dict], state: dict, settings: dict) -> str:
     from deploy.costs import functions_per_hour
 
     spans, start = 0.0, None
-    for e in events:  # a run's time: from each start or resume to its end
+    for e in events:  # a run's time: from each start or resume to its next event that ends one (or the next start)
+        if start is not None and e["event"] not in ("stop asked", "producer restarted"):
+            spans, start = spans + e["t"] - start, None
         if e["event"] in ("started", "resumed"):
             start = e["t"]
-        elif start is not None and e["event"] in ("complete", "stopped", "failed", "interrupted", "incomplete"):
-            spans, start = spans + e["t"] - start, None
-    gpus, producers = settings.get("gpus", 1), settings.get("producers", 1)
+    gpus, nodes, producers = settings.get("gpus", 1), settings.get("nodes", 1), settings.get("producers", 1)
     rate = functions_per_hour(gpus)
-    per_hour = rate["train"] + producers * rate["produce"]
+    per_hour = nodes * rate["train"] + producers * rate["produce"]
     return (
-        f"{spans / 60:.1f} min of campaign time; on Modal, {gpus} x H100 train and {producers} producers cost "
+        f"{spans / 60:.1f} min of campaign time; on Modal, {nodes} x {gpus} H100 train and {producers} producers cost "
         f"${per_hour:.2f}/hour: about ${per_hour * spans / 3600:.2f} for this run's time (an estimate: a GPU "
         "runs faster than the ranks of a local run)."
     )

@@ -109,7 +109,7 @@ def snapshot(
     depth = [queue.len(partition=rank_partition(r)) for r in range(cfg.world_size)]
     reports = json.loads(store.get(producers_key(cfg.run)) or "{}")
     units = sum(r.get("units", 0) for r in reports.values())
-    latest = checkpoint.latest(cfg.run_checkpoint_dir)
+    latest = checkpoint.latest_meta(cfg.run_checkpoint_dir)
     step_s = statistics.median(r["step_s"] for r in rows[-ETA_STEPS:]) if rows else None
     step = row["step"] if row else (latest.step if latest else 0)
     return {

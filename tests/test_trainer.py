@@ -545,6 +545,7 @@ def test_checkpoints_keep_the_last_k_and_the_best(tmp_path):
             1,
             checkpoint.RankProgress(),
             lambda: {"w": torch.zeros(1)},
+            lambda text: [text],
             lambda: None,
             keep=2,
             eval_loss=loss,

@@ -152,25 +152,28 @@ def save(
     world: int,
     progress: RankProgress,
     state_fn,
+    gather,
     barrier,
     *,
     keep: int = 2,
     eval_loss: float | None = None,
 ) -> None:
-    """Collective: every rank calls it. `state_fn()` (rank 0 only) returns the tensors to store.
-    Afterwards only the last `keep` checkpoints and the one with the lowest `eval_loss` (the
-    held-out loss when it was written, if any) are kept."""
+    """Collective: every rank calls it. Rank 0 writes the whole checkpoint: every rank's progress
+    (`gather(text)`: every rank's text, a collective) and `state_fn()`'s tensors. Only rank 0
+    writes, because on several nodes the ranks of another node write to another container's copy
+    of the Volume, which this one sees only after that container commits and this one reloads
+    (modal/volume.py: commit, reload). Afterwards only the last `keep` checkpoints and the one with
+    the lowest `eval_loss` (the held-out loss when it was written, if any) are kept."""
     root = Path(directory)
-    tmp = root / f".step-{step:08d}.tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    (tmp / f"progress-rank{rank}.json").write_text(progress.to_json())
-    barrier()
+    texts = gather(progress.to_json())
     if rank == 0:
         import torch  # (here: orchestrators read checkpoints' progress without importing torch)
 
+        tmp = root / f".step-{step:08d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for r, text in enumerate(texts):
+            (tmp / f"progress-rank{r}.json").write_text(text)
         torch.save({"step": step, "epoch": epoch, "world": world, **state_fn()}, tmp / "state.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, "epoch": epoch, "eval_loss": eval_loss}))
         final = root / f"step-{step:08d}"
@@ -227,6 +230,18 @@ def latest(directory: str | os.PathLike) -> Latest | None:
         ranks[0].plan_id if ranks else "",
         ranks[0].data_id if ranks else "",
     )
+
+
+def latest_meta(directory: str | os.PathLike) -> Latest | None:
+    """The latest checkpoint's folder, step and epoch from its pointer and meta.json alone (no rank's
+    progress: a monitor reads this every few seconds); None if there is none, or it was just pruned."""
+    root = Path(directory)
+    try:
+        folder = root / (root / "latest").read_text().strip()
+        meta = json.loads((folder / "meta.json").read_text())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return Latest(folder, int(meta["step"]), int(meta["epoch"]), [])
 
 
 def check_same_data(step: int, trained_on: str, this: str) -> None:

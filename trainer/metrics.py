@@ -80,7 +80,10 @@ class Tracker:
             import wandb
 
             folder = os.path.dirname(os.path.abspath(tb_dir or log_path or "."))
-            self.wandb = wandb.init(project=wandb_project, name=run or None, dir=folder, resume="allow")
+            import hashlib
+
+            run_id = hashlib.sha1(folder.encode()).hexdigest()[:16]  # (the run folder's: a --resume continues it)
+            self.wandb = wandb.init(project=wandb_project, name=run or None, id=run_id, dir=folder, resume="allow")
         self.bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step", disable=rank != 0 or not bar)
 
     def record(self, m: StepMetrics) -> dict:

@@ -54,6 +54,13 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def gather_texts(text: str) -> list[str]:
+    """Every rank's `text`, on every rank (a collective, on gloo and NCCL alike)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, text)
+    return out
+
+
 def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     stop_asked = []  # set by STOP_SIGNAL; all-reduced with each step's counts so every rank stops together
     signal.signal(STOP_SIGNAL, lambda *_: stop_asked.append(True))
@@ -154,6 +161,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 "schedule": json.dumps(asdict(schedule)),
                 "audits": json.dumps(earlier_audits + audits),
             },
+            gather_texts,
             dist.barrier,
             keep=cfg.keep_checkpoints,
             eval_loss=tracker.evals[-1]["eval_loss"] if tracker.evals else None,
