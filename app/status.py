@@ -22,13 +22,6 @@ IDLE_AFTER_S = 5.0  # a running producer with no unit finished for this long and
 ETA_STEPS = 20  # the ETA comes from the median of the last this many steps
 
 
-def step_rows(log: Path) -> list[dict]:
-    """Every row of a step log: steps (with "loss"), evaluations, epochs' audits (with "audit")."""
-    if not log.exists():
-        return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip().endswith("}")]
-
-
 class StepLog:
     """Rank 0's step log (`trainer.metrics.Tracker`), read as it grows: each `update` reads only the
     lines written since the last (a days-long campaign's log is not read whole every few seconds).

@@ -494,43 +494,26 @@ def main() -> None:
     geometry = tahoe_geometry(max(2_000_000, 2 * args.units * 1024))  # room for the simulated windows' units
     plans = {e: EpochPlan(geometry, replace(SAMPLING), seed=0, epoch=e) for e in range(args.epochs)}
     print(f"plans for the simulated windows built in {time.perf_counter() - t:.1f}s")
-    sim = simulate(
+    campaign = dict(
         producers=args.producers,
         rate=args.rate,
         units=args.units,
         epochs=args.epochs,
         latency_ms=args.latency_ms,
         jitter_ms=args.jitter_ms,
-        kill=True,
         max_seconds=args.max_seconds,
         plans=plans,
         lease_s=args.lease_s,
-        kill_after_s=kill_after_s,
     )
-    if not sim["finished"]:  # the rest would measure nothing that matters for a run that did not do its work
-        fail(
-            f"did not finish: the simulation delivered {sim['cells']:,} of {sim['expected_cells']:,} cells "
-            f"in {sim['seconds']}s"
-        )
+    sim = simulate(**campaign, kill=True, kill_after_s=kill_after_s)
     # past one node: the same campaign for 64 ranks (8 nodes x 8 GPUs), no death; one driver serves them all
-    sim64 = simulate(
-        producers=args.producers,
-        rate=args.rate,
-        units=args.units,
-        epochs=args.epochs,
-        latency_ms=args.latency_ms,
-        jitter_ms=args.jitter_ms,
-        kill=False,
-        max_seconds=args.max_seconds,
-        plans=plans,
-        lease_s=args.lease_s,
-        world=64,
-    )
-    if not sim64["finished"]:
-        fail(
-            f"did not finish: 64 ranks got {sim64['cells']:,} of {sim64['expected_cells']:,} cells "
-            f"in {sim64['seconds']}s"
-        )
+    sim64 = simulate(**campaign, kill=False, world=64)
+    for ranks, run in (("8 ranks", sim), ("64 ranks", sim64)):  # the rest would measure nothing that matters
+        if not run["finished"]:
+            fail(
+                f"did not finish: the simulation for {ranks} delivered {run['cells']:,} of "
+                f"{run['expected_cells']:,} cells in {run['seconds']}s"
+            )
     spin = full_partition_phase(
         seconds=args.spin_seconds, latency_ms=args.latency_ms, jitter_ms=args.jitter_ms, plans=plans
     )
