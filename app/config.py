@@ -10,6 +10,7 @@ import time
 import typing
 from dataclasses import MISSING, dataclass, fields
 
+from coordination.balance import DEFAULT_POWER, Balance
 from coordination.driver import LEASE_S, heartbeat_interval
 from coordination.errors import CellfeedError
 from coordination.modal_backend import RETRY_S as MODAL_RETRY_S
@@ -47,6 +48,11 @@ FLAG_HELP = {
     "fetch_factor": "block sampling: batches' worth of blocks per work unit",
     "n_scanners": "mixture sampling: fragments read together in one work unit",
     "unit_cells": "sequential/mixture sampling: consecutive cells per scanner chunk",
+    "balance_by": "balanced sampling: an obs column whose values are classes (cell type, tissue, donor, assay); "
+    "every epoch gives each class an exact quota, each class's cells drawn without replacement across epochs "
+    "(with a corpus: within each source) (default: the data as it is)",
+    "balance_power": "with --balance-by: ALPHA, from 0 (classes as the data has them) to 1 (every class equal): "
+    "a class's share is proportional to its cells**(1 - ALPHA); 0.5, the square root, is the usual compromise",
     "producers": "producer processes (CPU); scale them until the trainer never waits",
     "gpus": "trainer ranks per node (GPUs of one train container; the DDP world is --nodes x --gpus)",
     "nodes": "trainer nodes: --nodes x --gpus ranks in one DDP world (on Modal a clustered train of --nodes "
@@ -91,6 +97,8 @@ CAMPAIGN_FLAGS = (
     "fetch_factor",
     "n_scanners",
     "unit_cells",
+    "balance_by",
+    "balance_power",
     "subset_filter",
     "eval_filter",
     "eval_cells",
@@ -136,6 +144,8 @@ class CampaignConfig:
     fetch_factor: int = 64
     n_scanners: int = 8
     unit_cells: int = 1024
+    balance_by: str | None = None  # an obs column: each class an exact quota per epoch (`coordination.balance`)
+    balance_power: float = DEFAULT_POWER
     producers: int = 16
     gpus: int = 8  # trainer ranks per node
     nodes: int = 1  # trainer nodes: the DDP world is nodes x gpus ranks (`world_size`)
@@ -225,7 +235,17 @@ class CampaignConfig:
         if int(self.warmup_steps) < 0:
             raise CellfeedError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         self.sampling.validate()
+        if self.balance is not None:
+            self.balance.validate()
+            if self.label_column:
+                raise CellfeedError(
+                    "--balance-by carries each cell's class as its label: leave out label_column, or balance by it"
+                )
         return self
+
+    @property
+    def balance(self) -> Balance | None:
+        return None if self.balance_by is None else Balance(self.balance_by, float(self.balance_power))
 
     @classmethod
     def from_flags(cls, flags: dict) -> "CampaignConfig":
@@ -322,6 +342,7 @@ class CampaignConfig:
             world_size=self.world_size,
             cells_per_item=self.cells_per_item,
             label_column=self.label_column,
+            balance=self.balance,
             subset_filter=self.subset_filter,
             exclude_filter=self.eval_filter,
             idle_timeout_s=idle_timeout_s,

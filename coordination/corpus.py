@@ -36,7 +36,7 @@ import numpy as np
 from coordination.arrays import merge_ranges
 from coordination.audit import cell_hashes
 from coordination.errors import CellfeedError
-from coordination.plan import DatasetGeometry, EpochPlan, Sampling, Unit, UnitPart, block_order, shrunk
+from coordination.plan import HASH_CHUNK, DatasetGeometry, EpochPlan, Sampling, Unit, UnitPart, block_order, shrunk
 from coordination.routing import unit_rank
 from coordination.seeds import derive_key
 
@@ -51,6 +51,7 @@ class CorpusSource:
     geometry: DatasetGeometry
     selection: np.ndarray | None = field(default=None, repr=False)
     offset: int = 0
+    stream: tuple = ()  # what keys its passes (default: ("corpus", its index)); a balanced stratum's own
 
     @property
     def n_selected(self) -> int:
@@ -64,14 +65,15 @@ class _Pass:
     def __init__(self, source: CorpusSource, sampling: Sampling, seed: int, index: int, k: int):
         n = source.n_selected
         self.n = n
+        stream = source.stream or ("corpus", index)
         strategy = sampling.strategy
         self.block, self.chunks = None, None
         if strategy in ("block", "random"):
             self.block = shrunk(sampling.effective_block_size, n, sampling)
             self.full = n // self.block
-            self.key = derive_key(seed, "corpus", index, k, "blocks")
+            self.key = derive_key(seed, *stream, k, "blocks")
         elif strategy == "mixture":  # the scanner rounds of a one-source plan with this pass's key
-            plan = EpochPlan(source.geometry, sampling, derive_key(seed, "corpus", index, k), 0, source.selection)
+            plan = EpochPlan(source.geometry, sampling, derive_key(seed, *stream, k), 0, source.selection)
             self.chunks = plan.scanner_positions()  # 8 bytes a selected cell: mixture's order is not O(1)
 
     def positions(self, a: int, b: int) -> np.ndarray:
@@ -94,7 +96,12 @@ class _Pass:
 
 class CorpusPlan:
     """The units of one corpus epoch (see the module's text): a `coordination.plan.Plan` whose
-    units have a part per source they draw from, and no boundary cells."""
+    units have a part per source they draw from, and no boundary cells.
+
+    A balanced epoch (`coordination.balance`) is a corpus plan over strata (one class of one
+    source each): `part_sources` names each stratum's campaign source, so a unit has one part per
+    campaign source (its strata's cells merged), and units are the even cuts alone: a stratum's
+    share may span passes of a small class (that unit then holds some of its cells twice)."""
 
     def __init__(
         self,
@@ -104,10 +111,15 @@ class CorpusPlan:
         seed: int,
         epoch: int,
         starts: np.ndarray | None = None,
+        *,
+        part_sources: np.ndarray | None = None,
+        balance: tuple | None = None,
     ):
         self.sources, self.sampling = sources, sampling.validate()
         self.quotas = np.asarray(quotas_, dtype=np.int64)
         self.seed, self.epoch = int(seed), int(epoch)
+        self.part_sources = None if part_sources is None else np.asarray(part_sources, dtype=np.int64)
+        self.balance = balance
         # where each source's stream stands at this epoch's start: epoch x quota, unless the mixture
         # changed at an earlier epoch (`Mixtures.starts`)
         self.starts = self.epoch * self.quotas if starts is None else np.asarray(starts, dtype=np.int64)
@@ -122,29 +134,37 @@ class CorpusPlan:
         )
         total = int(self.quotas.sum())
         n = max(1, min(total, max(-(-total // per_unit), s.min_units)))
-        # cut fractions: the even unit cuts, and each source's pass boundaries inside this epoch
-        cuts = {Fraction(u, n) for u in range(n + 1)}
-        for q, start, src in zip(self.quotas.tolist(), self.starts.tolist(), sources):
-            if q == 0:
-                continue
-            first_pass = -(-start // src.n_selected) * src.n_selected  # the first pass boundary >= start
-            cuts.update(Fraction(b - start, q) for b in range(first_pass, start + q, src.n_selected) if b > start)
-        self.cuts = sorted(cuts)
-        self.n_units = len(self.cuts) - 1
+        if self.part_sources is not None:  # strata: the even cuts only
+            self.cuts = None
+            self.n_units = n
+        else:  # cut fractions: the even unit cuts, and each source's pass boundaries inside this epoch
+            cuts = {Fraction(u, n) for u in range(n + 1)}
+            for q, start, src in zip(self.quotas.tolist(), self.starts.tolist(), sources):
+                if q == 0:
+                    continue
+                first_pass = -(-start // src.n_selected) * src.n_selected  # the first pass boundary >= start
+                cuts.update(Fraction(b - start, q) for b in range(first_pass, start + q, src.n_selected) if b > start)
+            self.cuts = sorted(cuts)
+            self.n_units = len(self.cuts) - 1
         self.boundary_cells = self.boundary_piece_counts = self.boundary_piece_units = np.zeros(0, dtype=np.int64)
         self._passes: dict[tuple[int, int], _Pass] = {}
+        self._bounds: dict[int, np.ndarray] = {}
 
     # ---- identity and counts
 
     @cached_property
     def plan_id(self) -> str:
         h = hashlib.blake2b(digest_size=8)
-        h.update(
-            json.dumps(
-                [[s.geometry.fingerprint, s.offset] for s in self.sources]
-                + [self.quotas.tolist(), self.starts.tolist(), asdict(self.sampling), self.seed, self.epoch]
-            ).encode()
-        )
+        inputs = [[s.geometry.fingerprint, s.offset] for s in self.sources] + [
+            self.quotas.tolist(),
+            self.starts.tolist(),
+            asdict(self.sampling),
+            self.seed,
+            self.epoch,
+        ]
+        if self.balance is not None:  # (a corpus's ids stay what they were)
+            inputs += [list(self.balance), [list(s.stream) for s in self.sources], self.part_sources.tolist()]
+        h.update(json.dumps(inputs).encode())
         for s in self.sources:
             h.update(b"all" if s.selection is None else s.selection.tobytes())
         return h.hexdigest()
@@ -153,20 +173,27 @@ class CorpusPlan:
     def n_cells(self) -> int:
         return int(self.quotas.sum())
 
+    def bounds(self, s: int) -> np.ndarray:
+        """int64[n_units + 1]: source s's stream offsets where each unit's share starts (and the last ends)."""
+        if s not in self._bounds:
+            q, start = int(self.quotas[s]), int(self.starts[s])
+            if self.cuts is None:
+                self._bounds[s] = start + np.arange(self.n_units + 1, dtype=np.int64) * q // self.n_units
+            else:
+                self._bounds[s] = np.array([start + math.floor(c * q) for c in self.cuts], dtype=np.int64)
+        return self._bounds[s]
+
     def _share(self, u: int, s: int) -> tuple[int, int]:
         """Source s's stream offsets of unit u: [a, b)."""
-        q, start = int(self.quotas[s]), int(self.starts[s])
-        lo, hi = self.cuts[u], self.cuts[u + 1]
-        return start + math.floor(lo * q), start + math.floor(hi * q)
+        b = self.bounds(s)
+        return int(b[u]), int(b[u + 1])
 
     @cached_property
     def unit_source_counts(self) -> np.ndarray:
         """int64[n_units, n_sources]: cells of each source in each unit."""
         out = np.zeros((self.n_units, len(self.sources)), dtype=np.int64)
-        for u in range(self.n_units):
-            for s in range(len(self.sources)):
-                a, b = self._share(u, s)
-                out[u, s] = b - a
+        for s in range(len(self.sources)):
+            out[:, s] = np.diff(self.bounds(s))
         return out
 
     @property
@@ -187,39 +214,57 @@ class CorpusPlan:
             self._passes[(s, k)] = _Pass(self.sources[s], self.sampling, self.seed, s, k)
         return self._passes[(s, k)]
 
-    def unit_cells(self, u: int, s: int) -> np.ndarray:
-        """Local cell ids of source s in unit u, in stream order (within one pass: distinct)."""
-        a, b = self._share(u, s)
-        if a == b:
-            return np.zeros(0, dtype=np.int64)
+    def stream_cells(self, s: int, a: int, b: int) -> np.ndarray:
+        """Local cell ids at offsets [a, b) of source s's stream, pass after pass."""
         src = self.sources[s]
-        n = src.n_selected
-        k = a // n  # a share never crosses a pass boundary
-        positions = self._pass(s, k).positions(a - k * n, b - k * n)
-        return positions if src.selection is None else src.selection[positions]
+        n, out = src.n_selected, []
+        while a < b:
+            k = a // n
+            stop = min(b, (k + 1) * n)
+            positions = self._pass(s, k).positions(a - k * n, stop - k * n)
+            out.append(positions if src.selection is None else src.selection[positions].astype(np.int64))
+            a = stop
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def unit_cells(self, u: int, s: int) -> np.ndarray:
+        """Local cell ids of source s in unit u, in stream order (a corpus's share lies in one pass: distinct)."""
+        return self.stream_cells(s, *self._share(u, s))
 
     def unit(self, u: int) -> Unit:
         if not 0 <= u < self.n_units:
             raise IndexError(f"unit {u} out of range 0..{self.n_units - 1}")
+        owner = np.arange(len(self.sources)) if self.part_sources is None else self.part_sources
         parts = []
-        for s, src in enumerate(self.sources):
-            cells = np.sort(self.unit_cells(u, s))
+        for campaign_source in np.unique(owner).tolist():
+            mine = np.flatnonzero(owner == campaign_source)
+            cells = np.sort(np.concatenate([self.unit_cells(u, int(s)) for s in mine]))
             if len(cells):
-                starts = src.geometry.cell_row_start
-                parts.append(UnitPart(s, cells, merge_ranges(starts[cells], starts[cells + 1])))
+                starts = self.sources[int(mine[0])].geometry.cell_row_start
+                parts.append(UnitPart(campaign_source, cells, merge_ranges(starts[cells], starts[cells + 1])))
         return Unit(self.epoch, u, parts)
 
     def units(self):
         return (self.unit(u) for u in range(self.n_units))
 
     def cell_hash_per_rank(self, world_size: int) -> list[int]:
-        """`cells_hash` of the global cell ids each rank receives (a cell planned twice counts twice)."""
+        """`cells_hash` of the global cell ids each rank receives (a cell planned twice counts twice):
+        per source, its epoch's stream hashed in chunks, summed between the units' share bounds."""
         out = np.zeros(world_size, dtype=np.uint64)
+        ranks = unit_rank(np.arange(self.n_units), world_size)
         with np.errstate(over="ignore"):
-            for u in range(self.n_units):
-                r = unit_rank(u, world_size)
-                for s, src in enumerate(self.sources):
-                    out[r] += cell_hashes(self.unit_cells(u, s) + src.offset).sum(dtype=np.uint64)
+            for s, src in enumerate(self.sources):
+                bounds = self.bounds(s)
+                prefix = np.zeros(len(bounds), dtype=np.uint64)  # hashes of the stream before each bound
+                carry = np.uint64(0)
+                for lo in range(int(bounds[0]), int(bounds[-1]), HASH_CHUNK):
+                    hi = min(int(bounds[-1]), lo + HASH_CHUNK)
+                    running = np.cumsum(cell_hashes(self.stream_cells(s, lo, hi) + src.offset), dtype=np.uint64)
+                    a, b = np.searchsorted(bounds, [lo + 1, hi + 1])  # bounds p with lo < p <= hi
+                    prefix[a:b] = carry + running[bounds[a:b] - lo - 1]
+                    carry = carry + running[-1]
+                sums = prefix[1:] - prefix[:-1]
+                for r in range(world_size):
+                    out[r] += sums[ranks == r].sum(dtype=np.uint64)
         return [int(x) for x in out]
 
 

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from coordination.balance import Balance
 from coordination.corpus_file import CorpusSpec, Mixtures
 from coordination.driver import LEASE_S, heartbeat_interval
 from coordination.errors import CellfeedError
@@ -33,6 +34,7 @@ class ProducerConfig:
     world_size: int = 1
     cells_per_item: int = 128
     label_column: str | None = None  # an obs column carried as int labels (e.g. "plate")
+    balance: Balance | None = None  # balanced sampling by an obs column (`coordination.balance`)
     subset_filter: str | None = None  # a Lance SQL filter on obs, e.g. "plate != 'plate14'"
     subset_ids: tuple[int, ...] | None = None
     exclude_filter: str | None = None  # cells never to produce for training, e.g. the held-out split
@@ -77,6 +79,10 @@ class ProducerConfig:
                 "with a corpus, give each source's subset_filter / eval_filter in the corpus file "
                 "(labels and id lists are for one dataset)"
             )
+        if self.balance is not None:
+            self.balance.validate()
+            if self.label_column:
+                raise CellfeedError("balanced sampling carries each cell's class as its label: give no label_column")
         if self.world_size < 1:
             raise CellfeedError(f"world_size must be >= 1, got {self.world_size}")
         if self.threads is not None and self.threads < 1:

@@ -47,7 +47,14 @@ from producers.courier import STOP_POLL_S, Courier, Stopped
 from producers.dataset import Dataset, RowBlock, StorageUnavailable
 from producers.items import SourceCells, unit_items
 from producers.selection import label_codes
-from producers.sources import attach_vocab, campaign_tokenizer, campaign_vocab, epoch_plan, open_sources
+from producers.sources import (
+    attach_vocab,
+    balance_strata,
+    campaign_tokenizer,
+    campaign_vocab,
+    epoch_plan,
+    open_sources,
+)
 from producers.stitch import offer_piece
 from producers.storage import LocalLocation
 
@@ -117,6 +124,10 @@ class Producer:
             None if self.mixtures is None else self.mixtures.quotas_at(self.mixtures.history[-1][0], self.selected)
         )
         self.labels = label_codes(self.ds, config.label_column)[0] if config.label_column else None
+        # balanced sampling: the strata (each source's cells by class), and each cell's class as its label
+        self.strata = balance_strata(self.sources, config.balance) if config.balance else None
+        if self.strata is not None:
+            self.labels = self.strata.labels(self.sources[-1].offset + self.sources[-1].ds.n_cells)
         self.tag = run_tag(config.run)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.stats = ProducerStats()
@@ -155,7 +166,7 @@ class Producer:
             if epoch not in self._plans:
                 self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
                 self._plans[epoch] = epoch_plan(
-                    self.sources, self.mixtures, self.config.sampling, self.config.seed, epoch
+                    self.sources, self.mixtures, self.config.sampling, self.config.seed, epoch, self.strata
                 )
             return self._plans[epoch]
 

@@ -57,3 +57,43 @@ def label_codes(ds: Dataset, column: str) -> tuple[np.ndarray, list[str]]:
 
     encoded = pc.dictionary_encode(ds.obs([column]).column(0)).combine_chunks()
     return encoded.indices.to_numpy(zero_copy_only=False).astype(np.int32), encoded.dictionary.to_pylist()
+
+
+def class_codes(ds: Dataset, column: str, selection: np.ndarray | None, source: str) -> tuple[np.ndarray, list[str]]:
+    """Balanced sampling's classes in one source: per selected cell (`selection`, None: all) an int
+    code, and the class names the codes index (the column's values among those cells, as text).
+    Refused in one line, before any producer starts: a column the dataset lacks, selected cells
+    with no value, and a class the column declares (an h5ad categorical's categories) that no
+    cell of the dataset carries: its quota could never be filled."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if column not in ds.obs_columns:
+        raise CellfeedError(
+            f"--balance-by {column!r}: source {source!r} ({ds.uri}) has no obs column {column!r}; its obs "
+            f"columns: {', '.join(ds.obs_columns)}"
+        )
+    values = ds.obs([column]).column(0)
+    declared = ((ds.config.get("metadata") or {}).get("categories") or {}).get("obs", {}).get(column)
+    if declared:
+        empty = sorted(set(map(str, declared)) - set(map(str, pc.unique(values).to_pylist())))
+        if empty:
+            shown = ", ".join(repr(c) for c in empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+            raise CellfeedError(
+                f"--balance-by {column!r}: class {shown} of source {source!r} has no cells (the column declares "
+                f"{len(declared)} classes, {len(empty)} of which no cell carries), so no epoch could fill its "
+                "quota: drop the unused categories before converting (pandas: "
+                f"adata.obs[{column!r}] = adata.obs[{column!r}].cat.remove_unused_categories())"
+            )
+    if selection is not None:
+        values = values.take(selection)
+    if values.null_count:
+        raise CellfeedError(
+            f"--balance-by {column!r}: {values.null_count:,} training cells of source {source!r} have no "
+            f'{column}: leave them out with --subset-filter "{column} IS NOT NULL" (in a corpus: the '
+            "source's subset_filter), or fill them in"
+        )
+    if not pa.types.is_string(values.type):
+        values = values.cast(pa.string())  # numbers, booleans, categoricals: classes by their text
+    encoded = pc.dictionary_encode(values).combine_chunks()
+    return encoded.indices.to_numpy(zero_copy_only=False), [str(v) for v in encoded.dictionary.to_pylist()]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from coordination.balance import Balance, Strata
 from coordination.corpus import CorpusPlan, CorpusSource
 from coordination.corpus_file import CorpusSpec, Mixtures, SourceSpec
 from coordination.errors import CellfeedError
@@ -15,7 +16,7 @@ from coordination.plan import DatasetGeometry, EpochPlan, Plan, Sampling
 from coordination.vocab import MIN_MATCHED_SHARE, GeneVocab, inside
 from producers.dataset import Dataset, open_dataset
 from producers.gene_stats import load_gene_medians
-from producers.selection import select_cells
+from producers.selection import class_codes, select_cells
 from producers.tokenizers import make_tokenizer, needs_gene_medians
 
 COVERAGE_SAMPLE_ROWS = 1 << 20  # non-zeros read to measure the share the vocabulary keeps
@@ -64,10 +65,38 @@ def open_sources(
     return sources
 
 
-def epoch_plan(sources: list[Source], mixtures: Mixtures | None, sampling: Sampling, seed: int, epoch: int) -> Plan:
+def balance_strata(sources: list[Source], balance: Balance) -> Strata:
+    """The campaign's strata for balanced sampling: each source's selected cells by class
+    (`coordination.balance`); a missing column, a cell with no class or a class with no cells is
+    refused here, at setup."""
+    per_source = []
+    for s in sources:
+        codes, names = class_codes(s.ds, balance.column, s.selection, s.spec.name)
+        per_source.append((s.selection, codes, names))
+    return Strata.build(balance, per_source, [s.offset for s in sources], [DatasetGeometry.of(s.ds) for s in sources])
+
+
+def source_quotas(sources: list[Source], mixtures: Mixtures | None, epoch: int) -> np.ndarray:
+    """Each source's cells in `epoch`: its quota under the epoch's mixture (one dataset: its selected cells)."""
+    if mixtures is None:
+        return np.array([sources[0].n_selected], dtype=np.int64)
+    return mixtures.quotas_at(epoch, {s.spec.name: s.n_selected for s in sources})
+
+
+def epoch_plan(
+    sources: list[Source],
+    mixtures: Mixtures | None,
+    sampling: Sampling,
+    seed: int,
+    epoch: int,
+    strata: Strata | None = None,
+) -> Plan:
     """Epoch `epoch`'s plan over the sources: a corpus's (each source its quota under the epoch's
     mixture), or one dataset's selected cells (which a scanner strategy cuts at fragment edges,
-    stitching the cells cut there)."""
+    stitching the cells cut there); balanced (`strata`), a corpus plan over the classes of each
+    source."""
+    if strata is not None:
+        return strata.plan(lambda e: source_quotas(sources, mixtures, e), sampling, seed, epoch)
     if mixtures is None:
         return EpochPlan(DatasetGeometry.of(sources[0].ds), sampling, seed, epoch, sources[0].selection)
     selected = {s.spec.name: s.n_selected for s in sources}

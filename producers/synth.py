@@ -13,6 +13,10 @@ plates can be judged on another (downstream parity in `benchmarks/randomness.py`
 `drug` stays plate-specific (as in Tahoe, a plate holds a subset of the drugs), so it is not
 such a label.
 
+For balanced sampling (`--balance-by`), `tissue` is a skewed class column: 50 tissues whose sizes
+follow Zipf's law (tissue k holds a share proportional to 1/k), stored as runs of cells (samples
+of one tissue each, in a shuffled order), as an atlas ordered by experiment stores them.
+
 Generation is chunked (CHUNK_CELLS cells at a time, each chunk seeded by (seed, chunk index)),
 so memory is bounded by a chunk and the output depends only on the seed and the sizes.
 """
@@ -32,7 +36,7 @@ from coordination.errors import CellfeedError
 from producers.dataset import Dataset
 from producers.writer import DatasetWriter
 
-VERSION = 2  # raised whenever a spec yields other data than before (2: cell-line and dose signal)
+VERSION = 3  # raised whenever a spec yields other data than before (2: cell-line and dose signal; 3: tissue)
 CHUNK_CELLS = 4096
 URN_SIZE = 1 << 22  # a gene "urn" per plate: drawing uniformly from it samples gene popularity
 N_CELL_LINES = 50
@@ -43,6 +47,8 @@ LINE_DIRICHLET = 2.0  # spread of cell-line proportions between plates (smaller:
 MARKERS_PER_LINE = 24
 DOSE_GENES = 24
 DOSE_FRACTION = (0.0, 0.002, 0.004)  # of a cell's draws, from the dose programme, per dose
+N_TISSUES = 50
+TISSUE_RUNS = 400  # samples (runs of one tissue) in the atlas, at most one per 4 cells
 
 
 @dataclass(frozen=True)
@@ -131,7 +137,38 @@ class _Model:
         return np.ceil(np.interp(nnz, self.distinct[plate], self.draw_grid)).astype(np.int64)
 
 
-def _chunk(spec: SynthSpec, model: _Model, plate_of: np.ndarray, start: int, stop: int, chunk_index: int):
+def tissue_sizes(n_cells: int) -> np.ndarray:
+    """Cells per tissue: Zipf's law over N_TISSUES tissues (shares proportional to 1/k), rounded by
+    largest remainder, every tissue at least one cell where there are enough cells."""
+    exact = (1.0 / np.arange(1, N_TISSUES + 1)) / (1.0 / np.arange(1, N_TISSUES + 1)).sum() * n_cells
+    sizes = np.floor(exact).astype(np.int64)
+    sizes[np.argsort(-(exact - sizes), kind="stable")[: n_cells - int(sizes.sum())]] += 1
+    if n_cells >= N_TISSUES:
+        while (sizes == 0).any():  # a few cells from the largest to the empty
+            sizes[np.argmax(sizes)] -= 1
+            sizes[np.flatnonzero(sizes == 0)[0]] += 1
+    return sizes
+
+
+def tissue_layout(spec: SynthSpec) -> np.ndarray:
+    """Each cell's tissue in storage order: every tissue cut into runs (samples), the runs shuffled."""
+    rng = np.random.default_rng([spec.seed, 1_000_003])  # its own stream: the other columns are unchanged
+    sizes = tissue_sizes(spec.n_cells)
+    run_cells = max(4, spec.n_cells // TISSUE_RUNS)
+    runs = [(t, min(run_cells, n - a)) for t, n in enumerate(sizes.tolist()) for a in range(0, n, run_cells)]
+    order = rng.permutation(len(runs))
+    return np.repeat([runs[i][0] for i in order], [runs[i][1] for i in order]).astype(np.int16)
+
+
+def _chunk(
+    spec: SynthSpec,
+    model: _Model,
+    plate_of: np.ndarray,
+    start: int,
+    stop: int,
+    chunk_index: int,
+    tissue_of: np.ndarray | None = None,
+):
     """Cells [start, stop): obs table and CSR (indptr, genes, values), sorted by gene per cell."""
     rng = np.random.default_rng([spec.seed, chunk_index])
     n = stop - start
@@ -201,6 +238,7 @@ def _chunk(spec: SynthSpec, model: _Model, plate_of: np.ndarray, start: int, sto
             "cell_line": pa.array([f"CVCL_{c:04d}" for c in lines]),
             "drug": pa.array([f"drug_{d:03d}" for d in drugs]),
             "dose": pa.array(np.asarray(DOSES_UM)[doses], type=pa.float32()),
+            "tissue": pa.array([f"tissue_{t:02d}" for t in tissue_of[start:stop]]),
         }
     )
     return obs, indptr, genes, values
@@ -211,8 +249,9 @@ def iter_chunks(spec: SynthSpec):
     spec.validate()
     model = _Model(spec)
     plate_of = np.repeat(np.arange(spec.n_plates), plate_sizes(spec.n_cells, spec.n_plates))
+    tissue_of = tissue_layout(spec)
     for index, start in enumerate(range(0, spec.n_cells, CHUNK_CELLS)):
-        yield _chunk(spec, model, plate_of, start, min(start + CHUNK_CELLS, spec.n_cells), index)
+        yield _chunk(spec, model, plate_of, start, min(start + CHUNK_CELLS, spec.n_cells), index, tissue_of)
 
 
 def gene_table(spec: SynthSpec, gene_ids=None) -> pa.Table:
