@@ -15,7 +15,7 @@ from coordination.vocab import publish_vocab
 from producers.held_out import produce_held_out
 from producers.producer import Producer
 from producers.selection import filter_cells
-from producers.sources import check_coverage
+from producers.sources import check_coverage, source_quotas
 
 MAX_EPOCHS = 10_000  # a step budget needing more epochs than this is surely a mistake
 
@@ -28,6 +28,11 @@ def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
         if len(summaries) == MAX_EPOCHS:
             raise CellfeedError(f"--steps {cfg.steps} needs more than {MAX_EPOCHS:,} epochs of this dataset")
         summaries.append(PlanSummary.of(producer.plan(len(summaries)), cfg.world_size))
+        if producer.strata is not None:  # the class mix planned: what the audit checks each epoch's labels against
+            epoch = summaries[-1].epoch
+            summaries[-1].class_mix = producer.strata.class_mix(
+                source_quotas(producer.sources, producer.mixtures, epoch)
+            )
         steps += optimizer_steps(summaries[-1:], cfg.batch_size, cfg.grad_accum)
     if cfg.steps and steps < cfg.steps:
         raise CellfeedError(
@@ -78,7 +83,19 @@ def prepare(cfg, queue, store, vocab_path=None) -> SetupFacts:
         held_out_items=held_out_items,
         sources=tuple((s.spec.name, int(q), c.line()) for s, q, c in zip(producer.sources, quotas, coverage)),
         data_id=data_identity(producer.sources),
+        **balance_facts(cfg, producer, summaries[0]),
     )
+
+
+def balance_facts(cfg, producer: Producer, first) -> dict:
+    """The class mix a balanced campaign plans (epoch 0's), beside each class's cells in the data."""
+    if producer.strata is None:
+        return {}
+    in_data = producer.strata.class_totals(producer.strata.counts)
+    return {
+        "balance": f"{cfg.balance_by}, ALPHA {cfg.balance_power:g}",
+        "class_mix": tuple([name, n, int(d)] for (name, n), d in zip(first.class_mix, in_data)),
+    }
 
 
 def data_identity(sources) -> str:

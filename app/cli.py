@@ -9,7 +9,8 @@ import time
 import numpy as np
 
 from app import ops
-from app.config import DEFAULT_LENGTHS
+from app.config import DEFAULT_LENGTHS, FLAG_HELP
+from coordination.balance import DEFAULT_POWER
 from coordination.errors import CellfeedError
 
 ROWS_PER_FRAGMENT = 1 << 22
@@ -117,6 +118,8 @@ def cmd_stats(args) -> int:
     from producers.dataset import open_dataset
     from producers.gene_stats import compute_gene_medians, store_gene_stats
 
+    if args.balance_by:
+        return class_stats(args)
     if args.dataset.endswith(".toml"):
         return corpus_stats(args)
     ds = open_dataset(args.dataset)
@@ -128,6 +131,34 @@ def cmd_stats(args) -> int:
         f"stored the non-zero medians of normalised counts (x / cell total * 10,000) of {int(expressed.sum()):,} "
         f"expressed genes (of {ds.n_genes:,}) in {ds.uri}/gene_stats.lance; median of medians {typical:.3g}"
     )
+    return 0
+
+
+def class_stats(args) -> int:
+    """The class mix balanced sampling would plan: per class of --balance-by, its cells in the data
+    (after --subset-filter, or each corpus source's filters) and its cells per epoch at
+    --balance-power, with how often each of its cells comes per epoch."""
+    from coordination.balance import Balance
+    from coordination.corpus_file import CorpusSpec, Mixtures
+    from producers.sources import balance_strata, open_sources, source_quotas
+
+    balance = Balance(args.balance_by, args.balance_power).validate()
+    corpus = args.dataset.endswith(".toml")
+    spec = CorpusSpec.read(args.dataset) if corpus else CorpusSpec.single(args.dataset, args.subset_filter)
+    sources = open_sources(spec, verify=False)
+    strata = balance_strata(sources, balance)
+    mixtures = Mixtures([(0, spec)]) if corpus else None
+    planned = strata.class_mix(source_quotas(sources, mixtures, 0))
+    in_data = strata.class_totals(strata.counts)
+    total, epoch = int(in_data.sum()), sum(n for _, n in planned)
+    print(
+        f"{args.dataset}: {len(planned)} classes of {args.balance_by}, ALPHA {balance.power:g}, "
+        f"{epoch:,} cells per epoch"
+    )
+    width = max(len("class"), *(len(name) for name, _ in planned))
+    print(f"{'class':<{width}} {'in data':>12} {'share':>7} {'per epoch':>12} {'share':>7} {'x per epoch':>11}")
+    for (name, n), d in sorted(zip(planned, in_data.tolist()), key=lambda t: -t[1]):
+        print(f"{name:<{width}} {d:>12,} {d / total:>7.2%} {n:>12,} {n / epoch:>7.2%} {n / d:>11.2f}")
     return 0
 
 
@@ -358,6 +389,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=None, help="with a corpus: the median dictionary (JSON) to write")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--balance-by",
+        default=None,
+        metavar="COLUMN",
+        help="instead of medians: the class mix balanced sampling by this obs column would plan (per class: "
+        "cells in the data, cells per epoch, times each cell comes per epoch)",
+    )
+    p.add_argument(
+        "--balance-power",
+        type=float,
+        default=DEFAULT_POWER,
+        metavar="ALPHA",
+        help=FLAG_HELP["balance_power"].replace("%", "%%"),
+    )
+    p.add_argument("--subset-filter", default=None, help="with --balance-by: the training cells, as `cellfeed local`'s")
     p.set_defaults(func=cmd_stats)
 
     p = command(

@@ -28,6 +28,7 @@ from coordination.errors import CellfeedError
 from coordination.local_backend import ServerProcess
 from coordination.net import free_port
 from coordination.routing import producers_key
+from coordination.summary import class_mix_line
 from trainer import checkpoint
 from trainer.launch import ask_to_stop, launch, wait_all
 
@@ -131,6 +132,8 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
             + (f", {facts.held_out_cells:,} held-out cells" if facts.held_out_cells else ""),
             flush=True,
         )
+        if facts.class_mix:
+            print(class_mix_line(facts), flush=True)
         print(
             f"checkpoints: {cfg.run_checkpoint_dir} (every {cfg.checkpoint_every} steps); step log, TensorBoard "
             f"(tb/), status: {workdir}" + (f"; cell logs: {workdir}/cells.rank<r>.jsonl" if audit_cells else ""),
@@ -193,6 +196,7 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
         if codes != [0] * cfg.world_size:
             raise CellfeedError(f"the campaign failed: trainer ranks exited {codes}; rank logs are in {workdir}")
         summary = json.loads((workdir / "summary.rank0").read_text())
+        summary["classes"] = class_mix_line(facts, summary.get("audits", []))
         reports = json.loads(store.get(producers_key(cfg.run)) or "{}")
         summary["producers"] = [reports.get(n, {}) for n in fleet.names]
         summary["producer_restarts"] = sum(fleet.restarts)

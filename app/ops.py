@@ -109,6 +109,8 @@ def describe(snap: dict) -> str:
     )
     if snap["state"] == "running" and snap.get("eta_s") is not None:
         lines.append(f"  ETA: {snap['eta_s'] / 60:.1f} min at {snap['step_s']:.2f} s a step")
+    if snap.get("classes"):
+        lines.append(f"  {snap['classes']}")
     for a in snap.get("audits", []):
         lines.append(f"  audit: {a['line']}")
     if snap.get("resume") and snap["state"] != "complete":

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from app.config import CampaignConfig
 from coordination.routing import TASKS_PARTITION, producers_key, rank_partition
+from coordination.summary import class_mix_line
 
 
 def plural(n: int, word: str) -> str:
@@ -137,6 +138,8 @@ def snapshot(
         ],
         "checkpoint": {"step": latest.step, "epoch": latest.epoch, "folder": str(latest.folder)} if latest else None,
         "audits": log.audits,
+        "classes": class_mix_line(facts, log.audits),
+        "class_mix": [list(c) for c in facts.class_mix],
         "resume": resume,
     }
 
@@ -192,6 +195,10 @@ def status_line(snap: dict) -> str:
         + (f", {snap['ready_cells']:,} cells ready in the ranks" if snap["ready_cells"] is not None else ""),
         "producers " + ", ".join(p["state"] for p in snap["producers"]),
     ]
+    if snap.get("class_mix"):  # balanced: the classes planned, and the epochs audited at their quotas
+        audited = [a for a in snap["audits"] if "classes" in a]
+        at_quota = sum(1 for a in audited if "at their quotas" in a["line"])
+        parts.append(f"{len(snap['class_mix'])} classes, {at_quota}/{len(audited)} epochs at quota")
     return " | ".join(parts)
 
 
@@ -221,4 +228,6 @@ def print_summary(summary: dict, workdir: Path, objective: str = "bins") -> None
             f"{sum(a['cells'] for a in checked):,} cells trained, {sum(a['missing'] for a in checked)} missing, "
             f"{sum(a['duplicated'] for a in checked)} duplicated"
         )
+    if summary.get("classes"):
+        print(summary["classes"])
     print(f"step log: {workdir}/steps.jsonl")

@@ -50,11 +50,13 @@ def pipeline_epoch(
     latency_ms: float = 0.0,
     max_genes: int = 8,
     held_out_filter: str | None = None,
+    balance=None,
 ):
     """One epoch through producer, queue and consumer stream, on one machine (threads, in-memory
     queue with `latency_ms` per call): yields (the epoch's batches, the held-out batches). Cells
     that `held_out_filter` matches are never trained on (the campaign's --eval-filter); they are
-    tokenized once into the evaluation partition, as the campaign does."""
+    tokenized once into the evaluation partition, as the campaign does. `balance`: balanced
+    sampling (`coordination.balance.Balance`)."""
     queue, store = remote(MemoryQueue(max_items=10**9, max_bytes=1 << 62), MemoryMap(), latency_ms)
     run = "quality"
     config = ProducerConfig(
@@ -67,6 +69,7 @@ def pipeline_epoch(
         exclude_filter=held_out_filter,
         world_size=1,
         idle_timeout_s=600,
+        balance=balance,
     )
     producer = Producer(config, queue, store, dataset=ds)
     summary = PlanSummary.of(producer.plan(0), 1)

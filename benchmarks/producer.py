@@ -60,6 +60,7 @@ def run_config(
     cell_budget: int,
     latency_ms: float = 0.0,
     min_units: int = 1,
+    balance=None,
 ) -> dict:
     """One producer's loop (read-ahead, tokenizing threads, courier) over a random sample of at
     least `min_units` units and `cell_budget` cells: steady throughput (without the wait for the
@@ -74,6 +75,7 @@ def run_config(
         sampling=sampling,
         world_size=1,
         cells_per_item=128,
+        balance=balance,
     )
     producer = Producer(config, queue, store, dataset=ds)
     plan = producer.plan(0)

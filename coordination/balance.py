@@ -187,6 +187,6 @@ class Strata:
             out[cells + self.offsets[s]] = k
         return out
 
-    def class_mix(self, plan: CorpusPlan) -> list[list]:
-        """[[class, cells planned], ...] of an epoch's plan, in class order."""
-        return [[n, int(c)] for n, c in zip(self.classes, self.class_totals(plan.quotas))]
+    def class_mix(self, source_quotas) -> list[list]:
+        """[[class, cells planned], ...] of an epoch whose sources have `source_quotas` cells, in class order."""
+        return [[n, int(c)] for n, c in zip(self.classes, self.class_totals(self.quotas(source_quotas)))]

@@ -42,6 +42,8 @@ from coordination.seeds import derive_key
 
 # ---------------------------------------------------------------------------------- the plan
 
+WINDOW_UNITS = 32  # units whose cells of a source are computed at once (`CorpusPlan.unit_cells`)
+
 
 @dataclass(frozen=True)
 class CorpusSource:
@@ -69,7 +71,10 @@ class _Pass:
         strategy = sampling.strategy
         self.block, self.chunks = None, None
         if strategy in ("block", "random"):
-            self.block = shrunk(sampling.effective_block_size, n, sampling)
+            # a corpus source's blocks shrink as a small dataset's do; a balanced stratum's keep their size
+            # (the plan's units are many whatever a class's size: its blocks are reads, not work to share)
+            bs = sampling.effective_block_size
+            self.block = max(1, min(bs, n)) if source.stream else shrunk(bs, n, sampling)
             self.full = n // self.block
             self.key = derive_key(seed, *stream, k, "blocks")
         elif strategy == "mixture":  # the scanner rounds of a one-source plan with this pass's key
@@ -149,6 +154,7 @@ class CorpusPlan:
         self.boundary_cells = self.boundary_piece_counts = self.boundary_piece_units = np.zeros(0, dtype=np.int64)
         self._passes: dict[tuple[int, int], _Pass] = {}
         self._bounds: dict[int, np.ndarray] = {}
+        self._windows: dict[tuple[int, int], np.ndarray] = {}  # (source, window) -> its cells (`unit_cells`)
 
     # ---- identity and counts
 
@@ -177,8 +183,10 @@ class CorpusPlan:
         """int64[n_units + 1]: source s's stream offsets where each unit's share starts (and the last ends)."""
         if s not in self._bounds:
             q, start = int(self.quotas[s]), int(self.starts[s])
-            if self.cuts is None:
-                self._bounds[s] = start + np.arange(self.n_units + 1, dtype=np.int64) * q // self.n_units
+            if self.cuts is None:  # each stratum's rounding in its own phase: no unit is short of all at once
+                n = self.n_units
+                phase = s * n // len(self.sources)
+                self._bounds[s] = start + (np.arange(n + 1, dtype=np.int64) * q + phase) // n
             else:
                 self._bounds[s] = np.array([start + math.floor(c * q) for c in self.cuts], dtype=np.int64)
         return self._bounds[s]
@@ -227,8 +235,23 @@ class CorpusPlan:
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
     def unit_cells(self, u: int, s: int) -> np.ndarray:
-        """Local cell ids of source s in unit u, in stream order (a corpus's share lies in one pass: distinct)."""
-        return self.stream_cells(s, *self._share(u, s))
+        """Local cell ids of source s in unit u, in stream order (a corpus's share lies in one pass: distinct).
+        Computed a window of WINDOW_UNITS units at a time: a balanced plan's units draw a little from
+        each of many strata, and one stream call per stratum and unit would cost more than the unit's
+        tokenizing (the producer takes units in order, so the next one's cells are mostly at hand)."""
+        w = u // WINDOW_UNITS
+        window = self._windows.get((s, w))
+        if window is None:
+            bounds = self.bounds(s)
+            window = self.stream_cells(
+                s, int(bounds[w * WINDOW_UNITS]), int(bounds[min(self.n_units, (w + 1) * WINDOW_UNITS)])
+            )
+            if len(self._windows) >= 4 * len(self.sources):
+                self._windows.clear()
+            self._windows[(s, w)] = window
+        base = int(self.bounds(s)[w * WINDOW_UNITS])
+        a, b = self._share(u, s)
+        return window[a - base : b - base]
 
     def unit(self, u: int) -> Unit:
         if not 0 <= u < self.n_units:

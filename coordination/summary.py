@@ -44,6 +44,8 @@ class PlanSummary:
     # whole cells of each unit, run-length encoded ([count, repeats], ...: a block plan's units are
     # all alike): what a resume on another number of ranks re-plans the epoch's rest from
     unit_cells: list[list[int]] = field(default_factory=list)
+    # balanced sampling: [[class, cells planned], ...] in class order (the labels items carry index it)
+    class_mix: list[list] = field(default_factory=list)
 
     @classmethod
     def of(cls, plan, world_size: int) -> "PlanSummary":
@@ -153,6 +155,23 @@ def load_summary(store: Map, run: str, epoch: int, timeout_s: float = 60.0) -> P
     return PlanSummary.from_bytes(data)
 
 
+def class_mix_line(facts, audits: list[dict] = ()) -> str:
+    """One line on the class mix of a balanced campaign (`SetupFacts.class_mix`): classes and their
+    quotas per epoch against their cells in the data, and how many audited epochs trained every
+    class at its quota. "" when the campaign is not balanced."""
+    if not facts.class_mix:
+        return ""
+    planned = [p for _, p, _ in facts.class_mix]
+    data = [d for _, _, d in facts.class_mix]
+    checked = [a for a in audits if "classes" in a]
+    exact = sum(1 for a in checked if a["line"].rfind("at their quotas") > 0)
+    return (
+        f"classes by {facts.balance}: {len(planned)}, {min(planned):,}..{max(planned):,} cells each per epoch "
+        f"(in the data {min(data):,}..{max(data):,})"
+        + (f"; {exact} of {len(checked)} epochs trained every class at its quota" if checked else "")
+    )
+
+
 @dataclass(frozen=True)
 class SetupFacts:
     """What the campaign's setup learnt (`app.campaign.prepare`), for the trainer and the status
@@ -175,6 +194,8 @@ class SetupFacts:
     held_out_items: int  # what the eval partition holds when complete
     sources: tuple = ()  # per source: name, cells per epoch, coverage line
     data_id: str = ""  # the data's identity (`producers.dataset.Dataset.identity`, every source's), for checkpoints
+    balance: str = ""  # balanced sampling: "COLUMN, ALPHA a" ("": none)
+    class_mix: tuple = ()  # balanced: per class, [name, cells planned in epoch 0, its selected cells in the data]
 
     @classmethod
     def of(cls, facts: "SetupFacts | dict") -> "SetupFacts":

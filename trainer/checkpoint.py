@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -44,6 +45,7 @@ class RankProgress:
     data_id: str = (
         ""  # the data the run trains on (`Dataset.identity`, every source's): a resume onto other data is refused
     )
+    labels: dict = field(default_factory=dict)  # label (balanced: class) -> cells trained; totals, as `trained`
 
     def record(self, batch) -> None:
         self.trained += batch.size
@@ -52,6 +54,9 @@ class RankProgress:
             self.unit_trained[unit] = self.unit_trained.get(unit, 0) + n
         if self.cells_hash is not None:
             self.cells_hash = (self.cells_hash + cells_hash(batch.cell_ids.numpy())) % 2**64
+        if batch.labels is not None:  # the class mix trained (balanced sampling carries each cell's class)
+            for label, n in Counter(batch.labels.tolist()).items():
+                self.labels[label] = self.labels.get(label, 0) + n
         for key in batch.completed:
             self.consumed.add(key)
             self.partial.pop(key, None)
@@ -61,6 +66,7 @@ class RankProgress:
     def next_epoch(self, epoch: int) -> None:
         self.epoch, self.trained, self.consumed, self.partial, self.cells_hash = epoch, 0, set(), {}, 0
         self.unit_items, self.plan_id, self.unit_trained, self.carried, self.carried_hash = {}, "", {}, 0, 0
+        self.labels = {}
         # (data_id stays: it is the run's, not the epoch's)
 
     @classmethod
@@ -78,6 +84,8 @@ class RankProgress:
             out.unit_items.update(r.unit_items)
             for unit, n in r.unit_trained.items():
                 out.unit_trained[unit] = out.unit_trained.get(unit, 0) + n
+            for label, n in r.labels.items():
+                out.labels[label] = out.labels.get(label, 0) + n
         for key in out.consumed & out.partial.keys():
             del out.partial[key]
         out.carried = sum(r.trained + r.carried for r in ranks)
@@ -87,7 +95,7 @@ class RankProgress:
     def without_totals(self) -> "RankProgress":
         """The same keys and partial items, no counts: what ranks other than 0 resume from (the
         counts are summed once, so one rank carries them)."""
-        return replace(self, unit_trained={}, carried=0, carried_hash=0)
+        return replace(self, unit_trained={}, carried=0, carried_hash=0, labels={})
 
     def done_units(self) -> set[int]:
         """Units of this epoch whose every item was trained on."""
@@ -113,6 +121,7 @@ class RankProgress:
                 "carried": self.carried,
                 "carried_hash": self.carried_hash,
                 "data_id": self.data_id,
+                "labels": sorted(self.labels.items()),
                 "consumed": sorted(list(k) for k in self.consumed),
                 "partial": [[list(k), sorted(v)] for k, v in self.partial.items()],
             }
@@ -133,6 +142,7 @@ class RankProgress:
             d.get("carried", 0),
             d.get("carried_hash", 0),
             d.get("data_id", ""),
+            dict((k, n) for k, n in d.get("labels", [])),
         )
 
 

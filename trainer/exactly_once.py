@@ -115,7 +115,7 @@ def audit_epoch(epoch: int, progress: checkpoint.RankProgress, summary, world: i
             )
             raise CellfeedError(fail.format(epoch=epoch, who=who, what=what, got=got, want=want))
     scope = "every rank" if not carried else "the whole epoch, across the resume"
-    return {
+    out = {
         "epoch": epoch,
         "cells": trained,
         "audited": True,
@@ -124,3 +124,14 @@ def audit_epoch(epoch: int, progress: checkpoint.RankProgress, summary, world: i
         "line": f"epoch {epoch}: {trained:,} cells trained, 0 missing, 0 duplicated "
         f"(of {expected:,} planned; count and cell-id hash checked on {scope})",
     }
+    if summary.class_mix:  # balanced: the cells trained per class, every rank's summed, against the quotas
+        classes = torch.tensor([progress.labels.get(k, 0) for k in range(len(summary.class_mix))], device=device)
+        dist.all_reduce(classes)
+        out["classes"] = [int(n) for n in classes.tolist()]
+        planned = [n for _, n in summary.class_mix]
+        out["line"] += (
+            f"; {len(planned)} classes at their quotas ({min(planned):,}..{max(planned):,} cells)"
+            if out["classes"] == planned
+            else f"; classes off their quotas by {sum(abs(a - b) for a, b in zip(out['classes'], planned)):,} cells"
+        )
+    return out
