@@ -15,7 +15,7 @@ from coordination.vocab import publish_vocab
 from producers.held_out import produce_held_out
 from producers.producer import Producer
 from producers.selection import filter_cells
-from producers.sources import check_coverage, source_quotas
+from producers.sources import check_coverage
 
 MAX_EPOCHS = 10_000  # a step budget needing more epochs than this is surely a mistake
 
@@ -28,11 +28,7 @@ def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
         if len(summaries) == MAX_EPOCHS:
             raise CellfeedError(f"--steps {cfg.steps} needs more than {MAX_EPOCHS:,} epochs of this dataset")
         summaries.append(PlanSummary.of(producer.plan(len(summaries)), cfg.world_size))
-        if producer.strata is not None:  # the class mix planned: what the audit checks each epoch's labels against
-            epoch = summaries[-1].epoch
-            summaries[-1].class_mix = producer.strata.class_mix(
-                source_quotas(producer.sources, producer.mixtures, epoch)
-            )
+        summaries[-1].class_mix = producer.class_mix(len(summaries) - 1)  # what each epoch's audit checks
         steps += optimizer_steps(summaries[-1:], cfg.batch_size, cfg.grad_accum)
     if cfg.steps and steps < cfg.steps:
         raise CellfeedError(

@@ -54,6 +54,7 @@ from producers.sources import (
     campaign_vocab,
     epoch_plan,
     open_sources,
+    source_quotas,
 )
 from producers.stitch import offer_piece
 from producers.storage import LocalLocation
@@ -169,6 +170,13 @@ class Producer:
                     self.sources, self.mixtures, self.config.sampling, self.config.seed, epoch, self.strata
                 )
             return self._plans[epoch]
+
+    def class_mix(self, epoch: int) -> list[list]:
+        """Balanced sampling: [[class, cells planned], ...] of `epoch` (what `PlanSummary.class_mix`
+        publishes and the audit checks the trained labels against); [] when not balanced."""
+        if self.strata is None:
+            return []
+        return self.strata.class_mix(source_quotas(self.sources, self.mixtures, epoch))
 
     # ---- one unit: read, tokenize, hand off
 

@@ -229,6 +229,15 @@ def test_corpus():
     assert figures["setup_s_corpus_150m"] is None  # the 150M-cell probe is not a tiny run's
 
 
+def test_balance():
+    """Balanced sampling's figures on 3k cells (ALPHA 1) and a 1M-cell plan: quotas exact, batches near binomial."""
+    figures = figures_of(run_benchmark("balance", "--tiny"))
+    assert figures["class_quota_error"] == {"1": 0} and figures["repeat_before_all_seen"] == {"1": 0}
+    assert 0.5 < figures["batch_share_sd_vs_binomial"]["1"] < 1.5  # ~1.0 (a few dozen batches: noisy)
+    assert figures["throughput_vs_unbalanced"]["1"] > 0 and figures["setup_cells"] == 1_000_000
+    assert figures["setup_s"] > 0 and "setup_s_100m_50_classes" not in figures  # (not claimed at 1M)
+
+
 def test_elastic():
     """A checkpoint of 8 ranks halfway through a 200k-cell epoch, resumed on 4 and on 16: the rest
     re-planned adds up (the benchmark checks it), with its seconds and the cells produced again."""

@@ -63,6 +63,7 @@ class Campaign:
         corpus: str | None = None,
         world: int = WORLD,
         mixtures: str | None = None,
+        balance=None,
     ):
         self.server = ServerProcess()
         self.run, self.world, self.epochs = run, world, epochs
@@ -78,6 +79,7 @@ class Campaign:
             sampling=sampling,
             idle_timeout_s=300,
             subset_filter=subset_filter,
+            balance=balance,
         )
         first = Producer(
             config,
@@ -90,7 +92,8 @@ class Campaign:
         if held_out is not None:
             produce_held_out(first, held_out)
         self.summaries = [PlanSummary.of(first.plan(e), world) for e in range(epochs)]
-        for s in self.summaries:
+        for s in self.summaries:  # (balanced: the class mix each epoch's audit checks, as the setup publishes it)
+            s.class_mix = first.class_mix(s.epoch)
             publish_summary(first.store, run, s)
         self.producers = [
             Producer(
