@@ -125,9 +125,8 @@ class Producer:
             None if self.mixtures is None else self.mixtures.quotas_at(self.mixtures.history[-1][0], self.selected)
         )
         self.labels = label_codes(self.ds, config.label_column)[0] if config.label_column else None
-        # balanced sampling: the strata (each source's cells by class), and each cell's class as its label
-        self.strata = balance_strata(self.sources, config.balance) if config.balance else None
-        if self.strata is not None:
+        self.strata = balance_strata(self.sources, config.balance) if config.balance else None  # cells by class
+        if self.strata is not None:  # each cell's class as its label: the trainer counts the mix it trains
             self.labels = self.strata.labels(self.sources[-1].offset + self.sources[-1].ds.n_cells)
         self.tag = run_tag(config.run)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -172,11 +171,8 @@ class Producer:
             return self._plans[epoch]
 
     def class_mix(self, epoch: int) -> list[list]:
-        """Balanced sampling: [[class, cells planned], ...] of `epoch` (what `PlanSummary.class_mix`
-        publishes and the audit checks the trained labels against); [] when not balanced."""
-        if self.strata is None:
-            return []
-        return self.strata.class_mix(source_quotas(self.sources, self.mixtures, epoch))
+        """Balanced: [[class, cells planned], ...] of `epoch` (`PlanSummary.class_mix`, which the audit checks)."""
+        return self.strata.class_mix(source_quotas(self.sources, self.mixtures, epoch)) if self.strata else []
 
     # ---- one unit: read, tokenize, hand off
 

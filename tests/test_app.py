@@ -62,6 +62,7 @@ def non_default_flags() -> dict:
         vocabulary="/v/vocab.json",
         gene_column="feature_name",
         gene_medians="/v/medians.pkl",
+        balance_by="tissue",
     )
     values = {}
     for name in MODAL_FLAGS:
