@@ -39,11 +39,15 @@ SLOW_STEP_S = 2.0  # steps this slow on CPU ranks are said once, with the campai
 
 
 def default_dataset(workdir: Path, cells: int, seed: int) -> str:
-    """A small synthetic atlas (written once, reused by later runs in the same workdir)."""
-    from producers.synth import SynthSpec, synthesize
+    """A small synthetic atlas (written once, reused by later runs in the same workdir; written again
+    where an older generator made it: its columns may be fewer, e.g. no `tissue` before version 3)."""
+    import json
+
+    from producers.synth import VERSION, SynthSpec, synthesize
 
     path = workdir / f"synth-{cells}-{seed}"
-    if not (path / "config.json").exists():
+    made = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else None
+    if made is None or made.get("metadata", {}).get("synthetic", {}).get("version") != VERSION:
         workdir.mkdir(parents=True, exist_ok=True)
         print(f"no --dataset given: synthesizing {cells:,} Tahoe-like cells into {path}")
         synthesize(str(path), SynthSpec(n_cells=cells, seed=seed), rows_per_fragment=1 << 20, overwrite=True)

@@ -136,3 +136,21 @@ def test_the_corpus_example_trains(user):
         command("cellfeed local --corpus corpus.toml --tokenizer geneformer"), *SHORT, "--run", "gf", cwd=user
     )
     assert out.strip().splitlines()[-1].startswith("stopped at step 2 as --steps asked")
+
+
+def test_the_balanced_example_trains_every_class_at_its_quota(user):
+    """The README's balanced commands on the set-up's (small) atlas: the planned mix, then two whole
+    epochs whose audits find every one of the 50 tissues at its quota."""
+    shown = cellfeed(command("cellfeed stats runs/synth-4000-0 --balance-by"), cwd=user)
+    assert shown.splitlines()[0].endswith("50 classes of tissue, ALPHA 1, 600 cells per epoch")
+    out = cellfeed(
+        command("cellfeed local --dataset runs/synth-4000-0 --balance-by"),
+        *["--batch-size", "64", "--max-genes", "16", "--gpus", "1", "--producers", "1", "--quiet"],
+        "--run",
+        "balanced",
+        cwd=user,
+    )
+    assert "50 classes at their quotas (12..12 cells)" in out
+    assert "classes by tissue, ALPHA 1: 50, 12..12 cells each per epoch" in out
+    assert "2 of 2 epochs trained every class at its quota" in out
+    assert out.strip().splitlines()[-1].startswith("complete: 2 epochs")
