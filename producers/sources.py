@@ -95,9 +95,8 @@ def epoch_plan(
     mixture), or one dataset's selected cells (which a scanner strategy cuts at fragment edges,
     stitching the cells cut there); balanced (`strata`), a corpus plan over the classes of each
     source."""
-    if strata is not None and not (strata.balance.power == 0 and mixtures is None):
+    if strata is not None:  # (ALPHA 0 too: stratified, every unit and rank carrying the data's own mix)
         return strata.plan(lambda e: source_quotas(sources, mixtures, e), sampling, seed, epoch)
-    # (ALPHA 0 on one dataset: every class's quota is its cells, which the plain plan gives, read as it reads)
     if mixtures is None:
         return EpochPlan(DatasetGeometry.of(sources[0].ds), sampling, seed, epoch, sources[0].selection)
     selected = {s.spec.name: s.n_selected for s in sources}

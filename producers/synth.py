@@ -48,7 +48,8 @@ MARKERS_PER_LINE = 24
 DOSE_GENES = 24
 DOSE_FRACTION = (0.0, 0.002, 0.004)  # of a cell's draws, from the dose programme, per dose
 N_TISSUES = 50
-TISSUE_RUNS = 400  # samples (runs of one tissue) in the atlas, at most one per 4 cells
+TISSUE_RUNS = 400  # samples (runs of one tissue) in the atlas ...
+TISSUE_RUN_CELLS = 256  # ... of at least this many cells (a real sample holds thousands), a tissue's last one shorter
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def tissue_layout(spec: SynthSpec) -> np.ndarray:
     """Each cell's tissue in storage order: every tissue cut into runs (samples), the runs shuffled."""
     rng = np.random.default_rng([spec.seed, 1_000_003])  # its own stream: the other columns are unchanged
     sizes = tissue_sizes(spec.n_cells)
-    run_cells = max(4, spec.n_cells // TISSUE_RUNS)
+    run_cells = max(TISSUE_RUN_CELLS, spec.n_cells // TISSUE_RUNS)
     runs = [(t, min(run_cells, n - a)) for t, n in enumerate(sizes.tolist()) for a in range(0, n, run_cells)]
     order = rng.permutation(len(runs))
     return np.repeat([runs[i][0] for i in order], [runs[i][1] for i in order]).astype(np.int16)
