@@ -26,9 +26,9 @@ process; `setup_plan_gib`, above the inputs every plan of that dataset holds).
     python benchmarks/balance.py --quick    # 20k cells (minutes)
     python benchmarks/balance.py --tiny     # 3k cells, ALPHA 1, a 1M-cell setup (the test suite's: seconds)
 
-Also reported, not goals: the same throughput ratio on `cell_line` (50 lines interleaved cell by
-cell in every plate: a class whose cells are scattered is read in small pieces), and with the small
-units a small atlas's default plan cuts (every unit reads each class's share as its own ranges). Ends with one JSON
+Also reported, not goals: the throughput ratio and batch spread on `cell_line` (50 lines
+interleaved cell by cell in every plate: scattered classes, read region by region), and the
+throughput with the small units a small atlas's default plan cuts. Ends with one JSON
 line; exits 1 (one line on stderr) when a figure is missing.
 """
 
@@ -159,15 +159,13 @@ def quota_figures(ds, classes: np.ndarray, names: list[str], alpha: float, epoch
     }
 
 
-def batch_sd_ratio(ds, classes: np.ndarray, names: list[str], alpha: float) -> tuple[float, int]:
+def batch_sd_ratio(ds, classes: np.ndarray, names: list[str], alpha: float, column: str = COLUMN) -> tuple[float, int]:
     """Pooled sd of class shares across full batches of the real stream, over a binomial draw's."""
     counts = np.bincount(classes, minlength=len(names))
     share = expected_quotas(counts, alpha, ds.n_cells) / ds.n_cells
     shares = []
-    with pipeline_epoch(ds, Sampling("block", batch_size=BATCH), batch_size=BATCH, balance=Balance(COLUMN, alpha)) as (
-        batches,
-        _,
-    ):
+    balance = Balance(column, alpha)
+    with pipeline_epoch(ds, Sampling("block", batch_size=BATCH), batch_size=BATCH, balance=balance) as (batches, _):
         for b in batches:
             if b.size == BATCH:
                 shares.append(np.bincount(classes[b.cell_ids.numpy()], minlength=len(names)) / BATCH)
@@ -230,14 +228,14 @@ def main() -> None:
     from producers.selection import label_codes
 
     classes, names = label_codes(ds, COLUMN)
-    scattered, _ = label_codes(ds, SCATTERED)
+    scattered, scattered_names = label_codes(ds, SCATTERED)
     print(
         f"{ds.uri}: {ds.n_cells:,} cells, {len(names)} classes of {COLUMN} "
         f"({np.bincount(classes).max():,} .. {np.bincount(classes).min():,} cells)",
         flush=True,
     )
     quota, share_sd, through, through_scattered, rank_dev, early, batches = {}, {}, {}, {}, {}, {}, {}
-    through_small = {}
+    through_small, share_sd_scattered = {}, {}
     for alpha in (1.0,) if args.tiny else ALPHAS:  # (tiny: the hardest alone, for the suite's time)
         key = f"{alpha:g}"
         t = time.perf_counter()
@@ -248,12 +246,14 @@ def main() -> None:
             q["repeat_before_all_seen"],
         )
         share_sd[key], batches[key] = batch_sd_ratio(ds, classes, names, alpha)
+        share_sd_scattered[key] = batch_sd_ratio(ds, scattered, scattered_names, alpha, SCATTERED)[0]
         through[key] = throughput_ratio(ds, COLUMN, alpha, speed_epochs, repeats)
         through_scattered[key] = throughput_ratio(ds, SCATTERED, alpha, speed_epochs, 1)
         through_small[key] = throughput_ratio(ds, COLUMN, alpha, speed_epochs, 1, min_units=Sampling().min_units)
         print(
             f"ALPHA {key}: quota error {quota[key]} cells over {epochs} epochs, rank share dev {rank_dev[key]}, "
-            f"batch share sd {share_sd[key]:.3f}x binomial ({batches[key]} batches of {BATCH}), "
+            f"batch share sd {share_sd[key]:.3f}x binomial ({batches[key]} batches of {BATCH}; "
+            f"{SCATTERED}: {share_sd_scattered[key]:.3f}x), "
             f"throughput {through[key]:.2f}x unbalanced ({SCATTERED}: {through_scattered[key]:.2f}x; "
             f"{Sampling().min_units} small units: {through_small[key]:.2f}x) "
             f"[{time.perf_counter() - t:.0f}s]",
@@ -271,6 +271,7 @@ def main() -> None:
         "batch_share_sd_vs_binomial": {k: round(v, 3) for k, v in share_sd.items()},
         "throughput_vs_unbalanced": {k: round(v, 3) for k, v in through.items()},
         "throughput_vs_unbalanced_scattered_classes": {k: round(v, 3) for k, v in through_scattered.items()},
+        "batch_share_sd_vs_binomial_scattered_classes": {k: round(v, 3) for k, v in share_sd_scattered.items()},
         "throughput_vs_unbalanced_small_units": {k: round(v, 3) for k, v in through_small.items()},
         "setup_cells": setup_cells,
         "setup_s": round(setup["seconds"], 2),

@@ -42,3 +42,15 @@ def merge_ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
     new[1:] = starts[1:] > stops[:-1]
     merged_stops = np.maximum.reduceat(stops, np.flatnonzero(new))
     return np.stack([starts[new], merged_stops], axis=1).astype(np.int64)
+
+
+def bridge_gaps(ranges: np.ndarray, max_gap: int) -> np.ndarray:
+    """Sorted, disjoint ranges with every gap of at most `max_gap` rows bridged: fewer, longer reads
+    of which the reader keeps only the rows it needs (a call costs more than that many rows)."""
+    ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    if len(ranges) < 2:
+        return ranges
+    new = np.ones(len(ranges), dtype=bool)
+    new[1:] = ranges[1:, 0] - ranges[:-1, 1] > max_gap
+    starts = np.flatnonzero(new)
+    return np.stack([ranges[starts, 0], np.maximum.reduceat(ranges[:, 1], starts)], axis=1)

@@ -27,10 +27,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from coordination.arrays import ragged_arange
 from coordination.corpus import CorpusPlan, CorpusSource
 from coordination.corpus_file import quotas
 from coordination.errors import CellfeedError
-from coordination.plan import Sampling
+from coordination.feistel import FeistelPermutation
+from coordination.plan import Sampling, block_order
+from coordination.seeds import derive_key
 
 MAX_CLASSES = 1 << 16
 DEFAULT_POWER = 0.5  # a square-root temperature: rare classes are seen more, a 10-cell class is not repeated 10^5 times
@@ -63,6 +66,73 @@ def class_quotas(counts, power: float, size: int) -> np.ndarray:
 
 
 GROUP_CHUNK = 1 << 23  # cells grouped at a time: bounded memory beside the result
+# a class stored in at least SCATTERED_RUNS runs of fewer than RUN_CELLS cells on average is *scattered*
+# (a cell type within every sample): it is read region by region (`ScatteredGroup`), not class by class
+RUN_CELLS, SCATTERED_RUNS = 16, 64
+
+
+class ScatteredGroup:
+    """One source's scattered classes (a cell type within every sample) as one stream an epoch,
+    read region by region: every storage region (`block_size` consecutive cells; storage order for
+    `sequential`, else a Feistel order keyed by the epoch) once, each giving its scattered cells as
+    many times as their classes' streams take them this epoch. Reads are the plain plan's blocks;
+    each class's cells come exactly as its stream says (quota, passes, without replacement), and a
+    class spread over every region is spread over every unit.
+
+    `cells`: the classes' cells, sorted; `keys`, `quotas`, `starts`: each class's stream."""
+
+    def __init__(self, classes: list[np.ndarray], keys: list[tuple], quotas_, starts, sampling: Sampling, seed, epoch):
+        self.cells = np.sort(np.concatenate(classes))  # (int32 where the strata's are: 0.4 GB for 100M cells)
+        self.region = max(1, sampling.effective_block_size)
+        self._inputs = (
+            classes,
+            keys,
+            np.asarray(quotas_),
+            np.asarray(starts),
+            sampling.strategy,
+            int(seed),
+            int(epoch),
+        )
+        self._built = None
+
+    def _build(self):
+        """Each cell's count this epoch, and the stream's regions in order with their prefix counts."""
+        classes, keys, quotas_, starts, strategy, seed, epoch = self._inputs
+        times = np.zeros(len(self.cells), dtype=np.int32)
+        for cells, key, q, a in zip(classes, keys, quotas_.tolist(), starts.tolist()):
+            at, n, b = np.searchsorted(self.cells, cells), len(cells), a + q
+            while a < b:  # pass by pass: whole passes give every cell once, a part the pass's first ones
+                k = a // n
+                lo, hi = a - k * n, min(b, (k + 1) * n) - k * n
+                if lo == 0 and hi == n:
+                    times[at] += 1
+                else:
+                    times[at[FeistelPermutation(n, derive_key(seed, *key, k))(np.arange(lo, hi))]] += 1
+                a = k * n + hi
+        region_of = self.cells // self.region  # (sorted: each region's cells are a slice of `cells`)
+        n_regions = int(region_of[-1]) + 1 if len(region_of) else 1
+        order = (
+            np.arange(n_regions)
+            if strategy == "sequential"
+            else block_order(n_regions, derive_key(seed, epoch, "regions"))
+        )
+        first = np.searchsorted(region_of, np.arange(n_regions + 1))  # each region's first index into cells
+        counts = np.add.reduceat(times, first[:-1], dtype=np.int64)  # (an empty region reads its neighbour's: 0)
+        counts[first[:-1] == first[1:]] = 0
+        counts = counts[order]
+        self._built = (times, order, first, np.concatenate([[0], np.cumsum(counts)]))
+        return self._built
+
+    def stream(self, a: int, b: int) -> np.ndarray:
+        """Local cell ids at offsets [a, b) of this epoch's stream (a cell taken twice, twice)."""
+        times, order, first, prefix = self._built or self._build()
+        if a >= b:
+            return np.zeros(0, dtype=np.int64)
+        i0, i1 = np.searchsorted(prefix, [a, b], side="right") - 1
+        regions = order[i0 : min(i1, len(order) - 1) + 1]
+        at = ragged_arange(first[regions], first[regions + 1])
+        cells = np.repeat(self.cells[at], times[at])
+        return cells[a - prefix[i0] : b - prefix[i0]].astype(np.int64)
 
 
 def group_by_class(codes: np.ndarray, n_classes: int, selected: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -102,6 +172,7 @@ class Strata:
     cells: list[np.ndarray] = field(repr=False)  # per stratum: local cell ids (int32 where they fit), sorted
     offsets: list[int] = field(repr=False)  # per campaign source: its first global cell id
     geometries: list = field(repr=False)  # per campaign source: its `DatasetGeometry`
+    scattered: np.ndarray = field(default=None, repr=False)  # bool[n_strata]: read by region (RUN_CELLS)
 
     @classmethod
     def build(cls, balance: Balance, per_source: list[tuple], offsets: list[int], geometries: list) -> "Strata":
@@ -109,7 +180,7 @@ class Strata:
         those cells, the class names the codes index)."""
         names = sorted({n for _, _, source_names in per_source for n in source_names})
         index = {n: i for i, n in enumerate(names)}
-        source, klass, cells = [], [], []
+        source, klass, cells, scattered = [], [], [], []
         for s, (selected, codes, source_names) in enumerate(per_source):
             codes = np.asarray(codes)
             if len(source_names) > MAX_CLASSES:
@@ -118,12 +189,17 @@ class Strata:
                     f"{MAX_CLASSES:,}; balance by a column of classes (cell type, tissue, donor, assay)"
                 )
             ids, bounds = group_by_class(codes, len(source_names), selected)
+            # how each class lies in storage: its cells per run of consecutive selected cells of it
+            first = np.concatenate([[0], np.flatnonzero(codes[1:] != codes[:-1]) + 1]) if len(codes) else []
+            runs = np.bincount(np.asarray(codes)[first], minlength=len(source_names))
+            spread = (np.diff(bounds) < RUN_CELLS * np.maximum(1, runs)) & (runs >= SCATTERED_RUNS)
             by_name = sorted(range(len(source_names)), key=lambda c: source_names[c])
             for c in by_name:
                 if bounds[c + 1] > bounds[c]:
                     source.append(s)
                     klass.append(index[source_names[c]])
                     cells.append(ids[bounds[c] : bounds[c + 1]])
+                    scattered.append(bool(spread[c]))
         return cls(
             balance,
             names,
@@ -132,6 +208,7 @@ class Strata:
             cells,
             list(offsets),
             list(geometries),
+            np.array(scattered, dtype=bool),
         )
 
     @property
@@ -159,24 +236,42 @@ class Strata:
         starts = np.zeros(len(self.cells), dtype=np.int64)
         for e in range(epoch):  # each stratum's stream stands where the epochs before left it
             starts += self.quotas(source_quotas_by_epoch(e))
-        strata = [
-            CorpusSource(
-                self.geometries[s],
-                cells,
-                self.offsets[s],
-                stream=("balance", self.balance.column, int(s), self.classes[k]),
-            )
-            for s, k, cells in zip(self.source.tolist(), self.klass.tolist(), self.cells)
+        column = self.balance.column
+        keys = [("balance", column, int(s), self.classes[k]) for s, k in zip(self.source.tolist(), self.klass.tolist())]
+        runs = np.flatnonzero(~self.scattered)
+        sources = [
+            CorpusSource(self.geometries[self.source[i]], self.cells[i], self.offsets[self.source[i]], keys[i])
+            for i in runs
         ]
+        quotas, stream_starts, owners = q[runs].tolist(), starts[runs].tolist(), self.source[runs].tolist()
+        for s in np.unique(self.source[self.scattered]).tolist():  # each source's scattered classes: one group
+            mine = np.flatnonzero(self.scattered & (self.source == s))
+            group = ScatteredGroup(
+                [self.cells[i] for i in mine],
+                [keys[i] for i in mine],
+                q[mine],
+                starts[mine],
+                sampling,
+                seed,
+                epoch,
+            )
+            sources.append(
+                CorpusSource(
+                    self.geometries[s], group.cells, self.offsets[s], ("balance", column, s, "scattered"), group
+                )
+            )
+            quotas.append(int(q[mine].sum()))
+            stream_starts.append(0)
+            owners.append(s)
         return CorpusPlan(
-            strata,
-            q,
+            sources,
+            np.array(quotas, dtype=np.int64),
             sampling,
             seed,
             epoch,
-            starts,
-            part_sources=self.source,
-            balance=(self.balance.column, float(self.balance.power)),
+            np.array(stream_starts, dtype=np.int64),
+            part_sources=np.array(owners, dtype=np.int64),
+            balance=(column, float(self.balance.power)),
         )
 
     def labels(self, n_cells: int) -> np.ndarray:

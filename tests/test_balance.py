@@ -125,6 +125,50 @@ def test_every_strategy_gives_each_class_its_quota_every_epoch_without_replaceme
         assert seen[classes == counts.argmax()].max() == 1  # the largest sub-sampled: no cell twice yet
 
 
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_scattered_classes_are_read_by_region_and_still_get_their_quotas(atlas, strategy, monkeypatch):
+    """`cell_line` interleaves its lines cell by cell: its classes are read region by region
+    (`ScatteredGroup`), so a unit reads no more ranges than a plain unit of its size does, and every
+    line still gets its quota each epoch, drawn without replacement, the audit hashes matching."""
+    import coordination.balance as balance
+
+    monkeypatch.setattr(balance, "SCATTERED_RUNS", 4)  # (3,000 cells: a line has ~60 cells in ~50 runs)
+    lines = np.array(atlas.obs(["cell_line"]).column(0).to_pylist())
+    classes = np.searchsorted(np.unique(lines), lines)
+    expected = quotas_by_hand(np.bincount(classes), 1.0, atlas.n_cells)
+    config = ProducerConfig(
+        dataset=atlas.uri,
+        run="scattered",
+        world_size=2,
+        max_genes=8,
+        sampling=STRATEGIES[strategy],
+        balance=Balance("cell_line", 1.0),
+    )
+    producer = Producer(config, MemoryQueue(), MemoryMap(), dataset=atlas)
+    assert producer.strata.scattered.all()
+    plain = Producer(
+        ProducerConfig(dataset=atlas.uri, run="plain", max_genes=8, sampling=STRATEGIES[strategy]),
+        MemoryQueue(),
+        MemoryMap(),
+        dataset=atlas,
+    ).plan(0)
+    seen = np.zeros(atlas.n_cells, dtype=np.int64)
+    for epoch in range(3):
+        plan = producer.plan(epoch)
+        units = list(plan.units())
+        cells = np.concatenate([u.parts[0].cells for u in units])
+        assert np.bincount(classes[cells], minlength=len(expected)).tolist() == expected.tolist()
+        per_rank = [np.concatenate([u.parts[0].cells for u in units if u.id % 2 == r]) for r in range(2)]
+        assert [cells_hash(c) for c in per_rank] == plan.cell_hash_per_rank(2)
+        np.add.at(seen, cells, 1)
+        for k in range(len(expected)):
+            assert np.ptp(seen[classes == k]) <= 1, (epoch, k)
+        if strategy in ("block", "sequential"):  # regions of consecutive cells: reads as the plain plan's
+            ranges = sum(len(u.parts[0].ranges) for u in units) / sum(u.n_cells for u in units)
+            plain_ranges = sum(len(u.parts[0].ranges) for u in plain.units()) / plain.n_cells
+            assert ranges <= 1.5 * plain_ranges, (ranges, plain_ranges)
+
+
 def test_a_corpus_keeps_its_weights_and_balances_each_source(tmp_path, atlas):
     """Two sources weighted 0.3 / 0.7 over 4,000 cells an epoch: each source gives its weight's
     share, and each source's share is split among its classes (count**(1 - ALPHA))."""
