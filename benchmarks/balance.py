@@ -18,7 +18,8 @@ each of at least 256 cells, as an atlas ordered by experiment stores its samples
   epoch's (each rank's batches carry the same mix).
 
 And `setup_s_100m_50_classes` (goal <= 30): in a fresh process, the plan of 100M cells in 50 Zipf
-classes built from the class codes and the row index (`Strata.build`, the epoch's plan and its
+classes stored in runs (and, reported apart, scattered cell by cell) built from the class codes and
+the row index (`Strata.build`, the epoch's plan and its
 published summary for 8 ranks, audit hashes included), with its peak memory (`setup_peak_gib`, the
 process; `setup_plan_gib`, above the inputs every plan of that dataset holds).
 
@@ -76,14 +77,17 @@ from coordination.balance import Balance, Strata
 from coordination.plan import DatasetGeometry, Sampling
 from coordination.summary import PlanSummary
 N = {n}
-# the inputs: 50 Zipf classes in runs (400 samples), and a row index (3,000 rows a cell)
+# the inputs: 50 Zipf classes in runs (400 samples) or scattered cell by cell, and a row index (3,000 rows a cell)
 sizes = 1.0 / np.arange(1, 51)
-sizes = np.floor(sizes / sizes.sum() * N).astype(np.int64)
-sizes[0] += N - sizes.sum()
-run = max(1, N // 400)
-runs = [(t, min(run, n - a)) for t, n in enumerate(sizes.tolist()) for a in range(0, n, run)]
-order = np.random.default_rng(0).permutation(len(runs))
-codes = np.repeat(np.array([runs[i][0] for i in order], dtype=np.int32), [runs[i][1] for i in order])
+if {scattered}:
+    codes = np.random.default_rng(0).choice(50, size=N, p=sizes / sizes.sum()).astype(np.int32)
+else:
+    sizes = np.floor(sizes / sizes.sum() * N).astype(np.int64)
+    sizes[0] += N - sizes.sum()
+    run = max(1, N // 400)
+    runs = [(t, min(run, n - a)) for t, n in enumerate(sizes.tolist()) for a in range(0, n, run)]
+    order = np.random.default_rng(0).permutation(len(runs))
+    codes = np.repeat(np.array([runs[i][0] for i in order], dtype=np.int32), [runs[i][1] for i in order])
 geometry = DatasetGeometry("synthetic", np.arange(N + 1, dtype=np.int64) * 3000,
                            np.arange(0, N * 3000 + 1, 1 << 30, dtype=np.int64))
 inputs_gib = peak_rss_mb() / 1024
@@ -94,6 +98,7 @@ summary = PlanSummary.of(plan, 8)
 seconds = time.perf_counter() - t
 assert sum(summary.cells_per_rank) == N and len(summary.cell_hash_per_rank) == 8
 peak = peak_rss_mb() / 1024
+assert strata.scattered.all() == {scattered}  # (each layout read the way it is meant to be)
 print(json.dumps({{"seconds": seconds, "peak_gib": peak, "plan_gib": peak - inputs_gib, "units": plan.n_units}}))
 """
 
@@ -259,7 +264,8 @@ def main() -> None:
             f"[{time.perf_counter() - t:.0f}s]",
             flush=True,
         )
-    setup = run_probe(SETUP.format(root=str(ROOT), n=setup_cells, alpha=1.0), f"the {setup_cells:,}-cell setup")
+    setup = run_probe(SETUP.format(root=str(ROOT), n=setup_cells, alpha=1.0, scattered=False), "the setup")
+    spread = run_probe(SETUP.format(root=str(ROOT), n=setup_cells, alpha=1.0, scattered=True), "the scattered setup")
     figures = {
         "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
         "cells": ds.n_cells,
@@ -277,12 +283,15 @@ def main() -> None:
         "setup_s": round(setup["seconds"], 2),
         "setup_peak_gib": round(setup["peak_gib"], 2),
         "setup_plan_gib": round(setup["plan_gib"], 2),
+        "setup_s_scattered_classes": round(spread["seconds"], 2),
+        "setup_plan_gib_scattered_classes": round(spread["plan_gib"], 2),
     }
     if setup_cells == 100_000_000:
         figures["setup_s_100m_50_classes"] = figures["setup_s"]
     print(
         f"setup of {setup_cells:,} cells in 50 classes: {setup['seconds']:.1f}s, peak {setup['peak_gib']:.2f} GiB "
-        f"({setup['plan_gib']:.2f} GiB above its inputs), {setup['units']:,} units"
+        f"({setup['plan_gib']:.2f} GiB above its inputs), {setup['units']:,} units; scattered cell by cell: "
+        f"{spread['seconds']:.1f}s, {spread['plan_gib']:.2f} GiB above its inputs"
     )
     check_figures(figures)
     print(json.dumps(figures))

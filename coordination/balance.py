@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordination.arrays import ragged_arange
-from coordination.corpus import CorpusPlan, CorpusSource
+from coordination.corpus import CorpusPlan, CorpusSource, SourcePass
 from coordination.corpus_file import quotas
 from coordination.errors import CellfeedError
-from coordination.feistel import FeistelPermutation
 from coordination.plan import Sampling, block_order
 from coordination.seeds import derive_key
 
@@ -81,42 +80,46 @@ class ScatteredGroup:
 
     `cells`: the classes' cells, sorted; `keys`, `quotas`, `starts`: each class's stream."""
 
-    def __init__(self, classes: list[np.ndarray], keys: list[tuple], quotas_, starts, sampling: Sampling, seed, epoch):
-        self.cells = np.sort(np.concatenate(classes))  # (int32 where the strata's are: 0.4 GB for 100M cells)
+    def __init__(
+        self, classes: list[np.ndarray], keys: list[tuple], quotas_, starts, sampling: Sampling, seed, epoch, geometry
+    ):
+        # the union of the classes' (sorted) cells, sorted: through a mask, O(cells), not a sort
+        mask = np.zeros(max(int(c[-1]) for c in classes) + 1, dtype=bool)
+        for c in classes:
+            mask[c] = True
+        self.cells = np.flatnonzero(mask).astype(classes[0].dtype)  # (int32 where the strata's are)
+        del mask
         self.region = max(1, sampling.effective_block_size)
-        self._inputs = (
-            classes,
-            keys,
-            np.asarray(quotas_),
-            np.asarray(starts),
-            sampling.strategy,
-            int(seed),
-            int(epoch),
-        )
+        self._inputs = (classes, keys, np.asarray(quotas_), np.asarray(starts), sampling, int(seed), int(epoch))
+        self.geometry = geometry
         self._built = None
 
     def _build(self):
         """Each cell's count this epoch, and the stream's regions in order with their prefix counts."""
-        classes, keys, quotas_, starts, strategy, seed, epoch = self._inputs
+        classes, keys, quotas_, starts, sampling, seed, epoch = self._inputs
         times = np.zeros(len(self.cells), dtype=np.int32)
+        index = np.zeros(int(self.cells[-1]) + 1, dtype=np.int32 if len(self.cells) < 2**31 else np.int64)
+        index[self.cells] = np.arange(len(self.cells))  # a cell's place in `cells` (a lookup, not a search)
         for cells, key, q, a in zip(classes, keys, quotas_.tolist(), starts.tolist()):
-            at, n, b = np.searchsorted(self.cells, cells), len(cells), a + q
+            at, n, b = index[cells], len(cells), a + q
             while a < b:  # pass by pass: whole passes give every cell once, a part the pass's first ones
                 k = a // n
                 lo, hi = a - k * n, min(b, (k + 1) * n) - k * n
                 if lo == 0 and hi == n:
                     times[at] += 1
                 else:
-                    times[at[FeistelPermutation(n, derive_key(seed, *key, k))(np.arange(lo, hi))]] += 1
+                    # (a stratum's pass: its blocks in a Feistel order, `coordination.corpus`)
+                    order = SourcePass(CorpusSource(self.geometry, cells, 0, key), sampling, seed, 0, k)
+                    times[at[order.positions(lo, hi)]] += 1
                 a = k * n + hi
-        region_of = self.cells // self.region  # (sorted: each region's cells are a slice of `cells`)
-        n_regions = int(region_of[-1]) + 1 if len(region_of) else 1
+        del index
+        n_regions = int(self.cells[-1]) // self.region + 1  # (cells sorted: each region's are a slice)
         order = (
             np.arange(n_regions)
-            if strategy == "sequential"
+            if sampling.strategy == "sequential"
             else block_order(n_regions, derive_key(seed, epoch, "regions"))
         )
-        first = np.searchsorted(region_of, np.arange(n_regions + 1))  # each region's first index into cells
+        first = np.searchsorted(self.cells, np.arange(n_regions + 1, dtype=np.int64) * self.region)  # its first cell
         counts = np.add.reduceat(times, first[:-1], dtype=np.int64)  # (an empty region reads its neighbour's: 0)
         counts[first[:-1] == first[1:]] = 0
         counts = counts[order]
@@ -254,6 +257,7 @@ class Strata:
                 sampling,
                 seed,
                 epoch,
+                self.geometries[s],
             )
             sources.append(
                 CorpusSource(

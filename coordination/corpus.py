@@ -64,7 +64,7 @@ class CorpusSource:
         return self.geometry.n_cells if self.selection is None else len(self.selection)
 
 
-class _Pass:
+class SourcePass:
     """Pass `k` of a source: its selected positions in the strategy's order; `positions(a, b)`
     gives those at stream offsets [a, b) of the pass."""
 
@@ -156,7 +156,7 @@ class CorpusPlan:
             self.cuts = sorted(cuts)
             self.n_units = len(self.cuts) - 1
         self.boundary_cells = self.boundary_piece_counts = self.boundary_piece_units = np.zeros(0, dtype=np.int64)
-        self._passes: dict[tuple[int, int], _Pass] = {}
+        self._passes: dict[tuple[int, int], SourcePass] = {}
         self._bounds: dict[int, np.ndarray] = {}
         self._windows: dict[tuple[int, int], np.ndarray] = {}  # (source, window) -> its cells (`unit_cells`)
 
@@ -219,11 +219,11 @@ class CorpusPlan:
 
     # ---- units
 
-    def _pass(self, s: int, k: int) -> _Pass:
+    def _pass(self, s: int, k: int) -> SourcePass:
         if (s, k) not in self._passes:
             if len(self._passes) > 64:
                 self._passes.clear()
-            self._passes[(s, k)] = _Pass(self.sources[s], self.sampling, self.seed, s, k)
+            self._passes[(s, k)] = SourcePass(self.sources[s], self.sampling, self.seed, s, k)
         return self._passes[(s, k)]
 
     def stream_cells(self, s: int, a: int, b: int) -> np.ndarray:
