@@ -458,3 +458,31 @@ def test_a_node_lost_mid_epoch_on_modal_then_resumed_on_one_node_is_exact(atlas,
         assert "were started for 2 ranks: cancelling them" in logs and "resumed from step" in logs
         held_out = set(np.flatnonzero(np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) == "plate14").tolist())
         assert trained_cells(world).get(0) == Counter(c for c in range(atlas.n_cells) if c not in held_out)
+
+
+def test_a_balanced_campaign_preempted_on_modal_trains_every_tissue_at_its_quota(atlas, tmp_path):
+    """`--balance-by tissue --balance-power 1` through `modal run`, preempted mid-epoch: the cell
+    logs of both attempts hold every tissue at its quota (equal shares of the training cells, by
+    largest remainder), and the audit says so."""
+    from collections import Counter
+
+    tissue = np.asarray(atlas.obs(["tissue"]).column(0).to_pylist())
+    training = np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) != "plate14"
+    names, counts = np.unique(tissue[training], return_counts=True)
+    share = len(tissue[training]) / len(names)  # ALPHA 1: every tissue the same, the remainder to the first
+    quotas = np.full(len(names), int(share))
+    quotas[: len(tissue[training]) - int(quotas.sum())] += 1
+    with ModalEmulator(tmp_path / "world", grace_s=30) as world:
+        args = flags(atlas, epochs=1, balance_by="tissue", balance_power=1) + ["--audit-cells"]
+        proc = modal_run(world, args)
+        call = wait_for(lambda: train_attempt(world), "train to start")
+        wait_for(lambda: steps_logged(world, call["id"], 0) >= 6 or proc.poll() is not None, "six steps")
+        world.preempt(call["id"])
+        code, out, err = finish(proc)
+        assert code == 0, err[-3000:]
+        trained = trained_cells(world)[0]
+        got = Counter(tissue[list(trained.elements())].tolist())
+        assert [got[n] for n in names] == quotas.tolist() and counts.min() < quotas.min()  # small tissues repeat
+        logs = "".join(container_log(world, call["id"], a) for a in range(2))
+        assert f"{len(names)} classes at their quotas" in logs
+        check_campaign(world, out, epochs=1, producers=2)
