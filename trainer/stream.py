@@ -60,7 +60,7 @@ class Batch:
             move(self.tokens),
             move(self.attention_mask),
             move(self.values),
-            move(self.labels),
+            self.labels,  # (host side, as the cell ids: the class counts read them, the model does not)
             self.cell_ids,
             self.completed,
             self.cells_of_partial,
