@@ -236,11 +236,7 @@ class CampaignConfig:
             raise CellfeedError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         self.sampling.validate()
         if self.balance is not None:
-            self.balance.validate()
-            if self.label_column:
-                raise CellfeedError(
-                    "--balance-by carries each cell's class as its label: leave out label_column, or balance by it"
-                )
+            self.balance.validate()  # (with label_column: refused by the producers' config, at setup)
         return self
 
     @property

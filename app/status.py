@@ -12,7 +12,7 @@ from pathlib import Path
 
 from app.config import CampaignConfig
 from coordination.routing import TASKS_PARTITION, producers_key, rank_partition
-from coordination.summary import class_mix_line
+from coordination.summary import class_mix_line, epochs_at_quota
 
 
 def plural(n: int, word: str) -> str:
@@ -196,9 +196,8 @@ def status_line(snap: dict) -> str:
         "producers " + ", ".join(p["state"] for p in snap["producers"]),
     ]
     if snap.get("class_mix"):  # balanced: the classes planned, and the epochs audited at their quotas
-        audited = [a for a in snap["audits"] if "classes" in a]
-        at_quota = sum(1 for a in audited if "at their quotas" in a["line"])
-        parts.append(f"{len(snap['class_mix'])} classes, {at_quota}/{len(audited)} epochs at quota")
+        at_quota, audited = epochs_at_quota(snap["audits"])
+        parts.append(f"{len(snap['class_mix'])} classes, {at_quota}/{audited} epochs at quota")
     return " | ".join(parts)
 
 

@@ -163,13 +163,19 @@ def class_mix_line(facts, audits: list[dict] = ()) -> str:
         return ""
     planned = [p for _, p, _ in facts.class_mix]
     data = [d for _, _, d in facts.class_mix]
-    checked = [a for a in audits if "classes" in a]
-    exact = sum(1 for a in checked if a["line"].rfind("at their quotas") > 0)
+    exact, checked = epochs_at_quota(audits)
     return (
         f"classes by {facts.balance}: {len(planned)}, {min(planned):,}..{max(planned):,} cells each per epoch "
         f"(in the data {min(data):,}..{max(data):,})"
-        + (f"; {exact} of {len(checked)} epochs trained every class at its quota" if checked else "")
+        + (f"; {exact} of {checked} epochs trained every class at its quota" if checked else "")
     )
+
+
+def epochs_at_quota(audits: list[dict]) -> tuple[int, int]:
+    """(epochs that trained every class at its quota, epochs whose classes were checked) of a
+    balanced campaign's audits (`trainer.exactly_once.audit_epoch`)."""
+    checked = [a for a in audits if "classes" in a]
+    return sum(1 for a in checked if a["classes_at_quota"]), len(checked)
 
 
 @dataclass(frozen=True)

@@ -129,9 +129,10 @@ def audit_epoch(epoch: int, progress: checkpoint.RankProgress, summary, world: i
         dist.all_reduce(classes)
         out["classes"] = [int(n) for n in classes.tolist()]
         planned = [n for _, n in summary.class_mix]
+        out["classes_at_quota"] = out["classes"] == planned
         out["line"] += (
             f"; {len(planned)} classes at their quotas ({min(planned):,}..{max(planned):,} cells)"
-            if out["classes"] == planned
+            if out["classes_at_quota"]
             else f"; classes off their quotas by {sum(abs(a - b) for a, b in zip(out['classes'], planned)):,} cells"
         )
     return out
