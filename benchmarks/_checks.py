@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import tempfile
 from pathlib import Path
 from typing import NoReturn
 
@@ -18,6 +19,19 @@ PIP_NAMES = {"sklearn": "scikit-learn"}  # import name -> the package pip instal
 
 def script() -> str:
     return f"benchmarks/{Path(sys.argv[0]).name}"
+
+
+def png_path(given: str | None, name: str, tiny: bool) -> str:
+    """Where a benchmark draws `name`.png: `given` (its `--png`), else a temp dir with `--tiny` (the
+    tests'), else `runs/bench/` (git-ignored): the PNGs in benchmarks/ are the figures of record,
+    redrawn only when asked for (`--png benchmarks/NAME.png`)."""
+    if given:
+        path = Path(given)
+    else:
+        folder = tempfile.mkdtemp(prefix=f"cellfeed-{name}-") if tiny else Path(__file__).parents[1] / "runs" / "bench"
+        path = Path(folder) / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
 def fail(message: str) -> NoReturn:

@@ -5,6 +5,7 @@ queue depth over time as a PNG.
     python benchmarks/local_scaling.py            # a 200k-cell atlas, one epoch each
     python benchmarks/local_scaling.py --quick    # a 20k-cell atlas
     python benchmarks/local_scaling.py --tiny     # a 3k-cell atlas, the PNG in a temp dir (the test suite's)
+    (the PNG goes to runs/bench/, git-ignored; --png benchmarks/local_scaling.png redraws the README's)
 
 Ends with one JSON line of the figures. Draws the PNG with matplotlib, the `bench` extra (`pip
 install -e ".[bench]"`): without it, one line says no PNG is drawn and the figures still come (an
@@ -32,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from app.campaign import prepare  # noqa: E402
 from app.config import CampaignConfig  # noqa: E402
 from app.fleet import start_producer, stop_campaign  # noqa: E402
-from benchmarks._checks import BENCH_EXTRA, check_figures, fail, require, script  # noqa: E402
+from benchmarks._checks import BENCH_EXTRA, check_figures, fail, png_path, require, script  # noqa: E402
 from coordination.backends import BackendSpec, connect  # noqa: E402
 from coordination.driver import Driver  # noqa: E402
 from coordination.local_backend import ServerProcess  # noqa: E402
@@ -117,7 +118,7 @@ def main() -> None:
     parser.add_argument(
         "--png",
         default=None,
-        help="where to draw the queue depth (default benchmarks/local_scaling.png; --tiny: a temp dir)",
+        help="where to draw the queue depth (default runs/bench/local_scaling.png, git-ignored; --tiny: a temp dir)",
     )
     parser.add_argument("--no-png", action="store_true", help="no PNG (and no need for matplotlib)")
     args = parser.parse_args()
@@ -127,11 +128,7 @@ def main() -> None:
         args.no_png = True
     if not args.no_png:
         require({"matplotlib": "the queue-depth PNG"}, hint=", or --no-png")
-        args.png = args.png or (
-            str(Path(tempfile.mkdtemp(prefix="cellfeed-scaling-")) / "local_scaling.png")
-            if args.tiny
-            else str(ROOT / "benchmarks" / "local_scaling.png")
-        )
+        args.png = png_path(args.png, "local_scaling", args.tiny)
     n_cells = 3_000 if args.tiny else 20_000 if args.quick else 200_000
     path = cached_atlas(n_cells)
     results = {n: run(path, n, batch=240, latency_ms=args.rpc_latency_ms) for n in (1, 2)}

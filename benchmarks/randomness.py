@@ -13,6 +13,7 @@ strategy:
 
     python benchmarks/randomness.py            # 200k-cell atlas (14 plates), batch 64, 20 settings
     python benchmarks/randomness.py --quick    # 15k-cell atlas, the 5 parity settings, one seed (a minute)
+    (the PNGs go to runs/bench/, git-ignored; --png benchmarks/randomness.png redraws the README's)
     python benchmarks/randomness.py --tiny     # as --quick on 1k cells x 3k genes, the PNGs in a temp dir (tests)
 
 Every epoch holds out plate14 (the probe's test plate), so batches come from 13 plates stored in
@@ -43,7 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import BENCH_EXTRA, check_figures, require, script  # noqa: E402
+from benchmarks._checks import BENCH_EXTRA, check_figures, png_path, require, script  # noqa: E402
 from benchmarks.downstream import (  # noqa: E402
     EVAL_POINTS,
     LABELS,
@@ -169,8 +170,8 @@ def main() -> None:
     parser.add_argument(
         "--png",
         default=None,
-        help="where to draw score vs throughput (default benchmarks/randomness.png; --tiny: a temp "
-        "dir); the convergence plot goes beside it (randomness_convergence.png)",
+        help="where to draw score vs throughput (default runs/bench/randomness.png, git-ignored; --tiny: a "
+        "temp dir); the convergence plot goes beside it (randomness_convergence.png)",
     )
     parser.add_argument("--no-png", action="store_true", help="no PNGs (and no need for matplotlib)")
     args = parser.parse_args()
@@ -181,11 +182,7 @@ def main() -> None:
         args.no_png = True
     if not args.no_png:
         require({"matplotlib": "the PNGs"}, hint=", or --no-png")
-        args.png = args.png or (
-            str(Path(tempfile.mkdtemp(prefix="cellfeed-randomness-")) / "randomness.png")
-            if args.tiny
-            else str(ROOT / "benchmarks" / "randomness.png")
-        )
+        args.png = png_path(args.png, "randomness", args.tiny)
     args.quick = args.quick or args.tiny  # the quick sweep, smaller
     args.buffer = args.buffer or (512 if args.tiny else 4096)
     n_cells = 1_000 if args.tiny else 15_000 if args.quick else 200_000
