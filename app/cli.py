@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -115,7 +116,7 @@ def describe_corpus(path: str) -> str:
 def cmd_local(args) -> int:
     from pathlib import Path
 
-    from app.config import CampaignConfig
+    from app.config import CAMPAIGN_RECORD, CampaignConfig, resumed_flags
     from app.local import check_wandb, default_dataset, describe_resume, place_checkpoints, run_local
     from app.status import print_summary
     from coordination.audit import verdict
@@ -128,7 +129,14 @@ def cmd_local(args) -> int:
     for name in ("corpus", "vocabulary", "gene_medians", "dataset", "checkpoint_dir"):
         if fields.get(name) and "://" not in fields[name]:
             fields[name] = str((workdir / fields[name] if name == "checkpoint_dir" else Path(fields[name])).resolve())
-    synthesized = not args.dataset and not args.corpus
+    record = workdir / fields.get("run", "") / CAMPAIGN_RECORD
+    if args.resume and fields.get("run") and record.exists():  # its campaign, with the changes a resume may make
+        given = {name: fields.get(name) for name in args.given if name in CampaignConfig.__dataclass_fields__}
+        fields, notes = resumed_flags(fields["run"], json.loads(record.read_text()), given, LOCAL_DEFAULTS)
+        fields.update(run=args.run, resume=True)
+        for note in notes:
+            print(f"resume: {note}")
+    synthesized = not fields.get("dataset") and not fields.get("corpus")
     cfg = CampaignConfig(**{**fields, "dataset": "(synthesized)" if synthesized else fields.get("dataset") or ""})
     place_checkpoints(cfg, workdir)
     if cfg.resume:  # nothing to resume: say so before any work (synthesizing a dataset included)
@@ -137,7 +145,7 @@ def cmd_local(args) -> int:
         check_wandb()
     if synthesized:
         cfg.dataset = default_dataset(workdir, args.cells, args.seed)
-    summary = run_local(cfg, workdir, quiet=args.quiet, audit_cells=args.audit_cells, wandb=args.wandb)
+    summary = run_local(cfg, workdir, quiet=args.quiet, audit_cells=cfg.audit_cells, wandb=args.wandb)
     if summary.get("already_complete"):
         print(summary["already_complete"])
         return 0
@@ -400,12 +408,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Options may stand anywhere among a command's paths (`convert IN.h5ad --layer raw.X OUT`)."""
+    """Options may stand anywhere among a command's paths (`convert IN.h5ad --layer raw.X OUT`).
+    `given`: the options written on the command line (a resume changes only what it is given)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     if argv and argv[0] in commands:
-        return commands[argv[0]].parse_intermixed_args(argv[1:])
+        command = commands[argv[0]]
+        args = command.parse_intermixed_args(argv[1:])
+        # parsed again into a namespace that already holds every option: argparse then sets only those given
+        unset = object()
+        again = command.parse_intermixed_args(argv[1:], argparse.Namespace(**{k: unset for k in vars(args)}))
+        args.given = {k for k, v in vars(again).items() if v is not unset}
+        return args
     return parser.parse_args(argv)  # --help, or an error naming the commands
 
 

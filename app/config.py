@@ -121,6 +121,33 @@ CAMPAIGN_FLAGS = (
     "rpc_latency_ms",
 )
 MODAL_FLAGS = CAMPAIGN_FLAGS + ("attempt_hours", "modal_retry_s", "audit_cells")
+
+# A run remembers its campaign: the config it ran with is kept as RUN/campaign.json (the run folder;
+# on Modal the run's folder on the checkpoints Volume), and `--resume` with no other flag continues
+# exactly that campaign. These flags may be given at a resume to change it, each change said in one
+# line: the world and the producers (an interrupted epoch is re-planned over the new ranks, exactly
+# once), more epochs (or steps), the corpus's mixture (from the epoch after the checkpoint), how
+# often things are done, and the remote world's settings. Every other flag defines the campaign
+# (its data, tokens, sampling, seed, model and schedule): a resume that changes one is refused.
+CAMPAIGN_RECORD = "campaign.json"
+RESUME_CHANGES = frozenset(
+    {
+        "producers",
+        "gpus",
+        "nodes",
+        "epochs",
+        "steps",
+        "corpus",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "eval_every",
+        "lease_s",
+        "rpc_latency_ms",
+        "modal_retry_s",
+        "attempt_hours",
+        "audit_cells",
+    }
+)
 MAX_ATTEMPT_HOURS = 23.0  # an hour short of Modal's 24 h limit on a call: time to checkpoint and hand over
 
 
@@ -245,11 +272,12 @@ class CampaignConfig:
 
     @classmethod
     def from_flags(cls, flags: dict) -> "CampaignConfig":
-        """The config of a command line's flags, validated (an optional flag left out is None)."""
+        """The config of a command line's flags, validated: a flag left out (None) takes the
+        config's default."""
         unknown = sorted(set(flags) - {f.name for f in fields(cls)})
         if unknown:
             raise CellfeedError(f"unknown campaign settings: {', '.join(unknown)}")
-        return cls(**flags).validate()
+        return cls(**{name: value for name, value in flags.items() if value is not None}).validate()
 
     def carry_files(self) -> "CampaignConfig":
         """(the laptop) This config with its local files' bytes inside: the corpus file (its
@@ -380,6 +408,36 @@ class CampaignConfig:
             eval_cells=facts.held_out_cells,
         )
         return TrainConfig(**{**base, **changes})
+
+
+def resumed_flags(run: str, recorded: dict, given: dict, defaults: dict | None = None) -> tuple[dict, list[str]]:
+    """The settings a resume of `run` continues with: its recorded campaign (`CAMPAIGN_RECORD`), and
+    of the flags `given` on this command line, those a resume may change (`RESUME_CHANGES`); the
+    lines that say each change. A given flag that would change the campaign raises, naming the flag
+    and the recorded value; one equal to the recorded value changes nothing. `defaults`: the
+    command's own (a value the record lacks, as a run before a setting existed had it)."""
+    defaults = flag_defaults(defaults)
+    kept = {f.name for f in fields(CampaignConfig)} - {"run", "resume", "checkpoint_dir", "carried", "mixtures"}
+    flags = {name: value for name, value in recorded.items() if name in kept}
+    notes = []
+    for name, value in given.items():
+        before = flags.get(name, defaults.get(name))
+        if name in ("run", "resume") or value == before:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name not in RESUME_CHANGES:
+            raise CellfeedError(
+                f"{flag} {value}: run {run} was started with {flag} {before}, which is part of what its campaign "
+                f"is; leave {flag} out to resume it as it was, or start another --run"
+            )
+        if name == "epochs" and before is not None and value < before:
+            raise CellfeedError(
+                f"--epochs {value}: run {run}'s campaign has {before} epochs; a resume may add epochs, not drop "
+                "them (leave --epochs out to finish the campaign, or `cellfeed stop` it where it stands)"
+            )
+        notes.append(f"{flag} {value} from this resume on (the campaign had {before})")
+        flags[name] = value
+    return flags, notes
 
 
 def resume_command(cfg: CampaignConfig, program: str = "modal run app/modal_app.py", names=MODAL_FLAGS) -> str:

@@ -18,11 +18,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.campaign import prepare, record_mixtures
-from app.config import CAMPAIGN_FLAGS, CampaignConfig, resume_command
+from app.config import CAMPAIGN_FLAGS, CAMPAIGN_RECORD, CampaignConfig, resume_command
 from app.fleet import ProducerFleet, stop_campaign
 from app.journal import Journal
 from app.monitor import Monitor
-from app.status import plural, status_line
+from app.status import plural, status_line, watch_line
 from coordination.backends import connect
 from coordination.errors import CellfeedError
 from coordination.local_backend import ServerProcess
@@ -143,10 +143,12 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
             f"(tb/), status: {workdir}" + (f"; cell logs: {workdir}/cells.rank<r>.jsonl" if audit_cells else ""),
             flush=True,
         )
+        default_workdir = workdir.parent == Path("runs").resolve()
+        print(watch_line(cfg.run, "" if default_workdir else f"--workdir {shlex.quote(str(workdir.parent))}"))
         if cfg.preset != "tiny":
             print(f"note: --preset {cfg.preset} on CPU ranks is slow; --preset tiny is the CPU model", flush=True)
         journal.event("resumed" if latest else "started", step=latest.step if latest else 0, ranks=cfg.world_size)
-        config_path = workdir / "campaign.json"
+        config_path = workdir / CAMPAIGN_RECORD  # the producers' config, and the campaign `--resume` continues
         config_path.write_text(json.dumps(asdict(cfg)))
         fleet = ProducerFleet(config_path, server.where, cfg.producers, workdir)
         if not cfg.resume:  # (a resume appends: the report shows the whole campaign)
@@ -157,6 +159,9 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
                 old.unlink()
             changes["cells_log"] = str(workdir / "cells")
         train_cfg = cfg.train_config(backend, facts, **changes)
+        # the status is published before any rank starts: `cellfeed status` answers from the first step
+        monitor = Monitor(cfg, facts, queue, store, journal, steps, fleet.names, resume, workdir / "tb", STATUS_EVERY_S)
+        monitor.look(fleet.codes())
         master, summary_path = ("127.0.0.1", free_port()), str(workdir / "summary")  # (node 0's address)
         for node in range(cfg.nodes):  # each node's ranks meet at node 0's, as a cluster's containers do
             ranks += launch(
@@ -170,7 +175,6 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
                 raise KeyboardInterrupt
 
         signal.signal(signal.SIGINT, on_interrupt)
-        monitor = Monitor(cfg, facts, queue, store, journal, steps, fleet.names, resume, workdir / "tb", STATUS_EVERY_S)
         stopping, restarts, warned = False, 0, False
         while any(p.poll() is None for p in ranks):
             if any(p.poll() not in (None, 0) for p in ranks):

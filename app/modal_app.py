@@ -44,11 +44,11 @@ from dataclasses import asdict
 
 import modal
 
-from app.config import MODAL_FLAGS, CampaignConfig, flags_signature, resume_command
+from app.config import CAMPAIGN_RECORD, MODAL_FLAGS, CampaignConfig, flags_signature, resume_command, resumed_flags
 from app.modal_calls import PRODUCER_RETRIES, Fleet, interrupt_held, result, spawn
 from app.modal_nodes import cluster, meet, node_body
 from app.pins import pinned
-from coordination.modal_backend import ModalUnreachable, retrying
+from coordination.modal_backend import RETRY_S, ModalUnreachable, retrying
 
 APP_NAME = "cellfeed"
 SECRET_NAME = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")
@@ -174,6 +174,9 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         **no_data,
     )
     journal = DictJournal(store, cfg.run, folder=cfg.run_checkpoint_dir)  # (the Dict now, the Volume at the end)
+    record = {k: v for k, v in config.items() if k != "carried"}  # the campaign as the laptop gave it (its paths)
+    Path(cfg.run_checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.run_checkpoint_dir) / CAMPAIGN_RECORD).write_text(json.dumps(record))  # what --resume continues
     resume = resume_command(CampaignConfig(**config))  # (the laptop's file paths, not this container's)
     log, tb = workdir / "steps.jsonl", f"{cfg.run_checkpoint_dir}/tb"
     monitor = Monitor(cfg, facts, queue, store, journal, log, list(fleet.calls), resume, tb, every_s=STATUS_EVERY_S)
@@ -217,6 +220,19 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
     end_campaign(cfg, fleet, facts, store)
     return summary
+
+
+def volume_json(path: str, retry_s: float) -> dict | None:
+    """(the laptop) A JSON file of the checkpoints Volume (a run's folder: its campaign record, its
+    last status), or None where there is none."""
+
+    def read():
+        try:
+            return json.loads(b"".join(modal.Volume.from_name(VOLUME_NAME).read_file(path)))
+        except FileNotFoundError:
+            return None
+
+    return retrying(read, f"reading {path} from the {VOLUME_NAME} Volume", retry_s)
 
 
 def checkpoint_mount() -> str:
@@ -378,11 +394,22 @@ def main(**flags) -> dict:
     `cellfeed local`'s (described by `cellfeed local --help`; Modal 1.6's `modal run --help` can
     show no help text), plus --attempt-hours."""
     from app.journal import DictJournal
+    from app.status import watch_line
     from coordination.audit import verdict
     from coordination.errors import CellfeedError
     from coordination.modal_backend import run_backends
 
-    cfg = CampaignConfig.from_flags(flags)
+    given = {name: value for name, value in flags.items() if value is not None}  # (every flag's default is None)
+    if given.get("resume") and given.get("run"):  # the run's campaign, with the changes a resume may make (said)
+        recorded = volume_json(f"{given['run']}/{CAMPAIGN_RECORD}", given.get("modal_retry_s", RETRY_S))
+        if recorded is None:
+            print(f"run {given['run']} has no campaign on the {VOLUME_NAME} Volume yet: resuming with the flags given")
+        else:
+            given, notes = resumed_flags(given["run"], recorded, given)
+            given.update(run=flags["run"], resume=True)
+            for note in notes:
+                print(f"resume: {note}", flush=True)
+    cfg = CampaignConfig.from_flags(given)
     if cfg.gpus > MAX_GPUS:
         raise CellfeedError(f"--gpus {cfg.gpus}: a Modal container has at most {MAX_GPUS} GPUs")
     if cfg.nodes not in TRAIN_ON:
@@ -395,6 +422,8 @@ def main(**flags) -> dict:
         f"{'corpus ' + cfg.corpus if cfg.corpus else 'dataset ' + cfg.dataset}",
         flush=True,
     )
+    report = f"modal volume get {VOLUME_NAME} {cfg.run} runs/{cfg.run}, then cellfeed report {cfg.run}"
+    print(watch_line(cfg.run, "--modal", report), flush=True)
     try:
         DictJournal(run_backends(cfg.run, retry_s=cfg.modal_retry_s)[1], cfg.run).clear_stop()  # (an old request)
         facts = result(spawn(setup, config, retry=cfg.modal_retry_s), cfg.modal_retry_s)  # SetupFacts, as a dict
@@ -444,7 +473,8 @@ def main(**flags) -> dict:
 
 
 # `modal run` builds its options from the entrypoint's signature: here, one per campaign flag, with
-# the config's types and defaults, so the entrypoint cannot drift from `CampaignConfig`
-main.__signature__ = flags_signature(MODAL_FLAGS)
+# the config's types, so the entrypoint cannot drift from `CampaignConfig`. Every default is None, so
+# `main` knows which flags were given (a resume changes only those); CampaignConfig's fill the rest
+main.__signature__ = flags_signature(MODAL_FLAGS, {name: None for name in MODAL_FLAGS})
 main.__annotations__ = {p.name: p.annotation for p in main.__signature__.parameters.values()}
 main = app.local_entrypoint()(main)

@@ -19,6 +19,14 @@ def plural(n: int, word: str) -> str:
     return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
+def watch_line(run: str, where: str = "", report: str | None = None) -> str:
+    """A run's first lines end with how to watch it from another terminal. `where`: the flags that
+    find the run (`--workdir DIR`, `--modal`); `report`: how its report is made, where that differs."""
+    where = f" {where}" if where else ""
+    report = report or f"cellfeed report {run}{where}"
+    return f"watch it from another terminal: cellfeed status {run}{where} | cellfeed stop {run}{where} | {report}"
+
+
 IDLE_AFTER_S = 5.0  # a running producer with no unit finished for this long and no task queued is idle
 ETA_STEPS = 20  # the ETA comes from the median of the last this many steps
 
@@ -27,7 +35,9 @@ class StepLog:
     """Rank 0's step log (`trainer.metrics.Tracker`), read as it grows: each `update` reads only the
     lines written since the last (a days-long campaign's log is not read whole every few seconds).
     Keeps the last steps (for the rate and the ETA), the current epoch's cells per step (a step
-    trained again after a resume replaces its first try), and the epochs' audits."""
+    trained again after a resume replaces its first try), and the epochs' audits, one per epoch. A
+    resumed campaign appends to its run's log (locally the run folder's, on Modal the Volume's), so
+    the audits are every epoch's, not only those of the last call."""
 
     def __init__(self, path: str | os.PathLike):
         self.path, self.offset = Path(path), 0
@@ -45,8 +55,8 @@ class StepLog:
         self.offset += len(complete)
         for line in complete.splitlines():
             row = json.loads(line)
-            if "audit" in row:
-                self.audits.append(row["audit"])
+            if "audit" in row:  # (an epoch audited again, its checkpoint lost to a preemption: the last audit)
+                self.audits = [a for a in self.audits if a["epoch"] != row["audit"]["epoch"]] + [row["audit"]]
             elif "loss" in row:
                 self.recent.append(row)
                 if row["epoch"] != self.epoch:
@@ -150,12 +160,18 @@ class CampaignScalars:
     since the last snapshot (cells it made per second of wall time, idle time included)."""
 
     def __init__(self, tb_dir: str | os.PathLike):
-        from torch.utils.tensorboard import SummaryWriter
+        import threading
 
-        self.writer = SummaryWriter(str(tb_dir), filename_suffix=".campaign")
+        self.tb_dir, self.writer = str(tb_dir), None  # (made at the first `add`)
         self.before: dict[str, tuple[float, int]] = {}  # producer -> (when, cells) at the last snapshot
+        # TensorBoard's import takes seconds (tens under load): begun now, beside the campaign's start
+        threading.Thread(target=lambda: __import__("torch.utils.tensorboard"), daemon=True).start()
 
     def add(self, snap: dict) -> None:
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.tb_dir, filename_suffix=".campaign")
         step = snap["step"]
         self.writer.add_scalar("queue/tasks", snap["queue"]["tasks"], step)
         for r, depth in enumerate(snap["queue"]["ranks"]):
@@ -172,7 +188,8 @@ class CampaignScalars:
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def status_line(snap: dict) -> str:

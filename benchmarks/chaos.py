@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._checks import check_figures, fail  # noqa: E402
+from cellfeed_testing.procs import children  # noqa: E402
 from coordination.driver import LEASE_S  # noqa: E402
 
 KINDS = ("kill", "stall", "pause")
@@ -88,28 +89,6 @@ def fault_plan(
         seconds = lease_s + past_lease_s if kind == "stall" else pause_s if kind == "pause" else 0.0
         plan.append(Fault(max(1, round(gap * (i + 1) + rng.uniform(-gap / 3, gap / 3))), kind, seconds))
     return sorted(plan, key=lambda f: f.at_step)
-
-
-def children(pid: int) -> list[tuple[int, list[str]]]:
-    """The processes `pid` started that are still there, with their command lines (Linux: each
-    thread's /proc/PID/task/TID/children). A campaign's own queue server, producers and rank server
-    (whose children are its ranks): no other process on the machine is ever signalled. A child's
-    pid stays its own until `pid` reaps it."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            pids = [int(c) for c in task.read_text().split()]
-        except OSError:  # the thread ended
-            continue
-        out += [(child, cmdline(child)) for child in pids]
-    return out
-
-
-def cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
-    except OSError:
-        return []
 
 
 def steps_logged(log: Path, offset: int, step: int) -> tuple[int, int]:

@@ -117,6 +117,37 @@ def test_every_flag_round_trips_through_modal_run_and_cellfeed_local():
     assert CampaignConfig.from_flags(ctx.params).corpus == parsed["corpus"] == "/c/corpus.toml"
 
 
+def test_a_resume_continues_its_recorded_campaign_and_says_or_refuses_each_changed_flag(tmp_path, capsys):
+    """`--resume` alone continues the campaign its run recorded; a flag a resume may change is
+    applied and said; one that defines the campaign is refused in one line naming the flag and the
+    recorded value (locally before anything starts; `modal run`: tests/test_modal_campaign.py)."""
+    from dataclasses import asdict
+
+    from app.cli import main
+    from app.config import resumed_flags
+
+    recorded = asdict(CampaignConfig(dataset="/d", run="r", epochs=3, batch_size=32, producers=2, seed=7))
+    flags, notes = resumed_flags("r", recorded, {})
+    assert (flags["dataset"], flags["epochs"], flags["batch_size"], flags["seed"], notes) == ("/d", 3, 32, 7, [])
+    flags, notes = resumed_flags("r", recorded, {"epochs": 5, "producers": 4, "batch_size": 32, "seed": 7})
+    assert (flags["epochs"], flags["producers"], flags["batch_size"]) == (5, 4, 32)
+    assert notes == [
+        "--epochs 5 from this resume on (the campaign had 3)",
+        "--producers 4 from this resume on (the campaign had 2)",
+    ]
+    with pytest.raises(CellfeedError, match=r"^--batch-size 64: run r was started with --batch-size 32, which is"):
+        resumed_flags("r", recorded, {"batch_size": 64})
+    with pytest.raises(CellfeedError, match=r"^--epochs 2: run r's campaign has 3 epochs; a resume may add epochs"):
+        resumed_flags("r", recorded, {"epochs": 2})
+    # the command line: `--tokenizer` changed at a resume is one line, exit 2, before anything runs
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "campaign.json").write_text(json.dumps(recorded))
+    code = main(["local", "--run", "r", "--resume", "--tokenizer", "geneformer", "--workdir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("cellfeed: error: --tokenizer geneformer: run r was started with --tokenizer scgpt")
+
+
 def test_modal_entrypoint_refuses_more_gpus_than_a_container_has_before_any_call(tmp_path):
     from cellfeed_testing.modal_emulator import ModalEmulator
 

@@ -224,6 +224,24 @@ def test_no_producer_is_a_bounded_reported_wait():
         driver.run_epochs([0])
 
 
+def test_a_starved_rank_answers_a_stop_with_what_it_holds_and_its_epoch_is_cut():
+    """Producers stalled, a stop asked: the rank stops waiting for cells (within its poll), yields a
+    batch of what its buffer holds (here the one item that came), and its epoch is not finished (no
+    audit; the resume trains the rest). Without the stop the same wait runs to its timeout."""
+    queue, asked = MemoryQueue(), []
+    stream = ConsumerStream(
+        queue, rank=0, world_size=1, run="mine", batch_size=4, no_data_timeout_s=60, poll_s=0.05,
+        stop_asked=lambda: bool(asked),
+    )  # fmt: skip
+    item = Item(0, 0, 0, False, run_tag("mine"), 1, np.array([7]), np.array([0, 2]), np.array([1, 5], dtype=np.uint16))
+    queue.put_many([pack_item(item)], partition=rank_partition(0))
+    batches = stream.epoch(0, [10])  # 10 cells planned, 1 will come
+    threading.Timer(0.3, lambda: asked.append(True)).start()  # the stop, while the rank waits for the other 9
+    batch = next(batches)  # (without the stop: "no data for 60s" raised)
+    assert batch.cell_ids.tolist() == [7] and batches.cut and not batches.finished
+    stream.close()
+
+
 def test_items_a_lost_reply_took_are_asked_for_again_and_every_epoch_is_exact(small_synth):
     """Three gets of ranks' items lose their replies (the items are gone, the callers never saw
     them): each rank that misses cells asks, once its partition stays empty, for the units it has

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.chaos import children, cmdline, trained_per_epoch
+from benchmarks.chaos import trained_per_epoch
+from cellfeed_testing.procs import children, cmdline, descendants
 from tests.conftest import PBMC, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -446,14 +447,6 @@ def test_a_sigkilled_campaign_leaves_no_process_behind(counts_atlas, tmp_path):
 # --------------------------------------------------- this test's own processes, from /proc (Linux)
 
 
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [child for child, _ in children(pid)]
-    while todo:
-        out.append(todo.pop())
-        todo += [child for child, _ in children(out[-1])]
-    return out
-
-
 def child_named(pid: int, name: str) -> int | None:
     """The pid of `pid`'s child started as a producer `--name name`, if one runs."""
     for child, args in children(pid):
@@ -592,3 +585,34 @@ def test_a_trainer_killed_on_three_ranks_resumes_on_one_from_the_default_workdir
         out.stdout.strip().splitlines()[-1]
         == f"complete: 2 epochs, {2 * counts_atlas.n_cells:,} cells, every epoch trained exactly once (audited)"
     )
+
+
+def test_the_status_answers_before_any_rank_starts_on_a_loaded_machine(counts_atlas, tmp_path, monkeypatch):
+    """`cellfeed status` read "no status yet: it is starting" after a run on a loaded machine had
+    logged 30 steps: the monitor that publishes the status was made after the ranks started, and
+    its first snapshot waited on TensorBoard's import (tens of seconds under load). Now the status is
+    published before any rank starts: checked at the moment the first rank would start (the
+    launch, stood in for here), with every core busy."""
+    import app.local
+    from app.config import CampaignConfig
+    from app.journal import Journal
+    from app.ops import describe
+
+    seen = []
+
+    def launch(*args, **kwargs):  # the first rank's start: what would `cellfeed status` read now?
+        seen.append(Journal(tmp_path / "busy").read_state())
+        raise KeyboardInterrupt  # (the campaign ends here, cleaning up as after a Ctrl-C)
+
+    monkeypatch.setattr(app.local, "launch", launch)
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        cfg = CampaignConfig(dataset=counts_atlas.uri, run="busy", producers=1, gpus=1, preset="tiny", max_genes=24)
+        with pytest.raises(KeyboardInterrupt):
+            app.local.run_local(cfg, tmp_path, quiet=True)
+    finally:
+        for p in load:
+            p.kill()
+            p.wait()
+    assert seen and seen[0]["state"] == "running" and seen[0]["step"] == 0 and seen[0]["run"] == "busy"
+    assert describe(seen[0]).startswith("run busy: running")

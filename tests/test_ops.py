@@ -21,10 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CELLS = 1000
 
 
-def cellfeed(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
+CF = str(Path(sys.executable).with_name("cellfeed"))  # the installed command, as a user types it
+
+
+def cellfeed(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([CF, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def cells_by_epoch(folder: Path, before: int | None = None) -> dict[int, Counter]:
@@ -36,32 +37,48 @@ def cells_by_epoch(folder: Path, before: int | None = None) -> dict[int, Counter
     return out
 
 
-def test_status_stop_resume_report_and_tensorboard(tmp_path):
+def stop_held(proc: subprocess.Popen, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`cellfeed stop ARGS` asked of the campaign `proc` while its ranks are held still
+    (`cellfeed_testing.procs.ranks_held`), and the ranks let go only once the stop signal is pending
+    in each: the campaign cannot end before the stop lands, however fast the machine."""
+    from cellfeed_testing.procs import pending, ranks_held
+    from trainer.config import STOP_SIGNAL
+
+    with ranks_held(proc.pid, expect=2) as ranks:
+        stopper = subprocess.Popen([CF, "stop", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        wait_for(lambda: all(pending(r, STOP_SIGNAL) for r in ranks), "the stop signal in every rank", timeout=120)
+    out, err = stopper.communicate(timeout=120)
+    return subprocess.CompletedProcess(stopper.args, stopper.returncode, out.decode(), err.decode())
+
+
+def test_the_readmes_stop_and_resume_then_status_report_and_tensorboard(tmp_path):
+    """As the README says it, in a user's folder: `cellfeed local --run first --epochs 3` (here on a
+    small atlas, its cell logs kept), `cellfeed status first` while it runs, `cellfeed stop first` in
+    epoch 1, then exactly `cellfeed local --run first --resume`, which finishes the campaign: every
+    epoch's cells once across the stop (from the cell logs). Then status, TensorBoard's own reader on
+    the run's event files, and the report in a real browser."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    assert cellfeed("synth", str(tmp_path / "ds"), "--cells", str(CELLS), "--genes", "2000", "--quiet").returncode == 0
-    flags = ["--dataset", str(tmp_path / "ds"), "--producers", "2", "--gpus", "2", "--epochs", "4", "--batch-size",
-             "4", "--max-genes", "24", "--checkpoint-every", "10", "--workdir", str(tmp_path / "w"), "--run", "r1",
-             "--audit-cells", "--quiet"]  # fmt: skip
-    run = tmp_path / "w" / "r1"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "local", *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+    synth = cellfeed("synth", "ds", "--cells", str(CELLS), "--genes", "2000", "--quiet", cwd=tmp_path)
+    assert synth.returncode == 0, synth.stderr
+    first = ["local", "--run", "first", "--epochs", "3", "--dataset", "ds", "--batch-size", "4", "--max-genes", "24"]
+    first += ["--checkpoint-every", "10", "--audit-cells", "--quiet"]
+    run = tmp_path / "runs" / "first"
+    proc = subprocess.Popen([CF, *first], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        # the event: a status published after a step (the monitor writes one every 2 s); then at once the stop,
-        # which the monitor sees at its next look (4 epochs of 250 steps: the run is still in epoch 0 or 1)
-        def status(*json_flag: str) -> subprocess.CompletedProcess:
-            return cellfeed("status", "r1", "--workdir", str(tmp_path / "w"), *json_flag, timeout=60)
 
+        def status(*json_flag: str) -> subprocess.CompletedProcess:
+            return cellfeed("status", "first", *json_flag, cwd=tmp_path, timeout=60)
+
+        # the events: a status past a step of epoch 1 (of 0-2); then the stop, asked of held ranks
         snap = wait_for(
-            lambda: (s := status("--json")).returncode == 0 and (j := json.loads(s.stdout))["step"] >= 1 and j,
-            "a status past step 1",
+            lambda: (s := status("--json")).returncode == 0 and (j := json.loads(s.stdout))["epoch"] >= 1 and j,
+            "a status in epoch 1",
             timeout=300,
         )
-        stop = cellfeed("stop", "r1", "--workdir", str(tmp_path / "w"))
-        assert snap["state"] == "running" and snap["epochs"] == 4 and snap["cells_per_epoch"] == CELLS
+        assert snap["state"] == "running" and snap["epochs"] == 3 and snap["cells_per_epoch"] == CELLS
         assert len(snap["wait_ms_ranks"]) == 2 and len(snap["producers"]) == 2 and snap["eta_s"] > 0
+        stop = stop_held(proc, tmp_path, "first")
         assert stop.returncode == 0, stop.stdout + stop.stderr
         out, err = proc.communicate(timeout=120)
     finally:
@@ -69,25 +86,28 @@ def test_status_stop_resume_report_and_tensorboard(tmp_path):
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, err[-2000:]
+    assert "watch it from another terminal: cellfeed status first | cellfeed stop first" in out
     last = out.strip().splitlines()[-1]
-    stopped = re.match(r"stopped at step (\d+) as asked: .*; checkpoint at step \1; resume: (cellfeed local .*)", last)
+    stopped = re.match(r"stopped at step (\d+) as asked: 1 of 3 epochs complete; .*checkpoint at step \1; ", last)
     assert stopped, last
-    assert f"run r1 stopped at step {stopped[1]}" in stop.stdout
+    assert f"run first stopped at step {stopped[1]}" in stop.stdout
     text = status().stdout
-    assert text.startswith("run r1: stopped") and "data wait per rank" in text and "resume: cellfeed local" in text
+    assert text.startswith("run first: stopped") and "data wait per rank" in text and "resume: cellfeed local" in text
     step = int(stopped[1])
-    first = cells_by_epoch(run, before=step)  # (steps past the checkpoint are trained again by the resume)
-    resumed = cellfeed("local", *flags, "--resume", timeout=600)
+    before = cells_by_epoch(run, before=step)  # (steps past the checkpoint are trained again by the resume)
+    resumed = cellfeed("local", "--run", "first", "--resume", cwd=tmp_path, timeout=600)  # the README's, as written
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"checkpoint at step {step:,}" in resumed.stdout
-    assert resumed.stdout.strip().splitlines()[-1].startswith("complete: 4 epochs, 4,000 cells")
-    second = cells_by_epoch(run)
-    assert [first.get(e, Counter()) + second.get(e, Counter()) for e in range(4)] == [Counter(range(CELLS))] * 4
+    assert resumed.stdout.strip().splitlines()[-1].startswith(f"complete: 3 epochs, {3 * CELLS:,} cells")
+    after = cells_by_epoch(run)
+    assert [before.get(e, Counter()) + after.get(e, Counter()) for e in range(3)] == [Counter(range(CELLS))] * 3
 
-    after = json.loads(cellfeed("status", "r1", "--workdir", str(tmp_path / "w"), "--json").stdout)
-    assert after["state"] == "complete" and [a["cells"] for a in after["audits"]][-1] == CELLS
+    final = json.loads(status("--json").stdout)
+    assert final["state"] == "complete" and [a["cells"] for a in final["audits"]][-1] == CELLS
     events = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
     assert events == ["started", "stop asked", "stopped", "resumed", "complete"]
+    again = cellfeed("stop", "first", cwd=tmp_path, timeout=60)  # after the end: one line, no traceback
+    assert "complete" in again.stdout + again.stderr and "Traceback" not in again.stderr
 
     scalars: dict[str, list] = {}  # TensorBoard's own reader, over every event file of the run
     for path in (run / "tb").glob("events.out.tfevents*"):
@@ -95,13 +115,13 @@ def test_status_stop_resume_report_and_tensorboard(tmp_path):
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
             scalars.setdefault(tag, []).extend(e.step for e in acc.Scalars(tag))
-    total = after["step"]
+    total = final["step"]
     for tag in ("train/loss", "train/cells_per_s", "data_wait_ms/rank0", "data_wait_ms/rank1"):
         assert set(scalars[tag]) == set(range(1, total + 1)), tag  # one value per step (resumed steps again)
     assert {"queue/tasks", "queue/rank0_items", "audit/cells"} <= set(scalars)
 
     report = tmp_path / "report.html"
-    made = cellfeed("report", "r1", "--workdir", str(tmp_path / "w"), "--out", str(report))
+    made = cellfeed("report", "first", "--out", str(report), cwd=tmp_path)
     assert made.returncode == 0, made.stderr[-2000:]
     page = report.read_text()
     assert page.count("<svg") == 7 and "http://" not in page.split("<svg")[0] and "<script src" not in page

@@ -11,6 +11,11 @@ whose reply was lost: the server gave the items out, Modal's client retried, and
 Units still on their way are not produced twice; the items of a unit produced again that this rank
 did get are dropped by key.
 
+A rank asked to stop (`stop_asked`) stops waiting for cells within `poll_s`: its batch is what its
+buffer holds (maybe none), the stop rides on that step's all-reduce, and the epoch iterator is
+`cut` (not finished: the epoch is neither audited nor counted complete; a resume trains its rest).
+A stop thus takes effect in a step or two even when the producers are stalled.
+
 No Lance or Polars here: the GPU image needs only torch, numpy and zstandard.
 """
 
@@ -102,6 +107,7 @@ class ConsumerStream:
         check=None,
         on_starved=None,
         starved_after_s: float = STARVED_AFTER_S,
+        stop_asked=None,
     ):
         if batch_size < 1 or buffer_cells < 1:
             raise CellfeedError("batch_size and buffer_cells must be >= 1")
@@ -118,6 +124,7 @@ class ConsumerStream:
         # called with (epoch, EpochIterator) after `starved_after_s` with no item while cells are still
         # expected, and as often again while it lasts: the trainer asks for the units that never came
         self.on_starved, self.starved_after_s = on_starved, starved_after_s
+        self.stop_asked = stop_asked or (lambda: False)  # a stop was asked of this rank: waiting for cells ends
         self.stats = StreamStats()
         self._items: stdlib_queue.Queue = stdlib_queue.Queue(maxsize=max(4, buffer_cells // 16))
         self._future: list[Item] = []  # decoded items of later epochs
@@ -165,8 +172,9 @@ class ConsumerStream:
 
     def next_item(self, epoch: int, deadline: float, starved=None) -> Item | None:
         """The next decoded item of `epoch` (items of later epochs are held for them, those of earlier
-        ones counted stale), or None at `deadline`. `starved` is called after `starved_after_s` with
-        no item of this epoch while the queue keeps answering, and as often again while it lasts."""
+        ones counted stale), or None at `deadline` or once a stop is asked. `starved` is called after
+        `starved_after_s` with no item of this epoch while the queue keeps answering, and as often
+        again while it lasts."""
         for i, item in enumerate(self._future):
             if item.epoch == epoch:
                 return self._future.pop(i)
@@ -191,7 +199,7 @@ class ConsumerStream:
                 else:
                     self.stats.stale += 1  # a late duplicate of a finished epoch
             now = time.monotonic()
-            if now > deadline:
+            if now > deadline or self.stop_asked():
                 return None
             # starved: no item of this epoch for a while (later epochs' items may keep coming), and the
             # queue has answered since (an outage that keeps the fetcher retrying is not starvation:
@@ -259,6 +267,7 @@ class EpochIterator:
         self.expected = int(cells_per_rank[stream.rank])
         self.steps = steps_per_epoch(cells_per_rank, stream.batch_size)
         self.step = 0
+        self.cut = False  # a stop ended a batch early: the epoch is not finished, whatever `step` says
         self.received = 0  # cells taken into the buffer
         self.seen: set = set()
         self.rng = batch_rng(stream.seed, epoch, stream.rank)
@@ -273,6 +282,11 @@ class EpochIterator:
 
     def __iter__(self):
         return self
+
+    @property
+    def finished(self) -> bool:
+        """Every step of the epoch was taken, none of them cut short by a stop."""
+        return self.step >= self.steps and not self.cut
 
     @property
     def ready_cells(self) -> int:
@@ -309,6 +323,9 @@ class EpochIterator:
             starved = (lambda: s.on_starved(self.epoch, self)) if s.on_starved is not None else None
             item = s.next_item(self.epoch, start + s.no_data_timeout_s, starved)
             waited += time.monotonic() - start
+            if item is None and s.stop_asked():  # the step goes on with what the buffer holds, and is the last
+                self.cut = True
+                break
             if item is None:
                 raise CellfeedError(
                     f"rank {s.rank}: no data for {s.no_data_timeout_s:.0f}s in epoch {self.epoch} with "

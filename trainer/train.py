@@ -121,6 +121,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         trained_cells=progress.partial,
         check=driver.check if driver else None,
         on_starved=lambda e, batches: ask_again(queue, store, cfg, rank, world, e, batches, summaries, before),
+        stop_asked=lambda: bool(stop_asked),  # a starved rank answers a stop within a second
     )
     cells_log = open(f"{cfg.cells_log}.rank{rank}.jsonl", "a") if cfg.cells_log else None
     tracker = Tracker(
@@ -227,6 +228,12 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 if not sync:
                     continue
                 micro = 0
+                if totals[3] > 0 and totals[4] == 0:  # a stop met every rank starved: no cell, no step
+                    optimizer.zero_grad(set_to_none=True)
+                    stopping = True
+                    if cfg.checkpoint_dir:
+                        save()
+                    break
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 schedule.cells_done += int(totals[4])  # every rank's cells of this step
                 lr = cfg.lr * (
@@ -262,13 +269,13 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                     tracker.note(step, evaluate(model, held_out, cfg, autocast))
                 stopping = bool(totals[3] > 0)  # a rank was asked to stop: all stop after this step
                 if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or steps_done() or stopping):
-                    if batches.step < batches.steps:
+                    if not batches.finished:
                         save()
                     else:  # the epoch's last step: saved once its audit is done, as the next epoch's start
                         save_after_audit = True
                 if steps_done() or stopping:
                     break
-            if batches.step < batches.steps:  # stopped inside the epoch (--steps are done, or asked to stop)
+            if not batches.finished:  # stopped inside the epoch (--steps are done, or asked to stop)
                 break
             audits.append(audit_epoch(epoch, progress, summary, world, device))  # the epoch is complete
             tracker.audited(step, audits[-1])
