@@ -36,6 +36,7 @@ STATUS_EVERY_S = 2.0
 MIN_LOCAL_RANKS = 4  # `cellfeed local --gpus` may go to twice the cores, and at least this far
 CHECK_EVERY_S = 0.5  # how often the ranks and producers are looked at
 SLOW_STEP_S = 2.0  # steps this slow on CPU ranks are said once, with the campaign's expected time
+SHORT_CPU_GENES = 64  # genes a cell that CPU ranks train briskly with --preset tiny
 
 
 def default_dataset(workdir: Path, cells: int, seed: int) -> str:
@@ -229,15 +230,27 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
 
 def slow_step_note(cfg: CampaignConfig, snap: dict) -> str | None:
     """Once steps are measured: a model too heavy for CPU ranks is said, with the time the campaign
-    will take and the flags that make it lighter (a long --max-genes costs as much as a big model)."""
+    will take and those lighter settings it does not use yet (a long --max-genes costs as much as a
+    big model); a run already as light as they make it hears the time alone."""
     if not snap["step_s"] or snap["step"] < 3 or snap["step_s"] < SLOW_STEP_S:
         return None
-    hours = (snap["eta_s"] or 0) / 3600
-    return (
+    eta_s = snap["eta_s"] or 0
+    to_go = f"about {eta_s / 3600:.1f} h to go" if eta_s >= 3600 else f"about {eta_s / 60:.0f} min to go"
+    note = (
         f"note: a step takes {snap['step_s']:.1f} s on these CPU ranks (--preset {cfg.preset}, "
-        f"{cfg.genes_per_cell:,} genes a cell, batches of {cfg.batch_size}): about {hours:.1f} h to go. "
-        "CPU ranks suit --preset tiny with a short --max-genes (e.g. 64); a GPU runs the rest (modal run)"
+        f"{cfg.genes_per_cell:,} genes a cell, batches of {cfg.batch_size}): {to_go}"
     )
+    lighter = [
+        flag
+        for flag, applies in (
+            ("--preset tiny", cfg.preset != "tiny"),
+            (f"--max-genes {SHORT_CPU_GENES}", cfg.genes_per_cell > SHORT_CPU_GENES),
+        )
+        if applies
+    ]
+    if not lighter:
+        return note
+    return f"{note}. CPU ranks suit {' with '.join(lighter)} (a new --run); a GPU runs the rest (modal run)"
 
 
 def check_wandb() -> None:

@@ -7,7 +7,7 @@ started (`children` reads each of its threads' /proc/PID/task/TID/children).
     with ranks_held(proc.pid) as ranks:   # SIGSTOP every rank under the campaign
         ... ask for a stop ...
         wait_for(lambda: all(pending(r, STOP_SIGNAL) for r in ranks), ...)
-    # SIGCONT on leaving: the ranks wake with the stop already theirs
+    # SIGCONT on leaving: the ranks wake with the stop already theirs (`stop_asked_while_held`)
 
 Held, a campaign cannot end; so a test that asks a stop of held ranks, and lets them go only once
 the stop signal is pending in each of them, knows the stop lands before the campaign's end,
@@ -96,3 +96,17 @@ def ranks_held(pid: int, expect: int | None = None):
         for rank in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(rank, signal.SIGCONT)
+
+
+def stop_asked_while_held(pid: int, expect: int, ask, wait_for, during=None):
+    """`ask()` (e.g. start `cellfeed stop`) while the trainer ranks below `pid` are held, after
+    `during()` (what the test reads while they are held); the ranks are let go once the stop signal
+    is pending in each. Returns (`during()`'s value, `ask()`'s). `wait_for(condition, what, timeout)`:
+    the test's own poll."""
+    from trainer.config import STOP_SIGNAL
+
+    with ranks_held(pid, expect) as ranks:
+        seen = during() if during is not None else None
+        asked = ask()
+        wait_for(lambda: all(pending(r, STOP_SIGNAL) for r in ranks), "the stop signal in every rank", timeout=120)
+    return seen, asked

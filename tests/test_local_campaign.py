@@ -616,3 +616,18 @@ def test_the_status_answers_before_any_rank_starts_on_a_loaded_machine(counts_at
             p.wait()
     assert seen and seen[0]["state"] == "running" and seen[0]["step"] == 0 and seen[0]["run"] == "busy"
     assert describe(seen[0]).startswith("run busy: running")
+
+
+def test_the_slow_step_note_advises_only_what_would_change_something():
+    from app.config import CampaignConfig
+    from app.local import slow_step_note
+
+    snap = {"step_s": 3.2, "step": 5, "eta_s": 7200}
+
+    def note(**settings):
+        return slow_step_note(CampaignConfig(dataset="d", batch_size=32, **settings), snap)
+
+    assert note(preset="tiny", max_genes=64).endswith("batches of 32): about 2.0 h to go")  # nothing left to advise
+    assert "CPU ranks suit --max-genes 64 (a new --run)" in note(preset="tiny", max_genes=256)
+    assert "CPU ranks suit --preset tiny with --max-genes 64" in note(preset="scgpt", max_genes=1200)
+    assert slow_step_note(CampaignConfig(dataset="d"), {**snap, "step_s": 0.5}) is None  # not slow: no note

@@ -92,6 +92,13 @@ def steps_logged(world: ModalEmulator, call_id: str, attempt: int) -> int:
     return sum(1 for line in path.read_text().splitlines() if '"loss"' in line) if path.exists() else 0
 
 
+def epoch_logged(world: ModalEmulator, call_id: str, attempt: int) -> int:
+    """The epoch of the last step rank 0 of a train attempt logged (-1: none yet)."""
+    path = world.root / "containers" / f"{call_id}-{attempt}" / "tmp" / "cellfeed" / RUN / "steps.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line] if path.exists() else []
+    return rows[-1]["epoch"] if rows else -1
+
+
 def train_attempt_of(world: ModalEmulator, function: str) -> dict | None:
     """The running call of `function` once its first attempt has started."""
     return next((c for c in world.calls(function) if c["status"] == "running" and c["attempts"]), None)
@@ -350,40 +357,53 @@ def cellfeed(world: ModalEmulator, *args: str, timeout: float = 120) -> subproce
     )
 
 
-def test_status_and_stop_from_the_laptop_then_the_printed_command_resumes_exactly(atlas, tmp_path):
+def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_campaign(atlas, tmp_path):
     """`cellfeed status emu --modal` reads a running campaign's Dict (no GPU started); `cellfeed stop
-    emu --modal` has its ranks checkpoint and its producers stop, the state kept; the run's last line
-    says where it stopped and how to resume, and exits 0; that command completes the campaign,
-    every epoch's cells once across the stop."""
-    import shlex
+    emu --modal` in epoch 1 of 3 has its ranks checkpoint and its producers stop, the state kept; the
+    run's last line says where it stopped and exits 0; then exactly the README's `modal run
+    app/modal_app.py --run emu --resume` (the campaign from the run's record on the Volume) completes
+    it, every epoch's cells once across the stop. The stop is asked of held ranks and they are let go
+    once it is theirs (`cellfeed_testing.procs.stop_asked_while_held`): it lands before the end."""
     from collections import Counter
 
+    from cellfeed_testing.procs import stop_asked_while_held
+
     with ModalEmulator(tmp_path / "world", grace_s=10) as world:
-        # 3 epochs of 84 steps (batches of 8), at Modal's 25 ms a call: the stop comes inside them
+        # 3 epochs of 84 steps (batches of 8), at Modal's 25 ms a call
         proc = modal_run(world, flags(atlas, rpc_latency_ms=25, batch_size=8, epochs=3) + ["--audit-cells"])
         call = wait_for(lambda: train_attempt(world), "train to start")
-        wait_for(lambda: steps_logged(world, call["id"], 0) >= 1 or proc.poll() is not None, "a step")
+        wait_for(lambda: epoch_logged(world, call["id"], 0) >= 1 or proc.poll() is not None, "a step of epoch 1")
+        assert proc.poll() is None, "the campaign ended before epoch 1: " + proc.communicate()[1][-2000:]
 
         def status():
             out = cellfeed(world, "status", RUN, "--modal", "--json")
             assert out.returncode == 0, out.stderr[-2000:]
             return json.loads(out.stdout)
 
-        snap = wait_for(lambda: (s := status())["step"] >= 1 and s, "the status to show a step (published every 5 s)")
+        snap, stopper = stop_asked_while_held(
+            call["attempts"][0]["pid"],
+            2,
+            lambda: subprocess.Popen(
+                [sys.executable, "-m", "app.cli", "stop", RUN, "--modal"],
+                cwd=ROOT, env=world.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ),
+            wait_for,
+            during=lambda: wait_for(lambda: (s := status())["epoch"] >= 1 and s, "the status in epoch 1 (every 5 s)"),
+        )  # fmt: skip
         assert snap["state"] == "running" and snap["epochs"] == 3 and snap["cells_per_epoch"] == 1344
         assert snap["loss"] > 0 and len(snap["producers"]) == 2 and len(snap["queue"]["ranks"]) == 2
-        assert proc.poll() is None, "the campaign ended before the stop"
-        stop = cellfeed(world, "stop", RUN, "--modal")
-        assert stop.returncode == 0, stop.stdout[-2000:] + stop.stderr[-2000:]
-        assert re.search(r"run emu stopped at step \d+ \(checkpoint at step \d+\)", stop.stdout), stop.stdout
+        stop_out, stop_err = stopper.communicate(timeout=120)
+        assert stopper.returncode == 0, stop_out[-2000:] + stop_err[-2000:]
+        assert re.search(r"run emu stopped at step \d+ \(checkpoint at step \d+\)", stop_out), stop_out
         code, out, err = finish(proc)
         assert code == 0, err[-3000:]
+        assert "watch it from another terminal: cellfeed status emu --modal | cellfeed stop emu --modal" in out
         last = out.strip().splitlines()[-1]
-        stopped = re.match(r"stopped at step (\d+) as asked: .*; checkpoint at step \1; resume: (modal run .*)$", last)
+        stopped = re.match(r"stopped at step (\d+) as asked: 1 of 3 epochs complete; .*; resume: (modal run .*)$", last)
         assert stopped, last
         assert f"cellfeed-{RUN}" in world.describe()["dicts"]  # kept for the resume
         assert json.loads(cellfeed(world, "status", RUN, "--modal", "--json").stdout)["state"] == "stopped"
-        code, out, err = finish(modal_run(world, shlex.split(stopped[2])[3:]))
+        code, out, err = finish(modal_run(world, ["--run", RUN, "--resume"]))  # the README's resume, as written
         assert code == 0, err[-3000:]
         assert out.strip().splitlines()[-1].startswith("complete: 3 epochs, ")
         held_out = set(np.flatnonzero(np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) == "plate14").tolist())

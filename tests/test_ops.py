@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cellfeed_testing.procs import stop_asked_while_held
 from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +29,12 @@ def cellfeed(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Complete
     return subprocess.run([CF, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+def epoch_logged(steps: Path) -> int:
+    """The epoch of the last step a campaign's rank 0 logged (-1: none yet)."""
+    rows = [json.loads(line) for line in steps.read_text().splitlines() if '"loss"' in line] if steps.exists() else []
+    return rows[-1]["epoch"] if rows else -1
+
+
 def cells_by_epoch(folder: Path, before: int | None = None) -> dict[int, Counter]:
     out: dict[int, Counter] = {}
     for log in folder.glob("cells.rank*.jsonl"):
@@ -35,20 +42,6 @@ def cells_by_epoch(folder: Path, before: int | None = None) -> dict[int, Counter
             if before is None or row["step"] < before:
                 out.setdefault(row["epoch"], Counter()).update(row["cells"])
     return out
-
-
-def stop_held(proc: subprocess.Popen, cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """`cellfeed stop ARGS` asked of the campaign `proc` while its ranks are held still
-    (`cellfeed_testing.procs.ranks_held`), and the ranks let go only once the stop signal is pending
-    in each: the campaign cannot end before the stop lands, however fast the machine."""
-    from cellfeed_testing.procs import pending, ranks_held
-    from trainer.config import STOP_SIGNAL
-
-    with ranks_held(proc.pid, expect=2) as ranks:
-        stopper = subprocess.Popen([CF, "stop", *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        wait_for(lambda: all(pending(r, STOP_SIGNAL) for r in ranks), "the stop signal in every rank", timeout=120)
-    out, err = stopper.communicate(timeout=120)
-    return subprocess.CompletedProcess(stopper.args, stopper.returncode, out.decode(), err.decode())
 
 
 def test_the_readmes_stop_and_resume_then_status_report_and_tensorboard(tmp_path):
@@ -70,16 +63,24 @@ def test_the_readmes_stop_and_resume_then_status_report_and_tensorboard(tmp_path
         def status(*json_flag: str) -> subprocess.CompletedProcess:
             return cellfeed("status", "first", *json_flag, cwd=tmp_path, timeout=60)
 
-        # the events: a status past a step of epoch 1 (of 0-2); then the stop, asked of held ranks
-        snap = wait_for(
-            lambda: (s := status("--json")).returncode == 0 and (j := json.loads(s.stdout))["epoch"] >= 1 and j,
-            "a status in epoch 1",
-            timeout=300,
+        # the events: a step of epoch 1 (of 0-2) logged; the ranks held still; a status; the stop asked,
+        # and the ranks let go once it is theirs (`stop_asked_while_held`): it lands before the campaign's end
+        wait_for(lambda: proc.poll() is not None or epoch_logged(run / "steps.jsonl") >= 1, "epoch 1", timeout=300)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        snap, stopper = stop_asked_while_held(
+            proc.pid,
+            2,
+            lambda: subprocess.Popen([CF, "stop", "first"], cwd=tmp_path, stdout=subprocess.PIPE, text=True),
+            wait_for,
+            during=lambda: wait_for(
+                lambda: (s := status("--json")).returncode == 0 and (j := json.loads(s.stdout))["epoch"] >= 1 and j,
+                "a status in epoch 1",
+            ),
         )
         assert snap["state"] == "running" and snap["epochs"] == 3 and snap["cells_per_epoch"] == CELLS
         assert len(snap["wait_ms_ranks"]) == 2 and len(snap["producers"]) == 2 and snap["eta_s"] > 0
-        stop = stop_held(proc, tmp_path, "first")
-        assert stop.returncode == 0, stop.stdout + stop.stderr
+        stop_out = stopper.communicate(timeout=120)[0]
+        assert stopper.returncode == 0, stop_out
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -90,7 +91,7 @@ def test_the_readmes_stop_and_resume_then_status_report_and_tensorboard(tmp_path
     last = out.strip().splitlines()[-1]
     stopped = re.match(r"stopped at step (\d+) as asked: 1 of 3 epochs complete; .*checkpoint at step \1; ", last)
     assert stopped, last
-    assert f"run first stopped at step {stopped[1]}" in stop.stdout
+    assert f"run first stopped at step {stopped[1]}" in stop_out
     text = status().stdout
     assert text.startswith("run first: stopped") and "data wait per rank" in text and "resume: cellfeed local" in text
     step = int(stopped[1])
