@@ -125,22 +125,32 @@ def cmd_status(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    """Ask the run to stop; wait until it has (its ranks checkpoint, its producers stop)."""
+    """Ask the run to stop; wait until it has (its ranks checkpoint, its producers stop). A run that
+    is complete, before the request or by the time it is seen, is said so (exit 0)."""
+    from coordination.queues import MapGone
+
     journal = journal_of(args)
     snap = read_state(args, journal)
     restarting = args.modal and snap["state"] == "incomplete"  # (a preempted or handed-over call starting again)
     if snap["state"] not in ("running", "stopping") and not restarting:
-        raise CellfeedError(f"run {args.run!r} is not running (its state: {snap['state']}); there is nothing to stop")
-    journal.ask_stop()
+        return nothing_to_stop(snap)
+    try:
+        journal.ask_stop()
+    except MapGone:  # a Modal campaign deletes its Dict as it completes: it ended since its state was read
+        return nothing_to_stop(read_state(args, journal))
     print(f"asked run {args.run} to stop: its ranks checkpoint after their current step", flush=True)
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         time.sleep(STOP_POLL_S)
         snap = read_state(args, journal)
+        if snap["state"] == "complete":  # (its last steps ended the campaign before the request was seen)
+            print(complete_line(snap, "it finished before the stop took effect; nothing to resume"))
+            return 0
         if snap["state"] not in ("running", "stopping"):
             ckpt = snap.get("checkpoint")
             where = f"checkpoint at step {ckpt['step']:,}" if ckpt else "no checkpoint"
-            print(f"run {args.run} {snap['state']} at step {snap['step']:,} ({where}); resume: {snap.get('resume')}")
+            resume = f"; resume: {snap['resume']}" if snap.get("resume") else ""
+            print(f"run {args.run} {snap['state']} at step {snap['step']:,} ({where}){resume}")
             return 0
     raise CellfeedError(
         f"run {args.run!r} has not stopped in {args.timeout:.0f} s (its state: {snap['state']}); the request stands: "
@@ -148,12 +158,32 @@ def cmd_stop(args) -> int:
     )
 
 
+def complete_line(snap: dict, then: str) -> str:
+    """One line for a run that is complete (`cellfeed stop` of a finished campaign)."""
+    epochs = snap["epochs"]
+    return f"run {snap['run']} is complete ({epochs} of {epochs} epochs, step {snap['step']:,}): {then}"
+
+
+def nothing_to_stop(snap: dict) -> int:
+    """`cellfeed stop` of a run that is not running: complete (said, exit 0), else an error line."""
+    if snap["state"] != "complete":
+        state = snap["state"]
+        raise CellfeedError(f"run {snap['run']!r} is not running (its state: {state}); there is nothing to stop")
+    print(complete_line(snap, "nothing to stop"))
+    return 0
+
+
 def cmd_report(args) -> int:
     from app.report import write_report
 
     folder = Path(args.workdir).resolve() / args.run
     if not folder.is_dir():
-        raise CellfeedError(f"no run {args.run!r} in {folder.parent}: give the --workdir it ran in")
+        from app.modal_app import VOLUME_NAME
+
+        raise CellfeedError(
+            f"no run {args.run!r} in {folder.parent}: give the --workdir it ran in (a Modal campaign's folder comes "
+            f"from its Volume: `modal volume get {VOLUME_NAME} {args.run} {args.workdir}/{args.run}`)"
+        )
     plots = write_report(folder, Path(args.out))
     print(f"wrote {args.out}: {plots} plots")
     return 0

@@ -23,7 +23,10 @@ the emulator, cellfeed_testing/modal_emulator/README.md):
   passes), then `ModalUnreachable`. A retried call may have been applied already (a lost reply):
   a put then doubles its items (consumers drop duplicates by key), a get's items are gone (the
   consumer stream notices the cells missing and asks for their units again: `trainer/stream.py`),
-  a put-if-absent finds its own value (stitching takes a slot holding its own id as its own).
+  a put-if-absent finds its own value (stitching takes a slot holding its own id as its own);
+- no credentials, or credentials Modal refuses (`AuthError`: raised by modal 1.6.4's client before
+  it connects when it has no token, `client.py:_Client.from_env`, or for UNAUTHENTICATED): never
+  retried, `ModalNoCredentials` at once, in one line saying what to do.
 """
 
 from __future__ import annotations
@@ -41,6 +44,25 @@ FIRST_DELAY_S, BACKOFF, MAX_DELAY_S = 0.2, 1.5, 10.0  # a blip costs under a sec
 
 class ModalUnreachable(CellfeedError):
     """Modal's network failed for longer than the retry window: the run stops, its state kept."""
+
+
+class ModalNoCredentials(CellfeedError):
+    """Modal's client has no credentials on this machine, or Modal refused them."""
+
+
+def no_credentials(exc: BaseException) -> ModalNoCredentials:
+    """A `modal.exception.AuthError` in one line: what is missing, what to do."""
+    fix = "run `modal token new` or set MODAL_TOKEN_ID and MODAL_TOKEN_SECRET"
+    if not _token_configured():
+        return ModalNoCredentials(f"no Modal credentials: {fix}")
+    return ModalNoCredentials(f"Modal did not accept this machine's credentials ({_short(exc)}): {fix}")
+
+
+def _token_configured() -> bool:
+    """Whether modal's config (MODAL_TOKEN_ID and MODAL_TOKEN_SECRET, or ~/.modal.toml's profile) has a token."""
+    from modal.config import config
+
+    return bool(config.get("token_id") and config.get("token_secret"))
 
 
 def transient_errors() -> tuple[type, ...]:
@@ -63,11 +85,16 @@ class _PutTimedOut(Exception):
 
 def retrying(call, what: str, retry_s: float = RETRY_S):
     """`call()`, retried on Modal's transient errors with jittered backoff for up to `retry_s`
-    seconds from the first failure; one line when an outage starts and one when it ends."""
+    seconds from the first failure; one line when an outage starts and one when it ends. Missing
+    or refused credentials are `ModalNoCredentials` at once."""
+    from modal.exception import AuthError
+
     errors, first, delay = transient_errors(), None, FIRST_DELAY_S
     while True:
         try:
             result = call()
+        except AuthError as exc:  # (no token, or a refused one: waiting does not bring one)
+            raise no_credentials(exc) from None
         except errors as exc:
             now = time.monotonic()
             if first is None:
