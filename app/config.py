@@ -415,10 +415,14 @@ def resumed_flags(run: str, recorded: dict, given: dict, defaults: dict | None =
     of the flags `given` on this command line, those a resume may change (`RESUME_CHANGES`); the
     lines that say each change. A given flag that would change the campaign raises, naming the flag
     and the recorded value; one equal to the recorded value changes nothing. `defaults`: the
-    command's own (a value the record lacks, as a run before a setting existed had it)."""
+    command's own (a value the record lacks, as a run before a setting existed had it). A
+    recorded `--steps` beside `--epochs` was a partial run's stop, not the campaign's end: it is
+    not kept (alone, it sets how many epochs the campaign has, and is)."""
     defaults = flag_defaults(defaults)
     kept = {f.name for f in fields(CampaignConfig)} - {"run", "resume", "checkpoint_dir", "carried", "mixtures"}
     flags = {name: value for name, value in recorded.items() if name in kept}
+    if flags.get("epochs") is not None:  # --steps beside --epochs stopped that run early: the campaign is its epochs
+        flags.pop("steps", None)
     notes = []
     for name, value in given.items():
         before = flags.get(name, defaults.get(name))
@@ -435,7 +439,8 @@ def resumed_flags(run: str, recorded: dict, given: dict, defaults: dict | None =
                 f"--epochs {value}: run {run}'s campaign has {before} epochs; a resume may add epochs, not drop "
                 "them (leave --epochs out to finish the campaign, or `cellfeed stop` it where it stands)"
             )
-        notes.append(f"{flag} {value} from this resume on (the campaign had {before})")
+        had = "none" if before is None else before
+        notes.append(f"{flag} {value} from this resume on (the campaign had {had})")
         flags[name] = value
     return flags, notes
 

@@ -159,6 +159,11 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         cfg.resume = True
     fleet = Fleet(cfg, config, store, produce)
     workdir = Path(tempfile.gettempdir()) / "cellfeed" / cfg.run
+    # the step log on the Volume, as a local run's in its folder: a resumed call appends to it, so the
+    # status and the report (the snapshot's audits) keep every epoch, not only this call's
+    log = Path(cfg.run_checkpoint_dir) / "steps.jsonl"
+    if not cfg.resume:  # (a new campaign: no earlier run's steps)
+        log.unlink(missing_ok=True)
     cells_log = {}
     if cfg.audit_cells:  # one file set per train call (a preempted call's steps past its checkpoint are re-trained)
         (Path(cfg.run_checkpoint_dir) / "cells").mkdir(parents=True, exist_ok=True)
@@ -168,7 +173,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     train_cfg = cfg.train_config(
         cfg.backend_spec("modal"),
         facts,
-        log_path=str(workdir / "steps.jsonl"),
+        log_path=str(log),
         tb_dir=f"{cfg.run_checkpoint_dir}/tb",  # (on the Volume: TensorBoard and `cellfeed report` read it there)
         **cells_log,
         **no_data,
@@ -178,7 +183,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     Path(cfg.run_checkpoint_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_checkpoint_dir) / CAMPAIGN_RECORD).write_text(json.dumps(record))  # what --resume continues
     resume = resume_command(CampaignConfig(**config))  # (the laptop's file paths, not this container's)
-    log, tb = workdir / "steps.jsonl", f"{cfg.run_checkpoint_dir}/tb"
+    tb = f"{cfg.run_checkpoint_dir}/tb"
     monitor = Monitor(cfg, facts, queue, store, journal, log, list(fleet.calls), resume, tb, every_s=STATUS_EVERY_S)
     monitor.journal.event(
         "resumed" if cfg.resume else "started", step=latest.step if latest else 0, ranks=cfg.world_size

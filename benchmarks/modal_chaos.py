@@ -100,13 +100,11 @@ def preemption_plan(rng: random.Random, steps: int) -> list[Preemption]:
 
 
 def steps_logged(world: ModalEmulator) -> int:
-    """The highest step any train attempt has logged."""
-    best = 0
-    for log in (world.root / "containers").glob(f"*/tmp/cellfeed/{RUN}/steps.jsonl"):
-        for line in log.read_text().splitlines():
-            if '"loss"' in line and line.endswith("}"):
-                best = max(best, json.loads(line)["step"])
-    return best
+    """The highest step any train attempt has logged (in the run's step log on the emulated Volume,
+    which every train call appends to)."""
+    log = world.volume_dir / RUN / "steps.jsonl"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return max((json.loads(line)["step"] for line in lines if '"loss"' in line and line.endswith("}")), default=0)
 
 
 def audited(world: ModalEmulator, epochs: int) -> bool:

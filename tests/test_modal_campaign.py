@@ -87,15 +87,21 @@ def container_log(world: ModalEmulator, call_id: str, attempt: int) -> str:
     return (world.root / "containers" / f"{call_id}-{attempt}" / "output.log").read_text(errors="replace")
 
 
-def steps_logged(world: ModalEmulator, call_id: str, attempt: int) -> int:
-    path = world.root / "containers" / f"{call_id}-{attempt}" / "tmp" / "cellfeed" / RUN / "steps.jsonl"
-    return sum(1 for line in path.read_text().splitlines() if '"loss"' in line) if path.exists() else 0
+def step_rows(world: ModalEmulator) -> list[dict]:
+    """Rank 0's step rows, from the run's step log on the emulated Volume (every train call appends to it)."""
+    path = world.volume_dir / RUN / "steps.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if '"loss"' in line and line.endswith("}")]
 
 
-def epoch_logged(world: ModalEmulator, call_id: str, attempt: int) -> int:
-    """The epoch of the last step rank 0 of a train attempt logged (-1: none yet)."""
-    path = world.root / "containers" / f"{call_id}-{attempt}" / "tmp" / "cellfeed" / RUN / "steps.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if '"loss"' in line] if path.exists() else []
+def steps_logged(world: ModalEmulator) -> int:
+    """The last step rank 0 has logged (0: none yet)."""
+    return max((row["step"] for row in step_rows(world)), default=0)
+
+
+def epoch_logged(world: ModalEmulator) -> int:
+    """The epoch of the last step rank 0 has logged (-1: none yet)."""
+    rows = step_rows(world)
     return rows[-1]["epoch"] if rows else -1
 
 
@@ -163,7 +169,7 @@ def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_mid_epoch(
         during = world.describe()
         assert f"cellfeed-{RUN}" in during["queues"] and f"cellfeed-{RUN}" in during["dicts"]  # not cleaned up
         # the event: a checkpoint is written (every 4 steps) and training is past it
-        wait_for(lambda: steps_logged(world, call["id"], 1) >= 6 or proc.poll() is not None, "six steps")
+        wait_for(lambda: steps_logged(world) >= 6 or proc.poll() is not None, "six steps")
         world.preempt(call["id"])
         code, out, err = finish(proc)
         assert code == 0, err[-3000:]
@@ -372,7 +378,7 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
         # 3 epochs of 84 steps (batches of 8), at Modal's 25 ms a call
         proc = modal_run(world, flags(atlas, rpc_latency_ms=25, batch_size=8, epochs=3) + ["--audit-cells"])
         call = wait_for(lambda: train_attempt(world), "train to start")
-        wait_for(lambda: epoch_logged(world, call["id"], 0) >= 1 or proc.poll() is not None, "a step of epoch 1")
+        wait_for(lambda: epoch_logged(world) >= 1 or proc.poll() is not None, "a step of epoch 1")
         assert proc.poll() is None, "the campaign ended before epoch 1: " + proc.communicate()[1][-2000:]
 
         def status():
@@ -432,7 +438,7 @@ def test_modal_run_on_two_nodes_trains_every_cell_once(atlas, tmp_path):
     with ModalEmulator(tmp_path / "world", grace_s=30) as world:
         proc = modal_run(world, flags(atlas, gpus=1, nodes=2, epochs=1, batch_size=16) + ["--audit-cells"])
         call = wait_for(lambda: train_attempt_of(world, "train_2_nodes"), "train to start")
-        wait_for(lambda: steps_logged(world, call["id"], 0) >= 6 or proc.poll() is not None, "six steps")
+        wait_for(lambda: steps_logged(world) >= 6 or proc.poll() is not None, "six steps")
         world.preempt(call["id"])  # past a checkpoint (every 4 steps): the whole cluster is interrupted
         code, out, err = finish(proc)
         assert code == 0, err[-3000:]
@@ -464,7 +470,7 @@ def test_a_node_lost_mid_epoch_on_modal_then_resumed_on_one_node_is_exact(atlas,
         call = wait_for(
             lambda: next((c for c in world.calls("train_2_nodes") if c["status"] == "running"), None), "train"
         )
-        wait_for(lambda: steps_logged(world, call["id"], 0) >= 6 or proc.poll() is not None, "six steps")
+        wait_for(lambda: steps_logged(world) >= 6 or proc.poll() is not None, "six steps")
         assert proc.poll() is None
         world.lose_container(call["id"], 1)
         code, out, err = finish(proc)
@@ -496,7 +502,7 @@ def test_a_balanced_campaign_preempted_on_modal_trains_every_tissue_at_its_quota
         args = flags(atlas, epochs=1, balance_by="tissue", balance_power=1) + ["--audit-cells"]
         proc = modal_run(world, args)
         call = wait_for(lambda: train_attempt(world), "train to start")
-        wait_for(lambda: steps_logged(world, call["id"], 0) >= 6 or proc.poll() is not None, "six steps")
+        wait_for(lambda: steps_logged(world) >= 6 or proc.poll() is not None, "six steps")
         world.preempt(call["id"])
         code, out, err = finish(proc)
         assert code == 0, err[-3000:]

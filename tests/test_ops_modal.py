@@ -173,11 +173,6 @@ def test_a_modal_campaigns_dict_gone_as_the_stop_is_asked_means_it_completed(tmp
     assert capsys.readouterr().out.splitlines() == ["run emu is complete (3 of 3 epochs, step 252): nothing to stop"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs app/modal_app.py's train_body to keep its step log on the Volume (a change handed over, not yet "
-    "applied): each call's log is its container's own, so the resumed call's status has no epoch 0",
-)
 def test_status_and_the_report_keep_every_epoch_after_a_modal_campaign_resumes(atlas, tmp_path):  # noqa: F811
     """A 3-epoch campaign preempted in epoch 1, its epoch 0 audited by the first call: the call that
     resumes it (a new container, on the emulator as on Modal) reports every epoch's audit, in
