@@ -394,18 +394,14 @@ def trainer_of(cfg: CampaignConfig):
 # ---- the laptop's side
 
 
-def main(**flags) -> dict:
-    """Start (or, with --resume, continue) a pretraining campaign on Modal. The flags are
-    `cellfeed local`'s (described by `cellfeed local --help`; Modal 1.6's `modal run --help` can
-    show no help text), plus --attempt-hours."""
-    from app.journal import DictJournal
-    from app.status import watch_line
-    from coordination.audit import verdict
+def campaign_of(flags: dict) -> CampaignConfig:
+    """The campaign `modal run`'s flags ask for (every flag's default is None: left out, it is
+    CampaignConfig's): with `--resume`, the run's recorded campaign and the changes a resume may make
+    (each said), from its folder on the Volume; validated, and checked against Modal's limits."""
     from coordination.errors import CellfeedError
-    from coordination.modal_backend import run_backends
 
-    given = {name: value for name, value in flags.items() if value is not None}  # (every flag's default is None)
-    if given.get("resume") and given.get("run"):  # the run's campaign, with the changes a resume may make (said)
+    given = {name: value for name, value in flags.items() if value is not None}
+    if given.get("resume") and given.get("run"):
         recorded = volume_json(f"{given['run']}/{CAMPAIGN_RECORD}", given.get("modal_retry_s", RETRY_S))
         if recorded is None:
             print(f"run {given['run']} has no campaign on the {VOLUME_NAME} Volume yet: resuming with the flags given")
@@ -419,7 +415,25 @@ def main(**flags) -> dict:
         raise CellfeedError(f"--gpus {cfg.gpus}: a Modal container has at most {MAX_GPUS} GPUs")
     if cfg.nodes not in TRAIN_ON:
         raise CellfeedError(f"--nodes {cfg.nodes}: on Modal, one of {', '.join(map(str, TRAIN_ON))}")
-    config = asdict(cfg.carry_files())  # containers cannot read this machine's files: their bytes travel
+    return cfg
+
+
+def main(**flags) -> dict:
+    """Start (or, with --resume, continue) a pretraining campaign on Modal. The flags are
+    `cellfeed local`'s (described by `cellfeed local --help`; Modal 1.6's `modal run --help` can
+    show no help text), plus --attempt-hours."""
+    from app.journal import DictJournal
+    from app.status import watch_line
+    from coordination.audit import verdict
+    from coordination.errors import CellfeedError
+    from coordination.modal_backend import run_backends
+
+    try:
+        cfg = campaign_of(flags)
+        config = asdict(cfg.carry_files())  # containers cannot read this machine's files: their bytes travel
+    except CellfeedError as exc:  # bad input: one line, before any call to Modal's functions
+        print(f"cellfeed: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     print(
         f"campaign {cfg.run}: {cfg.producers} producers -> "
         + (f"{cfg.nodes} nodes x " if cfg.nodes > 1 else "")

@@ -409,6 +409,9 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
         assert stopped, last
         assert f"cellfeed-{RUN}" in world.describe()["dicts"]  # kept for the resume
         assert json.loads(cellfeed(world, "status", RUN, "--modal", "--json").stdout)["state"] == "stopped"
+        code, out, err = finish(modal_run(world, ["--run", RUN, "--resume", "--batch-size", "64"]))  # (from its record)
+        assert code == 2 and "Traceback" not in err, err[-2000:]
+        assert err.strip().splitlines()[-1].startswith("cellfeed: error: --batch-size 64: run emu was started with ")
         code, out, err = finish(modal_run(world, ["--run", RUN, "--resume"]))  # the README's resume, as written
         assert code == 0, err[-3000:]
         assert out.strip().splitlines()[-1].startswith("complete: 3 epochs, ")
