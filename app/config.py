@@ -126,9 +126,11 @@ MODAL_FLAGS = CAMPAIGN_FLAGS + ("attempt_hours", "modal_retry_s", "audit_cells")
 # on Modal the run's folder on the checkpoints Volume), and `--resume` with no other flag continues
 # exactly that campaign. These flags may be given at a resume to change it, each change said in one
 # line: the world and the producers (an interrupted epoch is re-planned over the new ranks, exactly
-# once), more epochs (or steps), the corpus's mixture (from the epoch after the checkpoint), how
-# often things are done, and the remote world's settings. Every other flag defines the campaign
-# (its data, tokens, sampling, seed, model and schedule): a resume that changes one is refused.
+# once), more epochs (or steps), the dataset's location (its content must be the same: the
+# checkpoint's data identity is checked), the corpus's mixture (from the epoch after the
+# checkpoint), how often things are done, and the remote world's settings. Every other flag defines
+# the campaign (its data, tokens, sampling, seed, model and schedule): a resume that changes one is
+# refused.
 CAMPAIGN_RECORD = "campaign.json"
 RESUME_CHANGES = frozenset(
     {
@@ -137,6 +139,7 @@ RESUME_CHANGES = frozenset(
         "nodes",
         "epochs",
         "steps",
+        "dataset",
         "corpus",
         "checkpoint_every",
         "keep_checkpoints",
