@@ -189,6 +189,11 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         "resumed" if cfg.resume else "started", step=latest.step if latest else 0, ranks=cfg.world_size
     )
     ranks = []
+
+    def commit():  # a commit reloads the Volume, which fails while a file on it is open (modal/volume.py:889-917)
+        monitor.scalars.close()  # (the monitor's TensorBoard file: opened again, as a new file, at its next write)
+        retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
+
     try:
         master = meet(store, cfg.run, here, train_cfg) if here is not None else None  # (node 0's address)
         with interrupt_held():  # the ranks are all started, or none: a preemption cannot orphan one
@@ -199,7 +204,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         print("preempted: the ranks checkpoint; Modal runs this call again and it resumes", flush=True)
         checkpoint_and_stop(ranks, timeout=PREEMPT_SAVE_S)  # (they had the SIGINT too: the container's every process)
         monitor.journal.event("preempted")
-        retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
+        commit()
         raise
     except BaseException as exc:  # a real failure stops the campaign; its state stays for --resume
         checkpoint_and_stop(ranks, timeout=FAILURE_SAVE_S)  # healthy ranks save a checkpoint; a broken DDP is killed
@@ -207,13 +212,13 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
             monitor.final("failed")
         stop_campaign(cfg, config, fleet, store, exc)
         raise
-    retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
+    commit()
     summary = json.loads((workdir / "summary.rank0").read_text())
     if summary["stopped"] == "asked" and monitor.asked:  # `cellfeed stop`: the campaign stops, its state kept
         monitor.final("stopped")
         store.put(stop_key(cfg.run), "stop")  # (the producers)
         fleet.stop(STOP_GRACE_S, cfg.modal_retry_s)
-        retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
+        commit()
         return {**summary, "resume_command": resume}
     if summary["stopped"] == "asked":  # this call's time is up: a new call continues from the checkpoint
         after = spawn(trainer_of(cfg), config, asdict(facts), retry=cfg.modal_retry_s)
@@ -222,7 +227,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         )
         return {**summary, "continued_as": after.object_id}
     monitor.final("complete" if summary.get("complete") else "incomplete")  # (to the Volume: the Dict goes now)
-    retrying(checkpoints.commit, "committing the checkpoints Volume", cfg.modal_retry_s)
+    commit()
     end_campaign(cfg, fleet, facts, store)
     return summary
 
@@ -460,10 +465,11 @@ def main(**flags) -> dict:
             print(f"train continues in call {summary['continued_as']} (a call ends at {DAY // 3600} h)", flush=True)
             summary = result(modal.FunctionCall.from_id(summary["continued_as"]), cfg.modal_retry_s)
     except (Exception, KeyboardInterrupt) as exc:  # one line, and the command that continues the campaign
-        if isinstance(exc, KeyboardInterrupt):  # (this process only: with --detach the campaign goes on)
+        if isinstance(exc, KeyboardInterrupt):  # modal/runner.py:503-514: an app not detached is stopped now
             print(
-                f"interrupted: the campaign's calls go on in Modal; `cellfeed status {cfg.run} --modal` shows it, "
-                f"`cellfeed stop {cfg.run} --modal` stops it with a checkpoint",
+                "interrupted: without `modal run --detach`, Modal stops this campaign's calls as `modal run` ends "
+                "(its last checkpoint stays); with --detach the train call goes on: "
+                f"`cellfeed status {cfg.run} --modal` shows it, `cellfeed stop {cfg.run} --modal` stops it",
                 file=sys.stderr,
             )
         elif isinstance(exc, ModalUnreachable):  # this laptop lost Modal: a train call may still be running there

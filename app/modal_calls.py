@@ -21,7 +21,7 @@ PRODUCER_RETRIES = 3  # the producer function's retries (`app.modal_app.produce`
 
 def spawn(function, *args, retry: float = RETRY_S):
     """`function.spawn(*args)`, retried on Modal's transient errors."""
-    return retrying(lambda: function.spawn(*args), f"spawning {function.__name__}", retry)
+    return retrying(lambda: function.spawn(*args), f"spawning {function!r}", retry)  # (a Function has no __name__)
 
 
 def result(call, retry: float = RETRY_S):

@@ -38,7 +38,7 @@ def meet(store, run: str, here, train_cfg) -> tuple[str, int]:
     the ranks' config for the other containers."""
     from coordination.net import free_port
 
-    master = (here.container_ips[0], free_port())
+    master = (here.container_ips[0], free_port(here.container_ips[0]))  # (an IPv6 address on Modal)
     store.put(rendezvous_key(run, here.cluster_id), json.dumps({"master": master, "train": asdict(train_cfg)}))
     return master
 

@@ -188,8 +188,11 @@ class CampaignScalars:
         self.writer.flush()
 
     def close(self) -> None:
+        """Close the event file (a Modal Volume is committed only with no file open); a later `add`
+        writes a new one beside it."""
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
 
 
 def status_line(snap: dict) -> str:

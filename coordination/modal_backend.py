@@ -66,7 +66,9 @@ def _token_configured() -> bool:
 
 
 def transient_errors() -> tuple[type, ...]:
-    """What Modal's client raises once its own retries of a network fault are spent."""
+    """What Modal's client raises once its own retries of a network fault are spent, and a rate
+    limit (RESOURCE_EXHAUSTED on a get or a Dict call; a full queue partition is the stdlib's
+    `queue.Full`, which modal maps it to on a put: modal/queue.py:691-708)."""
     import modal.exception
     from grpclib.exceptions import StreamTerminatedError
 
@@ -74,13 +76,20 @@ def transient_errors() -> tuple[type, ...]:
         modal.exception.ServiceError,
         modal.exception.InternalError,
         modal.exception.ConnectionError,
+        modal.exception.ResourceExhaustedError,
         StreamTerminatedError,
         _PutTimedOut,
+        _StreamBroken,
     )
 
 
 class _PutTimedOut(Exception):
     """A blocking put with a timeout whose retries of a transient error ran out (not a 413)."""
+
+
+class _StreamBroken(Exception):
+    """A server stream (`Dict.keys()`) cut while it was read: the connection's own OSError, which
+    modal's client does not wrap."""
 
 
 def retrying(call, what: str, retry_s: float = RETRY_S):
@@ -229,7 +238,12 @@ class ModalMap:
 
         def once():
             result = getattr(self.dict, method)(*args, **kwargs)
-            return list(result) if method == "keys" else result  # keys() is a lazy iterator: read it here
+            if method != "keys":
+                return result
+            try:
+                return list(result)  # keys() is a lazy iterator: read it here, whole or again
+            except OSError as exc:
+                raise _StreamBroken(f"the keys stream broke: {exc}") from exc
 
         for reopen in (True, False):
             try:

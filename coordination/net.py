@@ -12,10 +12,11 @@ import threading
 PARENT_GONE_EXIT = 3  # a child that ended because its parent had
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port on `host` (an IPv4 or IPv6 address: a Modal cluster's containers have IPv6 ones)."""
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

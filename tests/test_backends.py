@@ -294,6 +294,7 @@ def test_modal_calls_retry_transient_errors_for_the_window_and_no_others(capsys)
         modal.exception.ServiceError("UNAVAILABLE"),
         modal.exception.InternalError("INTERNAL"),
         modal.exception.ConnectionError("refused"),
+        modal.exception.ResourceExhaustedError("rate limit"),  # (a Dict call or a get over Modal's rate limits)
         StreamTerminatedError("reset"),
     ):
         calls = []
@@ -324,6 +325,23 @@ def test_modal_calls_retry_transient_errors_for_the_window_and_no_others(capsys)
     with pytest.raises(ModalUnreachable, match=r"Modal: dict get kept failing for .* min \(ServiceError"):
         retrying(down, "dict get", retry_s=1.0)
     assert 1.0 <= time.monotonic() - started < 5.0
+
+
+def test_a_dict_keys_stream_cut_mid_way_is_read_again():
+    """`Dict.keys()` is a server stream read lazily; a connection cut while it is read raises the
+    socket's own OSError (modal does not wrap it): the whole listing is asked again."""
+
+    class CutOnce(RecordingModalDict):
+        cuts = 1
+
+        def keys(self):
+            yield "a"
+            if CutOnce.cuts:
+                CutOnce.cuts -= 1
+                raise ConnectionResetError("connection reset by peer")
+            yield "b"
+
+    assert ModalMap(mapping=CutOnce(), retry_s=30).keys() == ["a", "b"] and CutOnce.cuts == 0
 
 
 def test_modal_adapter_named_maps_and_timed_puts_offline():

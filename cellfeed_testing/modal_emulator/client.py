@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from cellfeed_testing.modal_emulator.limits import (
     CLIENT_BASE_DELAY_S,
@@ -365,10 +366,27 @@ class Volume:
         return cls(name)
 
     def commit(self) -> None:
+        """S28: a commit reloads the Volume after it (unless the server says skip_reload), and a
+        reload fails while the container has a file of the Volume open: modal raises RuntimeError,
+        not retried (modal/volume.py:889-917, and its docstring at 503)."""
         Volume.commits += 1
+        self.reload()
 
     def reload(self) -> None:
-        pass
+        from cellfeed_testing.modal_emulator.server import _descendants  # (what a container may import)
+
+        root = str(_volume_folder().resolve())
+        open_files = []
+        for pid in [os.getpid(), *_descendants(os.getpid())]:  # the container's processes
+            for fd in Path(f"/proc/{pid}/fd").glob("*"):
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target.startswith(root + "/"):
+                    open_files.append(target[len(root) :])
+        if open_files:
+            raise RuntimeError(f"Volume reload failed: there are open files on the volume: {sorted(open_files)[:3]}")
 
     def hydrate(self, client=None) -> "Volume":
         _volume_folder()
@@ -566,7 +584,10 @@ class Function:
 
     def __init__(self, raw_f, spec: _Spec):
         self.raw_f, self.spec = raw_f, spec
-        self.__name__ = raw_f.__name__
+        self.tag = raw_f.__name__  # (a modal.Function has no __name__: code that read one failed on Modal)
+
+    def __repr__(self) -> str:  # as modal's: `Function(TAG)` (modal/_functions.py:1219)
+        return f"Function({self.tag})"
 
     def get_raw_f(self):
         return self.raw_f
@@ -604,7 +625,7 @@ class Function:
             {
                 "op": "f.spawn",
                 "app_file": self.raw_f.__module__,
-                "function": self.__name__,
+                "function": self.tag,
                 "args": payload,
                 "timeout": self.spec.timeout,
                 "retries": self.spec.retries,

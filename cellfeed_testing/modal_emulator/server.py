@@ -357,7 +357,7 @@ class Emulated:
                     MODAL_EMULATOR_IMAGE=json.dumps(call.image),
                 )
                 if call.cluster_size:  # S27: every container reaches the others at its own address (here, this host)
-                    cluster = {"rank": rank, "cluster_id": f"cl-{call.id}-{index}", "ips": ["127.0.0.1"] * size}
+                    cluster = {"rank": rank, "cluster_id": f"cl-{call.id}-{index}", "ips": ["::1"] * size}
                     env["MODAL_EMULATOR_CLUSTER"] = json.dumps(cluster)
                 if fail:
                     env["MODAL_EMULATOR_FAIL"] = "injected fault"
