@@ -35,11 +35,11 @@ def client_env(plane: ControlPlane) -> dict:
     return {**env, **plane.env}
 
 
-def start_client(plane: ControlPlane, code: str) -> subprocess.Popen:
+def start_client(plane: ControlPlane, code: str, cwd: Path = REPO) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=client_env(plane),
-        cwd=REPO,
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -53,8 +53,8 @@ def finish(proc: subprocess.Popen):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run_client(plane: ControlPlane, code: str):
-    return finish(start_client(plane, code))
+def run_client(plane: ControlPlane, code: str, cwd: Path = REPO):
+    return finish(start_client(plane, code, cwd))
 
 
 # ---- the server itself
@@ -282,3 +282,169 @@ def test_queue_delete_frees_the_name_and_old_handles_fail(plane):
         """,
     )
     assert got == {"old_handle": "NotFoundError", "delete_missing": "NotFoundError", "fresh_len": 0}
+
+
+# ---- apps, functions, spawn, containers
+
+PROBE_APP = '''
+import os, subprocess, sys, time
+import modal
+
+app = modal.App("cellfeed-control-plane-probe")
+# pip_install first: modal refuses a build step after add_local_* (_image.py:677)
+image = modal.Image.debian_slim(python_version="3.11").pip_install("numpy>=1.26").add_local_python_source("cp_probe")
+
+
+@app.function(image=image, retries=2, timeout=600)
+def adds(a: int, b: int) -> int:
+    print(f"adds({a}, {b}) in {os.environ['MODAL_TASK_ID']}")
+    if a < 0:
+        raise ValueError("no negatives")
+    return a + b
+
+
+@app.function(image=image, timeout=600)
+def dies(code: int) -> int:
+    os._exit(code)
+
+
+@app.function(image=image, timeout=600)
+def where() -> dict:
+    return {"modal": modal.__file__, "remote": os.environ.get("MODAL_IS_REMOTE"), "cwd": os.getcwd()}
+
+
+@app.function(image=image, timeout=600)
+def blocks(path: str) -> None:
+    """Starts a child, and another in a session of its own; notes every pid, then waits."""
+    child = subprocess.Popen(["sleep", "600"])
+    escaped = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {child.pid} {escaped.pid}")
+    os.rename(path + ".tmp", path)
+    time.sleep(600)
+
+
+@app.local_entrypoint()
+def main(a: int = 1, b: int = 2):
+    print("RESULT", adds.spawn(a, b).get(timeout=60))
+'''
+
+
+@pytest.fixture
+def probe(tmp_path) -> Path:
+    """A folder holding `cp_probe`, a tiny app package (the client's working directory)."""
+    pkg = tmp_path / "probe" / "cp_probe"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "app.py").write_text(PROBE_APP)
+    return pkg.parent
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_spawn_get_remote_and_exceptions_run_in_real_container_entrypoints(plane, probe):
+    got = run_client(
+        plane,
+        """
+        import json, modal
+        from cp_probe.app import app, adds, dies, where
+        out = {}
+        with app.run():
+            call = adds.spawn(2, 3)
+            out["spawn_get"] = call.get(timeout=60)
+            out["get_again"] = modal.FunctionCall.from_id(call.object_id).get(timeout=60)
+            out["remote"] = adds.remote(4, 5)
+            out["where"] = where.remote()
+            try:
+                adds.remote(-1, 1)
+            except ValueError as e:
+                out["raises"] = [type(e).__name__, str(e)]
+            try:
+                dies.spawn(3).get(timeout=60)
+            except modal.exception.RemoteError as e:
+                out["dies"] = str(e)
+        print(json.dumps(out))
+        """,
+        cwd=probe,
+    )
+    assert got["spawn_get"] == 5 and got["get_again"] == 5 and got["remote"] == 9
+    assert got["raises"] == ["ValueError", "no negatives"]
+    assert "exited with code 3 without an output" in got["dies"]
+    installed = str(metadata.distribution("modal").locate_file("modal/__init__.py"))
+    assert got["where"]["modal"] == installed and got["where"]["remote"] == "1"
+    assert got["where"]["cwd"].endswith("/fs/root")  # Modal's /root, where add_local_python_source put cp_probe
+    # the failing input ran 1 + retries=2 times, each attempt in a container of its own
+    calls = plane.servicer.calls.values()
+    (failing,) = [c for c in calls if c.output and c.output.result.exception.startswith("ValueError")]
+    assert [c.attempt for c in failing.containers] == [0, 1, 2]
+    assert plane.servicer.unimplemented_calls == []
+
+
+@pytest.mark.parametrize("plane", ["tcp", "unix"], indirect=True)
+def test_modal_run_cli_runs_a_local_entrypoint_that_spawns(plane, probe):
+    proc = subprocess.run(
+        [sys.executable, "-m", "modal", "run", "cp_probe/app.py", "--a", "3", "--b", "4"],
+        env=client_env(plane),
+        cwd=probe,
+        capture_output=True,
+        text=True,
+        timeout=CLIENT_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "RESULT 7" in proc.stdout.splitlines()
+    # the container's own print reached `modal run`'s terminal through AppGetLogs
+    assert any(line.startswith("adds(3, 4) in ta-") for line in proc.stdout.splitlines()), proc.stdout
+    (app,) = plane.servicer.apps.values()
+    assert app.stopped  # the client disconnected: an ephemeral app stops
+
+
+def _pids_of_a_blocked_container(plane, probe, tmp_path, leave_running: bool):
+    pid_file = tmp_path / "pids"
+    client = start_client(
+        plane,
+        f"""
+        import os, time
+        from cp_probe.app import app, blocks
+        with app.run():
+            call = blocks.spawn({str(pid_file)!r})
+            deadline = time.monotonic() + 60
+            while not os.path.exists({str(pid_file)!r}) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if {leave_running!r}:
+                call.get()  # until the plane goes away
+        print("{{}}")
+        """,
+        cwd=probe,
+    )
+    pids = [int(p) for p in wait_for(lambda: pid_file.exists() and pid_file.read_text(), "the container's pids").split()]
+    assert all(alive(p) for p in pids)
+    return client, pids
+
+
+def test_an_app_s_containers_stop_when_its_client_disconnects(plane, probe, tmp_path):
+    client, pids = _pids_of_a_blocked_container(plane, probe, tmp_path, leave_running=False)
+    finish(client)  # it left `app.run()`: AppClientDisconnect
+    wait_for(lambda: not any(alive(p) for p in pids), "the app's container processes to end", timeout=30)
+    (app,) = plane.servicer.apps.values()
+    assert app.stopped
+
+
+def test_no_process_the_plane_started_remains_after_it_stops(tmp_path, probe):
+    plane = ControlPlane(tmp_path / "plane").start()
+    try:
+        client, pids = _pids_of_a_blocked_container(plane, probe, tmp_path, leave_running=True)
+    finally:
+        plane.stop()
+    try:
+        started = plane.servicer.containers.started_pids
+        assert started and pids[0] in started
+        assert [p for p in pids + started if alive(p)] == []
+    finally:
+        client.kill()
+        client.communicate(timeout=CLIENT_TIMEOUT_S)

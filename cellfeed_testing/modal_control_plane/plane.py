@@ -36,7 +36,7 @@ class ControlPlane:
         self.root = Path(root if root is not None else self._tmp.name)
         self.root.mkdir(parents=True, exist_ok=True)
         self.transport = transport
-        self.servicer = Servicer()
+        self.servicer = Servicer(self.root)
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="modal-control-plane", daemon=True)
@@ -70,6 +70,7 @@ class ControlPlane:
             sock.bind(("127.0.0.1", 0))
             await self._server.start(sock=sock)
             self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.servicer.url = self.url  # what its containers are given
 
     async def _stop(self) -> None:
         await self.servicer.shutdown()

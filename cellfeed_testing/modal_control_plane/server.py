@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import abc
 import logging
+import tempfile
+from pathlib import Path
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from modal_proto.api_grpc import ModalClientBase
 
+from modal_proto import api_pb2
+
+from cellfeed_testing.modal_control_plane.apps import AppRPCs
+from cellfeed_testing.modal_control_plane.calls import Call, CallRPCs
+from cellfeed_testing.modal_control_plane.containers import Container, Containers
 from cellfeed_testing.modal_control_plane.objects import ObjectRPCs
 from cellfeed_testing.modal_control_plane.store import Store
 
@@ -42,12 +49,87 @@ def fill_unimplemented(cls: type) -> type:
 
 
 @fill_unimplemented
-class Servicer(ObjectRPCs, ModalClientBase):
-    """All the control plane's RPCs. State lives in `store` (and, later mixins, their own managers)."""
+class Servicer(ObjectRPCs, AppRPCs, CallRPCs, ModalClientBase):
+    """All the control plane's RPCs. Queue and Dict state lives in `store`; apps, images, mounts,
+    functions and calls in the tables below; processes in `containers`."""
 
-    def __init__(self, store: Store | None = None) -> None:
+    def __init__(self, root: Path | None = None, store: Store | None = None) -> None:
+        self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="modal-control-plane-"))
         self.store = store or Store()
+        self.url = ""  # set by the plane once it listens: containers are given it
         self.unimplemented_calls: list[str] = []  # what a client asked that we lack: tests show it
+        self.apps, self.images, self.mounts, self.functions, self.calls = {}, {}, {}, {}, {}
+        self.blobs_dir = self.root / "blobs"
+        self.blobs_dir.mkdir(parents=True, exist_ok=True)
+        self.containers = Containers(self.root, lambda: self.url, self.container_exited, self._container_output)
+
+    async def _container_output(self, c: Container, fd: int, line: str) -> None:
+        batch = api_pb2.TaskLogsBatch(
+            task_id=c.task_id,
+            function_id=c.call.function_id,
+            input_id=c.call.input_id,
+            items=[api_pb2.TaskLogs(data=line, file_descriptor=fd, timestamp=__import__("time").time())],
+        )
+        await self.add_log(c.call.app_id, batch)
+
+    def _layout(self, app_id: str, fn_def: api_pb2.Function) -> api_pb2.AppLayout:
+        """The app's objects as a container sees them (_container_entrypoint.py:366-393): its functions
+        with their handle metadata, and every object the function depends on."""
+        app = self.apps[app_id]
+        layout = api_pb2.AppLayout(function_ids=app.functions)
+        seen = set()
+        for fid in app.functions.values():
+            if fid in self.functions:
+                layout.objects.append(
+                    api_pb2.Object(object_id=fid, function_handle_metadata=self.handle_metadata(self.functions[fid]))
+                )
+                seen.add(fid)
+        for dep in fn_def.object_dependencies:
+            if dep.object_id not in seen:
+                layout.objects.append(self.object_for_layout(dep.object_id))
+                seen.add(dep.object_id)
+        return layout
+
+    def object_for_layout(self, object_id: str) -> api_pb2.Object:
+        if object_id in self.functions:
+            return api_pb2.Object(object_id=object_id, function_handle_metadata=self.handle_metadata(self.functions[object_id]))
+        if object_id in self.mounts:
+            return api_pb2.Object(object_id=object_id, mount_handle_metadata=api_pb2.MountHandleMetadata())
+        return api_pb2.Object(object_id=object_id)
+
+    def container_files(self, fn_def: api_pb2.Function) -> dict[str, Path]:
+        files = {}
+        mount_ids = list(fn_def.mount_ids)
+        for mount_id in mount_ids:
+            mount = self.mounts.get(mount_id)
+            for remote, sha in (mount.files.items() if mount else ()):
+                files[remote] = self.blobs_dir / sha
+        return files
+
+    def container_env(self, fn_def: api_pb2.Function) -> dict[str, str]:
+        return {}
+
+    async def start_container(self, call: Call) -> None:
+        """One attempt of `call`: a new container running the real entrypoint."""
+        fn = self.functions[call.function_id]
+        fn_def = api_pb2.Function()
+        fn_def.CopyFrom(fn.definition)
+        fn_def.single_use_containers = True  # one input, then the entrypoint returns (see calls.py)
+        task_id = self.new_id("ta")
+        args = api_pb2.ContainerArguments(
+            task_id=task_id,
+            function_id=fn.function_id,
+            app_id=fn.app_id,
+            function_def=fn_def,
+            environment_name="main",
+            app_layout=self._layout(fn.app_id, fn_def),
+        )
+        timeout_s = float(fn_def.timeout_secs) if fn_def.timeout_secs else None
+        c = await self.containers.start(
+            task_id, call, call.attempt, args, self.container_files(fn_def), self.container_env(fn_def), timeout_s
+        )
+        call.containers.append(c)
 
     async def shutdown(self) -> None:
-        """Called once as the plane stops, before the server closes."""
+        """Called once as the plane stops, before the server closes: every container goes."""
+        await self.containers.shutdown()

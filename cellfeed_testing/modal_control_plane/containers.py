@@ -1,0 +1,202 @@
+"""Containers: local process trees running modal's own container entrypoint, one per attempt of an input.
+
+A container is `python -m modal._container_entrypoint` (the real one, unmodified) in a session of its
+own, with the environment it reads (modal/_container_entrypoint.py:469-480; config.py:126-131):
+
+- `MODAL_IS_REMOTE=1`: the client takes the container's identity, no token (client.py:350-370);
+- `MODAL_CONTAINER_ARGUMENTS_PATH`: a serialized `api_pb2.ContainerArguments` (task, function, app
+  layout) written here;
+- `MODAL_TASK_ID`, `MODAL_SERVER_URL` (this plane);
+- `MODAL_OVERRIDE_HEADERS=x-cellfeed-task-id:<task>`: a container's RPCs carry no task id of their
+  own (Modal's worker knows which container a connection is), so each container's client adds this
+  header to every request (client.py:86-88, config.py:426) and the plane knows who is asking.
+
+Its files: each mount the function names (`add_local_python_source` and friends) is written out under
+the container's folder, at its remote path (`/root/...` -> `<folder>/fs/root/...`); Python starts in
+`<folder>/fs/root` with it first on `PYTHONPATH`, as Modal's `/root`.
+
+Every container is started by the plane, watched by one task (its exit, its timeout) and, when it ends
+or the plane stops, killed with everything it started (its process group, and the processes below it
+found in /proc before any is signalled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from modal_proto import api_pb2
+
+from cellfeed_testing.modal_emulator.server import _descendants  # the /proc walk (emulator S15)
+
+log = logging.getLogger("cellfeed.modal_control_plane")
+TASK_HEADER = "x-cellfeed-task-id"
+STOP_GRACE_S = 5.0  # SIGINT, then this long, then SIGKILL (when the plane or an app stops)
+EXIT_WAIT_S = 10.0  # how long a killed process may take to be reaped
+
+
+@dataclass
+class Container:
+    task_id: str
+    call: object  # calls.Call: the input this container runs
+    attempt: int
+    folder: Path
+    proc: asyncio.subprocess.Process | None = None
+    input_given: bool = False
+    output_sent: bool = False
+    task_result: api_pb2.GenericResult | None = None
+    cancel_input_ids: list[str] = field(default_factory=list)  # handed out by the next heartbeat
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_code: int | None = None
+    killed_why: str = ""
+
+
+def _tree(pid: int) -> list[int]:
+    return [pid, *_descendants(pid)]
+
+
+def _signal_tree(pids: list[int], pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Containers:
+    """Starts, watches and stops containers. `on_exit(container)` is the calls' business."""
+
+    def __init__(self, root: Path, server_url: callable, on_exit, on_output_line) -> None:
+        self.root = root
+        self._server_url = server_url
+        self._on_exit = on_exit
+        self._on_output_line = on_output_line
+        self.by_task: dict[str, Container] = {}
+        self._watchers: set[asyncio.Task] = set()
+        self.started_pids: list[int] = []  # every container's main pid, for tests to check none remains
+
+    def of(self, stream) -> Container | None:
+        task_id = stream.metadata.get(TASK_HEADER) if stream.metadata else None
+        return self.by_task.get(task_id) if task_id else None
+
+    def running(self) -> list[Container]:
+        return [c for c in self.by_task.values() if not c.ended.is_set()]
+
+    async def start(
+        self,
+        task_id: str,
+        call,
+        attempt: int,
+        args: api_pb2.ContainerArguments,
+        files: dict[str, Path],
+        env: dict[str, str],
+        timeout_s: float | None,
+    ) -> Container:
+        folder = self.root / "containers" / task_id
+        fs_root = folder / "fs" / "root"
+        fs_root.mkdir(parents=True)
+        for remote, blob in files.items():  # a mount's files at their remote paths
+            target = folder / "fs" / remote.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(blob, target)
+        (folder / "tmp").mkdir()
+        (folder / "container_arguments.bin").write_bytes(args.SerializeToString())
+        base = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}
+        python_path = [str(fs_root)] + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else [])
+        child_env = {
+            **base,
+            **env,
+            "MODAL_IS_REMOTE": "1",
+            "MODAL_SERVER_URL": self._server_url(),
+            "MODAL_TASK_ID": task_id,
+            "MODAL_CONTAINER_ARGUMENTS_PATH": str(folder / "container_arguments.bin"),
+            "MODAL_OVERRIDE_HEADERS": f"{TASK_HEADER}:{task_id}",
+            "MODAL_CONFIG_PATH": str(folder / "no-modal.toml"),
+            "MODAL_ENVIRONMENT": args.environment_name or "main",
+            "PYTHONPATH": os.pathsep.join(python_path),
+            "PYTHONUNBUFFERED": "1",
+            "TMPDIR": str(folder / "tmp"),
+        }
+        c = Container(task_id, call, attempt, folder)
+        c.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "modal._container_entrypoint",
+            cwd=fs_root,
+            env=child_env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # its own process group: the container's processes, killed together
+        )
+        self.by_task[task_id] = c
+        self.started_pids.append(c.proc.pid)
+        watcher = asyncio.create_task(self._watch(c, timeout_s), name=f"container {task_id}")
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+        return c
+
+    async def _pump(self, c: Container, reader: asyncio.StreamReader, fd: int) -> None:
+        with open(c.folder / ("stdout.log" if fd == api_pb2.FILE_DESCRIPTOR_STDOUT else "stderr.log"), "ab") as f:
+            while line := await reader.readline():
+                f.write(line)
+                f.flush()
+                await self._on_output_line(c, fd, line.decode(errors="replace"))
+
+    async def _watch(self, c: Container, timeout_s: float | None) -> None:
+        pumps = [
+            asyncio.create_task(self._pump(c, c.proc.stdout, api_pb2.FILE_DESCRIPTOR_STDOUT)),
+            asyncio.create_task(self._pump(c, c.proc.stderr, api_pb2.FILE_DESCRIPTOR_STDERR)),
+        ]
+        try:
+            await asyncio.wait_for(asyncio.shield(c.proc.wait()), timeout_s)
+        except asyncio.TimeoutError:  # C13: a call's timeout is per attempt, server-side
+            await self.kill(c, f"timeout after {timeout_s:.0f}s", grace_s=0)
+        # the main process is gone: whatever it left in its process group goes with it
+        _signal_tree([], c.proc.pid, signal.SIGKILL)
+        await asyncio.wait(pumps, timeout=EXIT_WAIT_S)
+        c.exit_code = c.proc.returncode
+        c.ended.set()
+        await self._on_exit(c)
+
+    async def kill(self, c: Container, why: str, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGINT to every process of the container, `grace_s`, then SIGKILL (emulator S15)."""
+        if c.proc is None or c.proc.returncode is not None:
+            return
+        c.killed_why = c.killed_why or why
+        pids = _tree(c.proc.pid)
+        if grace_s > 0:
+            _signal_tree(pids, c.proc.pid, signal.SIGINT)
+            try:
+                await asyncio.wait_for(asyncio.shield(c.proc.wait()), grace_s)
+            except asyncio.TimeoutError:
+                pass
+        pids = sorted(set(pids) | set(_tree(c.proc.pid)))
+        _signal_tree(pids, c.proc.pid, signal.SIGKILL)
+        try:
+            await asyncio.wait_for(asyncio.shield(c.proc.wait()), EXIT_WAIT_S)
+        except asyncio.TimeoutError:
+            log.error("container %s (pid %s) did not exit after SIGKILL", c.task_id, c.proc.pid)
+
+    async def stop_app(self, app_id: str, why: str) -> None:
+        await asyncio.gather(*(self.kill(c, why) for c in self.running() if c.call.app_id == app_id))
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(self.kill(c, "the control plane stopped") for c in self.running()))
+        if self._watchers:
+            await asyncio.wait(list(self._watchers), timeout=EXIT_WAIT_S + STOP_GRACE_S)
+
+
+def now() -> float:
+    return time.time()
