@@ -375,8 +375,8 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
     from cellfeed_testing.procs import stop_asked_while_held
 
     with ModalEmulator(tmp_path / "world", grace_s=10) as world:
-        # 3 epochs of 84 steps (batches of 8), at Modal's 25 ms a call
-        proc = modal_run(world, flags(atlas, rpc_latency_ms=25, batch_size=8, epochs=3) + ["--audit-cells"])
+        # 3 epochs of 42 steps (batches of 16), at Modal's 25 ms a call
+        proc = modal_run(world, flags(atlas, rpc_latency_ms=25, epochs=3) + ["--audit-cells"])
         call = wait_for(lambda: train_attempt(world), "train to start")
         wait_for(lambda: epoch_logged(world) >= 1 or proc.poll() is not None, "a step of epoch 1")
         assert proc.poll() is None, "the campaign ended before epoch 1: " + proc.communicate()[1][-2000:]
@@ -421,6 +421,7 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
         # the Dict is gone with the campaign; its last status stayed on the Volume
         after = json.loads(cellfeed(world, "status", RUN, "--modal", "--json").stdout)
         assert after["state"] == "complete" and after["cells_per_epoch"] == 1344
+        assert [a["epoch"] for a in after["audits"]] == [0, 1, 2]  # every epoch, across the new call
         # the report from the Volume's copy of the run (`modal volume get cellfeed-checkpoints emu ...`)
         page = tmp_path / "report.html"
         made = cellfeed(world, "report", RUN, "--workdir", str(world.volume_dir), "--out", str(page))
