@@ -366,24 +366,25 @@ def train(config: dict, facts: dict) -> dict:
 
 # `--nodes K`: the same body on a cluster of K containers (`app/modal_nodes.py`). A cluster's size is
 # fixed where its function is defined, so each K has its own function; Modal's docs ask each container
-# of a cluster for all GPUs of its host (`--gpus 8`).
+# of a cluster for all GPUs of its host (`--gpus 8`), and `rdma=True` asks for RDMA placement, for the
+# gradients' all-reduce between nodes (modal/_partial_function.py:808-840).
 _train_on = dict(image=trainer_image, gpu="H100:8", volumes={CHECKPOINTS: checkpoints}, timeout=DAY)
 
 
 @app.function(**_train_on, cpu=TRAINER_CPU, memory=TRAINER_MEMORY_MB)
-@modal.clustered(size=2)
+@modal.clustered(size=2, rdma=True)
 def train_2_nodes(config: dict, facts: dict) -> dict:
     return train_body(config, facts)
 
 
 @app.function(**_train_on, cpu=TRAINER_CPU, memory=TRAINER_MEMORY_MB)
-@modal.clustered(size=4)
+@modal.clustered(size=4, rdma=True)
 def train_4_nodes(config: dict, facts: dict) -> dict:
     return train_body(config, facts)
 
 
 @app.function(**_train_on, cpu=TRAINER_CPU, memory=TRAINER_MEMORY_MB)
-@modal.clustered(size=8)
+@modal.clustered(size=8, rdma=True)
 def train_8_nodes(config: dict, facts: dict) -> dict:
     return train_body(config, facts)
 
