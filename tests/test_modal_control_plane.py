@@ -24,9 +24,13 @@ REPO = Path(__file__).resolve().parent.parent
 CLIENT_TIMEOUT_S = 120
 
 
+SECRETS = {"cp-secret": {"CP_TOKEN": "s3cr3t-value"}}  # the probe app's functions name it
+MOUNT_ENV = {"/data": "DATA_DIR"}
+
+
 @pytest.fixture(params=["tcp"])
 def plane(request, tmp_path):
-    with ControlPlane(tmp_path / "plane", transport=request.param) as p:
+    with ControlPlane(tmp_path / "plane", transport=request.param, secrets=SECRETS, mount_env=MOUNT_ENV) as p:
         yield p
 
 
@@ -310,7 +314,7 @@ def dies(code: int) -> int:
 
 @app.function(image=image, timeout=600)
 def where() -> dict:
-    return {"modal": modal.__file__, "remote": os.environ.get("MODAL_IS_REMOTE"), "cwd": os.getcwd()}
+    return {"modal": modal.__file__, "remote": os.environ.get("MODAL_IS_REMOTE"), "cwd": os.getcwd(), "env": sorted(os.environ)}
 
 
 @app.function(image=image, timeout=600)
@@ -322,6 +326,36 @@ def blocks(path: str) -> None:
         f.write(f"{os.getpid()} {child.pid} {escaped.pid}")
     os.rename(path + ".tmp", path)
     time.sleep(600)
+
+
+vol = modal.Volume.from_name("cp-vol", create_if_missing=True)
+secret = modal.Secret.from_name("cp-secret")
+
+
+@app.function(image=image, volumes={"/data": vol}, secrets=[secret], timeout=600)
+def writes(name: str, text: str, hold_open: bool = False) -> dict:
+    """Writes a file on the Volume (where the plane says /data is), commits; the Secret's variable."""
+    import json
+    root = json.loads(os.environ["MODAL_CONTROL_PLANE_VOLUMES"])["/data"]
+    os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
+    with open(os.path.join(root, name), "w") as f:
+        f.write(text)
+    out = {"secret": os.environ.get("CP_TOKEN"), "data_dir_is_root": os.environ.get("DATA_DIR") == root}
+    held = open(os.path.join(root, name)) if hold_open else None
+    try:
+        vol.commit()
+        out["commit"] = "ok"
+    except RuntimeError as e:
+        out["commit"] = str(e)
+    if held:
+        held.close()
+    return out
+
+
+@app.function(image=image, volumes={"/data": vol}, timeout=600)
+def reads(name: str) -> str:
+    with open(os.path.join(os.environ["DATA_DIR"], name)) as f:
+        return f.read()
 
 
 @app.local_entrypoint()
@@ -404,8 +438,10 @@ def test_modal_run_cli_runs_a_local_entrypoint_that_spawns(plane, probe):
     assert app.stopped  # the client disconnected: an ephemeral app stops
 
 
-def _pids_of_a_blocked_container(plane, probe, tmp_path, leave_running: bool):
-    pid_file = tmp_path / "pids"
+def _pids_of_a_blocked_container(plane, probe, tmp_path):
+    """A client that spawns `blocks` and stays in `app.run()` until the file `leave` exists (the
+    container's processes are checked alive meanwhile); the client, the container's pids, `leave`."""
+    pid_file, leave = tmp_path / "pids", tmp_path / "leave"
     client = start_client(
         plane,
         f"""
@@ -413,22 +449,21 @@ def _pids_of_a_blocked_container(plane, probe, tmp_path, leave_running: bool):
         from cp_probe.app import app, blocks
         with app.run():
             call = blocks.spawn({str(pid_file)!r})
-            deadline = time.monotonic() + 60
-            while not os.path.exists({str(pid_file)!r}) and time.monotonic() < deadline:
+            deadline = time.monotonic() + 120
+            while not os.path.exists({str(leave)!r}) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if {leave_running!r}:
-                call.get()  # until the plane goes away
         print("{{}}")
         """,
         cwd=probe,
     )
     pids = [int(p) for p in wait_for(lambda: pid_file.exists() and pid_file.read_text(), "the container's pids").split()]
     assert all(alive(p) for p in pids)
-    return client, pids
+    return client, pids, leave
 
 
 def test_an_app_s_containers_stop_when_its_client_disconnects(plane, probe, tmp_path):
-    client, pids = _pids_of_a_blocked_container(plane, probe, tmp_path, leave_running=False)
+    client, pids, leave = _pids_of_a_blocked_container(plane, probe, tmp_path)
+    leave.touch()
     finish(client)  # it left `app.run()`: AppClientDisconnect
     wait_for(lambda: not any(alive(p) for p in pids), "the app's container processes to end", timeout=30)
     (app,) = plane.servicer.apps.values()
@@ -436,9 +471,9 @@ def test_an_app_s_containers_stop_when_its_client_disconnects(plane, probe, tmp_
 
 
 def test_no_process_the_plane_started_remains_after_it_stops(tmp_path, probe):
-    plane = ControlPlane(tmp_path / "plane").start()
+    plane = ControlPlane(tmp_path / "plane", secrets=SECRETS).start()
     try:
-        client, pids = _pids_of_a_blocked_container(plane, probe, tmp_path, leave_running=True)
+        client, pids, _ = _pids_of_a_blocked_container(plane, probe, tmp_path)
     finally:
         plane.stop()
     try:
@@ -448,3 +483,75 @@ def test_no_process_the_plane_started_remains_after_it_stops(tmp_path, probe):
     finally:
         client.kill()
         client.communicate(timeout=CLIENT_TIMEOUT_S)
+
+
+# ---- Volumes and Secrets
+
+
+def test_a_volume_file_written_and_committed_in_a_container_is_read_back_on_the_laptop(plane, probe):
+    got = run_client(
+        plane,
+        """
+        import json, modal
+        from cp_probe.app import app, writes, reads
+        out = {}
+        with app.run():
+            out["writes"] = writes.remote("run/log.txt", "step 1\\nstep 2\\n")
+            out["another_container_reads"] = reads.remote("run/log.txt")
+        v = modal.Volume.from_name("cp-vol")
+        out["read_file"] = b"".join(v.read_file("run/log.txt")).decode()
+        out["listdir"] = sorted(e.path for e in v.listdir("/", recursive=True))
+        try:
+            b"".join(v.read_file("run/missing.txt"))
+        except FileNotFoundError:
+            out["missing"] = "FileNotFoundError"
+        print(json.dumps(out))
+        """,
+        cwd=probe,
+    )
+    assert got == {
+        "writes": {"secret": "s3cr3t-value", "data_dir_is_root": True, "commit": "ok"},
+        "another_container_reads": "step 1\nstep 2\n",
+        "read_file": "step 1\nstep 2\n",
+        "listdir": ["run", "run/log.txt"],
+        "missing": "FileNotFoundError",
+    }
+
+
+def test_a_commit_with_a_file_open_on_the_volume_fails_as_modal_says(plane, probe):
+    # modal's commit reloads, and a reload "will fail if there are open files" (volume.py:899-930)
+    got = run_client(
+        plane,
+        """
+        import json, modal
+        from cp_probe.app import app, writes
+        with app.run():
+            out = writes.remote("held.txt", "x", True)
+        out["committed"] = b"".join(modal.Volume.from_name("cp-vol").read_file("held.txt")).decode()
+        print(json.dumps(out))
+        """,
+        cwd=probe,
+    )
+    assert got["commit"].startswith("there are open files preventing the operation")
+    assert got["committed"] == "x"  # the commit itself went through; its reload failed
+
+
+def test_a_secret_must_exist_and_its_variables_reach_only_the_containers_naming_it(plane, probe):
+    got = run_client(
+        plane,
+        """
+        import json, modal
+        out = {}
+        try:
+            modal.Secret.from_name("no-such-secret").hydrate()
+        except modal.exception.NotFoundError:
+            out["missing"] = "NotFoundError"
+        from cp_probe.app import app, where
+        with app.run():
+            out["unnamed"] = where.remote()
+        print(json.dumps(out))
+        """,
+        cwd=probe,
+    )
+    assert got["missing"] == "NotFoundError"
+    assert "CP_TOKEN" not in got["unnamed"]["env"]

@@ -56,6 +56,7 @@ class Container:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     exit_code: int | None = None
     killed_why: str = ""
+    volumes: dict = field(default_factory=dict)  # volume id -> [view folder, its files at last sync, read only]
 
 
 def _tree(pid: int) -> list[int]:
@@ -90,6 +91,9 @@ class Containers:
         task_id = stream.metadata.get(TASK_HEADER) if stream.metadata else None
         return self.by_task.get(task_id) if task_id else None
 
+    def folder_for(self, task_id: str) -> Path:
+        return self.root / "containers" / task_id
+
     def running(self) -> list[Container]:
         return [c for c in self.by_task.values() if not c.ended.is_set()]
 
@@ -102,10 +106,11 @@ class Containers:
         files: dict[str, Path],
         env: dict[str, str],
         timeout_s: float | None,
+        volumes: dict | None = None,
     ) -> Container:
-        folder = self.root / "containers" / task_id
+        folder = self.folder_for(task_id)
         fs_root = folder / "fs" / "root"
-        fs_root.mkdir(parents=True)
+        fs_root.mkdir(parents=True, exist_ok=True)
         for remote, blob in files.items():  # a mount's files at their remote paths
             target = folder / "fs" / remote.lstrip("/")
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +133,7 @@ class Containers:
             "PYTHONUNBUFFERED": "1",
             "TMPDIR": str(folder / "tmp"),
         }
-        c = Container(task_id, call, attempt, folder)
+        c = Container(task_id, call, attempt, folder, volumes=volumes or {})
         c.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

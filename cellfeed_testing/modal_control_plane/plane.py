@@ -29,14 +29,23 @@ STOP_TIMEOUT_S = 10.0
 class ControlPlane:
     """`with ControlPlane() as plane: subprocess.run(cmd, env={**os.environ, **plane.env})`."""
 
-    def __init__(self, root: str | Path | None = None, *, transport: str = "tcp") -> None:
+    def __init__(
+        self,
+        root: str | Path | None = None,
+        *,
+        transport: str = "tcp",
+        secrets: dict[str, dict[str, str]] | None = None,
+        mount_env: dict[str, str] | None = None,
+    ) -> None:
+        """`secrets`: the named Secrets that exist ({name: {VAR: value}}). `mount_env`: for a Volume
+        mount path, a variable its containers get naming the folder standing for it (volumes.py, V5)."""
         if transport not in ("tcp", "unix"):
             raise ValueError(f"transport is 'tcp' or 'unix', not {transport!r}")
         self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="modal-control-plane-")
         self.root = Path(root if root is not None else self._tmp.name)
         self.root.mkdir(parents=True, exist_ok=True)
         self.transport = transport
-        self.servicer = Servicer(self.root)
+        self.servicer = Servicer(self.root, secrets=secrets, mount_env=mount_env)
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="modal-control-plane", daemon=True)
@@ -57,6 +66,7 @@ class ControlPlane:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self) -> None:
+        await self.servicer.start()
         self._server = Server([self.servicer])
         if self.transport == "unix":
             # AF_UNIX paths are limited to ~107 bytes: a short directory of our own, not `root`
@@ -77,6 +87,12 @@ class ControlPlane:
         if self._server is not None:
             self._server.close()
             await asyncio.wait_for(self._server.wait_closed(), STOP_TIMEOUT_S)
+        # what is left (a client's request still being served, a log pump) ends here, not with the loop
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in others:
+            t.cancel()
+        if others:
+            await asyncio.wait(others, timeout=STOP_TIMEOUT_S)
 
     def start(self) -> "ControlPlane":
         self._thread.start()

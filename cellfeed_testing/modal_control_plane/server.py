@@ -24,7 +24,9 @@ from cellfeed_testing.modal_control_plane.apps import AppRPCs
 from cellfeed_testing.modal_control_plane.calls import Call, CallRPCs
 from cellfeed_testing.modal_control_plane.containers import Container, Containers
 from cellfeed_testing.modal_control_plane.objects import ObjectRPCs
+from cellfeed_testing.modal_control_plane.secrets import SecretRPCs
 from cellfeed_testing.modal_control_plane.store import Store
+from cellfeed_testing.modal_control_plane.volumes import BlockServer, VolumeRPCs
 
 log = logging.getLogger("cellfeed.modal_control_plane")
 
@@ -49,11 +51,17 @@ def fill_unimplemented(cls: type) -> type:
 
 
 @fill_unimplemented
-class Servicer(ObjectRPCs, AppRPCs, CallRPCs, ModalClientBase):
+class Servicer(ObjectRPCs, AppRPCs, CallRPCs, VolumeRPCs, SecretRPCs, ModalClientBase):
     """All the control plane's RPCs. Queue and Dict state lives in `store`; apps, images, mounts,
     functions and calls in the tables below; processes in `containers`."""
 
-    def __init__(self, root: Path | None = None, store: Store | None = None) -> None:
+    def __init__(
+        self,
+        root: Path | None = None,
+        store: Store | None = None,
+        secrets: dict[str, dict[str, str]] | None = None,
+        mount_env: dict[str, str] | None = None,
+    ) -> None:
         self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="modal-control-plane-"))
         self.store = store or Store()
         self.url = ""  # set by the plane once it listens: containers are given it
@@ -62,6 +70,16 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, ModalClientBase):
         self.blobs_dir = self.root / "blobs"
         self.blobs_dir.mkdir(parents=True, exist_ok=True)
         self.containers = Containers(self.root, lambda: self.url, self.container_exited, self._container_output)
+        self.volumes, self.volume_names = {}, {}
+        self.block_server = BlockServer(self.volumes)
+        self.mount_env = dict(mount_env or {})  # a Volume's mount path -> a variable naming its view (V5)
+        self.secrets, self.secret_names = {}, {}
+        for name, variables in (secrets or {}).items():
+            self.add_secret(name, variables)
+
+    async def start(self) -> None:
+        """Called once on the plane's loop before it listens."""
+        await self.block_server.start()
 
     async def _container_output(self, c: Container, fd: int, line: str) -> None:
         batch = api_pb2.TaskLogsBatch(
@@ -93,6 +111,8 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, ModalClientBase):
     def object_for_layout(self, object_id: str) -> api_pb2.Object:
         if object_id in self.functions:
             return api_pb2.Object(object_id=object_id, function_handle_metadata=self.handle_metadata(self.functions[object_id]))
+        if object_id in self.volumes:
+            return api_pb2.Object(object_id=object_id, volume_metadata=self._volume_metadata(self.volumes[object_id]))
         if object_id in self.mounts:
             return api_pb2.Object(object_id=object_id, mount_handle_metadata=api_pb2.MountHandleMetadata())
         return api_pb2.Object(object_id=object_id)
@@ -105,9 +125,6 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, ModalClientBase):
             for remote, sha in (mount.files.items() if mount else ()):
                 files[remote] = self.blobs_dir / sha
         return files
-
-    def container_env(self, fn_def: api_pb2.Function) -> dict[str, str]:
-        return {}
 
     async def start_container(self, call: Call) -> None:
         """One attempt of `call`: a new container running the real entrypoint."""
@@ -125,11 +142,15 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, ModalClientBase):
             app_layout=self._layout(fn.app_id, fn_def),
         )
         timeout_s = float(fn_def.timeout_secs) if fn_def.timeout_secs else None
+        env = self.secret_env(fn_def)
+        volumes, volume_env = self.mount_volumes(self.containers.folder_for(task_id), fn_def)
+        env.update(volume_env)
         c = await self.containers.start(
-            task_id, call, call.attempt, args, self.container_files(fn_def), self.container_env(fn_def), timeout_s
+            task_id, call, call.attempt, args, self.container_files(fn_def), env, timeout_s, volumes
         )
         call.containers.append(c)
 
     async def shutdown(self) -> None:
         """Called once as the plane stops, before the server closes: every container goes."""
         await self.containers.shutdown()
+        await self.block_server.stop()
