@@ -555,3 +555,54 @@ def test_a_secret_must_exist_and_its_variables_reach_only_the_containers_naming_
     )
     assert got["missing"] == "NotFoundError"
     assert "CP_TOKEN" not in got["unnamed"]["env"]
+
+
+# ---- one command: python -m cellfeed_testing.modal_control_plane run -- CMD ARGS...
+
+
+def run_command(args: list[str], cwd: Path, tmp_path: Path, **kw) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["CP_TOKEN"] = "from-the-laptop"
+    return subprocess.run(
+        [sys.executable, "-m", "cellfeed_testing.modal_control_plane", "run", "--root", str(tmp_path / "root"), *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=CLIENT_TIMEOUT_S,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("transport", [[], ["--unix"]])
+def test_run_serves_modal_run_and_exits_with_its_status(probe, tmp_path, transport):
+    flags = [*transport, "--secret", "cp-secret=CP_TOKEN", "--mount-env", "/data=DATA_DIR"]
+    proc = run_command([*flags, "--", sys.executable, "-m", "modal", "run", "cp_probe/app.py", "--a", "5", "--b", "6"], probe, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "RESULT 11" in proc.stdout.splitlines()
+    failing = run_command([*flags, "--", sys.executable, "-c", "import sys; sys.exit(3)"], probe, tmp_path)
+    assert failing.returncode == 3, failing.stderr[-4000:]
+
+
+def test_run_stops_the_containers_its_command_left_running(probe, tmp_path):
+    # the command leaves without disconnecting its app (os._exit): its container runs on until the plane stops
+    pid_file = tmp_path / "pids"
+    script = textwrap.dedent(
+        f"""
+        import os, time
+        from cp_probe.app import app, blocks
+        with app.run():
+            blocks.spawn({str(pid_file)!r})
+            deadline = time.monotonic() + 120
+            while not os.path.exists({str(pid_file)!r}) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            print("PIDS", open({str(pid_file)!r}).read(), flush=True)
+            os._exit(0)
+        """
+    )
+    proc = run_command(["--secret", "cp-secret=CP_TOKEN", "--", sys.executable, "-c", script], probe, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("PIDS ")]
+    pids = [int(p) for p in line.split()[1:]]
+    assert len(pids) == 3 and not [p for p in pids if alive(p)]
