@@ -606,3 +606,46 @@ def test_run_stops_the_containers_its_command_left_running(probe, tmp_path):
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("PIDS ")]
     pids = [int(p) for p in line.split()[1:]]
     assert len(pids) == 3 and not [p for p in pids if alive(p)]
+
+
+def test_with_options_variants_keep_what_they_do_not_set_and_more_than_8_gpus_is_refused(plane, probe):
+    got = run_client(
+        plane,
+        """
+        import json, modal
+        from cp_probe.app import app, adds
+        out = {}
+        with app.run():
+            out["variant"] = adds.with_options(gpu="H100:2", timeout=30).remote(1, 2)
+            try:
+                adds.with_options(gpu="H100:9").spawn(1, 2)
+            except modal.exception.InvalidError as e:
+                out["nine"] = str(e)
+        print(json.dumps(out))
+        """,
+        cwd=probe,
+    )
+    assert got == {"variant": 3, "nine": "H100:9: a container has at most 8 GPUs"}
+    base, variant = [f.definition for f in plane.servicer.functions.values() if f.definition.function_name == "adds"][:2]
+    assert (variant.resources.gpu_config.count, variant.timeout_secs) == (2, 30)
+    assert variant.retry_policy.retries == base.retry_policy.retries == 2  # kept from the base (S25)
+
+
+def test_a_campaign_through_modal_run_on_the_control_plane_trains_every_cell_once(tmp_path):
+    """The product's own `modal run app/modal_app.py`, modal's CLI and client, containers running
+    modal's entrypoint: setup, 2 producers, a 2-rank train, Queue, Dict and the checkpoints Volume."""
+    from producers.synth import SynthSpec, synthesize
+
+    atlas = synthesize(
+        str(tmp_path / "atlas"), SynthSpec(n_cells=1500, n_genes=2000, median_nnz=300, seed=3), rows_per_fragment=200_000, progress=False
+    )
+    args = ["--dataset", atlas.uri, "--run", "cp", "--producers", "2", "--gpus", "2", "--batch-size", "16",
+            "--max-genes", "32", "--preset", "tiny", "--epochs", "1", "--warmup-steps", "2", "--checkpoint-every", "4",
+            "--eval-filter", "plate = 'plate14'", "--eval-cells", "64", "--eval-every", "10", "--strategy", "block",
+            "--block-size", "16", "--fetch-factor", "2"]  # fmt: skip
+    proc = run_command(["--", sys.executable, "-m", "modal", "run", "app/modal_app.py", *args], REPO, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [x for x in proc.stdout.splitlines() if x.strip()]
+    assert "complete: 1 epoch, 1,344 cells, every epoch trained exactly once (audited)" in lines
+    # the step log is on the Volume's committed folder (train committed it)
+    assert list((tmp_path / "root" / "volumes").glob("*/cp/steps.jsonl"))

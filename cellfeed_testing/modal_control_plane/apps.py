@@ -24,6 +24,8 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from modal_proto import api_pb2
 
+from cellfeed_testing.modal_emulator.limits import MAX_GPUS
+
 # D7: inline payload sizes advertised in every function's handle metadata. Modal's client uploads an
 # argument or result larger than this as a blob (BlobCreate, then an HTTP PUT to a signed URL:
 # function_utils.py:588-642, container_io_manager.py:60-81); the plane serves no blob URLs yet, so it
@@ -52,6 +54,17 @@ class FunctionDef:
     function_id: str
     app_id: str
     definition: api_pb2.Function  # for a ranked (GPU list) function, its rank 0
+    serialized_params: bytes = b""  # a bound variant's (a class's parameters): given to its containers
+
+
+def _check_gpus(definition: api_pb2.Function | api_pb2.Resources) -> None:
+    """D10: at most 8 GPUs a container (Modal's GPU guide; the client parses any count: emulator S17)."""
+    resources = definition if isinstance(definition, api_pb2.Resources) else definition.resources
+    if resources.gpu_config.count > MAX_GPUS:
+        gpu = resources.gpu_config.gpu_type or "GPU"
+        raise GRPCError(
+            Status.INVALID_ARGUMENT, f"{gpu}:{resources.gpu_config.count}: a container has at most {MAX_GPUS} GPUs"
+        )
 
 
 @dataclass
@@ -274,6 +287,7 @@ class AppRPCs:
             definition = ranked[0].function
         else:
             definition = req.function
+        _check_gpus(definition)
         fn = FunctionDef(req.existing_function_id or self.new_id("fu"), req.app_id, definition)
         self.functions[fn.function_id] = fn
         # D8: the reply always carries `function_data` with its ranked functions, one for a plain
@@ -303,5 +317,45 @@ class AppRPCs:
         await stream.send_message(
             api_pb2.FunctionCreateResponse(
                 function_id=fn.function_id, function_data=data, handle_metadata=self.handle_metadata(fn)
+            )
+        )
+
+    async def FunctionBindParams(self, stream) -> None:
+        """D9: `with_options` (and a class's parameters) make a variant: the base function's definition
+        with what the options set. The client sends unset resources as 0 and unset optional fields
+        absent, and the variant keeps the base's values for those: the server merges
+        (_function_variants.py:135-198, emulator S25)."""
+        req: api_pb2.FunctionBindParamsRequest = await stream.recv_message()
+        base = self.functions.get(req.function_id)
+        if base is None:
+            raise GRPCError(Status.NOT_FOUND, f"Function {req.function_id} not found")
+        o = req.function_options
+        d = api_pb2.Function()
+        d.CopyFrom(base.definition)
+        if o.HasField("resources"):
+            r = o.resources
+            if r.gpu_config.count or r.gpu_config.gpu_type:
+                d.resources.gpu_config.CopyFrom(r.gpu_config)
+            for name in ("memory_mb", "memory_mb_max", "milli_cpu", "milli_cpu_max", "ephemeral_disk_mb"):
+                if getattr(r, name):
+                    setattr(d.resources, name, getattr(r, name))
+            if r.rdma:
+                d.resources.rdma = True
+        if o.HasField("retry_policy"):
+            d.retry_policy.CopyFrom(o.retry_policy)
+        if o.HasField("timeout_secs") and o.timeout_secs:
+            d.timeout_secs = o.timeout_secs
+        if o.replace_secret_ids:
+            d.ClearField("secret_ids")
+            d.secret_ids.extend(o.secret_ids)
+        if o.replace_volume_mounts:
+            d.ClearField("volume_mounts")
+            d.volume_mounts.extend(o.volume_mounts)
+        _check_gpus(d)
+        variant = FunctionDef(self.new_id("fu"), base.app_id, d, req.serialized_params or base.serialized_params)
+        self.functions[variant.function_id] = variant
+        await stream.send_message(
+            api_pb2.FunctionBindParamsResponse(
+                bound_function_id=variant.function_id, handle_metadata=self.handle_metadata(variant)
             )
         )

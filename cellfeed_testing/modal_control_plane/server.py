@@ -140,6 +140,7 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, VolumeRPCs, SecretRPCs, ModalClien
             function_def=fn_def,
             environment_name="main",
             app_layout=self._layout(fn.app_id, fn_def),
+            serialized_params=fn.serialized_params,
         )
         timeout_s = float(fn_def.timeout_secs) if fn_def.timeout_secs else None
         env = self.secret_env(fn_def)
