@@ -188,6 +188,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     monitor.journal.event(
         "resumed" if cfg.resume else "started", step=latest.step if latest else 0, ranks=cfg.world_size
     )
+    monitor.look()  # the status is published before any rank starts (`cellfeed status` answers from step 1)
     ranks = []
 
     def commit():  # a commit reloads the Volume, which fails while a file on it is open (modal/volume.py:889-917)
