@@ -358,6 +358,21 @@ def reads(name: str) -> str:
         return f.read()
 
 
+@app.function(image=image, retries=0, timeout=600)
+def counts_attempts(path: str) -> int:
+    """Notes each start and each interrupt (a preemption's SIGINT) in `path`; returns the starts."""
+    with open(path, "a") as f:
+        f.write("start\\n")
+    try:
+        if "interrupted" not in open(path).read():  # the first attempt waits to be preempted
+            time.sleep(600)
+    except KeyboardInterrupt:
+        with open(path, "a") as f:
+            f.write("interrupted\\n")
+        raise
+    return sum(1 for line in open(path) if line.strip() == "start")
+
+
 @app.local_entrypoint()
 def main(a: int = 1, b: int = 2):
     print("RESULT", adds.spawn(a, b).get(timeout=60))
@@ -649,3 +664,23 @@ def test_a_campaign_through_modal_run_on_the_control_plane_trains_every_cell_onc
     assert "complete: 1 epoch, 1,344 cells, every epoch trained exactly once (audited)" in lines
     # the step log is on the Volume's committed folder (train committed it)
     assert list((tmp_path / "root" / "volumes").glob("*/cp/steps.jsonl"))
+
+
+def test_a_preempted_input_is_interrupted_and_runs_again_not_counted_as_a_retry(plane, probe, tmp_path):
+    notes = tmp_path / "notes"
+    client = start_client(
+        plane,
+        f"""
+        import json
+        from cp_probe.app import app, counts_attempts
+        with app.run():
+            print(json.dumps(counts_attempts.spawn({str(notes)!r}).get(timeout=120)))
+        """,
+        cwd=probe,
+    )
+    wait_for(lambda: notes.exists() and notes.read_text() == "start\n", "the first attempt to start")
+    (call,) = plane.calls("counts_attempts")
+    (first,) = plane.preempt(call.call_id, grace_s=10)
+    assert finish(client) == 2  # a retries=0 function ran twice: a preemption is not a retry
+    assert notes.read_text() == "start\ninterrupted\nstart\n"
+    assert [(c.task_id == first, c.retry_count) for c in call.containers] == [(True, 0), (False, 0)]

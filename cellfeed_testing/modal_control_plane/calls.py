@@ -27,6 +27,8 @@ from modal_proto import api_pb2
 from cellfeed_testing.modal_control_plane.containers import Container
 
 GenericResult = api_pb2.GenericResult
+PREEMPTED = "preempted"
+PREEMPT_GRACE_S = 30.0  # C17: Modal's preemption guide: SIGINT, about 30 s, then SIGKILL (emulator S15)
 OUTPUTS_WAIT_MAX_S = 60.0  # one FunctionGetOutputs waits at most this long (the client asks 55 s: OUTPUTS_TIMEOUT)
 
 
@@ -40,7 +42,8 @@ class Call:
     invocation_type: int
     retries_left: int
     retry_delay_s: float
-    attempt: int = 0  # the retry count of the attempt running now
+    attempt: int = 0  # the container running it now: 0 for the first, +1 for each retry or preemption
+    retry_count: int = 0  # the retries spent (a preemption spends none: C17)
     output: api_pb2.FunctionGetOutputsItem | None = None
     cancelled: bool = False
     containers: list[Container] = field(default_factory=list)
@@ -186,7 +189,7 @@ class CallRPCs:
                 input=call.input,
                 function_call_id=call.call_id,
                 function_call_invocation_type=call.invocation_type,
-                retry_count=c.attempt,
+                retry_count=c.retry_count,
             )
         await stream.send_message(api_pb2.FunctionGetInputsResponse(inputs=[item]))
 
@@ -225,6 +228,13 @@ class CallRPCs:
             return
         c.output_sent = True
         call: Call = c.call
+        app = self.apps.get(call.app_id)
+        if c.killed_why == PREEMPTED and call.output is None and not call.cancelled and not (app and app.stopped):
+            # C17: a preempted input runs again on a new container, not counted as a retry
+            if c.attempt == call.attempt:
+                call.attempt += 1
+                await self.start_container(call)
+            return
         if c.killed_why.startswith("timeout"):
             result = GenericResult(status=GenericResult.GENERIC_STATUS_TIMEOUT, exception=f"Function {c.killed_why}")
         elif call.cancelled:
@@ -246,6 +256,7 @@ class CallRPCs:
         app = self.apps.get(call.app_id)
         if retryable and call.retries_left > 0 and not call.cancelled and not (app and app.stopped):
             call.retries_left -= 1
+            call.retry_count += 1
             call.attempt += 1
             asyncio.get_running_loop().call_later(
                 call.retry_delay_s, lambda: asyncio.ensure_future(self.start_container(call))
@@ -256,8 +267,19 @@ class CallRPCs:
             idx=0,
             result=result,
             data_format=data_format,
-            retry_count=c.attempt,
+            retry_count=c.retry_count,
             task_id=c.task_id,
             output_created_at=time.time(),
         )
         call.done.set()
+
+    async def preempt(self, call_id: str, grace_s: float = PREEMPT_GRACE_S) -> list[str]:
+        """C17: preempt the containers running `call_id` now: SIGINT to every process of each (a sync
+        body sees KeyboardInterrupt and reports nothing: _runtime/container_io_manager.py:988-994),
+        `grace_s`, SIGKILL; the input then runs again on a new container. Returns their task ids."""
+        call = self._call(call_id)
+        running = [c for c in call.containers if not c.ended.is_set()]
+        for c in running:
+            c.killed_why = PREEMPTED
+        await asyncio.gather(*(self.containers.kill(c, PREEMPTED, grace_s) for c in running))
+        return [c.task_id for c in running]

@@ -56,6 +56,7 @@ class Container:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     exit_code: int | None = None
     killed_why: str = ""
+    retry_count: int = 0  # the retries its call had spent when it started (FunctionGetInputsItem.retry_count)
     volumes: dict = field(default_factory=dict)  # volume id -> [view folder, its files at last sync, read only]
 
 
@@ -133,7 +134,7 @@ class Containers:
             "PYTHONUNBUFFERED": "1",
             "TMPDIR": str(folder / "tmp"),
         }
-        c = Container(task_id, call, attempt, folder, volumes=volumes or {})
+        c = Container(task_id, call, attempt, folder, retry_count=call.retry_count, volumes=volumes or {})
         c.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

@@ -61,6 +61,15 @@ class ControlPlane:
             "MODAL_CONFIG_PATH": str(self.root / "no-modal.toml"),
         }
 
+    def calls(self, function_name: str) -> list:
+        """The calls of the function named so (oldest first): `calls.Call`, read-only for tests."""
+        names = {fid: f.definition.function_name for fid, f in self.servicer.functions.items()}
+        return [c for c in list(self.servicer.calls.values()) if names.get(c.function_id) == function_name]
+
+    def preempt(self, call_id: str, grace_s: float = 30.0) -> list[str]:
+        """Preempt the containers running `call_id` (calls.py, C17); their task ids."""
+        return self.call(self.servicer.preempt(call_id, grace_s), grace_s + STOP_TIMEOUT_S + 5)
+
     def call(self, coro, timeout: float = STOP_TIMEOUT_S):
         """Run `coro` on the plane's loop and wait for its result (tests inspect state through this)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
