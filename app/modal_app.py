@@ -36,6 +36,7 @@ emulator (cellfeed_testing/modal_emulator): no Modal run has been made from this
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -45,7 +46,16 @@ from dataclasses import asdict
 import modal
 
 from app.config import CAMPAIGN_RECORD, MODAL_FLAGS, CampaignConfig, flags_signature, resume_command, resumed_flags
-from app.modal_calls import PRODUCER_RETRIES, Fleet, interrupt_held, result, spawn
+from app.modal_calls import (
+    PRODUCER_RETRIES,
+    Fleet,
+    claim_run,
+    interrupt_held,
+    release_claim,
+    renew_claim,
+    result,
+    spawn,
+)
 from app.modal_nodes import cluster, meet, node_body
 from app.pins import pinned
 from coordination.modal_backend import RETRY_S, ModalUnreachable, retrying
@@ -152,6 +162,11 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     cfg, facts = unpacked(config), SetupFacts.of(facts)
     cfg.checkpoint_dir = checkpoint_mount()
     queue, store = connect(cfg.backend_spec("modal"))
+    me = modal.current_function_call_id()
+    other = claim_run(store, cfg.run, me)
+    if other is not None:  # a second train of this run (a spawn made again, or a --resume while it runs)
+        print(f"run {cfg.run} is already being trained by call {other}: this call ({me}) does nothing", flush=True)
+        return {"duplicate_of": other}
     ensure_setup(cfg, config, facts, queue, store)
     latest = checkpoint.latest(cfg.run_checkpoint_dir)
     if latest is not None and not cfg.resume:  # a re-run of this input (preemption) or a continuation
@@ -200,7 +215,8 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         with interrupt_held():  # the ranks are all started, or none: a preemption cannot orphan one
             summary_path = str(workdir / "summary")
             ranks = launch(train_cfg, cfg.gpus, workdir, summary_path, node=0, nodes=cfg.nodes, master=master)
-        watch(ranks, fleet, deadline=started + cfg.attempt_hours * 3600, monitor=monitor)
+        renew = lambda: renew_claim(store, cfg.run, me)  # noqa: E731
+        watch(ranks, fleet, deadline=started + cfg.attempt_hours * 3600, monitor=monitor, renew=renew)
     except KeyboardInterrupt:  # preempted: checkpoint, leave everything in place; Modal runs this input again
         print("preempted: the ranks checkpoint; Modal runs this call again and it resumes", flush=True)
         checkpoint_and_stop(ranks, timeout=PREEMPT_SAVE_S)  # (they had the SIGINT too: the container's every process)
@@ -212,6 +228,8 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         if not isinstance(exc, ModalUnreachable):  # (Modal's network may be what failed)
             monitor.final("failed")
         stop_campaign(cfg, config, fleet, store, exc)
+        with contextlib.suppress(Exception):  # (Modal's network may be what failed: the claim then goes stale)
+            release_claim(store, cfg.run, me)
         raise
     commit()
     summary = json.loads((workdir / "summary.rank0").read_text())
@@ -220,8 +238,10 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         store.put(stop_key(cfg.run), "stop")  # (the producers)
         fleet.stop(STOP_GRACE_S, cfg.modal_retry_s)
         commit()
+        release_claim(store, cfg.run, me)
         return {**summary, "resume_command": resume}
     if summary["stopped"] == "asked":  # this call's time is up: a new call continues from the checkpoint
+        release_claim(store, cfg.run, me)  # (the new call claims the run)
         after = spawn(trainer_of(cfg), config, asdict(facts), retry=cfg.modal_retry_s)
         print(
             f"train ran {cfg.attempt_hours:g} h: a new call {after.object_id} continues from the checkpoint", flush=True
@@ -271,11 +291,12 @@ def ensure_setup(cfg: CampaignConfig, config: dict, facts, queue, store) -> None
         result(spawn(setup, config, retry=cfg.modal_retry_s), cfg.modal_retry_s)
 
 
-def watch(ranks, fleet: "Fleet", deadline: float, monitor) -> None:
+def watch(ranks, fleet: "Fleet", deadline: float, monitor, renew) -> None:
     """Until the ranks exit: a failed rank or producer raises; at `deadline`, or when a stop is asked
     (`monitor`), the ranks are asked to checkpoint and stop (at the deadline the call then hands
     over to a new one). The producer calls are looked at after 1 s, then at doubling gaps up to
-    FLEET_CHECK_S: most failures come at the start."""
+    FLEET_CHECK_S (most failures come at the start), and the call's claim on its run is renewed
+    (`renew`) as often."""
     from trainer.launch import ask_to_stop
 
     asked, gap = False, FIRST_FLEET_CHECK_S
@@ -297,6 +318,7 @@ def watch(ranks, fleet: "Fleet", deadline: float, monitor) -> None:
             asked = True
         if time.monotonic() >= next_look:
             fleet.check()
+            renew()
             gap = min(2 * gap, FLEET_CHECK_S)
             next_look = time.monotonic() + gap
         time.sleep(0.5)
@@ -463,9 +485,13 @@ def main(**flags) -> dict:
             print(f"  {cells:>10,} cells per epoch from {line}", flush=True)
         call = spawn(trainer_of(cfg), config, facts, retry=cfg.modal_retry_s)
         summary = result(call, cfg.modal_retry_s)
-        while "continued_as" in summary:  # Modal's 24 h: each call hands over to the next
-            print(f"train continues in call {summary['continued_as']} (a call ends at {DAY // 3600} h)", flush=True)
-            summary = result(modal.FunctionCall.from_id(summary["continued_as"]), cfg.modal_retry_s)
+        while "continued_as" in summary or "duplicate_of" in summary:
+            if "continued_as" in summary:  # Modal's 24 h: each call hands over to the next
+                print(f"train continues in call {summary['continued_as']} (a call ends at {DAY // 3600} h)", flush=True)
+            else:  # this spawn made a second trainer (its first reply was lost): the first one trains
+                print(f"the run is trained by call {summary['duplicate_of']}: following it", flush=True)
+            following = summary.get("continued_as") or summary["duplicate_of"]
+            summary = result(modal.FunctionCall.from_id(following), cfg.modal_retry_s)
     except (Exception, KeyboardInterrupt) as exc:  # one line, and the command that continues the campaign
         if isinstance(exc, KeyboardInterrupt):  # modal/runner.py:503-514: an app not detached is stopped now
             print(

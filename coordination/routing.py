@@ -100,6 +100,11 @@ def state_key(run: str) -> str:
     return f"{run}/state"
 
 
+def trainer_key(run: str) -> str:
+    """The run's train call (its id, and when it last said so): one trainer a run (`app.modal_calls.claim_run`)."""
+    return f"{run}/trainer"
+
+
 def fleet_key(run: str) -> str:
     """The ids of the run's producer function calls (a re-run of `train` reuses them)."""
     return f"{run}/fleet"

@@ -219,6 +219,22 @@ def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed
         assert world.describe()["queues"] == [] and world.describe()["dicts"] == []  # complete: now deleted
 
 
+def test_a_train_spawn_whose_reply_was_lost_trains_the_run_once(atlas, tmp_path):
+    """The train spawn's reply is lost: the client spawns again (the emulator's worst reading of a
+    retry, S21: a new call), and a second train call of the run starts. The one that claims the run
+    first trains it; the other finds it held and does nothing; `modal run` follows the trainer, and
+    the epoch is trained exactly once by one trainer and one fleet."""
+    with ModalEmulator(tmp_path / "world") as world:
+        world.fault("lost_reply", "spawn", after=1)  # setup's spawn goes through; train's reply is lost
+        code, out, err = finish(modal_run(world, flags(atlas, epochs=1, gpus=1, batch_size=64)))
+        assert code == 0, err[-3000:]
+        trains = world.calls("train")
+        assert len(trains) == 2, trains  # (the fault did make a second train call)
+        logs = [container_log(world, c["id"], 0) for c in trains]
+        assert sum(f"run {RUN} is already being trained by call" in log for log in logs) == 1, logs
+        check_campaign(world, out, epochs=1, producers=2)
+
+
 def test_a_campaign_longer_than_a_call_continues_in_new_calls(atlas, tmp_path):
     """Each train call hands over to a new one when its --attempt-hours are up (Modal ends a call
     at 24 h). Here the hours are up at once, so every call trains one step (the event), saves and

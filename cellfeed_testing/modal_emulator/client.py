@@ -750,7 +750,14 @@ class Secret:
         return self
 
 
+def current_function_call_id() -> str | None:
+    """S13: in a container, the id of the call whose input it runs (modal/_runtime/execution_context.py:60);
+    None elsewhere."""
+    return os.environ.get("MODAL_EMULATOR_CALL")
+
+
 _EMULATED = {
+    "current_function_call_id": current_function_call_id,
     "Queue": Queue,
     "Dict": Dict,
     "App": App,
