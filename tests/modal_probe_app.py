@@ -8,7 +8,8 @@ import modal
 
 app = modal.App("cellfeed-probe")
 probe_image = modal.Image.debian_slim(python_version="3.11").add_local_python_source("tests")
-numpy_image = probe_image.pip_install("numpy>=1.26")
+# (a build step after add_local_python_source is refused by modal, _image.py:677: the packages first)
+numpy_image = modal.Image.debian_slim(python_version="3.11").pip_install("numpy>=1.26").add_local_python_source("tests")
 
 
 @app.function(image=probe_image, retries=3, timeout=600)
