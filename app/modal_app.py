@@ -52,7 +52,6 @@ from app.modal_calls import (
     claim_run,
     interrupt_held,
     release_claim,
-    renew_claim,
     result,
     spawn,
 )
@@ -163,7 +162,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     cfg.checkpoint_dir = checkpoint_mount()
     queue, store = connect(cfg.backend_spec("modal"))
     me = modal.current_function_call_id()
-    other = claim_run(store, cfg.run, me)
+    other = claim_run(store, cfg.run, me, cfg.modal_retry_s)
     if other is not None:  # a second train of this run (a spawn made again, or a --resume while it runs)
         print(f"run {cfg.run} is already being trained by call {other}: this call ({me}) does nothing", flush=True)
         return {"duplicate_of": other}
@@ -215,8 +214,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         with interrupt_held():  # the ranks are all started, or none: a preemption cannot orphan one
             summary_path = str(workdir / "summary")
             ranks = launch(train_cfg, cfg.gpus, workdir, summary_path, node=0, nodes=cfg.nodes, master=master)
-        renew = lambda: renew_claim(store, cfg.run, me)  # noqa: E731
-        watch(ranks, fleet, deadline=started + cfg.attempt_hours * 3600, monitor=monitor, renew=renew)
+        watch(ranks, fleet, deadline=started + cfg.attempt_hours * 3600, monitor=monitor)
     except KeyboardInterrupt:  # preempted: checkpoint, leave everything in place; Modal runs this input again
         print("preempted: the ranks checkpoint; Modal runs this call again and it resumes", flush=True)
         checkpoint_and_stop(ranks, timeout=PREEMPT_SAVE_S)  # (they had the SIGINT too: the container's every process)
@@ -291,12 +289,11 @@ def ensure_setup(cfg: CampaignConfig, config: dict, facts, queue, store) -> None
         result(spawn(setup, config, retry=cfg.modal_retry_s), cfg.modal_retry_s)
 
 
-def watch(ranks, fleet: "Fleet", deadline: float, monitor, renew) -> None:
+def watch(ranks, fleet: "Fleet", deadline: float, monitor) -> None:
     """Until the ranks exit: a failed rank or producer raises; at `deadline`, or when a stop is asked
     (`monitor`), the ranks are asked to checkpoint and stop (at the deadline the call then hands
     over to a new one). The producer calls are looked at after 1 s, then at doubling gaps up to
-    FLEET_CHECK_S (most failures come at the start), and the call's claim on its run is renewed
-    (`renew`) as often."""
+    FLEET_CHECK_S: most failures come at the start."""
     from trainer.launch import ask_to_stop
 
     asked, gap = False, FIRST_FLEET_CHECK_S
@@ -318,7 +315,6 @@ def watch(ranks, fleet: "Fleet", deadline: float, monitor, renew) -> None:
             asked = True
         if time.monotonic() >= next_look:
             fleet.check()
-            renew()
             gap = min(2 * gap, FLEET_CHECK_S)
             next_look = time.monotonic() + gap
         time.sleep(0.5)

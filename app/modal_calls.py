@@ -17,7 +17,6 @@ from coordination.errors import CellfeedError
 from coordination.modal_backend import RETRY_S, retrying, transient_errors
 
 PRODUCER_RETRIES = 3  # the producer function's retries (`app.modal_app.produce`)
-CLAIM_STALE_S = 120.0  # a trainer's claim on its run not renewed this long: its call is gone (killed, failed)
 
 
 def spawn(function, *args, retry: float = RETRY_S):
@@ -30,35 +29,23 @@ def result(call, retry: float = RETRY_S):
     return retrying(call.get, f"waiting for {call.object_id}", retry)
 
 
-def claim_run(store, run: str, call_id: str) -> str | None:
+def claim_run(store, run: str, call_id: str, retry: float = RETRY_S) -> str | None:
     """(a train call, as it starts) Make this call the run's one trainer; returns the id of another
-    live call that already is, else None. A spawn whose reply was lost and was made again (Modal's
-    client, or our retries, with a new idempotency key) starts a second `train` of the run, as does a
-    `--resume` while the campaign still runs: that one must not train. The same call run again (a
-    preemption) keeps its claim; a claim not renewed (`renew_claim`) for CLAIM_STALE_S is taken over."""
+    call that already is and is still running, else None. A spawn whose reply was lost and was made
+    again (a new idempotency key) starts a second `train` of the run, as does a `--resume` while the
+    campaign still runs: that one must not train. The same call run again (a preemption) keeps its
+    claim; a claim whose call has ended (failed, killed with its cluster, stopped) is taken over."""
     from coordination.routing import trainer_key
 
-    key, mine = trainer_key(run), json.dumps({"call": call_id, "at": time.time()})
-    for _ in range(2):  # (a stale claim is dropped, then taken: put-if-absent, so two new calls cannot both win)
-        if store.put(key, mine, skip_if_exists=True):
-            return None
-        held = json.loads(store.get(key) or "null")
-        if held is None:
-            continue
-        if held["call"] == call_id:  # (this call again: a preempted input run anew)
-            store.put(key, mine)
-            return None
-        if time.time() - held["at"] < CLAIM_STALE_S:
+    key, mine = trainer_key(run), json.dumps({"call": call_id})
+    if store.put(key, mine, skip_if_exists=True):
+        return None
+    held = json.loads(store.get(key) or "null")
+    if held is not None and held["call"] != call_id:
+        if call_state(modal.FunctionCall.from_id(held["call"]), retry)[0] == "running":
             return held["call"]
-        store.pop(key, None)
+    store.put(key, mine)
     return None
-
-
-def renew_claim(store, run: str, call_id: str) -> None:
-    """(the trainer, every few seconds) Say this call still holds its run."""
-    from coordination.routing import trainer_key
-
-    store.put(trainer_key(run), json.dumps({"call": call_id, "at": time.time()}))
 
 
 def release_claim(store, run: str, call_id: str) -> None:
