@@ -62,7 +62,7 @@ def prepare(cfg, queue, store, vocab_path=None) -> SetupFacts:
     if cells is not None:
         held_out, held_out_items = len(cells), produce_held_out(producer, cells)
     quotas = producer.quotas if producer.quotas is not None else [summaries[0].n_cells]
-    return SetupFacts(
+    facts = SetupFacts(
         n_genes=vocab.n_genes,
         vocab_size=vocab.size,
         pad_token=vocab.pad,
@@ -81,6 +81,8 @@ def prepare(cfg, queue, store, vocab_path=None) -> SetupFacts:
         data_id=data_identity(producer.sources),
         **balance_facts(cfg, producer, summaries[0]),
     )
+    producer.close()  # (its read threads: none outlives the setup)
+    return facts
 
 
 def balance_facts(cfg, producer: Producer, first) -> dict:

@@ -128,8 +128,11 @@ def produce_body(config: dict, name: str) -> dict:
     retire = threading.Timer(PRODUCER_HOURS * 3600, producer.stop)
     retire.daemon = True
     retire.start()
-    stats = producer.run()
-    retire.cancel()
+    try:
+        stats = producer.run()
+    finally:
+        retire.cancel()
+        producer.close()
     return {
         "cells": stats.cells,
         "units": stats.units,

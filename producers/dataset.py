@@ -294,6 +294,12 @@ class Dataset:
     def var(self, columns: list[str] | None = None) -> pa.Table:
         return self.genes.to_table(columns=columns)
 
+    def close(self) -> None:
+        """End the read threads, if any were started (a later read starts them again)."""
+        pool = self.__dict__.pop("_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+
     @cached_property
     def _pool(self) -> ThreadPoolExecutor:
         threads = LOCAL_READ_THREADS if isinstance(self.location, LocalLocation) else REMOTE_READ_THREADS

@@ -402,6 +402,15 @@ class Producer:
                 return None
         return None
 
+    def close(self) -> None:
+        """End the producer's threads once it is done: its read-ahead and tokenizing pools, its
+        sources' read pools. (On Modal a function that returns with threads alive is warned of and
+        keeps its container up to 30 s.)"""
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        self._workers.shutdown(wait=True)
+        for source in self.sources:
+            source.ds.close()
+
     def stop(self) -> None:
         """Ask a running loop to stop: `run` returns soon; units taken and not done are produced
         again elsewhere (the driver re-issues them when their lease runs out)."""

@@ -77,6 +77,7 @@ def check_scgpt_tokens(ds, items, n_check=40, max_genes=64):
 
 @pytest.mark.parametrize("strategy", ["sequential", "mixture", "block", "random"])
 def test_every_cell_exactly_once_across_threads(small_synth, strategy):
+    before = set(threading.enumerate())
     queue, store = MemoryQueue(), MemoryMap()
     config = ProducerConfig(
         dataset=small_synth.uri,
@@ -98,6 +99,9 @@ def test_every_cell_exactly_once_across_threads(small_synth, strategy):
         t.start()
     for t in threads:
         t.join(timeout=120)
+    for p in producers:  # done: no thread they started outlives them (on Modal: none as the function returns)
+        p.close()
+    assert not [t.name for t in threading.enumerate() if t not in before and t.name.startswith("cellfeed-")]
     by_rank = drain(queue, config.run, 0)
     cells = np.concatenate([it.cell_ids for items in by_rank.values() for it in items])
     np.testing.assert_array_equal(np.sort(cells), np.arange(small_synth.n_cells))

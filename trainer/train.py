@@ -301,7 +301,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                     file=sys.stderr,
                     flush=True,
                 )
-        stream.close(wait=False)  # training is over: the rank need not wait out the fetcher's poll (up to 1 s)
+        stream.close(wait=True)  # (a poll, 1 s at most: a fetcher still in a queue get as the process exits
+        # meets a closed Modal client, and its traceback lands in the function's logs)
         if driver is not None:
             driver.stop()
         if cells_log is not None:
