@@ -191,7 +191,9 @@ def test_queue_partitions_are_fifo_and_independent(plane):
         out["default"] = q.get_many(2)
         out["rank0"] = [x.decode() for x in q.get_many(5, partition="rank-0")]
         out["rank1"] = q.get(partition="rank-1")
-        out["nonblocking_empty"] = [q.get(block=False, partition="rank-1"), q.get_many(3, block=False, partition="rank-1")]
+        out["nonblocking_empty"] = [
+            q.get(block=False, partition="rank-1"), q.get_many(3, block=False, partition="rank-1")
+        ]
         out["rest"] = q.get()
         q.put_many(list(range(10)), partition="rank-0")
         q.clear(partition="rank-0")
@@ -314,7 +316,8 @@ def dies(code: int) -> int:
 
 @app.function(image=image, timeout=600)
 def where() -> dict:
-    return {"modal": modal.__file__, "remote": os.environ.get("MODAL_IS_REMOTE"), "cwd": os.getcwd(), "env": sorted(os.environ)}
+    remote = os.environ.get("MODAL_IS_REMOTE")
+    return {"modal": modal.__file__, "remote": remote, "cwd": os.getcwd(), "env": sorted(os.environ)}
 
 
 @app.function(image=image, timeout=600)
@@ -471,7 +474,9 @@ def _pids_of_a_blocked_container(plane, probe, tmp_path):
         """,
         cwd=probe,
     )
-    pids = [int(p) for p in wait_for(lambda: pid_file.exists() and pid_file.read_text(), "the container's pids").split()]
+    pids = [
+        int(p) for p in wait_for(lambda: pid_file.exists() and pid_file.read_text(), "the container's pids").split()
+    ]
     assert all(alive(p) for p in pids)
     return client, pids, leave
 
@@ -593,7 +598,9 @@ def run_command(args: list[str], cwd: Path, tmp_path: Path, **kw) -> subprocess.
 @pytest.mark.parametrize("transport", [[], ["--unix"]])
 def test_run_serves_modal_run_and_exits_with_its_status(probe, tmp_path, transport):
     flags = [*transport, "--secret", "cp-secret=CP_TOKEN", "--mount-env", "/data=DATA_DIR"]
-    proc = run_command([*flags, "--", sys.executable, "-m", "modal", "run", "cp_probe/app.py", "--a", "5", "--b", "6"], probe, tmp_path)
+    proc = run_command(
+        [*flags, "--", sys.executable, "-m", "modal", "run", "cp_probe/app.py", "--a", "5", "--b", "6"], probe, tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "RESULT 11" in proc.stdout.splitlines()
     failing = run_command([*flags, "--", sys.executable, "-c", "import sys; sys.exit(3)"], probe, tmp_path)
@@ -641,7 +648,9 @@ def test_with_options_variants_keep_what_they_do_not_set_and_more_than_8_gpus_is
         cwd=probe,
     )
     assert got == {"variant": 3, "nine": "H100:9: a container has at most 8 GPUs"}
-    base, variant = [f.definition for f in plane.servicer.functions.values() if f.definition.function_name == "adds"][:2]
+    base, variant = [f.definition for f in plane.servicer.functions.values() if f.definition.function_name == "adds"][
+        :2
+    ]
     assert (variant.resources.gpu_config.count, variant.timeout_secs) == (2, 30)
     assert variant.retry_policy.retries == base.retry_policy.retries == 2  # kept from the base (S25)
 
@@ -652,7 +661,10 @@ def test_a_campaign_through_modal_run_on_the_control_plane_trains_every_cell_onc
     from producers.synth import SynthSpec, synthesize
 
     atlas = synthesize(
-        str(tmp_path / "atlas"), SynthSpec(n_cells=1500, n_genes=2000, median_nnz=300, seed=3), rows_per_fragment=200_000, progress=False
+        str(tmp_path / "atlas"),
+        SynthSpec(n_cells=1500, n_genes=2000, median_nnz=300, seed=3),
+        rows_per_fragment=200_000,
+        progress=False,
     )
     args = ["--dataset", atlas.uri, "--run", "cp", "--producers", "2", "--gpus", "2", "--batch-size", "16",
             "--max-genes", "32", "--preset", "tiny", "--epochs", "1", "--warmup-steps", "2", "--checkpoint-every", "4",

@@ -29,8 +29,14 @@ from cellfeed_testing.modal_control_plane.plane import ControlPlane
 S3_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_REGION")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # settings of the laptop's Modal that must not reach CMD: they would point it elsewhere (config.py:314, 380-386)
-CLEARED = ("MODAL_PROFILE", "MODAL_OAUTH_REFRESH_TOKEN", "MODAL_OAUTH_CLIENT_ID", "MODAL_OAUTH_CLIENT_SECRET",
-           "MODAL_OAUTH_JWT_KEY", "MODAL_ENVIRONMENT")
+CLEARED = (
+    "MODAL_PROFILE",
+    "MODAL_OAUTH_REFRESH_TOKEN",
+    "MODAL_OAUTH_CLIENT_ID",
+    "MODAL_OAUTH_CLIENT_SECRET",
+    "MODAL_OAUTH_JWT_KEY",
+    "MODAL_ENVIRONMENT",
+)
 
 
 def _secrets(specs: list[str] | None) -> dict[str, dict[str, str]]:
@@ -113,7 +119,9 @@ def serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cellfeed_testing.modal_control_plane", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m cellfeed_testing.modal_control_plane", description=__doc__.split("\n")[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("run", "serve"):
         p = sub.add_parser(name)

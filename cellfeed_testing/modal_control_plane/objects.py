@@ -135,6 +135,4 @@ class ObjectRPCs:
         # a server stream of DictEntry (dict.py:620): keys, values or both, as asked
         req: api_pb2.DictContentsRequest = await stream.recv_message()
         for k, v in self.store.dict_contents(req.dict_id):
-            await stream.send_message(
-                api_pb2.DictEntry(key=k if req.keys else b"", value=v if req.values else b"")
-            )
+            await stream.send_message(api_pb2.DictEntry(key=k if req.keys else b"", value=v if req.values else b""))

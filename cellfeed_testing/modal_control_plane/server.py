@@ -16,9 +16,8 @@ from pathlib import Path
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from modal_proto.api_grpc import ModalClientBase
-
 from modal_proto import api_pb2
+from modal_proto.api_grpc import ModalClientBase
 
 from cellfeed_testing.modal_control_plane.apps import AppRPCs
 from cellfeed_testing.modal_control_plane.calls import Call, CallRPCs
@@ -110,7 +109,9 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, VolumeRPCs, SecretRPCs, ModalClien
 
     def object_for_layout(self, object_id: str) -> api_pb2.Object:
         if object_id in self.functions:
-            return api_pb2.Object(object_id=object_id, function_handle_metadata=self.handle_metadata(self.functions[object_id]))
+            return api_pb2.Object(
+                object_id=object_id, function_handle_metadata=self.handle_metadata(self.functions[object_id])
+            )
         if object_id in self.volumes:
             return api_pb2.Object(object_id=object_id, volume_metadata=self._volume_metadata(self.volumes[object_id]))
         if object_id in self.mounts:
@@ -122,7 +123,7 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, VolumeRPCs, SecretRPCs, ModalClien
         mount_ids = list(fn_def.mount_ids)
         for mount_id in mount_ids:
             mount = self.mounts.get(mount_id)
-            for remote, sha in (mount.files.items() if mount else ()):
+            for remote, sha in mount.files.items() if mount else ():
                 files[remote] = self.blobs_dir / sha
         return files
 

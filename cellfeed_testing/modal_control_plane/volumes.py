@@ -149,18 +149,25 @@ class VolumeRPCs:
                 raise GRPCError(Status.ALREADY_EXISTS, f"Volume {req.deployment_name!r} already exists")
             if vid is not None:
                 v = self.volumes[vid]
-            elif t in (api_pb2.OBJECT_CREATION_TYPE_CREATE_IF_MISSING, api_pb2.OBJECT_CREATION_TYPE_CREATE_FAIL_IF_EXISTS):
+            elif t in (
+                api_pb2.OBJECT_CREATION_TYPE_CREATE_IF_MISSING,
+                api_pb2.OBJECT_CREATION_TYPE_CREATE_FAIL_IF_EXISTS,
+            ):
                 v = self.create_volume(req.deployment_name, req.version)
             else:
                 raise GRPCError(Status.NOT_FOUND, f"Volume {req.deployment_name!r} not found")
         await stream.send_message(
-            api_pb2.VolumeGetOrCreateResponse(volume_id=v.volume_id, version=v.version, metadata=self._volume_metadata(v))
+            api_pb2.VolumeGetOrCreateResponse(
+                volume_id=v.volume_id, version=v.version, metadata=self._volume_metadata(v)
+            )
         )
 
     async def VolumeGetById(self, stream) -> None:
         req: api_pb2.VolumeGetByIdRequest = await stream.recv_message()
         v = self._volume(req.volume_id)
-        await stream.send_message(api_pb2.VolumeGetByIdResponse(volume_id=v.volume_id, metadata=self._volume_metadata(v)))
+        await stream.send_message(
+            api_pb2.VolumeGetByIdResponse(volume_id=v.volume_id, metadata=self._volume_metadata(v))
+        )
 
     async def VolumeHeartbeat(self, stream) -> None:
         req: api_pb2.VolumeHeartbeatRequest = await stream.recv_message()
