@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -116,7 +115,7 @@ def describe_corpus(path: str) -> str:
 def cmd_local(args) -> int:
     from pathlib import Path
 
-    from app.config import CAMPAIGN_RECORD, CampaignConfig, resumed_flags
+    from app.config import CAMPAIGN_RECORD, CampaignConfig, read_record, resumed_flags
     from app.local import check_wandb, default_dataset, describe_resume, place_checkpoints, run_local
     from app.status import print_summary
     from coordination.audit import verdict
@@ -132,7 +131,13 @@ def cmd_local(args) -> int:
     record = workdir / fields.get("run", "") / CAMPAIGN_RECORD
     if args.resume and fields.get("run") and record.exists():  # its campaign, with the changes a resume may make
         given = {name: fields.get(name) for name in args.given if name in CampaignConfig.__dataclass_fields__}
-        fields, notes = resumed_flags(fields["run"], json.loads(record.read_text()), given, LOCAL_DEFAULTS)
+        if "cells" in args.given:
+            raise CellfeedError(
+                f"--cells {args.cells}: run {fields['run']} trains on its recorded data; --cells sizes the atlas a "
+                "new run synthesizes (leave it out to resume, or start another --run)"
+            )
+        recorded = read_record(record.read_text(), str(record))
+        fields, notes = resumed_flags(fields["run"], recorded, given, LOCAL_DEFAULTS)
         fields.update(run=args.run, resume=True)
         for note in notes:
             print(f"resume: {note}")

@@ -4,11 +4,13 @@ it: the producers' config and the trainer's config."""
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import re
 import time
 import typing
 from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
 
 from coordination.balance import DEFAULT_POWER, Balance
 from coordination.driver import LEASE_S, heartbeat_interval
@@ -413,6 +415,29 @@ class CampaignConfig:
         return TrainConfig(**{**base, **changes})
 
 
+def write_record(folder, config: dict) -> Path:
+    """Keep `config` as the run's campaign record (whole or not at all: written aside, then moved)."""
+    import os
+
+    path = Path(folder) / CAMPAIGN_RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{CAMPAIGN_RECORD}.{os.getpid()}")
+    tmp.write_text(json.dumps(config))
+    os.replace(tmp, path)
+    return path
+
+
+def read_record(text: str, where: str) -> dict:
+    """A campaign record's settings; one line naming the file when it cannot be read."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise CellfeedError(
+            f"{where}: the run's campaign record cannot be read ({exc}); give the campaign's flags with --resume, "
+            "or start another --run"
+        ) from None
+
+
 def resumed_flags(run: str, recorded: dict, given: dict, defaults: dict | None = None) -> tuple[dict, list[str]]:
     """The settings a resume of `run` continues with: its recorded campaign (`CAMPAIGN_RECORD`), and
     of the flags `given` on this command line, those a resume may change (`RESUME_CHANGES`); the
@@ -424,11 +449,13 @@ def resumed_flags(run: str, recorded: dict, given: dict, defaults: dict | None =
     defaults = flag_defaults(defaults)
     kept = {f.name for f in fields(CampaignConfig)} - {"run", "resume", "checkpoint_dir", "carried", "mixtures"}
     flags = {name: value for name, value in recorded.items() if name in kept}
-    if flags.get("epochs") is not None:  # --steps beside --epochs stopped that run early: the campaign is its epochs
-        flags.pop("steps", None)
+    if flags.get("epochs") is not None or given.get("epochs") is not None:  # --steps beside --epochs stopped
+        flags.pop("steps", None)  # that run early: the campaign's end is its epochs
     notes = []
     for name, value in given.items():
         before = flags.get(name, defaults.get(name))
+        if name == "max_genes" and before is None:  # (the tokenizer's own length: the same value, said or not)
+            before = layout(flags.get("tokenizer", defaults.get("tokenizer"))).default_genes
         if name in ("run", "resume") or value == before:
             continue
         flag = "--" + name.replace("_", "-")
@@ -443,7 +470,8 @@ def resumed_flags(run: str, recorded: dict, given: dict, defaults: dict | None =
                 "them (leave --epochs out to finish the campaign, or `cellfeed stop` it where it stands)"
             )
         had = "none" if before is None else before
-        notes.append(f"{flag} {value} from this resume on (the campaign had {had})")
+        said = (flag if value else f"--no-{flag[2:]}") if isinstance(value, bool) else f"{flag} {value}"
+        notes.append(f"{said} from this resume on (the campaign had {had})")
         flags[name] = value
     return flags, notes
 

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.campaign import prepare, record_mixtures
-from app.config import CAMPAIGN_FLAGS, CAMPAIGN_RECORD, CampaignConfig, resume_command
+from app.config import CAMPAIGN_FLAGS, CampaignConfig, resume_command, write_record
 from app.fleet import ProducerFleet, stop_campaign
 from app.journal import Journal
 from app.monitor import Monitor
@@ -149,8 +149,7 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
         if cfg.preset != "tiny":
             print(f"note: --preset {cfg.preset} on CPU ranks is slow; --preset tiny is the CPU model", flush=True)
         journal.event("resumed" if latest else "started", step=latest.step if latest else 0, ranks=cfg.world_size)
-        config_path = workdir / CAMPAIGN_RECORD  # the producers' config, and the campaign `--resume` continues
-        config_path.write_text(json.dumps(asdict(cfg)))
+        config_path = write_record(workdir, asdict(cfg))  # the producers' config; what `--resume` continues
         fleet = ProducerFleet(config_path, server.where, cfg.producers, workdir)
         if not cfg.resume:  # (a resume appends: the report shows the whole campaign)
             steps.unlink(missing_ok=True)

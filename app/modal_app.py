@@ -45,7 +45,16 @@ from dataclasses import asdict
 
 import modal
 
-from app.config import CAMPAIGN_RECORD, MODAL_FLAGS, CampaignConfig, flags_signature, resume_command, resumed_flags
+from app.config import (
+    CAMPAIGN_RECORD,
+    MODAL_FLAGS,
+    CampaignConfig,
+    flags_signature,
+    read_record,
+    resume_command,
+    resumed_flags,
+    write_record,
+)
 from app.modal_calls import (
     PRODUCER_RETRIES,
     Fleet,
@@ -53,6 +62,7 @@ from app.modal_calls import (
     interrupt_held,
     release_claim,
     result,
+    running_trainer,
     spawn,
 )
 from app.modal_nodes import cluster, meet, node_body
@@ -76,7 +86,8 @@ NO_DATA_S = 600.0  # a rank with no data this long (past --modal-retry-s of retr
 FAILURE_SAVE_S = 10.0  # after a real failure: ranks still stepping checkpoint; starved ones (no step to end) are killed
 FLEET_CHECK_S = 15.0  # how often `train` looks at its producer calls (soon after the start, then less often)
 FIRST_FLEET_CHECK_S = 1.0  # a producer that cannot start (settings, credentials) is found within seconds
-STATUS_EVERY_S = 5.0  # how often `train` publishes its status and looks for a stop (2 Dict calls, a len per rank)
+STATUS_EVERY_S = 5.0  # how often `train` publishes its status (2 Dict calls, a len per rank)
+STOP_LOOK_S = 1.0  # how often `train` looks for a stop request (a Dict get): a stop lands within about this long
 
 PRODUCER_PIP = pinned(
     "pylance", "pyarrow", "polars", "numpy", "zstandard", "boto3", "anndata", "h5py", "scipy", "tqdm", "pandas"
@@ -196,12 +207,14 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         **no_data,
     )
     journal = DictJournal(store, cfg.run, folder=cfg.run_checkpoint_dir)  # (the Dict now, the Volume at the end)
-    record = {k: v for k, v in config.items() if k != "carried"}  # the campaign as the laptop gave it (its paths)
-    Path(cfg.run_checkpoint_dir).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.run_checkpoint_dir) / CAMPAIGN_RECORD).write_text(json.dumps(record))  # what --resume continues
+    if latest is not None:  # (before the record: a resume onto other data is refused, not recorded)
+        checkpoint.check_same_data(latest.step, latest.data_id, facts.data_id)
+    write_record(cfg.run_checkpoint_dir, {k: v for k, v in config.items() if k != "carried"})  # (the laptop's paths)
     resume = resume_command(CampaignConfig(**config))  # (the laptop's file paths, not this container's)
     tb = f"{cfg.run_checkpoint_dir}/tb"
-    monitor = Monitor(cfg, facts, queue, store, journal, log, list(fleet.calls), resume, tb, every_s=STATUS_EVERY_S)
+    monitor = Monitor(
+        cfg, facts, queue, store, journal, log, list(fleet.calls), resume, tb, STATUS_EVERY_S, stop_every_s=STOP_LOOK_S
+    )
     monitor.journal.event(
         "resumed" if cfg.resume else "started", step=latest.step if latest else 0, ranks=cfg.world_size
     )
@@ -254,15 +267,16 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     return summary
 
 
-def volume_json(path: str, retry_s: float) -> dict | None:
-    """(the laptop) A JSON file of the checkpoints Volume (a run's folder: its campaign record, its
-    last status), or None where there is none."""
+def recorded_campaign(run: str, retry_s: float) -> dict | None:
+    """(the laptop) The run's campaign record on the checkpoints Volume (`train` writes it), or None."""
+    path = f"{run}/{CAMPAIGN_RECORD}"
 
     def read():
         try:
-            return json.loads(b"".join(modal.Volume.from_name(VOLUME_NAME).read_file(path)))
+            data = b"".join(modal.Volume.from_name(VOLUME_NAME).read_file(path))
         except FileNotFoundError:
             return None
+        return read_record(data.decode(errors="replace"), f"{path} on the {VOLUME_NAME} Volume")
 
     return retrying(read, f"reading {path} from the {VOLUME_NAME} Volume", retry_s)
 
@@ -430,7 +444,7 @@ def campaign_of(flags: dict) -> CampaignConfig:
 
     given = {name: value for name, value in flags.items() if value is not None}
     if given.get("resume") and given.get("run"):
-        recorded = volume_json(f"{given['run']}/{CAMPAIGN_RECORD}", given.get("modal_retry_s", RETRY_S))
+        recorded = recorded_campaign(given["run"], given.get("modal_retry_s", RETRY_S))
         if recorded is None:
             print(f"run {given['run']} has no campaign on the {VOLUME_NAME} Volume yet: resuming with the flags given")
         else:
@@ -446,11 +460,42 @@ def campaign_of(flags: dict) -> CampaignConfig:
     return cfg
 
 
+def start(cfg: CampaignConfig, config: dict, store) -> dict:
+    """(the laptop) Set the campaign up (`setup`: plans and the held-out set), start `train` and
+    follow it to the campaign's end (`follow`); its summary."""
+    from app.journal import DictJournal
+
+    DictJournal(store, cfg.run).clear_stop()  # (an old request)
+    facts = result(spawn(setup, config, retry=cfg.modal_retry_s), cfg.modal_retry_s)  # SetupFacts, as a dict
+    print(
+        f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units, "
+        f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s); vocabulary of "
+        f"{facts['n_genes']:,} genes",
+        flush=True,
+    )
+    for name, cells, line in facts.get("sources", ()) if cfg.corpus else ():
+        print(f"  {cells:>10,} cells per epoch from {line}", flush=True)
+    call = spawn(trainer_of(cfg), config, facts, retry=cfg.modal_retry_s)
+    return follow(result(call, cfg.modal_retry_s), cfg.modal_retry_s)
+
+
+def follow(summary: dict, retry: float) -> dict:
+    """A train call's summary, followed along the calls that carry the campaign on: a hand-over
+    (`continued_as`: Modal's 24 h) or the call that holds the run (`duplicate_of`)."""
+    while "continued_as" in summary or "duplicate_of" in summary:
+        if "continued_as" in summary:
+            print(f"train continues in call {summary['continued_as']} (a call ends at {DAY // 3600} h)", flush=True)
+        else:  # a second trainer of the run (a spawn made again, its first reply lost): the first one trains
+            print(f"the run is trained by call {summary['duplicate_of']}: following it", flush=True)
+        following = summary.get("continued_as") or summary["duplicate_of"]
+        summary = result(modal.FunctionCall.from_id(following), retry)
+    return summary
+
+
 def main(**flags) -> dict:
     """Start (or, with --resume, continue) a pretraining campaign on Modal. The flags are
     `cellfeed local`'s (described by `cellfeed local --help`; Modal 1.6's `modal run --help` can
     show no help text), plus --attempt-hours."""
-    from app.journal import DictJournal
     from app.status import watch_line
     from coordination.audit import verdict
     from coordination.errors import CellfeedError
@@ -472,25 +517,13 @@ def main(**flags) -> dict:
     report = f"modal volume get {VOLUME_NAME} {cfg.run} runs/{cfg.run}, then cellfeed report {cfg.run}"
     print(watch_line(cfg.run, "--modal", report), flush=True)
     try:
-        DictJournal(run_backends(cfg.run, retry_s=cfg.modal_retry_s)[1], cfg.run).clear_stop()  # (an old request)
-        facts = result(spawn(setup, config, retry=cfg.modal_retry_s), cfg.modal_retry_s)  # SetupFacts, as a dict
-        print(
-            f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units, "
-            f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s); vocabulary of "
-            f"{facts['n_genes']:,} genes",
-            flush=True,
-        )
-        for name, cells, line in facts.get("sources", ()) if cfg.corpus else ():
-            print(f"  {cells:>10,} cells per epoch from {line}", flush=True)
-        call = spawn(trainer_of(cfg), config, facts, retry=cfg.modal_retry_s)
-        summary = result(call, cfg.modal_retry_s)
-        while "continued_as" in summary or "duplicate_of" in summary:
-            if "continued_as" in summary:  # Modal's 24 h: each call hands over to the next
-                print(f"train continues in call {summary['continued_as']} (a call ends at {DAY // 3600} h)", flush=True)
-            else:  # this spawn made a second trainer (its first reply was lost): the first one trains
-                print(f"the run is trained by call {summary['duplicate_of']}: following it", flush=True)
-            following = summary.get("continued_as") or summary["duplicate_of"]
-            summary = result(modal.FunctionCall.from_id(following), cfg.modal_retry_s)
+        store = run_backends(cfg.run, retry_s=cfg.modal_retry_s)[1]
+        running = running_trainer(store, cfg.run, cfg.modal_retry_s) if cfg.resume else None
+        if running is not None:  # (a --resume while it runs: its stop request, plans and held-out set untouched)
+            print(f"run {cfg.run} is still being trained by call {running}: following it", flush=True)
+            summary = follow({"duplicate_of": running}, cfg.modal_retry_s)
+        else:
+            summary = start(cfg, config, store)
     except (Exception, KeyboardInterrupt) as exc:  # one line, and the command that continues the campaign
         if isinstance(exc, KeyboardInterrupt):  # modal/runner.py:503-514: an app not detached is stopped now
             print(

@@ -29,23 +29,39 @@ def result(call, retry: float = RETRY_S):
     return retrying(call.get, f"waiting for {call.object_id}", retry)
 
 
+def running_trainer(store, run: str, retry: float = RETRY_S) -> str | None:
+    """The id of the call that holds the run's claim (`claim_run`) if Modal still runs it, else None."""
+    from coordination.routing import trainer_key
+
+    held = json.loads(store.get(trainer_key(run)) or "null")
+    if held is not None and call_state(modal.FunctionCall.from_id(held["call"]), retry)[0] == "running":
+        return held["call"]
+    return None
+
+
 def claim_run(store, run: str, call_id: str, retry: float = RETRY_S) -> str | None:
     """(a train call, as it starts) Make this call the run's one trainer; returns the id of another
     call that already is and is still running, else None. A spawn whose reply was lost and was made
-    again (a new idempotency key) starts a second `train` of the run, as does a `--resume` while the
-    campaign still runs: that one must not train. The same call run again (a preemption) keeps its
-    claim; a claim whose call has ended (failed, killed with its cluster, stopped) is taken over."""
+    again (a new idempotency key) starts a second `train` of the run: that one must not train. The
+    same call run again (a preemption) keeps its claim. A claim whose call has ended (failed, killed
+    with its cluster) is taken over by one call only: the first to put-if-absent a key naming the
+    ended call wins, so two new calls that both find it ended cannot both train."""
     from coordination.routing import trainer_key
 
     key, mine = trainer_key(run), json.dumps({"call": call_id})
     if store.put(key, mine, skip_if_exists=True):
         return None
     held = json.loads(store.get(key) or "null")
-    if held is not None and held["call"] != call_id:
-        if call_state(modal.FunctionCall.from_id(held["call"]), retry)[0] == "running":
-            return held["call"]
-    store.put(key, mine)
-    return None
+    if held is None or held["call"] == call_id:  # (released meanwhile; or this call again: a preempted input)
+        store.put(key, mine)
+        return None
+    if call_state(modal.FunctionCall.from_id(held["call"]), retry)[0] == "running":
+        return held["call"]
+    after = f"{key}/after/{held['call']}"
+    if store.put(after, call_id, skip_if_exists=True) or store.get(after) == call_id:
+        store.put(key, mine)
+        return None
+    return store.get(after)  # (another new call took it over)
 
 
 def release_claim(store, run: str, call_id: str) -> None:

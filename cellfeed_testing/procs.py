@@ -89,7 +89,9 @@ def ranks_held(pid: int, expect: int | None = None):
             os.kill(rank, signal.SIGSTOP)
         for rank in ranks:  # stopped (state T) before the caller acts
             deadline = time.monotonic() + 30
-            while state(rank) not in ("T", "t", None) and time.monotonic() < deadline:
+            while state(rank) not in ("T", "t", None):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"trainer rank {rank} was not stopped 30 s after SIGSTOP")
                 time.sleep(0.01)
         yield ranks
     finally:

@@ -138,6 +138,12 @@ def test_a_resume_continues_its_recorded_campaign_and_says_or_refuses_each_chang
     partial = {**recorded, "steps": 30}  # --steps beside --epochs stopped that run early: not the campaign's end
     assert resumed_flags("r", partial, {})[0].get("steps") is None
     assert resumed_flags("r", {**partial, "epochs": None}, {})[0]["steps"] == 30  # alone, it is the campaign's length
+    steps_only = {**partial, "epochs": None}  # given --epochs, a --steps campaign ends with its epochs
+    assert resumed_flags("r", steps_only, {"epochs": 4})[0].get("steps") is None
+    assert resumed_flags("r", recorded, {"max_genes": 1024})[1] == []  # scgpt's own length: no change
+    assert resumed_flags("r", recorded, {"audit_cells": True})[1] == [
+        "--audit-cells from this resume on (the campaign had False)"
+    ]
     with pytest.raises(CellfeedError, match=r"^--batch-size 64: run r was started with --batch-size 32, which is"):
         resumed_flags("r", recorded, {"batch_size": 64})
     with pytest.raises(CellfeedError, match=r"^--epochs 2: run r's campaign has 3 epochs; a resume may add epochs"):

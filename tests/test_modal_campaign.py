@@ -402,6 +402,10 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
             assert out.returncode == 0, out.stderr[-2000:]
             return json.loads(out.stdout)
 
+        def held_in_epoch_1() -> dict:  # (while the ranks are held: still in epoch 1, and its status)
+            assert epoch_logged(world) == 1, "the campaign was past epoch 1 before its ranks were held"
+            return wait_for(lambda: (s := status())["epoch"] >= 1 and s, "the status in epoch 1 (every 5 s)")
+
         snap, stopper = stop_asked_while_held(
             call["attempts"][0]["pid"],
             2,
@@ -410,7 +414,7 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
                 cwd=ROOT, env=world.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             ),
             wait_for,
-            during=lambda: wait_for(lambda: (s := status())["epoch"] >= 1 and s, "the status in epoch 1 (every 5 s)"),
+            during=held_in_epoch_1,
         )  # fmt: skip
         assert snap["state"] == "running" and snap["epochs"] == 3 and snap["cells_per_epoch"] == 1344
         assert snap["loss"] > 0 and len(snap["producers"]) == 2 and len(snap["queue"]["ranks"]) == 2

@@ -66,16 +66,21 @@ def test_the_readmes_stop_and_resume_then_status_report_and_tensorboard(tmp_path
         # the events: a step of epoch 1 (of 0-2) logged; the ranks held still; a status; the stop asked,
         # and the ranks let go once it is theirs (`stop_asked_while_held`): it lands before the campaign's end
         wait_for(lambda: proc.poll() is not None or epoch_logged(run / "steps.jsonl") >= 1, "epoch 1", timeout=300)
+
+        def held_in_epoch_1() -> dict:  # (while the ranks are held: still in epoch 1, and its status)
+            assert epoch_logged(run / "steps.jsonl") == 1, "the campaign was past epoch 1 before its ranks were held"
+            return wait_for(
+                lambda: (s := status("--json")).returncode == 0 and (j := json.loads(s.stdout))["epoch"] >= 1 and j,
+                "a status in epoch 1",
+            )
+
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         snap, stopper = stop_asked_while_held(
             proc.pid,
             2,
             lambda: subprocess.Popen([CF, "stop", "first"], cwd=tmp_path, stdout=subprocess.PIPE, text=True),
             wait_for,
-            during=lambda: wait_for(
-                lambda: (s := status("--json")).returncode == 0 and (j := json.loads(s.stdout))["epoch"] >= 1 and j,
-                "a status in epoch 1",
-            ),
+            during=held_in_epoch_1,
         )
         assert snap["state"] == "running" and snap["epochs"] == 3 and snap["cells_per_epoch"] == CELLS
         assert len(snap["wait_ms_ranks"]) == 2 and len(snap["producers"]) == 2 and snap["eta_s"] > 0

@@ -147,7 +147,10 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
     if held_out is not None:
         tracker.note(step, evaluate(model, held_out, cfg, autocast))  # the starting point
 
+    saved_at = [saved.step if saved is not None else None]  # the step of this run's last checkpoint
+
     def save():
+        saved_at[0] = step
         checkpoint.save(
             cfg.checkpoint_dir,
             step,
@@ -195,7 +198,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 # ---- one training step (gradients accumulate over `grad_accum` batches) ----------
                 if micro == 0:  # the step's totals, over all its batches (waits included)
                     started, waited, cells, lengths, masked = time.perf_counter() - batch.wait_s, 0.0, 0, [], 0
-                    totals = torch.zeros(5, device=device)
+                    totals = torch.zeros(6, device=device)
                 batch = batch.to(device)
                 generator = torch.Generator().manual_seed(mask_seed(cfg.seed, rank, step, micro))
                 sync = micro == cfg.grad_accum - 1
@@ -210,6 +213,7 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                             correct.float(),
                             torch.tensor(float(bool(stop_asked)), device=device),
                             torch.tensor(float(batch.size), device=device),
+                            torch.tensor(float(batches.cut), device=device),  # (a rank's stop cut its epoch)
                         ]
                     )
                     dist.all_reduce(counts)  # global masked count: every position weighs the same
@@ -228,10 +232,12 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 if not sync:
                     continue
                 micro = 0
+                if totals[5] > 0:  # a rank's epoch was cut short by the stop: every rank's is (the same branch
+                    batches.cut = True  # below on all ranks: a checkpoint now, no audit of an epoch not finished)
                 if totals[3] > 0 and totals[4] == 0:  # a stop met every rank starved: no cell, no step
                     optimizer.zero_grad(set_to_none=True)
                     stopping = True
-                    if cfg.checkpoint_dir:
+                    if cfg.checkpoint_dir and saved_at[0] != step:  # (not again: a checkpoint at this step is kept)
                         save()
                     break
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
