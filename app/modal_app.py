@@ -189,7 +189,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     workdir = Path(tempfile.gettempdir()) / "cellfeed" / cfg.run
     # the step log on the Volume, as a local run's in its folder: a resumed call appends to it, so the
     # status and the report (the snapshot's audits) keep every epoch, not only this call's
-    log = Path(cfg.run_checkpoint_dir) / "steps.jsonl"
+    log, tb = Path(cfg.run_checkpoint_dir) / "steps.jsonl", f"{cfg.run_checkpoint_dir}/tb"
     if not cfg.resume:  # (a new campaign: no earlier run's steps)
         log.unlink(missing_ok=True)
     cells_log = {}
@@ -202,7 +202,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         cfg.backend_spec("modal"),
         facts,
         log_path=str(log),
-        tb_dir=f"{cfg.run_checkpoint_dir}/tb",  # (on the Volume: TensorBoard and `cellfeed report` read it there)
+        tb_dir=tb,  # (on the Volume: TensorBoard and `cellfeed report` read it there)
         **cells_log,
         **no_data,
     )
@@ -211,7 +211,6 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         checkpoint.check_same_data(latest.step, latest.data_id, facts.data_id)
     write_record(cfg.run_checkpoint_dir, {k: v for k, v in config.items() if k != "carried"})  # (the laptop's paths)
     resume = resume_command(CampaignConfig(**config))  # (the laptop's file paths, not this container's)
-    tb = f"{cfg.run_checkpoint_dir}/tb"
     monitor = Monitor(
         cfg, facts, queue, store, journal, log, list(fleet.calls), resume, tb, STATUS_EVERY_S, stop_every_s=STOP_LOOK_S
     )

@@ -29,13 +29,19 @@ def result(call, retry: float = RETRY_S):
     return retrying(call.get, f"waiting for {call.object_id}", retry)
 
 
-def running_trainer(store, run: str, retry: float = RETRY_S) -> str | None:
-    """The id of the call that holds the run's claim (`claim_run`) if Modal still runs it, else None."""
+def claim_holder(store, run: str) -> str | None:
+    """The id of the call that holds the run's claim (`claim_run`), if one does."""
     from coordination.routing import trainer_key
 
     held = json.loads(store.get(trainer_key(run)) or "null")
-    if held is not None and call_state(modal.FunctionCall.from_id(held["call"]), retry)[0] == "running":
-        return held["call"]
+    return held["call"] if held is not None else None
+
+
+def running_trainer(store, run: str, retry: float = RETRY_S) -> str | None:
+    """The id of the call that holds the run's claim if Modal still runs it, else None."""
+    holder = claim_holder(store, run)
+    if holder is not None and call_state(modal.FunctionCall.from_id(holder), retry)[0] == "running":
+        return holder
     return None
 
 
@@ -51,13 +57,13 @@ def claim_run(store, run: str, call_id: str, retry: float = RETRY_S) -> str | No
     key, mine = trainer_key(run), json.dumps({"call": call_id})
     if store.put(key, mine, skip_if_exists=True):
         return None
-    held = json.loads(store.get(key) or "null")
-    if held is None or held["call"] == call_id:  # (released meanwhile; or this call again: a preempted input)
+    holder = claim_holder(store, run)
+    if holder is None or holder == call_id:  # (released meanwhile; or this call again: a preempted input)
         store.put(key, mine)
         return None
-    if call_state(modal.FunctionCall.from_id(held["call"]), retry)[0] == "running":
-        return held["call"]
-    after = f"{key}/after/{held['call']}"
+    if call_state(modal.FunctionCall.from_id(holder), retry)[0] == "running":
+        return holder
+    after = f"{key}/after/{holder}"
     if store.put(after, call_id, skip_if_exists=True) or store.get(after) == call_id:
         store.put(key, mine)
         return None
@@ -68,8 +74,7 @@ def release_claim(store, run: str, call_id: str) -> None:
     """(the trainer, as its call ends for good: stopped, failed, handed over) The run has no trainer now."""
     from coordination.routing import trainer_key
 
-    held = json.loads(store.get(trainer_key(run)) or "null")
-    if held is not None and held["call"] == call_id:
+    if claim_holder(store, run) == call_id:
         store.pop(trainer_key(run), None)
 
 

@@ -101,7 +101,7 @@ def state_key(run: str) -> str:
 
 
 def trainer_key(run: str) -> str:
-    """The run's train call (its id, and when it last said so): one trainer a run (`app.modal_calls.claim_run`)."""
+    """The id of the run's train call: one trainer a run (`app.modal_calls.claim_run`)."""
     return f"{run}/trainer"
 
 
