@@ -18,10 +18,12 @@ import threading
 from pathlib import Path
 
 from grpclib.server import Server
+from modal_proto import api_pb2
 
 from cellfeed_testing.modal_control_plane.server import Servicer
 
 TOKEN_ID, TOKEN_SECRET = "ak-cellfeed-control-plane", "as-cellfeed-control-plane"
+GenericResult = api_pb2.GenericResult
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
 
@@ -65,6 +67,79 @@ class ControlPlane:
         """The calls of the function named so (oldest first): `calls.Call`, read-only for tests."""
         names = {fid: f.definition.function_name for fid, f in self.servicer.functions.items()}
         return [c for c in list(self.servicer.calls.values()) if names.get(c.function_id) == function_name]
+
+    # ---- what a test or a benchmark looks at (plain data, read on the plane's loop)
+
+    def describe(self) -> dict:
+        """{"calls": [{id, function, status, attempts: [{task, pid, ended, exit_code, killed}], error}],
+        "queues": [names], "dicts": [names], "clock": server seconds}. A call's status is `running`
+        until it has its final output, then `success`, `failure`, `timeout` or `cancelled`."""
+        return self.call(self._describe())
+
+    def call_list(self, function: str | None = None) -> list[dict]:
+        """`describe()["calls"]`, of one function (its name as defined: `train`, `produce`, ...) or all."""
+        return [c for c in self.describe()["calls"] if function is None or c["function"] == function]
+
+    @property
+    def volume_dir(self) -> Path:
+        """The committed folder of the campaign's checkpoints Volume (what a new container would see)."""
+        return self.volume_folder("cellfeed-checkpoints")  # app/modal_app.py's VOLUME_NAME
+
+    def volume_folder(self, name: str) -> Path:
+        """The committed folder of the Volume named `name` (made empty now if it does not exist yet)."""
+        return self.call(self._volume_folder(name))
+
+    def container_log(self, task_id: str) -> str:
+        """A container's stdout and stderr as it wrote them (its folder's logs)."""
+        folder = self.servicer.containers.folder_for(task_id)
+        return "".join(
+            (folder / name).read_text(errors="replace")
+            for name in ("stdout.log", "stderr.log")
+            if (folder / name).exists()
+        )
+
+    async def _volume_folder(self, name: str) -> Path:
+        s = self.servicer
+        volume_id = s.volume_names.get(("main", name))
+        v = s.volumes[volume_id] if volume_id else s.create_volume(name)
+        return v.committed
+
+    async def _describe(self) -> dict:
+        s = self.servicer
+        names = {fid: f.definition.function_name for fid, f in s.functions.items()}
+        status = {
+            GenericResult.GENERIC_STATUS_SUCCESS: "success",
+            GenericResult.GENERIC_STATUS_TIMEOUT: "timeout",
+            GenericResult.GENERIC_STATUS_TERMINATED: "cancelled",
+        }
+        calls = []
+        for c in list(s.calls.values()):
+            result = c.output.result if c.output is not None else None
+            calls.append(
+                {
+                    "id": c.call_id,
+                    "function": names.get(c.function_id, "?"),
+                    "status": "running" if result is None else status.get(result.status, "failure"),
+                    "attempts": [
+                        {
+                            "task": k.task_id,
+                            "pid": k.proc.pid if k.proc else None,
+                            "ended": k.ended.is_set(),
+                            "exit_code": k.exit_code,
+                            "killed": k.killed_why,
+                        }
+                        for k in c.containers
+                    ],
+                    "error": result.exception if result is not None else "",
+                }
+            )
+        named = list(s.store.names)
+        return {
+            "calls": calls,
+            "queues": sorted(name for kind, _, name in named if kind == "queue"),
+            "dicts": sorted(name for kind, _, name in named if kind == "dict"),
+            "clock": s.store.clock.now(),
+        }
 
     def preempt(self, call_id: str, grace_s: float = 30.0) -> list[str]:
         """Preempt the containers running `call_id` (calls.py, C17); their task ids."""
