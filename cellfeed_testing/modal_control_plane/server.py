@@ -10,6 +10,7 @@ implements is replaced here by one that answers `UNIMPLEMENTED` naming itself (t
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 import tempfile
 from pathlib import Path
@@ -28,6 +29,7 @@ from cellfeed_testing.modal_control_plane.store import Store
 from cellfeed_testing.modal_control_plane.volumes import BlockServer, VolumeRPCs
 
 log = logging.getLogger("cellfeed.modal_control_plane")
+BACKGROUND_COMMIT_S = 5.0  # V8: Modal's Volumes guide: "every few seconds" while a function runs
 
 
 def _unimplemented(name: str):
@@ -73,6 +75,7 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, VolumeRPCs, SecretRPCs, ModalClien
         self.block_server = BlockServer(self.volumes)
         self.mount_env = dict(mount_env or {})  # a Volume's mount path -> a variable naming its view (V5)
         self.secrets, self.secret_names = {}, {}
+        self._background: set[asyncio.Task] = set()  # V8's committers, one a container with a Volume
         for name, variables in (secrets or {}).items():
             self.add_secret(name, variables)
 
@@ -151,6 +154,22 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, VolumeRPCs, SecretRPCs, ModalClien
             task_id, call, call.attempt, args, self.container_files(fn_def), env, timeout_s, volumes
         )
         call.containers.append(c)
+        if any(vm.allow_background_commits for vm in fn_def.volume_mounts):
+            task = asyncio.create_task(self._background_commits(c), name=f"background commits {task_id}")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _background_commits(self, c: Container) -> None:
+        """V8: while a container runs, what it wrote to a Volume mounted with background commits (every
+        mount the client makes: volume.py:480) is committed every BACKGROUND_COMMIT_S; a container
+        killed without a grace loses only what it wrote since the last one."""
+        while not c.ended.is_set():
+            try:
+                await asyncio.wait_for(c.ended.wait(), BACKGROUND_COMMIT_S)
+            except asyncio.TimeoutError:
+                for volume_id, entry in list(c.volumes.items()):
+                    if volume_id in self.volumes and not self.volumes[volume_id].deleted:
+                        self.commit_view(volume_id, entry)
 
     async def shutdown(self) -> None:
         """Called once as the plane stops, before the server closes: every container goes."""
