@@ -233,21 +233,14 @@ class ModalMap:
             )
         return self._dict
 
-    def _call(self, method: str, *args, **kwargs):
+    def _call(self, what: str, call):
+        """`call()` (a call on `self.dict`), retried on Modal's transient errors; a deleted dict is
+        looked up again by name once (see below)."""
         import modal.exception
-
-        def once():
-            result = getattr(self.dict, method)(*args, **kwargs)
-            if method != "keys":
-                return result
-            try:
-                return list(result)  # keys() is a lazy iterator: read it here, whole or again
-            except OSError as exc:
-                raise _StreamBroken(f"the keys stream broke: {exc}") from exc
 
         for reopen in (True, False):
             try:
-                return retrying(once, f"dict {method}", self.retry_s)
+                return retrying(call, f"dict {what}", self.retry_s)
             except modal.exception.NotFoundError as exc:
                 # a handle binds to one object id: if that dict was deleted, this name may be a new one
                 # (a resumed epoch's map); a name that is gone for good means its epoch is over
@@ -257,19 +250,25 @@ class ModalMap:
                 raise MapGone(f"modal.Dict {self.name} is gone: {exc}") from None
 
     def put(self, key, value, *, skip_if_exists=False) -> bool:
-        return bool(self._call("put", key, value, skip_if_exists=skip_if_exists))
+        return bool(self._call("put", lambda: self.dict.put(key, value, skip_if_exists=skip_if_exists)))
 
     def get(self, key, default=None):
-        return self._call("get", key, default)
+        return self._call("get", lambda: self.dict.get(key, default))
 
     def pop(self, key, *default):
-        return self._call("pop", key, *default)
+        return self._call("pop", lambda: self.dict.pop(key, *default))
 
     def __contains__(self, key) -> bool:
-        return bool(self._call("contains", key))
+        return bool(self._call("contains", lambda: self.dict.contains(key)))
 
     def keys(self) -> list[str]:
-        return self._call("keys")
+        def read():
+            try:
+                return list(self.dict.keys())  # keys() is a lazy iterator: read it here, whole or again
+            except OSError as exc:
+                raise _StreamBroken(f"the keys stream broke: {exc}") from exc
+
+        return self._call("keys", read)
 
     def named(self, name: str, create: bool = False) -> "ModalMap":
         """A modal.Dict of its own; created now (one call) with `create`, else never by us."""
