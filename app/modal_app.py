@@ -456,6 +456,12 @@ def campaign_of(flags: dict) -> CampaignConfig:
         raise CellfeedError(f"--gpus {cfg.gpus}: a Modal container has at most {MAX_GPUS} GPUs")
     if cfg.nodes not in TRAIN_ON:
         raise CellfeedError(f"--nodes {cfg.nodes}: on Modal, one of {', '.join(map(str, TRAIN_ON))}")
+    if cfg.nodes > 1 and cfg.gpus != MAX_GPUS:  # modal.clustered's docs: "Each container must request all
+        # GPUs on its host (for example, gpu="H100:8")": a node of fewer would pay for 8 and use a part
+        raise CellfeedError(
+            f"--nodes {cfg.nodes} --gpus {cfg.gpus}: each node of a Modal cluster takes all {MAX_GPUS} GPUs of "
+            f"its host; give --gpus {MAX_GPUS}, or --nodes 1 for {cfg.gpus} GPUs"
+        )
     return cfg
 
 

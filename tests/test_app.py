@@ -350,3 +350,15 @@ def test_modal_carries_the_corpus_vocabulary_and_medians_files_into_containers(t
     assert json.loads(Path(container.vocabulary).read_text()) == {"A": 0, "B": 1}
     assert json.loads(Path(container.gene_medians).read_text()) == {"A": 1.5}
     assert str(tmp_path / "container") in container.corpus
+
+
+def test_modal_refuses_a_cluster_node_of_fewer_than_all_its_hosts_gpus():
+    """modal.clustered: each container of a cluster takes every GPU of its host (H100:8); a node of 2 is
+    refused before any call, in one line that says what to give instead."""
+    import app.modal_app as m
+    from coordination.errors import CellfeedError
+
+    with pytest.raises(CellfeedError, match=r"--nodes 2 --gpus 2: each node of a Modal cluster takes all 8 GPUs"):
+        m.campaign_of({"dataset": "s3://bucket/atlas", "nodes": 2, "gpus": 2})
+    assert m.campaign_of({"dataset": "s3://bucket/atlas", "nodes": 2, "gpus": 8}).world_size == 16
+    assert m.campaign_of({"dataset": "s3://bucket/atlas", "nodes": 1, "gpus": 2}).world_size == 2
