@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -61,17 +61,115 @@ def gather_texts(text: str) -> list[str]:
     return out
 
 
+@dataclass
+class Run:
+    """One rank's training run: everything the loop reads and changes, built by `start`."""
+
+    cfg: TrainConfig
+    store: object  # the run's map (`coordination.backends`)
+    rank: int
+    world: int
+    device: torch.device
+    model: CellTransformer
+    ddp: DDP
+    step_model: torch.nn.Module  # the DDP model, compiled with --compile
+    optimizer: torch.optim.Optimizer
+    autocast: object
+    summaries: dict  # epoch -> the setup's summary of it (`coordination.summary`)
+    total_cells: int  # the campaign's cells, for the schedule (without --steps)
+    step: int
+    epoch: int
+    progress: checkpoint.RankProgress  # this rank's place in its epoch: what it consumed and trained
+    left: list | None  # a resumed epoch's cells not trained yet, per rank
+    schedule: Schedule
+    driver: object  # rank 0's driver of the producers (None elsewhere)
+    stream: ConsumerStream
+    tracker: Tracker
+    held_out: object  # rank 0's held-out cells (None: no evaluation)
+    cells_log: object  # --audit-cells: every trained cell id, a line per batch
+    stop_asked: list  # set by a signal; all-reduced with each step's counts so every rank stops together
+    saved_at: int | None  # the step of this run's last checkpoint
+    earlier_audits: list  # the audits of epochs finished before this run (from the checkpoint)
+    audits: list = field(default_factory=list)
+    batches: object = None  # the epoch's batches (`stream.epoch`)
+    stopping: bool = False
+    save_after_audit: bool = False
+
+    def steps_done(self) -> bool:  # a --steps run's end
+        return self.cfg.max_steps is not None and self.step >= self.cfg.max_steps
+
+    def summary(self, epoch: int):
+        """The setup's summary of `epoch` (read now if this run had not)."""
+        return self.summaries.get(epoch) or load_summary(self.store, self.cfg.run, epoch)
+
+
 def train(cfg: TrainConfig, queue=None, store=None) -> dict:
-    stop_asked = []  # set by STOP_SIGNAL; all-reduced with each step's counts so every rank stops together
-    signal.signal(STOP_SIGNAL, lambda *_: stop_asked.append(True))
-    # a preemption's SIGINT reaches every process of a Modal container at once, this rank too: it asks
-    # for the same checkpoint-and-stop (a terminal's Ctrl-C never gets here: ranks have sessions of their own)
-    signal.signal(signal.SIGINT, lambda *_: stop_asked.append(True))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {STOP_SIGNAL})  # held by the launcher until now
+    stop_asked = listen_for_stop()
     rank, world, device = init_distributed()
     if queue is None:
         queue, store = connect(cfg.backend)
+    run = start(cfg, queue, store, rank, world, device, stop_asked)
+    try:
+        while run.epoch < cfg.epochs and not run.steps_done():
+            run.batches = batches = run.stream.epoch(run.epoch, run.left or run.summary(run.epoch).cells_per_rank)
+            run.progress.plan_id = run.summary(run.epoch).plan_id
+            micro = 0
+            for batch in batches:
+                # ---- one training step: gradients accumulate over `grad_accum` batches ----
+                if micro == 0:
+                    step = StepTotals(time.perf_counter() - batch.wait_s, torch.zeros(6, device=device))
+                step.add(batch, forward_backward(run, batch, micro))
+                micro += 1
+                if micro < cfg.grad_accum:
+                    continue
+                micro = 0
+                if step.totals[5] > 0:  # a rank's epoch was cut short by the stop: every rank's is (the same
+                    batches.cut = True  # branch below on all ranks: a checkpoint now, no audit of it)
+                if step.totals[3] > 0 and step.totals[4] == 0:  # a stop met every rank starved: no step
+                    run.optimizer.zero_grad(set_to_none=True)
+                    run.stopping = True
+                    if cfg.checkpoint_dir and run.saved_at != run.step:  # (a checkpoint at this step is kept)
+                        save(run)
+                    break
+                lr, grad_norm = optimizer_step(run, step)
+                log_step(run, step, lr, grad_norm)
+                if run.held_out is not None and run.step % cfg.eval_every == 0:
+                    run.tracker.note(run.step, evaluate(run.model, run.held_out, cfg, run.autocast))
+                run.stopping = bool(step.totals[3] > 0)  # a rank was asked to stop: all stop after this step
+                if cfg.checkpoint_dir and (run.step % cfg.checkpoint_every == 0 or run.steps_done() or run.stopping):
+                    if not batches.finished:
+                        save(run)
+                    else:  # the epoch's last step: saved once its audit is done, as the next epoch's start
+                        run.save_after_audit = True
+                if run.steps_done() or run.stopping:
+                    break
+            if not batches.finished:  # stopped inside the epoch (--steps are done, or asked to stop)
+                break
+            close_epoch(run)  # its audit; a checkpoint the next epoch starts from
+            if run.stopping:
+                break
+        if cfg.checkpoint_dir and not run.stopping:  # (a stop saved at its step already)
+            save(run)
+    finally:
+        close(run)
+    return finish(run)
+
+
+def listen_for_stop() -> list:
+    """SIGUSR2 (`checkpoint_and_stop`) and SIGINT (a preemption reaches every process of a Modal
+    container, this rank too) ask for a checkpoint and a stop; a terminal's Ctrl-C never gets here:
+    ranks have sessions of their own. Returns the flag list the signals append to."""
+    stop_asked = []
+    signal.signal(STOP_SIGNAL, lambda *_: stop_asked.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stop_asked.append(True))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {STOP_SIGNAL})  # held by the launcher until now
+    return stop_asked
+
+
+def start(cfg: TrainConfig, queue, store, rank: int, world: int, device, stop_asked: list) -> Run:
+    """The model, the optimizer, the place a resume starts from, the rank's stream and its metrics."""
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    special = tuple(cfg.special_tokens)
     model_cfg = ModelConfig.preset(
         cfg.preset,
         cfg.vocab_size,
@@ -79,34 +177,55 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         cfg.objective,
         pad_token=cfg.pad_token,
         mask_token=cfg.mask_token,
-        special_tokens=tuple(cfg.special_tokens),
+        special_tokens=special,
     )
     model = CellTransformer(model_cfg).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    step_model = torch.compile(ddp) if cfg.compile else ddp
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     summaries = {e: load_summary(store, cfg.run, e) for e in range(1 if cfg.max_steps else cfg.epochs)}
-    # a campaign of epochs ends when every epoch's cells are trained, on any number of ranks; its
-    # step count (for the progress bar) follows from this run's ranks. `max_steps` (--steps) is an
-    # explicit partial run.
-    total_steps = cfg.max_steps or optimizer_steps(list(summaries.values()), cfg.batch_size, cfg.grad_accum)
-    total_cells = sum(sum(s.cells_per_rank) for s in summaries.values())  # (the schedule's, without --steps)
-
     saved = checkpoint.load(cfg.checkpoint_dir, device) if cfg.resume and cfg.checkpoint_dir else None
     step, epoch, progress, left = restore(saved, cfg, rank, world, model, optimizer, store, summaries)
-    schedule = Schedule.of(saved, cfg, world, summaries)  # cells trained so far, the warm-up: kept in checkpoints
-    if left is not None and not cfg.max_steps:  # a resume: the epoch's rest (maybe on other ranks), then the others
-        later = [summaries.get(e) or load_summary(store, cfg.run, e) for e in range(epoch + 1, cfg.epochs)]
-        total_steps = (
-            step
-            + steps_per_epoch(left, cfg.batch_size) // cfg.grad_accum
-            + optimizer_steps(later, cfg.batch_size, cfg.grad_accum)
-        )
     progress.data_id = cfg.data_id  # (kept in every checkpoint: a resume onto other data is refused)
+    run_driver = rank == 0 and cfg.run_driver
     resumed = progress if saved is not None else None  # (on rank 0: every rank's, merged)
-    driver = start_driver(cfg, queue, store, resumed, epoch, summaries, world) if rank == 0 and cfg.run_driver else None
+    driver = start_driver(cfg, queue, store, resumed, epoch, summaries, world) if run_driver else None
+    stream = open_stream(cfg, queue, store, rank, world, progress, saved, epoch, summaries, driver, stop_asked)
+    tracker = Tracker(
+        rank,
+        cfg.log_path,
+        total_steps(cfg, store, summaries, step, epoch, left),
+        peak_flops(device),
+        cfg.progress_bar,
+        first_step=step,
+        tb_dir=cfg.tb_dir,
+        wandb_project=cfg.wandb_project,
+        run=cfg.run,
+    )
+    if rank == 0:
+        print(
+            f"model {cfg.preset}: {model.n_params() / 1e6:.1f}M parameters "
+            f"({model.n_params(embeddings=False) / 1e6:.1f}M outside embeddings); world size {world}, {device}"
+        )
+    held_out = load_held_out(queue, cfg, device) if rank == 0 and cfg.eval_every and cfg.eval_cells else None
+    cuda = device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    if held_out is not None:
+        tracker.note(step, evaluate(model, held_out, cfg, autocast))  # the starting point
+    return Run(
+        cfg, store, rank, world, device, model, ddp, torch.compile(ddp) if cfg.compile else ddp, optimizer, autocast,
+        summaries, sum(sum(s.cells_per_rank) for s in summaries.values()), step, epoch, progress, left,
+        Schedule.of(saved, cfg, world, summaries),  # cells trained so far, the warm-up: kept in checkpoints
+        driver, stream, tracker, held_out,
+        open(f"{cfg.cells_log}.rank{rank}.jsonl", "a") if cfg.cells_log else None,
+        stop_asked, saved.step if saved is not None else None,
+        earlier_audits(saved, cfg, store, summaries),
+    )  # fmt: skip
+
+
+def open_stream(cfg, queue, store, rank, world, progress, saved, epoch, summaries, driver, stop_asked):
+    """This rank's batches (`trainer.stream`), from where the resumed checkpoint left it."""
     before = checkpoint.RankProgress.merged(saved.ranks) if saved is not None else checkpoint.RankProgress(epoch)
-    stream = ConsumerStream(
+    return ConsumerStream(
         queue,
         rank=rank,
         world_size=world,
@@ -123,217 +242,221 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
         on_starved=lambda e, batches: ask_again(queue, store, cfg, rank, world, e, batches, summaries, before),
         stop_asked=lambda: bool(stop_asked),  # a starved rank answers a stop within a second
     )
-    cells_log = open(f"{cfg.cells_log}.rank{rank}.jsonl", "a") if cfg.cells_log else None
-    tracker = Tracker(
-        rank,
-        cfg.log_path,
-        total_steps,
-        peak_flops(device),
-        cfg.progress_bar,
-        first_step=step,
-        tb_dir=cfg.tb_dir,
-        wandb_project=cfg.wandb_project,
-        run=cfg.run,
+
+
+def total_steps(cfg: TrainConfig, store, summaries: dict, step: int, epoch: int, left) -> int:
+    """The run's optimizer steps (for the progress bar): a campaign of epochs ends when every epoch's
+    cells are trained, on any number of ranks, so its steps follow from this run's ranks; a resume
+    adds the epoch's rest (maybe on other ranks) and the later epochs'. --steps is a partial run."""
+    if cfg.max_steps:
+        return cfg.max_steps
+    if left is None:
+        return optimizer_steps(list(summaries.values()), cfg.batch_size, cfg.grad_accum)
+    later = [summaries.get(e) or load_summary(store, cfg.run, e) for e in range(epoch + 1, cfg.epochs)]
+    return (
+        step
+        + steps_per_epoch(left, cfg.batch_size) // cfg.grad_accum
+        + optimizer_steps(later, cfg.batch_size, cfg.grad_accum)
     )
-    if rank == 0:
-        print(
-            f"model {cfg.preset}: {model.n_params() / 1e6:.1f}M parameters "
-            f"({model.n_params(embeddings=False) / 1e6:.1f}M outside embeddings); world size {world}, {device}"
+
+
+def earlier_audits(saved, cfg: TrainConfig, store, summaries: dict) -> list[dict]:
+    """The audits of the epochs finished before this run: the checkpoint's ledger (one that predates
+    the ledger: its trainer audited every epoch it finished, or stopped)."""
+    if saved is not None and "audits" in saved.state:
+        return json.loads(saved.state["audits"])
+    done = saved.epoch if saved is not None else 0
+    return [
+        {
+            "epoch": e,
+            "cells": sum((summaries.get(e) or load_summary(store, cfg.run, e)).cells_per_rank),
+            "audited": True,
+        }
+        for e in range(done)
+    ]
+
+
+@dataclass
+class StepTotals:
+    """One optimizer step's batches, summed: their time (waits included) and what they held."""
+
+    started: float
+    totals: torch.Tensor  # all-reduced: masked, loss sum, correct, stop asked, cells, epoch cut
+    waited: float = 0.0
+    cells: int = 0
+    masked: int = 0
+    lengths: list = field(default_factory=list)
+
+    def add(self, batch, counts: tuple[torch.Tensor, int]) -> None:
+        reduced, n_masked = counts
+        self.totals += reduced
+        self.waited, self.cells, self.masked = (
+            self.waited + batch.wait_s,
+            self.cells + batch.size,
+            self.masked + n_masked,
         )
-    held_out = load_held_out(queue, cfg, device) if rank == 0 and cfg.eval_every and cfg.eval_cells else None
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+        self.lengths.append(batch.attention_mask.sum(dim=1).cpu())
+
+
+def forward_backward(run: Run, batch, micro: int) -> tuple[torch.Tensor, int]:
+    """One batch's loss and gradients (DDP syncs them on the step's last batch). Its counts, and this
+    rank's stop request and whether its epoch was cut, ride on one all-reduce."""
+    cfg, device = run.cfg, run.device
+    batch = batch.to(device)
+    generator = torch.Generator().manual_seed(mask_seed(cfg.seed, run.rank, run.step, micro))
+    sync = micro == cfg.grad_accum - 1
+    with run.autocast, run.ddp.no_sync() if not sync else nullcontext():
+        loss_sum, n_masked, correct = masked_loss(
+            run.step_model, batch, cfg.mask_ratio, generator, cfg.n_bins, run.model.config
+        )
+        counts = torch.stack(
+            [
+                n_masked.float(),
+                loss_sum.detach().float(),
+                correct.float(),
+                torch.tensor(float(bool(run.stop_asked)), device=device),
+                torch.tensor(float(batch.size), device=device),
+                torch.tensor(float(run.batches.cut), device=device),  # (a rank's stop cut its epoch)
+            ]
+        )
+        dist.all_reduce(counts)  # global masked count: every position weighs the same
+        loss = loss_sum * run.world / counts[0].clamp(min=1)
+        if int(n_masked) == 0:  # an empty batch (this rank ran out first): zero gradients,
+            loss = loss + 0.0 * sum(p.sum() for p in run.model.parameters())  # but DDP stays in step
+        loss.backward()
+    run.progress.record(batch)
+    if run.cells_log is not None:
+        line = {"step": run.step, "epoch": run.epoch, "cells": batch.cell_ids.tolist()}
+        run.cells_log.write(json.dumps(line) + "\n")
+        run.cells_log.flush()
+    return counts, int(n_masked)
+
+
+def optimizer_step(run: Run, step: StepTotals) -> tuple[float, torch.Tensor]:
+    """Clip, set the learning rate (by cells trained, or by step with --steps), step. (lr, grad norm)."""
+    cfg = run.cfg
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), 1.0)
+    run.schedule.cells_done += int(step.totals[4])  # every rank's cells of this step
+    lr = cfg.lr * (
+        lr_factor(run.step + 1, cfg.warmup_steps, cfg.max_steps)
+        if cfg.max_steps
+        else lr_factor(run.schedule.cells_done, run.schedule.warmup_cells, run.total_cells)
     )
-    if held_out is not None:
-        tracker.note(step, evaluate(model, held_out, cfg, autocast))  # the starting point
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    return lr, grad_norm
 
-    saved_at = [saved.step if saved is not None else None]  # the step of this run's last checkpoint
 
-    def save():
-        saved_at[0] = step
-        checkpoint.save(
-            cfg.checkpoint_dir,
-            step,
-            epoch,
-            rank,
-            world,
-            progress,
-            lambda: {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "config": json.dumps(asdict(cfg)),
-                "schedule": json.dumps(asdict(schedule)),
-                "audits": json.dumps(earlier_audits + audits),
-            },
-            gather_texts,
-            dist.barrier,
-            keep=cfg.keep_checkpoints,
-            eval_loss=tracker.evals[-1]["eval_loss"] if tracker.evals else None,
+def log_step(run: Run, step: StepTotals, lr: float, grad_norm: torch.Tensor) -> None:
+    lengths, totals = torch.cat(step.lengths), step.totals
+    run.tracker.record(
+        StepMetrics(
+            step=run.step,
+            epoch=run.epoch,
+            loss=float(totals[1] / totals[0].clamp(min=1)),
+            accuracy=float(totals[2] / totals[0].clamp(min=1)),
+            lr=lr,
+            grad_norm=float(grad_norm),
+            seconds=time.perf_counter() - step.started,
+            wait_s=step.waited,
+            cells=step.cells,
+            tokens=int(lengths.sum()),
+            flops=train_flops(run.model.config, lengths, step.masked),
+            device=run.device,
+            ready_cells=run.batches.ready_cells,
         )
+    )
 
-    earlier_audits = (
-        json.loads(saved.state["audits"])
-        if saved is not None and "audits" in saved.state
-        else [
-            {
-                "epoch": e,
-                "cells": sum((summaries.get(e) or load_summary(store, cfg.run, e)).cells_per_rank),
-                "audited": True,
-            }
-            for e in range(saved.epoch if saved is not None else 0)
-        ]
-    )  # (a checkpoint that predates
-    # the ledger: its trainer audited every epoch it finished, or stopped)
-    audits: list[dict] = []
-    stopping, batches, save_after_audit = False, None, False
-    steps_done = lambda: cfg.max_steps is not None and step >= cfg.max_steps  # noqa: E731 - a --steps run's end
-    try:
-        while epoch < cfg.epochs and not steps_done():
-            summary = summaries.get(epoch) or load_summary(store, cfg.run, epoch)
-            progress.plan_id = summary.plan_id
-            left = left or summary.cells_per_rank  # (a resumed epoch's: its cells not trained yet)
-            micro = 0
-            batches = stream.epoch(epoch, left)
-            for batch in batches:
-                # ---- one training step (gradients accumulate over `grad_accum` batches) ----------
-                if micro == 0:  # the step's totals, over all its batches (waits included)
-                    started, waited, cells, lengths, masked = time.perf_counter() - batch.wait_s, 0.0, 0, [], 0
-                    totals = torch.zeros(6, device=device)
-                batch = batch.to(device)
-                generator = torch.Generator().manual_seed(mask_seed(cfg.seed, rank, step, micro))
-                sync = micro == cfg.grad_accum - 1
-                with autocast, ddp.no_sync() if not sync else nullcontext():
-                    loss_sum, n_masked, correct = masked_loss(
-                        step_model, batch, cfg.mask_ratio, generator, cfg.n_bins, model.config
-                    )
-                    counts = torch.stack(
-                        [
-                            n_masked.float(),
-                            loss_sum.detach().float(),
-                            correct.float(),
-                            torch.tensor(float(bool(stop_asked)), device=device),
-                            torch.tensor(float(batch.size), device=device),
-                            torch.tensor(float(batches.cut), device=device),  # (a rank's stop cut its epoch)
-                        ]
-                    )
-                    dist.all_reduce(counts)  # global masked count: every position weighs the same
-                    loss = loss_sum * world / counts[0].clamp(min=1)
-                    if int(n_masked) == 0:  # an empty batch (this rank ran out first): zero gradients,
-                        loss = loss + 0.0 * sum(p.sum() for p in model.parameters())  # but DDP stays in step
-                    loss.backward()
-                totals += counts
-                waited, cells, masked = waited + batch.wait_s, cells + batch.size, masked + int(n_masked)
-                lengths.append(batch.attention_mask.sum(dim=1).cpu())
-                progress.record(batch)
-                if cells_log is not None:
-                    cells_log.write(json.dumps({"step": step, "epoch": epoch, "cells": batch.cell_ids.tolist()}) + "\n")
-                    cells_log.flush()
-                micro += 1
-                if not sync:
-                    continue
-                micro = 0
-                if totals[5] > 0:  # a rank's epoch was cut short by the stop: every rank's is (the same branch
-                    batches.cut = True  # below on all ranks: a checkpoint now, no audit of an epoch not finished)
-                if totals[3] > 0 and totals[4] == 0:  # a stop met every rank starved: no cell, no step
-                    optimizer.zero_grad(set_to_none=True)
-                    stopping = True
-                    if cfg.checkpoint_dir and saved_at[0] != step:  # (not again: a checkpoint at this step is kept)
-                        save()
-                    break
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                schedule.cells_done += int(totals[4])  # every rank's cells of this step
-                lr = cfg.lr * (
-                    lr_factor(step + 1, cfg.warmup_steps, cfg.max_steps)
-                    if cfg.max_steps
-                    else lr_factor(schedule.cells_done, schedule.warmup_cells, total_cells)
-                )
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                # ---------------------------------------------------------------------------
-                lengths = torch.cat(lengths)
-                tracker.record(
-                    StepMetrics(
-                        step=step,
-                        epoch=epoch,
-                        loss=float(totals[1] / totals[0].clamp(min=1)),
-                        accuracy=float(totals[2] / totals[0].clamp(min=1)),
-                        lr=lr,
-                        grad_norm=float(grad_norm),
-                        seconds=time.perf_counter() - started,
-                        wait_s=waited,
-                        cells=cells,
-                        tokens=int(lengths.sum()),
-                        flops=train_flops(model_cfg, lengths, masked),
-                        device=device,
-                        ready_cells=batches.ready_cells,
-                    )
-                )
-                if held_out is not None and step % cfg.eval_every == 0:
-                    tracker.note(step, evaluate(model, held_out, cfg, autocast))
-                stopping = bool(totals[3] > 0)  # a rank was asked to stop: all stop after this step
-                if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0 or steps_done() or stopping):
-                    if not batches.finished:
-                        save()
-                    else:  # the epoch's last step: saved once its audit is done, as the next epoch's start
-                        save_after_audit = True
-                if steps_done() or stopping:
-                    break
-            if not batches.finished:  # stopped inside the epoch (--steps are done, or asked to stop)
-                break
-            audits.append(audit_epoch(epoch, progress, summary, world, device))  # the epoch is complete
-            tracker.audited(step, audits[-1])
-            if rank == 0:
-                print(audits[-1]["line"], flush=True)
-            epoch += 1
-            progress.next_epoch(epoch)
-            left = None
-            if save_after_audit:  # (a resume from it starts the next epoch, the audit in its ledger)
-                save()
-                save_after_audit = False
-            if stopping:
-                break
-        if cfg.checkpoint_dir and not stopping:  # (a stop saved at its step already)
-            save()
-    finally:
-        if stopping:  # asked to stop (a preemption, a hand-over) and checkpointed at this step: what this rank
-            try:  # took and did not train goes back to its partition, for the resumed run
-                stream.give_back(batches)
-            except Exception as exc:  # noqa: BLE001 - what is not given back is asked for again after the resume
-                print(
-                    f"rank {rank}: could not give back its untrained items ({type(exc).__name__}: {exc})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        stream.close(wait=True)  # (a poll, 1 s at most: a fetcher still in a queue get as the process exits
-        # meets a closed Modal client, and its traceback lands in the function's logs)
-        if driver is not None:
-            driver.stop()
-        if cells_log is not None:
-            cells_log.close()
+
+def save(run: Run) -> None:
+    """A checkpoint at this step (a collective: every rank calls it; rank 0 writes)."""
+    cfg, model, optimizer = run.cfg, run.model, run.optimizer
+    run.saved_at = run.step
+    checkpoint.save(
+        cfg.checkpoint_dir,
+        run.step,
+        run.epoch,
+        run.rank,
+        run.world,
+        run.progress,
+        lambda: {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "config": json.dumps(asdict(cfg)),
+            "schedule": json.dumps(asdict(run.schedule)),
+            "audits": json.dumps(run.earlier_audits + run.audits),
+        },
+        gather_texts,
+        dist.barrier,
+        keep=cfg.keep_checkpoints,
+        eval_loss=run.tracker.evals[-1]["eval_loss"] if run.tracker.evals else None,
+    )
+
+
+def close_epoch(run: Run) -> None:
+    """The epoch is complete: its exactly-once audit, then the next epoch (and the checkpoint it starts from)."""
+    audit = audit_epoch(run.epoch, run.progress, run.summary(run.epoch), run.world, run.device)
+    run.audits.append(audit)
+    run.tracker.audited(run.step, audit)
+    if run.rank == 0:
+        print(audit["line"], flush=True)
+    run.epoch += 1
+    run.progress.next_epoch(run.epoch)
+    run.left = None
+    if run.save_after_audit:  # (a resume from it starts the next epoch, the audit in its ledger)
+        save(run)
+        run.save_after_audit = False
+
+
+def close(run: Run) -> None:
+    """Whatever the end: a stopped rank gives back what it took and did not train; the stream, the
+    driver and the cells log end."""
+    if run.stopping:  # asked to stop (a preemption, a hand-over) and checkpointed at this step: what this rank
+        try:  # took and did not train goes back to its partition, for the resumed run
+            run.stream.give_back(run.batches)
+        except Exception as exc:  # noqa: BLE001 - what is not given back is asked for again after the resume
+            print(
+                f"rank {run.rank}: could not give back its untrained items ({type(exc).__name__}: {exc})",
+                file=sys.stderr,
+                flush=True,
+            )
+    run.stream.close(wait=True)  # (a poll, 1 s at most: a fetcher still in a queue get as the process exits
+    # meets a closed Modal client, and its traceback lands in the function's logs)
+    if run.driver is not None:
+        run.driver.stop()
+    if run.cells_log is not None:
+        run.cells_log.close()
+
+
+def finish(run: Run) -> dict:
+    """The rank's summary: its metrics, every epoch's audit and where the run ended."""
+    cfg, epoch, driver = run.cfg, run.epoch, run.driver
     in_progress = None
     if epoch < cfg.epochs:  # stopped inside an epoch: every rank's cells of it so far (all ranks are here)
-        mine = torch.tensor([progress.trained + progress.carried], dtype=torch.int64, device=device)
+        mine = torch.tensor([run.progress.trained + run.progress.carried], dtype=torch.int64, device=run.device)
         dist.all_reduce(mine)
         in_progress = int(mine)
-    summary = tracker.finish()
+    summary = run.tracker.finish()
     if driver is not None and driver.stats.redone:
         print(
             f"{driver.stats.redone} units were produced again: their items never reached a rank (lost in transit)",
             flush=True,
         )
-    summary["audits"] = audits
-    summary["epochs"] = epoch_ledger(cfg.run, cfg.epochs, store, summaries, earlier_audits + audits, epoch, in_progress)
+    ledger = run.earlier_audits + run.audits
+    summary["audits"] = run.audits
+    summary["epochs"] = epoch_ledger(cfg.run, cfg.epochs, run.store, run.summaries, ledger, epoch, in_progress)
     summary["complete"] = epoch >= cfg.epochs  # every epoch trained (its audit is in `epochs`)
-    summary["stopped"] = None if epoch >= cfg.epochs else "asked" if stopping else "steps" if steps_done() else None
-    summary["last_step"] = step
+    stopped = None if epoch >= cfg.epochs else "asked" if run.stopping else "steps" if run.steps_done() else None
+    summary["stopped"] = stopped
+    summary["last_step"] = run.step
     summary["resume_skipped_units"] = driver.stats.skipped_units if driver is not None else 0
     summary["units_reissued"] = driver.stats.reissued if driver is not None else 0  # their holders fell silent
     summary["units_redone"] = driver.stats.redone if driver is not None else 0  # their items never reached a rank
-    summary["params"] = model.n_params()
-    summary["final_params_checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
+    summary["params"] = run.model.n_params()
+    summary["final_params_checksum"] = float(sum(p.detach().double().sum() for p in run.model.parameters()))
     return summary
 
 
