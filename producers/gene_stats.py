@@ -126,25 +126,33 @@ def compute_gene_medians(
             bucket, ranks[t], in_bucket[t] = _select(hists[t].reshape(g, 1 << width), ranks[t])
             prefixes[t] = (prefixes[t] << np.uint64(width)) | bucket.astype(np.uint64)
 
-    middle = []
     if shift == 0:  # every bit is known: the prefixes are the values
         middle = [p.view(np.float64) for p in prefixes]
     else:  # gather the candidates and select exactly
-        found = [([], []) for _ in range(2)]
-        for genes, values in chunks("gene medians: select"):
-            keys = values.view(np.uint64)
-            for t in range(2):
-                hit = (keys >> np.uint64(shift)) == prefixes[t][genes]
-                found[t][0].append(genes[hit])
-                found[t][1].append(values[hit])
-        for t in range(2):
-            genes, values = np.concatenate(found[t][0]), np.concatenate(found[t][1])
-            order = np.lexsort((values, genes))
-            first = np.searchsorted(genes[order], np.arange(g))
-            picked = np.zeros(g)
-            picked[expressed] = values[order][first[expressed] + ranks[t][expressed]]
-            middle.append(picked)
+        middle = _select_exactly(chunks("gene medians: select"), prefixes, ranks, shift, expressed)
     return np.where(expressed, (middle[0] + middle[1]) / 2, 0.0)
+
+
+def _select_exactly(chunks, prefixes: list, ranks: list, shift: int, expressed: np.ndarray) -> list[np.ndarray]:
+    """The two middle values of each gene: its candidates (values whose top bits are its prefix) gathered
+    in one pass over `chunks`, sorted, and the middle ranks picked."""
+    g = len(expressed)
+    found = [([], []) for _ in range(2)]
+    for genes, values in chunks:
+        keys = values.view(np.uint64)
+        for t in range(2):
+            hit = (keys >> np.uint64(shift)) == prefixes[t][genes]
+            found[t][0].append(genes[hit])
+            found[t][1].append(values[hit])
+    middle = []
+    for t in range(2):
+        genes, values = np.concatenate(found[t][0]), np.concatenate(found[t][1])
+        order = np.lexsort((values, genes))
+        first = np.searchsorted(genes[order], np.arange(g))
+        picked = np.zeros(g)
+        picked[expressed] = values[order][first[expressed] + ranks[t][expressed]]
+        middle.append(picked)
+    return middle
 
 
 def _select(hist: np.ndarray, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -211,19 +211,7 @@ def _chunk(
             model.dose_genes[rng.integers(0, DOSE_GENES, size=len(dose_cell))],
         ]
     )
-    key = cell_of_draw * spec.n_genes + genes
-    key.sort()
-    first = np.empty(len(key), dtype=bool)
-    first[0] = True
-    np.not_equal(key[1:], key[:-1], out=first[1:])
-    starts = np.flatnonzero(first)
-    multiplicity = np.diff(np.append(starts, len(key)))
-    key = key[starts]
-    cell = key // spec.n_genes
-    genes = key - cell * spec.n_genes
-    values = np.minimum(multiplicity * rng.geometric(0.55, size=len(key)), 65_535).astype(np.uint16)
-    indptr = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(cell, minlength=n), out=indptr[1:])
+    indptr, genes, values = _merged(cell_of_draw, genes, spec.n_genes, n, rng)
 
     ids = np.arange(start, stop)
     drug_pick = rng.integers(0, 1 << 30, size=n)
@@ -243,6 +231,24 @@ def _chunk(
         }
     )
     return obs, indptr, genes, values
+
+
+def _merged(cell_of_draw: np.ndarray, genes: np.ndarray, n_genes: int, n: int, rng):
+    """A gene drawn k times for a cell is one entry of count k x a geometric draw (CSR, sorted by gene)."""
+    key = cell_of_draw * n_genes + genes
+    key.sort()
+    first = np.empty(len(key), dtype=bool)
+    first[0] = True
+    np.not_equal(key[1:], key[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    multiplicity = np.diff(np.append(starts, len(key)))
+    key = key[starts]
+    cell = key // n_genes
+    genes = key - cell * n_genes
+    values = np.minimum(multiplicity * rng.geometric(0.55, size=len(key)), 65_535).astype(np.uint16)
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(cell, minlength=n), out=indptr[1:])
+    return indptr, genes, values
 
 
 def iter_chunks(spec: SynthSpec):

@@ -107,12 +107,12 @@ def audit_epoch(epoch: int, progress: checkpoint.RankProgress, summary, world: i
     for who, got, got_hash, want, want_hash in checks:
         if got != want or got_hash != want_hash:
             what = (
-                f"{want - got:,} fewer cells than planned"
+                f"{want - got:,} fewer"
                 if got < want
-                else f"{got - want:,} more cells than planned"
+                else f"{got - want:,} more"
                 if got > want
-                else "the planned number of cells, but not the planned cells"
-            )
+                else "the planned number of"
+            ) + (" cells than planned" if got != want else " cells, but not the planned cells")
             raise CellfeedError(fail.format(epoch=epoch, who=who, what=what, got=got, want=want))
     scope = "every rank" if not carried else "the whole epoch, across the resume"
     out = {
@@ -125,14 +125,19 @@ def audit_epoch(epoch: int, progress: checkpoint.RankProgress, summary, world: i
         f"(of {expected:,} planned; count and cell-id hash checked on {scope})",
     }
     if summary.class_mix:  # balanced: the cells trained per class, every rank's summed, against the quotas
-        classes = torch.tensor([progress.labels.get(k, 0) for k in range(len(summary.class_mix))], device=device)
-        dist.all_reduce(classes)
-        out["classes"] = [int(n) for n in classes.tolist()]
+        classes = class_counts(progress, summary, device)
         planned = [n for _, n in summary.class_mix]
-        out["classes_at_quota"] = out["classes"] == planned
+        out.update(classes=classes, classes_at_quota=classes == planned)
         out["line"] += (
             f"; {len(planned)} classes at their quotas ({min(planned):,}..{max(planned):,} cells)"
             if out["classes_at_quota"]
-            else f"; classes off their quotas by {sum(abs(a - b) for a, b in zip(out['classes'], planned)):,} cells"
+            else f"; classes off their quotas by {sum(abs(a - b) for a, b in zip(classes, planned)):,} cells"
         )
     return out
+
+
+def class_counts(progress: checkpoint.RankProgress, summary, device) -> list[int]:
+    """(a collective) The cells every rank trained per class of a balanced campaign, summed."""
+    classes = torch.tensor([progress.labels.get(k, 0) for k in range(len(summary.class_mix))], device=device)
+    dist.all_reduce(classes)
+    return [int(n) for n in classes.tolist()]
