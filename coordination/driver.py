@@ -259,26 +259,9 @@ class Driver:
         last_progress = time.monotonic()
         while (active or linger) and not self._stop.is_set():
             started = now = time.monotonic()
-            redo = []
-            for event in self._drain():  # who finished what, who holds what
-                self.stats.events += 1
-                if event["redo"]:  # a rank's
-                    redo += event["redo"]
-                    continue
-                self.producers[event["p"]] = {
-                    **(event["totals"] or self.producers.get(event["p"], {})),
-                    "heard": time.time(),
-                }
-                for e, u in event["done"]:
-                    if e in active and active[e].flights.pop(u, None) is not None:
-                        last_progress = now
-                for e, u in event["held"]:
-                    if e in active and u in active[e].flights:
-                        active[e].flights[u].seen_at = now
-                for e, u in event["released"]:  # its producer is going away: issued again in this pass
-                    flight = active[e].flights.get(u) if e in active else None
-                    if flight is not None:
-                        flight.taken_at, flight.seen_at = flight.taken_at or now, float("-inf")
+            redo, progressed = self._take_events(active, now)
+            if progressed:
+                last_progress = now
             if redo:
                 self._redo(redo, active, summaries, order)
                 last_progress = now
@@ -288,37 +271,12 @@ class Driver:
             queued = self.queue.len(partition=TASKS_PARTITION)
             taken_before = self._issued_seq - queued  # FIFO: every task issued before this one was taken
             depth = self._depth(taken_before, now)
-            while order and order[0][0] < taken_before:
-                seq, e, u = order.popleft()
-                flight = active[e].flights.get(u) if e in active else None
-                if flight is not None and flight.seq == seq and flight.taken_at is None:
-                    flight.taken_at = flight.seen_at = now
-            for e, state in active.items():
-                # taken, and neither done nor named held for lease_s: its producer died (or stalled,
-                # or its events were lost): produce it again; consumers drop the duplicates by key
-                lost = [
-                    u for u, f in state.flights.items() if f.taken_at is not None and now - f.seen_at > self.lease_s
-                ]
-                for _ in self._issue(e, lost, state.flights, order):
-                    self.stats.reissued += 1
-                    if self.stats.first_reissue_at is None:
-                        self.stats.first_reissue_at = time.monotonic()
-                    queued += 1
-            for e, state in list(active.items()):
-                room = depth - queued
-                if room > 0 and state.todo:
-                    batch = [state.todo.popleft() for _ in range(min(room, len(state.todo)))]
-                    issued = self._issue(e, batch, state.flights, order)
-                    state.todo.extendleft(reversed(batch[len(issued) :]))
-                    queued += len(issued)
+            self._mark_taken(active, order, taken_before, now)
+            queued += self._reissue_lost(active, order, now)
+            queued = self._issue_ahead(active, order, depth, queued)
             if waiting and not active[max(active)].todo:  # the newest epoch is all issued: start the next
                 start_next()
-            for e in [e for e, state in active.items() if not state.todo and not state.flights]:
-                del active[e]
-                self.store.drop(epoch_map_name(e))
-                self._publish(force=True)  # the final totals of the epoch
-                self.stats.epochs += e not in closed  # (an epoch opened again by `_redo` closes again)
-                closed.add(e)
+            if self._close_complete(active, closed):
                 last_progress = now
             self._publish()
             self.stats.passes += 1
@@ -333,6 +291,74 @@ class Driver:
             if active:
                 self._stop.wait(self.poll_s)
         return self.stats
+
+    def _take_events(self, active: dict, now: float) -> tuple[list, bool]:
+        """The producers' and ranks' events since the last pass (who finished what, who holds what):
+        flights updated; (the ranks' redo requests, whether a unit was done)."""
+        redo, progressed = [], False
+        for event in self._drain():
+            self.stats.events += 1
+            if event["redo"]:  # a rank's
+                redo += event["redo"]
+                continue
+            self.producers[event["p"]] = {
+                **(event["totals"] or self.producers.get(event["p"], {})),
+                "heard": time.time(),
+            }
+            for e, u in event["done"]:
+                if e in active and active[e].flights.pop(u, None) is not None:
+                    progressed = True
+            for e, u in event["held"]:
+                if e in active and u in active[e].flights:
+                    active[e].flights[u].seen_at = now
+            for e, u in event["released"]:  # its producer is going away: issued again in this pass
+                flight = active[e].flights.get(u) if e in active else None
+                if flight is not None:
+                    flight.taken_at, flight.seen_at = flight.taken_at or now, float("-inf")
+        return redo, progressed
+
+    def _mark_taken(self, active: dict, order: deque, taken_before: int, now: float) -> None:
+        """The tasks queue is FIFO: every task issued before the first still queued has been taken."""
+        while order and order[0][0] < taken_before:
+            seq, e, u = order.popleft()
+            flight = active[e].flights.get(u) if e in active else None
+            if flight is not None and flight.seq == seq and flight.taken_at is None:
+                flight.taken_at = flight.seen_at = now
+
+    def _issue_ahead(self, active: dict, order: deque, depth: int, queued: int) -> int:
+        """New units, oldest epoch first, until `depth` tasks are queued; the tasks queued now."""
+        for e, state in list(active.items()):
+            room = depth - queued
+            if room > 0 and state.todo:
+                batch = [state.todo.popleft() for _ in range(min(room, len(state.todo)))]
+                issued = self._issue(e, batch, state.flights, order)
+                state.todo.extendleft(reversed(batch[len(issued) :]))
+                queued += len(issued)
+        return queued
+
+    def _reissue_lost(self, active: dict, order: deque, now: float) -> int:
+        """Units taken, and neither done nor named held for lease_s: their producer died (or stalled, or
+        its events were lost): issued again (consumers drop the duplicates by key). How many."""
+        issued = 0
+        for e, state in active.items():
+            lost = [u for u, f in state.flights.items() if f.taken_at is not None and now - f.seen_at > self.lease_s]
+            for _ in self._issue(e, lost, state.flights, order):
+                self.stats.reissued += 1
+                if self.stats.first_reissue_at is None:
+                    self.stats.first_reissue_at = time.monotonic()
+                issued += 1
+        return issued
+
+    def _close_complete(self, active: dict, closed: set) -> bool:
+        """Every epoch with no unit to issue or in flight is complete: its stitching map goes. Any closed?"""
+        complete = [e for e, state in active.items() if not state.todo and not state.flights]
+        for e in complete:
+            del active[e]
+            self.store.drop(epoch_map_name(e))
+            self._publish(force=True)  # the final totals of the epoch
+            self.stats.epochs += e not in closed  # (an epoch opened again by `_redo` closes again)
+            closed.add(e)
+        return bool(complete)
 
     def start(
         self,
