@@ -696,3 +696,203 @@ def test_a_preempted_input_is_interrupted_and_runs_again_not_counted_as_a_retry(
     assert finish(client) == 2  # a retries=0 function ran twice: a preemption is not a retry
     assert notes.read_text() == "start\ninterrupted\nstart\n"
     assert [(c.task_id == first, c.retry_count) for c in call.containers] == [(True, 0), (False, 0)]
+
+
+# ---- cellfeed's Modal backend on the plane (issue 41: from tests/test_modal_emulator.py), modal's client in
+# this process: the plane's environment is set here and modal's cached client (`Client.from_env`'s, made on
+# first use from the environment) is closed before and after, so no test reaches another test's plane.
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    """A plane counting its Queue requests (queue_stats.py), and modal's client in this process on it."""
+    import modal
+
+    from cellfeed_testing.modal_control_plane.queue_stats import count_queue_requests
+
+    with ControlPlane(tmp_path / "here") as p:
+        count_queue_requests(p)
+        for name in [k for k in os.environ if k.startswith("MODAL_")]:
+            monkeypatch.delenv(name)
+        for name, value in p.env.items():
+            monkeypatch.setenv(name, value)
+        modal.Client.from_env().close()
+        try:
+            yield p
+        finally:
+            modal.Client.from_env().close()
+
+
+def rank_stats(plane: ControlPlane) -> dict:
+    from cellfeed_testing.modal_control_plane.queue_stats import queue_stats
+
+    return queue_stats(plane).get("rank-*", {})
+
+
+@pytest.fixture
+def producer_on(here, small_synth):
+    """A real producer whose queue and map are the run's modal.Queue and modal.Dict on the plane."""
+    from coordination.modal_backend import run_backends
+    from producers.config import ProducerConfig
+    from producers.producer import Producer
+
+    made = []
+
+    def make(run: str, **config):
+        queue, store = run_backends(run, retry_s=30)
+        config = ProducerConfig(dataset=small_synth.uri, run=run, world_size=2, max_genes=32, **config)
+        made.append(Producer(config, queue, store, dataset=small_synth))
+        return made[-1], queue
+
+    yield make
+    for producer in made:
+        producer.close()
+
+
+def test_a_deleted_objects_old_handle_stays_gone_when_its_name_is_made_again(here):  # emulator S1-S3
+    import modal
+
+    d = modal.Dict.from_name("sem-handles", create_if_missing=True)
+    d.put("k", 1)
+    first_id = d.object_id
+    modal.Dict.objects.delete("sem-handles")
+    again = modal.Dict.from_name("sem-handles", create_if_missing=True)
+    assert again.get("k") is None and again.object_id != first_id  # a new object under the old name
+    with pytest.raises(modal.exception.NotFoundError):  # the old handle still points at the deleted one
+        d.put("k", 2)
+    assert again.len() == 0
+    with pytest.raises(modal.exception.NotFoundError):
+        modal.Queue.from_name("sem-never-made").len()
+
+
+def test_a_full_partition_refuses_a_put_and_counts_the_refusal(here):  # emulator S5, S7 (README C4)
+    import queue as stdlib_queue
+
+    import modal
+
+    q = modal.Queue.from_name("sem-full", create_if_missing=True)
+    for _ in range(5):
+        q.put_many([b"x"] * 1000, partition="rank-0")
+    with pytest.raises(stdlib_queue.Full):
+        q.put(b"y", block=False, partition="rank-0")
+    assert rank_stats(here)["put_full"] == 1  # one request, refused: RESOURCE_EXHAUSTED
+    q.get_many(2, partition="rank-0")
+    q.put(b"y", block=False, partition="rank-0")  # room again
+    assert q.len(partition="rank-0") == 5000 - 2 + 1
+    assert rank_stats(here)["put_ok_items"] == 5001
+
+
+def test_partitions_and_dict_entries_expire_on_the_planes_clock(here):  # emulator S8, S12 (README C7, C10)
+    import modal
+
+    def advance(seconds: float) -> None:
+        async def move() -> None:
+            here.servicer.store.clock.advance(seconds)
+
+        here.call(move())
+
+    q = modal.Queue.from_name("sem-ttl", create_if_missing=True)
+    d = modal.Dict.from_name("sem-ttl", create_if_missing=True)
+    q.put(b"a", partition="old")
+    d.put("idle", 1)
+    d.put("used", 1)
+    advance(23 * 3600)
+    q.put(b"b", partition="fresh")
+    assert q.len(partition="old") == 1 and d.get("used") == 1  # a read is a use
+    advance(2 * 3600)
+    assert q.len(partition="old") == 0 and q.len(partition="fresh") == 1  # 24 h after its last put
+    advance(6 * 24 * 3600 - 3600)
+    assert d.get("idle") is None and d.get("used") == 1  # 7 days without a read or write
+
+
+def test_a_producer_waits_on_a_full_partition_instead_of_sending_again(here, producer_on):
+    """On Modal a put with a timeout under ~2 s is refused at once on a full partition: the producer
+    used to re-send its batch (up to 2 MiB each time) in a tight loop. It now looks at the length."""
+    import threading
+
+    producer, queue = producer_on("spin", put_timeout_s=120)
+    queue.put_many([b"x" * 8] * 5000, partition="rank-0")  # full
+    before = rank_stats(here)
+    batch = [b"item-%d" % i for i in range(4)]
+    sender = threading.Thread(target=producer.courier.send, args=(batch, "rank-0"))
+    sender.start()
+
+    def since(what: str) -> int:
+        return rank_stats(here).get(what, 0) - before.get(what, 0)
+
+    wait_for(lambda: since("len_requests") >= 3, "the producer to look at the partition's length")
+    assert since("put_full") == 1  # one refusal, then it waits for room
+    queue.get_many(10, partition="rank-0")  # the trainer takes some
+    sender.join(timeout=60)
+    assert not sender.is_alive()
+    assert since("put_full") == 1 and queue.len(partition="rank-0") == 5000 - 10 + 4
+    assert queue.get_many(5000, block=False, partition="rank-0")[-4:] == batch
+
+
+def test_a_request_over_the_size_limit_is_split_not_taken_for_a_full_partition(here, producer_on):
+    """A request over Modal's size limit (the plane's 4 MiB, README C4) used to surface as a Modal
+    TimeoutError, read as a full partition: the producer spun until "stayed full...". modal's client
+    raises RequestSizeError for it; the backend says RequestTooLarge and the courier splits."""
+    import modal
+
+    from cellfeed_testing.modal_control_plane.store import MAX_REQUEST_BYTES as PLANE_LIMIT
+    from coordination.queues import MAX_ITEM_BYTES, MAX_REQUEST_BYTES, RequestTooLarge
+
+    producer, queue = producer_on("split", put_timeout_s=30)
+    assert MAX_REQUEST_BYTES < PLANE_LIMIT  # batches are capped under the limit assumed for Modal
+    items = [bytes([i]) * MAX_ITEM_BYTES for i in range(6)]  # one item of the largest size passes
+    with pytest.raises(modal.exception.RequestSizeError):
+        modal.Queue.from_name("cellfeed-split", create_if_missing=True).put_many(items, block=False, partition="rank-1")
+    with pytest.raises(RequestTooLarge):
+        queue.put_many(items, block=True, timeout=1.0, partition="rank-1")
+    assert rank_stats(here)["put_too_large"] >= 2
+    producer.courier.send(items, "rank-1")
+    assert sorted(queue.get_many(10, block=False, partition="rank-1")) == items
+    assert rank_stats(here).get("put_full", 0) == 0  # never taken for "full"
+
+
+def test_a_named_map_handle_reaches_the_map_a_resumed_epoch_made_again(here):
+    """Modal binds a handle to one Dict: a producer's handle to an epoch map that a resumed driver
+    dropped and made again used to meet the deleted Dict (MapGone: a boundary piece lost)."""
+    from coordination.modal_backend import ModalMap
+    from coordination.queues import MapGone
+
+    store = ModalMap("cellfeed-handles", retry_s=30)
+    store.named("e0", create=True)
+    producers_handle = store.named("e0")
+    producers_handle.put("piece", b"1")  # bound to the first Dict
+    store.drop("e0")
+    store.named("e0", create=True)  # the resumed epoch's map
+    assert producers_handle.put("piece", b"2", skip_if_exists=True) is True
+    assert store.named("e0").get("piece") == b"2"
+    store.drop("e0")  # the epoch is over for good
+    with pytest.raises(MapGone):
+        producers_handle.get("piece")
+    with pytest.raises(MapGone):  # keys() is lazy on Modal: its error used to escape the translation
+        producers_handle.keys()
+    assert here.describe()["dicts"] == []  # both of the epoch's maps were deleted
+
+
+def test_a_held_out_set_larger_than_a_partition_is_refused_before_the_plane_would(here):
+    """The held-out set is read whole from one partition: a set over the partition's limits is refused
+    up front (producers/held_out.py), with the limits the plane enforces (README C4)."""
+    import queue as stdlib_queue
+
+    import modal
+
+    from cellfeed_testing.modal_control_plane import store as plane_store
+    from coordination.errors import CellfeedError
+    from coordination.queues import MAX_PARTITION_BYTES, MAX_PARTITION_ITEMS
+    from producers.held_out import check_fits_partition
+
+    limits = (plane_store.MAX_PARTITION_ITEMS, plane_store.MAX_PARTITION_BYTES)
+    assert (MAX_PARTITION_ITEMS, MAX_PARTITION_BYTES) == limits
+    check_fits_partition(1000, 5000, MAX_PARTITION_BYTES)
+    with pytest.raises(CellfeedError, match="does not fit one queue partition.*lower --eval-cells"):
+        check_fits_partition(700_000, 5_001, 10)
+    with pytest.raises(CellfeedError, match="does not fit one queue partition"):
+        check_fits_partition(100, 100, MAX_PARTITION_BYTES + 1)
+    q = modal.Queue.from_name("held-out", create_if_missing=True)  # what the plane does with one more item
+    q.put_many([b"c"] * MAX_PARTITION_ITEMS, partition="eval")
+    with pytest.raises(stdlib_queue.Full):
+        q.put(b"c", block=False, partition="eval")
