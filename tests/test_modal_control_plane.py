@@ -896,3 +896,96 @@ def test_a_held_out_set_larger_than_a_partition_is_refused_before_the_plane_woul
     q.put_many([b"c"] * MAX_PARTITION_ITEMS, partition="eval")
     with pytest.raises(stdlib_queue.Full):
         q.put(b"c", block=False, partition="eval")
+
+
+# ---- calls: a running call, cancel, timeout (emulator S13, S14, S16: README C12-C14), and
+# app/modal_calls.call_state reading them through modal's client
+
+CALLS_APP = '''
+import os, time
+import modal
+
+app = modal.App("cellfeed-control-plane-calls")
+image = modal.Image.debian_slim(python_version="3.11").add_local_python_source("cp_probe")
+
+
+@app.function(image=image, timeout=600)
+def sleeps(path: str) -> None:
+    """Notes that it started, then sleeps until it is cancelled."""
+    open(path, "w").close()
+    time.sleep(600)
+
+
+@app.function(image=image, timeout=2)
+def overruns() -> None:
+    time.sleep(600)
+
+
+@app.function(image=image, retries=0, timeout=600)
+def adds(a: int, b: int) -> int:
+    if a < 0:
+        raise ValueError("no negatives")
+    return a + b
+'''
+
+
+@pytest.fixture
+def calls_probe(probe) -> Path:
+    (probe / "cp_probe" / "calls.py").write_text(CALLS_APP)
+    return probe
+
+
+def test_a_running_call_is_running_and_a_cancelled_or_timed_out_one_raises(plane, calls_probe, tmp_path):
+    """`FunctionCall.get(timeout=0)` on a running call raises the builtin TimeoutError: the fleet check
+    (app/modal_calls.call_state) used to catch modal's TimeoutError, judge a running fleet dead and spawn
+    a second. A cancelled call raises RemoteError (TERMINATED); one past its timeout raises
+    FunctionTimeoutError, a modal.exception.TimeoutError that is not the builtin one."""
+    started = tmp_path / "started"
+    got = run_client(
+        plane,
+        f"""
+        import builtins, json, os, time
+        import modal
+        from app.modal_calls import call_state
+        from cp_probe.calls import app, sleeps, overruns, adds
+        out = {{}}
+        with app.run():
+            running = sleeps.spawn({str(started)!r})
+            deadline = time.monotonic() + 60
+            while not os.path.exists({str(started)!r}) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            try:
+                running.get(timeout=0)
+            except builtins.TimeoutError as e:
+                out["running_get"] = [type(e).__module__, type(e).__name__]
+            out["running"] = call_state(running, retry=30)[0]
+            done = adds.spawn(1, 2)
+            out["done"] = [done.get(timeout=60), call_state(done, retry=30)[0]]
+            failed = adds.spawn(-1, 2)
+            try:
+                failed.get(timeout=60)
+            except ValueError:
+                pass
+            state, error = call_state(failed, retry=30)
+            out["failed"] = [state, type(error).__name__, str(error)]
+            running.cancel(terminate_containers=True)  # (without: at its next heartbeat, 15 s)
+            try:
+                running.get(timeout=60)
+            except Exception as e:
+                out["cancelled"] = type(e).__name__
+            out["cancelled_state"] = call_state(running, retry=30)[0]
+            try:
+                overruns.remote()
+            except modal.exception.FunctionTimeoutError as e:
+                out["timeout"] = [type(e).__name__, isinstance(e, builtins.TimeoutError)]
+        print(json.dumps(out))
+        """,
+        cwd=calls_probe,
+    )
+    assert got["running_get"] == ["builtins", "TimeoutError"] and got["running"] == "running"
+    assert got["done"] == [3, "ended"]
+    assert got["failed"] == ["failed", "ValueError", "no negatives"]
+    assert (got["cancelled"], got["cancelled_state"]) == ("RemoteError", "failed")
+    assert got["timeout"] == ["FunctionTimeoutError", False]
+    statuses = {c["function"]: c["status"] for c in plane.call_list() if c["function"] in ("sleeps", "overruns")}
+    assert statuses == {"sleeps": "cancelled", "overruns": "timeout"}
