@@ -1,6 +1,6 @@
 """The two ways to run a campaign: `cellfeed local` end to end, and the Modal app imported offline,
-its resources and flags checked (the whole Modal path runs on the emulator:
-tests/test_modal_campaign.py; none of these is a Modal run)."""
+its resources and flags checked (the whole Modal path runs on the local control plane with modal's
+own client: tests/test_modal_campaign.py; none of these is a Modal run)."""
 
 from __future__ import annotations
 
@@ -82,19 +82,29 @@ def non_default_flags() -> dict:
     return values
 
 
+def modal_run_context(args: list[str]):
+    """`modal run app/modal_app.py ARGS` parsed by modal's own CLI (its `run` group resolves the file's
+    local entrypoint and builds its options), offline: the entrypoint's click context, not run."""
+    from modal.cli.run import run as modal_run
+
+    group = modal_run.make_context("modal run", ["app/modal_app.py", *args])
+    rest = [*group._protected_args, *group.args]  # (click 8.2: the subcommand's name and what follows)
+    name, command, rest = modal_run.resolve_command(group, rest)
+    return command.make_context(name, rest, parent=group)
+
+
 def test_every_flag_round_trips_through_modal_run_and_cellfeed_local():
     """The same flags give the same CampaignConfig through `modal run`'s options (built by
     modal's own CLI code from the entrypoint) and `cellfeed local`'s parser."""
     from app.cli import build_parser
     from app.config import CAMPAIGN_FLAGS
-    from cellfeed_testing.modal_emulator.run import command
 
     values = non_default_flags()
     args = [
         a for name, v in values.items() for a in (f"--{name.replace('_', '-')}", str(v)) if not isinstance(v, bool)
     ] + [f"--{n.replace('_', '-')}" for n, v in values.items() if v is True]
     expected = CampaignConfig(**values).validate()
-    ctx = command("app/modal_app.py").make_context("modal run", list(args))
+    ctx = modal_run_context(list(args))
     assert CampaignConfig.from_flags(ctx.params) == expected
     modal_only = ("--attempt-hours", "--modal-retry-s")  # (and --audit-cells, a flag of `cellfeed local`'s own)
     local_args = [a for i, a in enumerate(args) if a not in modal_only and (i == 0 or args[i - 1] not in modal_only)]
@@ -112,7 +122,7 @@ def test_every_flag_round_trips_through_modal_run_and_cellfeed_local():
         ).validate()
     )
     corpus_args = ["--corpus", "/c/corpus.toml", "--run", "c"]
-    ctx = command("app/modal_app.py").make_context("modal run", list(corpus_args))
+    ctx = modal_run_context(list(corpus_args))
     parsed = vars(build_parser().parse_args(["local", *corpus_args]))
     assert CampaignConfig.from_flags(ctx.params).corpus == parsed["corpus"] == "/c/corpus.toml"
 
@@ -158,28 +168,20 @@ def test_a_resume_continues_its_recorded_campaign_and_says_or_refuses_each_chang
 
 
 def test_modal_entrypoint_refuses_more_gpus_than_a_container_has_before_any_call(tmp_path):
-    from cellfeed_testing.modal_emulator import ModalEmulator
+    """modal's own `modal run` against the local control plane: refused in one line before any call."""
+    from cellfeed_testing.modal_control_plane import ControlPlane
 
-    with ModalEmulator(tmp_path / "world") as world:
+    with ControlPlane(tmp_path / "plane", secrets={"cellfeed-s3": {}}) as plane:
         out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "cellfeed_testing.modal_emulator.run",
-                "app/modal_app.py",
-                "--dataset",
-                "s3://bucket/atlas",
-                "--gpus",
-                "9",
-            ],
+            [sys.executable, "-m", "modal", "run", "app/modal_app.py", "--dataset", "s3://bucket/atlas", "--gpus", "9"],
             cwd=ROOT,
-            env=world.env,
+            env={**offline_env(tmp_path), **plane.env},
             capture_output=True,
             text=True,
             timeout=120,
         )
-        assert out.returncode != 0 and "--gpus 9: a Modal container has at most 8 GPUs" in out.stderr
-        assert world.describe()["calls"] == []  # refused before setup ran
+        assert out.returncode != 0 and "--gpus 9: a Modal container has at most 8 GPUs" in out.stderr, out.stderr
+        assert plane.describe()["calls"] == []  # refused before setup ran
 
 
 def test_the_volume_mount_is_fixed_whatever_the_laptops_environment(monkeypatch):
