@@ -20,6 +20,7 @@ from pathlib import Path
 from grpclib.server import Server
 from modal_proto import api_pb2
 
+from cellfeed_testing.modal_control_plane.faults import FaultLayer, faults_for
 from cellfeed_testing.modal_control_plane.server import Servicer
 
 TOKEN_ID, TOKEN_SECRET = "ak-cellfeed-control-plane", "as-cellfeed-control-plane"
@@ -48,6 +49,7 @@ class ControlPlane:
         self.root.mkdir(parents=True, exist_ok=True)
         self.transport = transport
         self.servicer = Servicer(self.root, secrets=secrets, mount_env=mount_env)
+        self.network = faults_for(self.servicer)  # injected network faults (faults.py): fault(), faults()
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="modal-control-plane", daemon=True)
@@ -145,13 +147,26 @@ class ControlPlane:
         """Preempt the containers running `call_id` (calls.py, C17); their task ids."""
         return self.call(self.servicer.preempt(call_id, grace_s), grace_s + STOP_TIMEOUT_S + 5)
 
+    # ---- network faults (faults.py; README "Faults")
+
+    def fault(self, kind: str, target: str, **rule) -> int:
+        """A network fault, fired on events: `kind` grpc_burst | lost_reply | latency, `target` queue |
+        dict | spawn | call | volume; `after` (matching requests let through first), `calls`, `status`
+        (a burst's), `partition` (queue), `op`, `function` (spawn, call), `delay_s` (latency). Its index."""
+        return self.network.add(kind, target, **rule)
+
+    def faults(self) -> list[dict]:
+        """Each rule as added, with what it did: seen, hits, items_lost, done, keys_hit, retries_seen,
+        recovered, calls_made, events."""
+        return self.network.describe()
+
     def call(self, coro, timeout: float = STOP_TIMEOUT_S):
         """Run `coro` on the plane's loop and wait for its result (tests inspect state through this)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self) -> None:
         await self.servicer.start()
-        self._server = Server([self.servicer])
+        self._server = Server([FaultLayer(self.servicer, self.network)])  # (no rule: every request as it is)
         if self.transport == "unix":
             # AF_UNIX paths are limited to ~107 bytes: a short directory of our own, not `root`
             self._sock_dir = tempfile.mkdtemp(prefix="mcp-")
