@@ -58,6 +58,7 @@ from app.config import (
 from app.modal_calls import (
     PRODUCER_RETRIES,
     Fleet,
+    call_by_id,
     claim_run,
     interrupt_held,
     release_claim,
@@ -493,7 +494,7 @@ def follow(summary: dict, retry: float) -> dict:
         else:  # a second trainer of the run (a spawn made again, its first reply lost): the first one trains
             print(f"the run is trained by call {summary['duplicate_of']}: following it", flush=True)
         following = summary.get("continued_as") or summary["duplicate_of"]
-        summary = result(modal.FunctionCall.from_id(following), retry)
+        summary = result(call_by_id(following), retry)
     return summary
 
 

@@ -29,6 +29,14 @@ def result(call, retry: float = RETRY_S):
     return retrying(call.get, f"waiting for {call.object_id}", retry)
 
 
+def call_by_id(call_id: str):
+    """`modal.FunctionCall.from_id(call_id)`, hydrated: modal 1.6's `from_id` is lazy, and the handle's
+    `object_id` raises AttributeError until it is (its loader makes no RPC: modal/_functions.py:2566-2576)."""
+    call = modal.FunctionCall.from_id(call_id)
+    call.hydrate()
+    return call
+
+
 def claim_holder(store, run: str) -> str | None:
     """The id of the call that holds the run's claim (`claim_run`), if one does."""
     from coordination.routing import trainer_key
@@ -40,7 +48,7 @@ def claim_holder(store, run: str) -> str | None:
 def running_trainer(store, run: str, retry: float = RETRY_S) -> str | None:
     """The id of the call that holds the run's claim if Modal still runs it, else None."""
     holder = claim_holder(store, run)
-    if holder is not None and call_state(modal.FunctionCall.from_id(holder), retry)[0] == "running":
+    if holder is not None and call_state(call_by_id(holder), retry)[0] == "running":
         return holder
     return None
 
@@ -61,7 +69,7 @@ def claim_run(store, run: str, call_id: str, retry: float = RETRY_S) -> str | No
     if holder is None or holder == call_id:  # (released meanwhile; or this call again: a preempted input)
         store.put(key, mine)
         return None
-    if call_state(modal.FunctionCall.from_id(holder), retry)[0] == "running":
+    if call_state(call_by_id(holder), retry)[0] == "running":
         return holder
     after = f"{key}/after/{holder}"
     if store.put(after, call_id, skip_if_exists=True) or store.get(after) == call_id:
@@ -109,7 +117,7 @@ class Fleet:
         self.calls = {}
         for i in range(cfg.producers):
             name = f"producer-{i}"
-            call = modal.FunctionCall.from_id(ids[name]) if name in ids else None
+            call = call_by_id(ids[name]) if name in ids else None
             if call is not None and call_state(call, cfg.modal_retry_s)[0] == "running":
                 self.calls[name] = call
         if self.calls and world != cfg.world_size:  # they route items to another number of ranks: replaced

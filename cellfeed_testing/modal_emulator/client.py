@@ -461,6 +461,10 @@ class FunctionCall:
     def from_id(cls, function_call_id: str, client=None) -> "FunctionCall":
         return cls(function_call_id)
 
+    def hydrate(self, client=None) -> "FunctionCall":
+        """modal's `from_id` handle is lazy until hydrated (its `object_id` raises before); this one never is."""
+        return self
+
     def get(self, timeout: float | None = None, *, index: int = 0):
         """S13: the result; the remote error re-raised; FunctionTimeoutError when the function
         ran past its timeout; builtin `TimeoutError` while it is still running after `timeout`."""
