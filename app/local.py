@@ -120,34 +120,7 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
                     "resume. Raise --epochs to train on, or start another --run"
                 }
             checkpoint.check_same_plan(latest.step, latest.epoch, latest.plan_id, store, cfg.run, facts.epochs)
-        total_steps = facts.total_steps
-        if cfg.corpus:
-            print(
-                f"corpus {cfg.corpus}: {len(facts.sources)} sources; vocabulary {facts.n_genes:,} genes "
-                f"({workdir / 'vocab.json'})"
-            )
-            for name, cells, line in facts.sources:
-                print(f"  {cells:>10,} cells per epoch from {line}")
-        print(
-            f"campaign {cfg.run}: {facts.cells_per_epoch:,} cells/epoch in {plural(facts.units_per_epoch, 'unit')}, "
-            f"{plural(cfg.producers, 'producer')}, {plural(cfg.world_size, 'rank')} (gloo, CPU"
-            + (f"; {cfg.nodes} nodes of {cfg.gpus}" if cfg.nodes > 1 else "")
-            + "), "
-            f"{plural(total_steps, 'step')} of {cfg.batch_size} cells per rank over {plural(facts.epochs, 'epoch')}"
-            + (f", {facts.held_out_cells:,} held-out cells" if facts.held_out_cells else ""),
-            flush=True,
-        )
-        if facts.class_mix:
-            print(class_mix_line(facts), flush=True)
-        print(
-            f"checkpoints: {cfg.run_checkpoint_dir} (every {cfg.checkpoint_every} steps); step log, TensorBoard "
-            f"(tb/), status: {workdir}" + (f"; cell logs: {workdir}/cells.rank<r>.jsonl" if audit_cells else ""),
-            flush=True,
-        )
-        default_workdir = workdir.parent == Path("runs").resolve()
-        print(watch_line(cfg.run, "" if default_workdir else f"--workdir {shlex.quote(str(workdir.parent))}"))
-        if cfg.preset != "tiny":
-            print(f"note: --preset {cfg.preset} on CPU ranks is slow; --preset tiny is the CPU model", flush=True)
+        announce(cfg, facts, workdir, audit_cells)
         journal.event("resumed" if latest else "started", step=latest.step if latest else 0, ranks=cfg.world_size)
         config_path = write_record(workdir, asdict(cfg))  # the producers' config; what `--resume` continues
         fleet = ProducerFleet(config_path, server.where, cfg.producers, workdir)
@@ -167,39 +140,7 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
             ranks += launch(
                 train_cfg, cfg.gpus, workdir, summary_path, log_ranks=True, node=node, nodes=cfg.nodes, master=master
             )
-        interrupts = []
-
-        def on_interrupt(*_):  # the first Ctrl-C stops gracefully (a checkpoint); a second, at once
-            interrupts.append(True)
-            if len(interrupts) > 1:
-                raise KeyboardInterrupt
-
-        signal.signal(signal.SIGINT, on_interrupt)
-        stopping, restarts, warned = False, 0, False
-        while any(p.poll() is None for p in ranks):
-            if any(p.poll() not in (None, 0) for p in ranks):
-                break
-            fleet.check()  # a dead producer is restarted; its unit is re-issued by the driver
-            if sum(fleet.restarts) > restarts:
-                restarts = sum(fleet.restarts)
-                journal.event("producer restarted", restarts=restarts)
-            snap = monitor.look(fleet.codes())
-            if interrupts:
-                monitor.ask("Ctrl-C")
-            if monitor.asked and not stopping:
-                ask_to_stop(ranks)
-                stopping = True
-                print(
-                    f"stopping ({monitor.asked}): the ranks checkpoint after this step; Ctrl-C again stops at once",
-                    flush=True,
-                )
-            if snap is not None and not quiet and snap["step"] < facts.total_steps:  # rank 0 prints the final table
-                print(status_line(snap), flush=True)
-            note = None if (warned or snap is None) else slow_step_note(cfg, snap)
-            if note:
-                print(note, flush=True)
-                warned = True
-            time.sleep(CHECK_EVERY_S)
+        watch(cfg, facts, ranks, fleet, monitor, journal, quiet)
         codes = wait_all(ranks, timeout=60)
         if codes != [0] * cfg.world_size:
             raise CellfeedError(f"the campaign failed: trainer ranks exited {codes}; rank logs are in {workdir}")
@@ -225,6 +166,75 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
             stop_campaign(store, cfg.run, fleet.procs if fleet else [], server)
         finally:
             signal.signal(signal.SIGINT, previous_sigint)
+
+
+def announce(cfg: CampaignConfig, facts, workdir: Path, audit_cells: bool) -> None:
+    """What the campaign is, where its files go, and how to watch it."""
+    if cfg.corpus:
+        print(
+            f"corpus {cfg.corpus}: {len(facts.sources)} sources; vocabulary {facts.n_genes:,} genes "
+            f"({workdir / 'vocab.json'})"
+        )
+        for name, cells, line in facts.sources:
+            print(f"  {cells:>10,} cells per epoch from {line}")
+    print(
+        f"campaign {cfg.run}: {facts.cells_per_epoch:,} cells/epoch in {plural(facts.units_per_epoch, 'unit')}, "
+        f"{plural(cfg.producers, 'producer')}, {plural(cfg.world_size, 'rank')} (gloo, CPU"
+        + (f"; {cfg.nodes} nodes of {cfg.gpus}" if cfg.nodes > 1 else "")
+        + "), "
+        f"{plural(facts.total_steps, 'step')} of {cfg.batch_size} cells per rank over {plural(facts.epochs, 'epoch')}"
+        + (f", {facts.held_out_cells:,} held-out cells" if facts.held_out_cells else ""),
+        flush=True,
+    )
+    if facts.class_mix:
+        print(class_mix_line(facts), flush=True)
+    print(
+        f"checkpoints: {cfg.run_checkpoint_dir} (every {cfg.checkpoint_every} steps); step log, TensorBoard "
+        f"(tb/), status: {workdir}" + (f"; cell logs: {workdir}/cells.rank<r>.jsonl" if audit_cells else ""),
+        flush=True,
+    )
+    default_workdir = workdir.parent == Path("runs").resolve()
+    print(watch_line(cfg.run, "" if default_workdir else f"--workdir {shlex.quote(str(workdir.parent))}"))
+    if cfg.preset != "tiny":
+        print(f"note: --preset {cfg.preset} on CPU ranks is slow; --preset tiny is the CPU model", flush=True)
+
+
+def watch(cfg: CampaignConfig, facts, ranks: list, fleet, monitor, journal, quiet: bool) -> None:
+    """Until the ranks end: restart dead producers, publish the status, pass a stop (asked, or Ctrl-C)
+    on to the ranks, print progress. Returns when every rank has exited, or one has failed."""
+    interrupts = []
+
+    def on_interrupt(*_):  # the first Ctrl-C stops gracefully (a checkpoint); a second, at once
+        interrupts.append(True)
+        if len(interrupts) > 1:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    stopping, restarts, warned = False, 0, False
+    while any(p.poll() is None for p in ranks):
+        if any(p.poll() not in (None, 0) for p in ranks):
+            break
+        fleet.check()  # a dead producer is restarted; its unit is re-issued by the driver
+        if sum(fleet.restarts) > restarts:
+            restarts = sum(fleet.restarts)
+            journal.event("producer restarted", restarts=restarts)
+        snap = monitor.look(fleet.codes())
+        if interrupts:
+            monitor.ask("Ctrl-C")
+        if monitor.asked and not stopping:
+            ask_to_stop(ranks)
+            stopping = True
+            print(
+                f"stopping ({monitor.asked}): the ranks checkpoint after this step; Ctrl-C again stops at once",
+                flush=True,
+            )
+        if snap is not None and not quiet and snap["step"] < facts.total_steps:  # rank 0 prints the final table
+            print(status_line(snap), flush=True)
+        note = None if (warned or snap is None) else slow_step_note(cfg, snap)
+        if note:
+            print(note, flush=True)
+            warned = True
+        time.sleep(CHECK_EVERY_S)
 
 
 def slow_step_note(cfg: CampaignConfig, snap: dict) -> str | None:
