@@ -284,7 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
             **kwargs,
         )
 
-    p = command("synth", "write a synthetic Tahoe-like atlas (plates stored in order)")
+    add_dataset_commands(command)
+    add_campaign_commands(command)
+    return parser
+
+
+def add_dataset_commands(command) -> None:
+    """synth, convert, stats: datasets made and described."""
+    synth = p = command("synth", "write a synthetic Tahoe-like atlas (plates stored in order)")
     p.add_argument("out", help="output dataset: a local path or s3://bucket/prefix")
     p.add_argument("--cells", type=_positive_int, required=True, help="number of cells (required)")
     p.add_argument("--genes", type=_positive_int, default=62_710, help="number of genes (Tahoe has 62,710)")
@@ -292,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed; the same seed writes the same dataset")
     p.set_defaults(func=cmd_synth)
 
-    p = command(
+    convert = p = command(
         "convert",
         "convert h5ad file(s) with the same genes into one dataset",
         description="Convert h5ad file(s) with the same genes into one dataset (concatenated in order). "
@@ -308,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_convert)
 
-    for p in (sub.choices["synth"], sub.choices["convert"]):
+    for p in (synth, convert):
         p.add_argument(
             "--rows-per-fragment",
             type=_positive_int,
@@ -348,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--subset-filter", default=None, help="with --balance-by: the training cells, as `cellfeed local`'s")
     p.set_defaults(func=stats.cmd_stats)
 
+
+def add_campaign_commands(command) -> None:
+    """local, inspect, s3-server: campaigns, their datasets checked, their object store."""
     p = command(
         "local",
         "run a whole pretraining campaign on this machine (processes, DDP on CPU)",
@@ -409,7 +419,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_s3_server)
     ops.add_commands(command)
-    return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
