@@ -29,16 +29,15 @@ def plane_env(plane: ControlPlane) -> dict:
     return {**{k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}, **plane.env}
 
 
-def modal_run(plane: ControlPlane, args: list[str]) -> subprocess.Popen:
-    """`modal run app/modal_app.py ARGS`, modal's CLI, against the plane, in a process of its own."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "modal", "run", "app/modal_app.py", *args],
-        cwd=ROOT,
-        env=plane_env(plane),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def modal_run(plane: ControlPlane, args: list[str], folder: Path) -> subprocess.Popen:
+    """`modal run app/modal_app.py ARGS`, modal's CLI, against the plane, in a process of its own. Its
+    output goes to `folder`/out and err (the containers' logs stream through it: a pipe read only at
+    the end would fill and stall it)."""
+    with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "modal", "run", "app/modal_app.py", *args],
+            cwd=ROOT, env=plane_env(plane), stdout=out, stderr=err, text=True,
+        )  # fmt: skip
 
 
 def cellfeed(plane: ControlPlane, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -201,9 +200,9 @@ def test_status_and_the_report_keep_every_epoch_after_a_modal_campaign_resumes(a
     `cellfeed status --json` and in the last status on the Volume that the report plots."""
     secrets, mounts = {"cellfeed-s3": {}}, {"/checkpoints": "CELLFEED_CHECKPOINT_MOUNT"}
     with ControlPlane(tmp_path / "plane", secrets=secrets, mount_env=mounts) as plane:
-        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, batch_size=16, epochs=3))  # 3 epochs of 42 steps
+        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, batch_size=16, epochs=3), tmp_path)  # 3 x 42 steps
         call = wait_for(lambda: train_attempt(plane) or proc.poll() is not None, "train to start")
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
         first = call["attempts"][0]["task"]
         audited_0 = re.compile(r"epoch 0: [\d,]+ cells trained, 0 missing, 0 duplicated")
         wait_for(
@@ -213,8 +212,7 @@ def test_status_and_the_report_keep_every_epoch_after_a_modal_campaign_resumes(a
         )
         assert proc.poll() is None, "the campaign ended before the preemption"
         assert plane.preempt(call["id"]) == [first]  # (two epochs are left: the campaign cannot end first)
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
+        assert proc.wait(timeout=600) == 0, (tmp_path / "err").read_text()[-3000:]
         (train,) = plane.call_list("train")
         assert train["status"] == "success" and len(train["attempts"]) == 2  # (the second's output is the call's)
         assert train["attempts"][0]["killed"] == "preempted"
