@@ -989,3 +989,22 @@ def test_a_running_call_is_running_and_a_cancelled_or_timed_out_one_raises(plane
     assert got["timeout"] == ["FunctionTimeoutError", False]
     statuses = {c["function"]: c["status"] for c in plane.call_list() if c["function"] in ("sleeps", "overruns")}
     assert statuses == {"sleeps": "cancelled", "overruns": "timeout"}
+
+
+def test_a_volume_removes_a_file_and_a_folder_only_when_told_recursive(here):  # emulator S23 (README V6)
+    """What deploy/first_run's clean-up does to the checkpoints Volume, from the laptop."""
+    import modal
+
+    volume = modal.Volume.from_name("cellfeed-checkpoints", create_if_missing=True)
+    committed = here.volume_dir
+    (committed / "r" / "sub").mkdir(parents=True)
+    (committed / "r" / "sub" / "step-1.pt").write_bytes(b"x")
+    (committed / "r" / "state.json").write_text("{}")
+    with pytest.raises(modal.exception.InvalidError):
+        volume.remove_file("/r")  # a folder with files in it needs recursive=True
+    volume.remove_file("/r/sub/step-1.pt")
+    assert sorted(e.path for e in volume.listdir("/", recursive=True)) == ["r", "r/state.json", "r/sub"]
+    volume.remove_file("r", recursive=True)
+    assert not (committed / "r").exists() and committed.exists()
+    with pytest.raises(FileNotFoundError):
+        volume.remove_file("/r", recursive=True)
