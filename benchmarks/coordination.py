@@ -264,6 +264,21 @@ def simulate(
     }
 
 
+def with_plane_client(modal_env: dict) -> None:
+    """modal's client in this process from now on: `modal_env`'s MODAL_* settings replace this
+    environment's, and the client modal made from the old ones (`Client.from_env` keeps one) is closed
+    first, so the next call makes one from these."""
+    import modal
+
+    try:
+        modal.Client.from_env().close()  # (made now if there was none: no request is sent)
+    except modal.exception.AuthError:
+        pass  # no token in the old settings: no client to close
+    for name in [k for k in os.environ if k.startswith("MODAL_")]:
+        del os.environ[name]
+    os.environ.update(modal_env)
+
+
 def full_partition_phase(
     *,
     seconds: float,
@@ -275,22 +290,27 @@ def full_partition_phase(
     speedup: float = 4.0,
     ranks: int = 2,
 ) -> dict:
-    """Producers `speedup` x faster than the trainer, on the Modal emulator's queue (a full
-    partition refuses a put at once when its timeout is under ~2 s, as Modal's client does), at
-    `latency_ms` a call: what producers upload, and how many calls they make, per cell the queue
-    takes. A producer that re-sends into a full partition without waiting shows up here."""
+    """Producers `speedup` x faster than the trainer, on a modal.Queue served by the local Modal
+    control plane (cellfeed_testing/modal_control_plane) through modal's own client, in this process
+    (a full partition is RESOURCE_EXHAUSTED, which a put with a timeout under ~2 s gets back at once:
+    modal's client retries it with backoff until its timeout), at `latency_ms` a call: what producers
+    upload, and how many calls they make, per cell the queue takes, counted by the plane. A producer
+    that re-sends into a full partition without waiting shows up here."""
     import tempfile
 
-    from cellfeed_testing.modal_emulator import ModalEmulator
+    from cellfeed_testing.modal_control_plane import ControlPlane
+    from cellfeed_testing.modal_control_plane.queue_stats import count_queue_requests, queue_stats
     from coordination.latency import with_latency
     from coordination.modal_backend import run_backends
 
     global WORLD
     world_before, WORLD = WORLD, ranks
     root = tempfile.mkdtemp(prefix="cellfeed-spin-")
-    emulator = ModalEmulator(root)
+    plane = ControlPlane(root).start()
+    count_queue_requests(plane)
+    saved_env = {k: v for k, v in os.environ.items() if k.startswith("MODAL_")}
     try:
-        emulator.install()
+        with_plane_client(plane.env)
         queue, store = run_backends("spin")
         kind = lambda p: ".items" if (p or "").startswith("rank-") else ""  # noqa: E731
         queue, store, counts = with_latency(queue, store, latency_ms, jitter_ms, partition_kind=kind)
@@ -326,7 +346,7 @@ def full_partition_phase(
         before = counts.snapshot()
         time.sleep(seconds)
         calls = {k: v - before.get(k, 0) for k, v in counts.snapshot().items()}
-        stats = emulator.describe()["stats"].get("rank-*", {})
+        stats = queue_stats(plane).get("rank-*", {})
         stop.set()
         driver.stop()
         for sim in sims:
@@ -334,7 +354,8 @@ def full_partition_phase(
         for t in threads:
             t.join(timeout=10)
     finally:
-        emulator.close()
+        with_plane_client(saved_env)  # (modal's client in this process: the one it had before, if any)
+        plane.stop()
         shutil.rmtree(root, ignore_errors=True)
         WORLD = world_before
     accepted_cells = stats.get("put_ok_items", 0) * CELLS_PER_ITEM
@@ -465,7 +486,7 @@ def main() -> None:
         "--spin-seconds",
         type=float,
         default=60.0,
-        help="length of the full-partition phase on the Modal emulator (default: 60; --quick: 20)",
+        help="length of the full-partition phase on the local Modal control plane (default: 60; --quick: 20)",
     )
     parser.add_argument(
         "--startup-cells",

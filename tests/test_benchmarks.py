@@ -156,7 +156,7 @@ def test_randomness(tmp_path):
 
 def test_coordination():
     """The simulation at Modal's latency (a producer dies: its unit is re-issued after the lease),
-    the full-partition phase on the Modal emulator, the start-up and driver probes."""
+    the full-partition phase on the local Modal control plane (modal's own client), the start-up and driver probes."""
     figures = figures_of(run_benchmark("coordination", "--tiny"))
     assert figures["finished"] and figures["cells"] == figures["expected_cells"] > 0
     assert figures["reissued"] >= 1 and finite(figures["reissue_s"])
