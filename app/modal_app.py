@@ -130,6 +130,7 @@ def setup_body(config: dict) -> dict:
 def produce_body(config: dict, name: str) -> dict:
     """One producer: works until rank 0 signals the stop, an hour passes without tasks, or
     `PRODUCER_HOURS` are up (it returns before Modal's 24 h; `train` starts another)."""
+    print(f"modal {modal.__version__} from {modal.__file__}", flush=True)  # (the client this container runs)
     import threading
 
     from coordination.backends import connect
@@ -156,6 +157,7 @@ def produce_body(config: dict, name: str) -> dict:
 
 def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summary.SetupFacts as a dict
     """The GPU container's launcher (see the module's docstring for how a call ends)."""
+    print(f"modal {modal.__version__} from {modal.__file__}", flush=True)  # (the client this container runs)
     import tempfile
     from pathlib import Path
 

@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 import time
+from importlib.metadata import version as metadata_version
 from pathlib import Path
 
 import pytest
@@ -196,18 +197,31 @@ def test_chaos():
 
 
 def test_modal_chaos():
-    """A whole campaign on the Modal emulator (`modal run`, each function under its image) through
-    a failing network, each fault at the n-th matching call: outages of every queue call, dict call,
-    spawn and look at a call's result, each far past Modal's own retries (~0.7 s); lost replies of
-    two rank gets (one retried past in silence, one reaching the caller) and of a producer's task
-    pop; a latency spike; and a producer preempted (SIGINT to every process of its container).
-    Every cell trained exactly once (the ranks' cell logs, cell by cell), the lost items asked for
-    again and made again, the run's state never deleted before its end."""
+    """A whole campaign through modal's real `modal run` on the local control plane (its containers run
+    modal's own entrypoint) through a failing network, each fault at the n-th matching request: bursts
+    past modal's own retries on the queue, the Dict, the producers' spawn and the looks at a call's
+    result; lost replies (applied, then no reply) of three queue gets, a Dict pop, train's spawn (a
+    second train call: one trains) and setup's result; a latency spike; a producer preempted (SIGINT to
+    every process of its container). Every cell trained exactly once (the ranks' cell logs, cell by
+    cell), the lost items made again, the run's state never deleted before its end, and every container
+    ran the installed modal."""
     figures = figures_of(run_benchmark("modal_chaos", "--tiny"))
-    assert figures["completed"] and figures["faults_injected"] == 9
-    assert figures["fault_kinds"] == {"transport_burst": 4, "lost_reply": 3, "latency_spike": 1, "preempt_produce": 1}
+    assert figures["completed"] and figures["faults_injected"] == 12
+    assert figures["fault_kinds"] == {
+        "grpc_burst": 4,
+        "lost_reply_get": 3,
+        "lost_reply_pop": 1,
+        "lost_reply_spawn": 1,
+        "lost_reply_result": 1,
+        "latency": 1,
+        "preempt_produce": 1,
+    }
     assert (figures["cells_checked"], figures["cells_lost"], figures["cells_duplicated"]) == (600, 0, 0)
     assert figures["state_deleted_before_end"] == 0 and figures["units_redone"] >= 1  # the lost items, made again
+    assert (figures["train_calls"], figures["trainers"]) == (2, 1)  # train's spawn made twice; one trainer
+    assert figures["client_calls_failed_to_product"] >= 1  # a burst outlasted modal's own retries somewhere
+    installed = importlib.util.find_spec("modal").origin
+    assert figures["modal_client_file"] == installed and figures["modal_client_version"] == metadata_version("modal")
     assert finite(figures["wall_s"]) and figures["overhead_ratio"] is None
 
 
