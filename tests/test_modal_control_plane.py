@@ -1008,3 +1008,108 @@ def test_a_volume_removes_a_file_and_a_folder_only_when_told_recursive(here):  #
     assert not (committed / "r").exists() and committed.exists()
     with pytest.raises(FileNotFoundError):
         volume.remove_file("/r", recursive=True)
+
+
+# ---- S20: a container imports only what its image installs (image_guard.py)
+
+IMAGES_APP = '''
+import importlib, subprocess, sys
+import modal
+
+app = modal.App("cellfeed-control-plane-images")
+bare = modal.Image.debian_slim(python_version="3.11").add_local_python_source("cp_probe")
+with_numpy = (
+    modal.Image.debian_slim(python_version="3.11").pip_install("numpy>=1.26").add_local_python_source("cp_probe")
+)
+
+
+def _import(names):
+    """Imports each module here and in a fresh Python this body starts (a container's every process
+    runs under its image); their names, or the error."""
+    out = [importlib.import_module(n).__name__ for n in names]
+    for n in names:
+        subprocess.run([sys.executable, "-c", f"import {n}"], check=True, capture_output=True)
+    return out
+
+
+@app.function(image=bare, timeout=600)
+def imports_bare(names: list) -> list:
+    return _import(names)
+
+
+@app.function(image=with_numpy, timeout=600)
+def imports_numpy(names: list) -> list:
+    return _import(names)
+
+
+@app.function(image=bare, timeout=600)
+def child_imports(names: list) -> list:
+    """The exit status of a fresh Python importing each (the body itself imports none of them)."""
+    return [subprocess.run([sys.executable, "-c", f"import {n}"], capture_output=True).returncode for n in names]
+'''
+
+
+def test_a_container_imports_only_what_its_image_installs(plane, probe):
+    """`bare` adds only `cp_probe`: numpy (installed on this machine) is not there, in the body or in a
+    Python the body starts; an image that pip-installs numpy has it; the repository's packages are in
+    neither (emulator S20)."""
+    from cellfeed_testing.modal_control_plane.image_guard import enforce_images
+
+    (probe / "cp_probe" / "images.py").write_text(IMAGES_APP)
+    enforce_images(plane)
+    got = run_client(
+        plane,
+        """
+        import json
+        from cp_probe.images import app, child_imports, imports_bare, imports_numpy
+        out = {}
+        def attempt(f, names):
+            try:
+                return f.remote(names)
+            except Exception as e:
+                return [type(e).__name__, str(e)]
+        with app.run():
+            out["bare_ok"] = attempt(imports_bare, ["json", "modal", "grpclib", "cp_probe.app"])
+            out["bare_numpy"] = attempt(imports_bare, ["numpy"])
+            out["numpy_ok"] = attempt(imports_numpy, ["numpy"])
+            out["repo"] = [attempt(f, ["producers"]) for f in (imports_bare, imports_numpy)]
+            out["child"] = attempt(child_imports, ["json", "numpy", "cp_probe.app"])
+        print(json.dumps(out))
+        """,
+        cwd=probe,
+    )
+    assert got["bare_ok"] == ["json", "modal", "grpclib", "cp_probe.app"]
+    assert got["bare_numpy"] == ["ModuleNotFoundError", "No module named 'numpy'"]
+    assert got["numpy_ok"] == ["numpy"]
+    assert got["repo"] == [["ModuleNotFoundError", "No module named 'producers'"]] * 2
+    assert got["child"] == [0, 1, 0]  # a Python the body starts runs under the image too
+    refusals = "".join(
+        (plane.servicer.containers.folder_for(c["attempts"][0]["task"]) / "image_refusals.txt").read_text()
+        for c in plane.call_list("imports_bare")
+        if (plane.servicer.containers.folder_for(c["attempts"][0]["task"]) / "image_refusals.txt").exists()
+    )
+    assert "numpy: not in the image" in refusals and "producers: not in the image" in refusals
+
+
+def test_an_image_allows_its_packages_dependencies_and_modal():  # emulator S20's rule
+    from cellfeed_testing.modal_control_plane.image_guard import SITE, allowed_modules
+
+    spec = importlib_site(SITE)
+    allow = allowed_modules(("torch==2.13.0",))["allow"]
+    guard = spec.ImageGuard(allow, ["trainer"], "t")
+    allowed = ("torch", "sympy", "networkx", "filelock", "modal", "grpclib", "google.protobuf", "trainer.x", "json")
+    for ok in allowed:
+        assert guard.permits(ok), ok
+    for refused in ("lance", "pyarrow", "polars", "zstandard", "producers", "cellfeed_testing.object_store"):
+        assert not guard.permits(refused), refused
+    assert allowed_modules(("numpy==0.0.1",))["other_versions"]
+
+
+def importlib_site(path: Path):
+    """image_site.py as a module of its own (not as a sitecustomize: it installs nothing)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cellfeed_image_site", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
