@@ -48,6 +48,8 @@ class Call:
     cancelled: bool = False
     containers: list[Container] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    outcomes: dict[int, str] = field(default_factory=dict)  # attempt -> preempted, failure, timeout, success, ...
+    failing_attempts: set[int] = field(default_factory=set)  # K6: attempts made to fail before their body runs
 
 
 def _retry_policy(fn_def: api_pb2.Function) -> tuple[int, float]:
@@ -91,7 +93,7 @@ class CallRPCs:
             delay,
         )
         self.calls[call.call_id] = call
-        await self.start_container(call)
+        await self.start_attempt(call)
         await stream.send_message(
             api_pb2.FunctionMapResponse(
                 function_call_id=call.call_id,
@@ -199,7 +201,10 @@ class CallRPCs:
         for out in req.outputs:
             if out.input_id == c.call.input_id:
                 c.output_sent = True
-                await self.attempt_ended(c, out.result, out.data_format)
+                if c.rank == 0:  # K1: rank 0's output is the call's
+                    await self.attempt_ended(c, out.result, out.data_format)
+                elif out.result.status != GenericResult.GENERIC_STATUS_SUCCESS:  # K1: the cluster fails with it
+                    await self.cluster_failed(c, f"failed: {out.result.exception}".strip())
         await stream.send_message(Empty())
 
     async def TaskResult(self, stream) -> None:
@@ -210,7 +215,10 @@ class CallRPCs:
         c.task_result = req.result
         if not c.output_sent and req.result.status not in (0, GenericResult.GENERIC_STATUS_SUCCESS):
             c.output_sent = True
-            await self.attempt_ended(c, req.result, api_pb2.DATA_FORMAT_PICKLE if req.result.data else 0)
+            if c.rank > 0:  # K1
+                await self.cluster_failed(c, f"failed: {req.result.exception}".strip())
+            else:
+                await self.attempt_ended(c, req.result, api_pb2.DATA_FORMAT_PICKLE if req.result.data else 0)
         await stream.send_message(Empty())
 
     async def ContainerStop(self, stream) -> None:
@@ -224,16 +232,24 @@ class CallRPCs:
 
     async def container_exited(self, c: Container) -> None:
         """C12: a container that ends without an output fails its attempt, so `.get()` never waits forever."""
-        if c.output_sent:
-            return
-        c.output_sent = True
         call: Call = c.call
         app = self.apps.get(call.app_id)
         if c.killed_why == PREEMPTED and call.output is None and not call.cancelled and not (app and app.stopped):
-            # C17: a preempted input runs again on a new container, not counted as a retry
-            if c.attempt == call.attempt:
+            # C17: a preempted input runs again on a new container, not counted as a retry; a cluster's
+            # once every container of the preempted attempt has ended (K1)
+            c.output_sent = True
+            members = self.attempt_members(call, c.attempt)
+            if c.attempt == call.attempt and all(x.ended.is_set() for x in members):
+                call.outcomes[c.attempt] = PREEMPTED
                 call.attempt += 1
-                await self.start_container(call)
+                await self.start_attempt(call)
+            return
+        if c.output_sent:
+            return
+        c.output_sent = True
+        if c.rank > 0:  # K1: a container of a cluster ended without an output: the attempt fails with it
+            why = f" ({c.killed_why})" if c.killed_why else ""
+            await self.cluster_failed(c, f"exited with code {c.exit_code}{why}")
             return
         if c.killed_why.startswith("timeout"):
             result = GenericResult(status=GenericResult.GENERIC_STATUS_TIMEOUT, exception=f"Function {c.killed_why}")
@@ -248,18 +264,42 @@ class CallRPCs:
             )
         await self.attempt_ended(c, result, 0)
 
+    async def cluster_failed(self, c: Container, why: str) -> None:
+        """K1: a container of rank > 0 failed: its cluster's attempt fails, naming it."""
+        fn = self.functions.get(c.call.function_id)
+        name = fn.definition.function_name if fn else "?"
+        result = GenericResult(
+            status=GenericResult.GENERIC_STATUS_FAILURE,
+            exception=f"{name}: container {c.rank} of its cluster {why}",
+            exitcode=c.exit_code or 0,
+        )
+        await self.attempt_ended(c, result, 0)
+
     async def attempt_ended(self, c: Container, result: GenericResult, data_format: int) -> None:
         call: Call = c.call
         if call.output is not None or c.attempt != call.attempt:
             return  # a late report of an attempt already settled
-        retryable = result.status in (GenericResult.GENERIC_STATUS_FAILURE, GenericResult.GENERIC_STATUS_TIMEOUT)
+        status = result.status
+        call.outcomes[c.attempt] = {
+            GenericResult.GENERIC_STATUS_SUCCESS: "success",
+            GenericResult.GENERIC_STATUS_TIMEOUT: "timeout",
+            GenericResult.GENERIC_STATUS_TERMINATED: "cancelled",
+        }.get(status, "failure")
+        # K1: the rest of a cluster ends with its attempt: at once after a failure, with a grace after rank 0's output
+        ok = status == GenericResult.GENERIC_STATUS_SUCCESS
+        for x in self.attempt_members(call, c.attempt):
+            if x is not c and not x.ended.is_set():
+                x.output_sent = x.output_sent or not ok  # (its end is this attempt's, already settled)
+                why, grace = ("its cluster's input ended", 5.0) if ok else ("its cluster failed", 0.0)
+                asyncio.ensure_future(self.containers.kill(x, why, grace))
+        retryable = status in (GenericResult.GENERIC_STATUS_FAILURE, GenericResult.GENERIC_STATUS_TIMEOUT)
         app = self.apps.get(call.app_id)
         if retryable and call.retries_left > 0 and not call.cancelled and not (app and app.stopped):
             call.retries_left -= 1
             call.retry_count += 1
             call.attempt += 1
             asyncio.get_running_loop().call_later(
-                call.retry_delay_s, lambda: asyncio.ensure_future(self.start_container(call))
+                call.retry_delay_s, lambda: asyncio.ensure_future(self.start_attempt(call))
             )
             return
         call.output = api_pb2.FunctionGetOutputsItem(

@@ -40,6 +40,43 @@ log = logging.getLogger("cellfeed.modal_control_plane")
 TASK_HEADER = "x-cellfeed-task-id"
 STOP_GRACE_S = 5.0  # SIGINT, then this long, then SIGKILL (when the plane or an app stops)
 EXIT_WAIT_S = 10.0  # how long a killed process may take to be reaped
+# K3: Modal's containers are told their cloud (`MODAL_CLOUD_PROVIDER`; a clustered container's client reads
+# it, modal/_cluster.py:167-175, and fails without it). The plane runs on no cloud: the proto's own "none".
+CLOUD_PROVIDER = "CLOUD_PROVIDER_UNSPECIFIED"
+I6PN_HOST = "i6pn.modal.local"  # K2: the name a clustered container's client resolves to its own IPv6 address
+I6PN_ADDRESS = "::1"  # every container of this plane is on this host: its IPv6 loopback
+FAULT_MODULE = "cellfeed_control_plane_fault"  # K6: imported instead of the app's module by an attempt made to fail
+# K2: this machine's resolver knows no `i6pn.modal.local` (Modal's container DNS does); a clustered
+# container's Python resolves it through this shim, first on its PYTHONPATH, which answers that one name
+# with the IPv6 loopback and passes every other to the real getaddrinfo, then runs any sitecustomize after it
+RESOLVER = f"""\
+import socket as _socket
+
+_real_getaddrinfo = _socket.getaddrinfo
+
+
+def _getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):
+    if host in ({I6PN_HOST!r}, {I6PN_HOST!r}.encode()):
+        if family not in (0, _socket.AF_INET6):
+            raise _socket.gaierror(_socket.EAI_ADDRFAMILY, "{I6PN_HOST} has only an IPv6 address")
+        return _real_getaddrinfo({I6PN_ADDRESS!r}, port, _socket.AF_INET6, type, proto, flags)
+    return _real_getaddrinfo(host, port, family, type, proto, flags)
+
+
+_socket.getaddrinfo = _getaddrinfo
+
+import importlib.machinery as _machinery
+import importlib.util as _util
+import os as _os
+import sys as _sys
+
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_rest = [p for p in _sys.path if p and _os.path.abspath(p) != _here]
+_spec = _machinery.PathFinder.find_spec("sitecustomize", _rest)
+if _spec is not None and _spec.loader is not None:
+    _module = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)
+"""
 
 
 @dataclass
@@ -58,6 +95,11 @@ class Container:
     killed_why: str = ""
     retry_count: int = 0  # the retries its call had spent when it started (FunctionGetInputsItem.retry_count)
     volumes: dict = field(default_factory=dict)  # volume id -> [view folder, its files at last sync, read only]
+    cluster: object = None  # clusters.Cluster: the attempt's containers, when its function is clustered (K1)
+    rank: int = 0  # its rank in that cluster
+    interrupted: int = 0  # how many of its processes the last stop with a grace sent SIGINT to (C17)
+    started_at: float = 0.0
+    ended_at: float = 0.0
 
 
 def _tree(pid: int) -> list[int]:
@@ -87,6 +129,7 @@ class Containers:
         self.by_task: dict[str, Container] = {}
         self._watchers: set[asyncio.Task] = set()
         self.started_pids: list[int] = []  # every container's main pid, for tests to check none remains
+        self.timeout_scale = 1.0  # K5: a function's timeout runs this many times faster than the wall clock
 
     def of(self, stream) -> Container | None:
         task_id = stream.metadata.get(TASK_HEADER) if stream.metadata else None
@@ -117,9 +160,19 @@ class Containers:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(blob, target)
         (folder / "tmp").mkdir()
+        if attempt in getattr(call, "failing_attempts", ()):  # K6: this attempt fails before its body runs
+            (fs_root / f"{FAULT_MODULE}.py").write_text('raise RuntimeError("injected fault")\n')
+            args.function_def.module_name = FAULT_MODULE
         (folder / "container_arguments.bin").write_bytes(args.SerializeToString())
         base = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}
         python_path = [str(fs_root)] + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else [])
+        if args.function_def.i6pn_enabled or args.function_def._experimental_group_size:  # K2
+            resolver = folder / "i6pn"
+            resolver.mkdir()
+            (resolver / "sitecustomize.py").write_text(RESOLVER)
+            python_path.insert(0, str(resolver))
+        if timeout_s is not None:  # K5
+            timeout_s = timeout_s / self.timeout_scale
         child_env = {
             **base,
             **env,
@@ -130,11 +183,14 @@ class Containers:
             "MODAL_OVERRIDE_HEADERS": f"{TASK_HEADER}:{task_id}",
             "MODAL_CONFIG_PATH": str(folder / "no-modal.toml"),
             "MODAL_ENVIRONMENT": args.environment_name or "main",
+            "MODAL_CLOUD_PROVIDER": CLOUD_PROVIDER,  # K3
             "PYTHONPATH": os.pathsep.join(python_path),
             "PYTHONUNBUFFERED": "1",
             "TMPDIR": str(folder / "tmp"),
         }
-        c = Container(task_id, call, attempt, folder, retry_count=call.retry_count, volumes=volumes or {})
+        c = Container(
+            task_id, call, attempt, folder, retry_count=call.retry_count, volumes=volumes or {}, started_at=time.time()
+        )
         c.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -173,6 +229,7 @@ class Containers:
         _signal_tree([], c.proc.pid, signal.SIGKILL)
         await asyncio.wait(pumps, timeout=EXIT_WAIT_S)
         c.exit_code = c.proc.returncode
+        c.ended_at = time.time()
         c.ended.set()
         await self._on_exit(c)
 
@@ -183,6 +240,7 @@ class Containers:
         c.killed_why = c.killed_why or why
         pids = _tree(c.proc.pid)
         if grace_s > 0:
+            c.interrupted = len(pids)
             _signal_tree(pids, c.proc.pid, signal.SIGINT)
             try:
                 await asyncio.wait_for(asyncio.shield(c.proc.wait()), grace_s)

@@ -147,6 +147,59 @@ class ControlPlane:
         """Preempt the containers running `call_id` (calls.py, C17); their task ids."""
         return self.call(self.servicer.preempt(call_id, grace_s), grace_s + STOP_TIMEOUT_S + 5)
 
+    # ---- clusters, injected failures, time (README K1-K6)
+
+    def lose_container(self, call_id: str, rank: int) -> str:
+        """K4: the container of `rank` in the call's running (clustered) attempt is lost: SIGKILL, no
+        grace; the attempt fails with its cluster. Its task id."""
+        return self.call(self.servicer.lose_container(call_id, rank))
+
+    def fail(self, function: str, times: int) -> None:
+        """K6: the next `times` attempts of `function` (its name as defined) fail before its body runs."""
+
+        async def set_failures() -> None:
+            self.servicer.failures[function] = times
+
+        self.call(set_failures())
+
+    def scale_timeouts(self, factor: float) -> None:
+        """K5: from now on a container's function timeout runs `factor` times faster than the wall clock
+        (`timeout=86400` with factor 480 ends an attempt still running after 180 s, as TIMEOUT)."""
+
+        async def set_scale() -> None:
+            self.servicer.containers.timeout_scale = float(factor)
+
+        self.call(set_scale())
+
+    def advance(self, seconds: float) -> float:
+        """Move the server's clock on (C7, C10: queue partitions and Dict entries expire on it); its time."""
+
+        async def move() -> float:
+            self.servicer.store.clock.advance(seconds)
+            return self.servicer.store.clock.now()
+
+        return self.call(move())
+
+    def volume_view(self, task_id: str, name: str = "cellfeed-checkpoints") -> Path | None:
+        """A container's own view of the Volume named `name` (V2: what it wrote, committed or not), or
+        None if it does not mount it."""
+
+        async def view() -> Path | None:
+            s = self.servicer
+            volume_id = s.volume_names.get(("main", name))
+            c = s.containers.by_task.get(task_id)
+            entry = c.volumes.get(volume_id) if c is not None and volume_id else None
+            return entry[0] if entry else None
+
+        return self.call(view())
+
+    def history(self, function: str | None = None) -> list[dict]:
+        """Each call of `function` (or all), oldest first, with what `describe` lacks: {id, function,
+        status, error, gpu ("H100:1"), cpu, memory (MiB), timeout_s, cluster_size, attempts: [{outcome
+        (preempted, failure, timeout, cancelled, success, or running), cluster_ips (by rank; [] when not
+        clustered), containers: [{task, pid, rank, exit_code, killed, interrupted_processes}]}]}."""
+        return self.call(self.servicer.history(function))
+
     # ---- network faults (faults.py; README "Faults")
 
     def fault(self, kind: str, target: str, **rule) -> int:

@@ -22,6 +22,7 @@ from modal_proto.api_grpc import ModalClientBase
 
 from cellfeed_testing.modal_control_plane.apps import AppRPCs
 from cellfeed_testing.modal_control_plane.calls import Call, CallRPCs
+from cellfeed_testing.modal_control_plane.clusters import ClusterRPCs
 from cellfeed_testing.modal_control_plane.containers import Container, Containers
 from cellfeed_testing.modal_control_plane.objects import ObjectRPCs
 from cellfeed_testing.modal_control_plane.secrets import SecretRPCs
@@ -52,7 +53,7 @@ def fill_unimplemented(cls: type) -> type:
 
 
 @fill_unimplemented
-class Servicer(ObjectRPCs, AppRPCs, CallRPCs, VolumeRPCs, SecretRPCs, ModalClientBase):
+class Servicer(ObjectRPCs, AppRPCs, CallRPCs, ClusterRPCs, VolumeRPCs, SecretRPCs, ModalClientBase):
     """All the control plane's RPCs. Queue and Dict state lives in `store`; apps, images, mounts,
     functions and calls in the tables below; processes in `containers`."""
 
@@ -130,8 +131,9 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, VolumeRPCs, SecretRPCs, ModalClien
                 files[remote] = self.blobs_dir / sha
         return files
 
-    async def start_container(self, call: Call) -> None:
-        """One attempt of `call`: a new container running the real entrypoint."""
+    async def start_container(self, call: Call) -> Container:
+        """A new container running the real entrypoint for `call` (its attempt's one, or one of its
+        cluster's: clusters.py starts attempts)."""
         fn = self.functions[call.function_id]
         fn_def = api_pb2.Function()
         fn_def.CopyFrom(fn.definition)
@@ -158,6 +160,7 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, VolumeRPCs, SecretRPCs, ModalClien
             task = asyncio.create_task(self._background_commits(c), name=f"background commits {task_id}")
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+        return c
 
     async def _background_commits(self, c: Container) -> None:
         """V8: while a container runs, what it wrote to a Volume mounted with background commits (every
