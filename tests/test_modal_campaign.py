@@ -1,28 +1,37 @@
-"""The Modal path, whole, on the Modal emulator (not a Modal run): `modal run app/modal_app.py`'s
-entrypoint → setup → train (2 CPU ranks, gloo) → spawned producers → the end, each function under
-its own image: preempted in its first minute and again mid-epoch (SIGINT to every process of the
-container, at Modal's 25 ms a call), with a producer that keeps failing (the run stops, keeps its
-state, and its printed command resumes it), and as a campaign longer than Modal's limit on a call
-(on the emulator's fast clock). A failing network (outages past Modal's own retries, lost replies,
-a producer preempted) is tests/test_benchmarks.py::test_modal_chaos: the same campaign, its cells
-checked one by one."""
+"""The Modal path, whole, on the local Modal control plane (`cellfeed_testing/modal_control_plane`;
+not a Modal run): modal's own CLI and client, `modal run app/modal_app.py` in a process of its own,
+and containers running modal's own entrypoint: the entrypoint → setup → train (CPU ranks, gloo) →
+spawned producers → the end, each function with its own definition. Preempted in its first minute
+and again mid-epoch (SIGINT to every process of the container), with a producer that keeps failing
+(the run stops, keeps its state, and its printed command resumes it), a train spawn whose reply was
+lost, a campaign longer than a call (each call hands over after one step, under Modal's 24 h timeout
+compressed 480 times), expired setup state, a corpus with its files carried, a rerun on another GPU
+count, status/stop from the laptop, two nodes (a clustered function), a node lost, and a balanced
+campaign preempted. Faults and preemptions fire on events (a step logged, a call started), never on
+elapsed seconds; every wait has a timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
+import textwrap
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from cellfeed_testing.modal_emulator import ModalEmulator
+from cellfeed_testing.modal_control_plane import ControlPlane
 from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = "emu"
+RUN = "mcp"
+SECRET = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")  # app/modal_app.py's Secret (the datasets are local)
+CAMPAIGN_S = 420  # the longest a `modal run` here may take (a busy 2-core machine)
 
 
 @pytest.fixture(scope="session")  # data only: built once per worker, whatever order tests run in
@@ -66,232 +75,364 @@ def flags(atlas, **changes) -> list[str]:
     return out
 
 
-def modal_run(world: ModalEmulator, args: list[str]) -> subprocess.Popen:
-    """`modal run app/modal_app.py ARGS` against the emulator, in a process of its own."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "cellfeed_testing.modal_emulator.run", "app/modal_app.py", *args],
-        cwd=ROOT,
-        env=world.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+@contextlib.contextmanager
+def control_plane(tmp_path: Path):
+    """A plane with the app's Secret and its checkpoints Volume told to containers (app/modal_app.py)."""
+    with ControlPlane(
+        tmp_path / "plane", secrets={SECRET: {}}, mount_env={"/checkpoints": "CELLFEED_CHECKPOINT_MOUNT"}
+    ) as plane:
+        yield plane
 
 
-def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
+def client_env(plane: ControlPlane) -> dict:
+    """This environment without any Modal setting of its own, and the plane's."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}, **plane.env}
 
 
-def container_log(world: ModalEmulator, call_id: str, attempt: int) -> str:
-    return (world.root / "containers" / f"{call_id}-{attempt}" / "output.log").read_text(errors="replace")
+class ModalRun:
+    """`modal run app/modal_app.py ARGS`: modal's own CLI against the plane, in a process of its own.
+    Its output goes to files (the containers' logs stream through it: a pipe read only at the end
+    would fill and stall the client)."""
+
+    count = 0
+
+    def __init__(self, plane: ControlPlane, args: list[str], folder: Path, detach: bool = False) -> None:
+        ModalRun.count += 1
+        folder.mkdir(parents=True, exist_ok=True)
+        self.out_path = folder / f"modal-run-{ModalRun.count}.out"
+        self.err_path = folder / f"modal-run-{ModalRun.count}.err"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "modal", "run", *(["--detach"] if detach else []), "app/modal_app.py", *args],
+                cwd=ROOT,
+                env=client_env(plane),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+            )
+
+    def poll(self):
+        return self.proc.poll()
 
 
-def step_rows(world: ModalEmulator) -> list[dict]:
-    """Rank 0's step rows, from the run's step log on the emulated Volume (every train call appends to it)."""
-    path = world.volume_dir / RUN / "steps.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
+def modal_run(plane: ControlPlane, args: list[str], tmp_path: Path, detach: bool = False) -> ModalRun:
+    return ModalRun(plane, args, tmp_path / "runs", detach)
+
+
+def finish(run: ModalRun, timeout: float = CAMPAIGN_S) -> tuple[int, str, str]:
+    try:
+        run.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        run.proc.kill()
+        run.proc.wait()
+        raise AssertionError(f"modal run did not end in {timeout:.0f}s:\n{run.err_path.read_text()[-3000:]}") from None
+    return run.proc.returncode, run.out_path.read_text(), run.err_path.read_text()
+
+
+def verdict_line(out: str) -> str:
+    """The campaign's last line (`main`'s verdict; container logs streamed by `modal run` may follow it)."""
+    found = [line for line in out.splitlines() if re.match(r"(complete|stopped|INCOMPLETE)\b", line)]
+    assert found, out[-3000:]
+    return found[-1]
+
+
+def summary_json(out: str) -> dict:
+    """The JSON line `main` prints before its verdict."""
+    lines = out.splitlines()
+    at = max(i for i, line in enumerate(lines) if re.match(r"(complete|stopped|INCOMPLETE)\b", line))
+    return json.loads(next(line for line in reversed(lines[:at]) if line.startswith("{")))
+
+
+def resume_command(err: str) -> list[str]:
+    """The command the laptop printed after "Resume it with:" (its last such line)."""
+    import shlex
+
+    lines = err.splitlines()
+    at = max(i for i, line in enumerate(lines) if line.endswith("Resume it with:"))
+    return shlex.split(lines[at + 1].strip())
+
+
+def calls(plane: ControlPlane, function: str | None = None) -> list[dict]:
+    return plane.history(function)
+
+
+def train_calls(plane: ControlPlane) -> list[dict]:
+    return [c for c in calls(plane) if c["function"].startswith("train")]  # (`train_2_nodes`: --nodes 2)
+
+
+def tasks_of(call: dict) -> list[str]:
+    return [k["task"] for a in call["attempts"] for k in a["containers"]]
+
+
+def logs_of(plane: ControlPlane, call: dict, attempt: int | None = None) -> str:
+    attempts = call["attempts"] if attempt is None else [call["attempts"][attempt]]
+    return "".join(plane.container_log(k["task"]) for a in attempts for k in a["containers"])
+
+
+def running_train(plane: ControlPlane, function: str = "train", attempts: int = 1) -> dict | None:
+    """The running call of `function` once it has `attempts` attempts and the last one's containers run."""
+    for c in calls(plane, function):
+        if c["status"] == "running" and len(c["attempts"]) >= attempts:
+            last = c["attempts"][attempts - 1]["containers"]
+            if last and all(k["exit_code"] is None for k in last):
+                return c
+    return None
+
+
+def step_rows(plane: ControlPlane, task: str | None = None) -> list[dict]:
+    """Rank 0's step rows from the run's step log: the running train container's own view of the
+    Volume (what it wrote, committed or not) when `task` is given, else the committed Volume."""
+    folder = plane.volume_view(task) if task else plane.volume_dir
+    path = folder / RUN / "steps.jsonl" if folder else None
+    lines = path.read_text().splitlines() if path and path.exists() else []
     return [json.loads(line) for line in lines if '"loss"' in line and line.endswith("}")]
 
 
-def steps_logged(world: ModalEmulator) -> int:
-    """The last step rank 0 has logged (0: none yet)."""
-    return max((row["step"] for row in step_rows(world)), default=0)
+def steps_logged(plane: ControlPlane, task: str) -> int:
+    """The last step rank 0 has logged in container `task` (0: none yet)."""
+    return max((row["step"] for row in step_rows(plane, task)), default=0)
 
 
-def epoch_logged(world: ModalEmulator) -> int:
-    """The epoch of the last step rank 0 has logged (-1: none yet)."""
-    rows = step_rows(world)
+def epoch_logged(plane: ControlPlane, task: str) -> int:
+    rows = step_rows(plane, task)
     return rows[-1]["epoch"] if rows else -1
 
 
-def train_attempt_of(world: ModalEmulator, function: str) -> dict | None:
-    """The running call of `function` once its first attempt has started."""
-    return next((c for c in world.calls(function) if c["status"] == "running" and c["attempts"]), None)
+def rank0_task(call: dict, attempt: int = -1) -> str:
+    return next(k["task"] for k in call["attempts"][attempt]["containers"] if k["rank"] == 0)
 
 
-def train_attempt(world: ModalEmulator, n: int = 0) -> dict | None:
-    """The running train call once its attempt `n` has started."""
-    calls = [c for c in world.calls("train") if c["status"] == "running" and len(c["attempts"]) > n]
-    return calls[0] if calls else None
-
-
-def check_campaign(world: ModalEmulator, out: str, *, epochs: int, producers: int) -> None:
+def check_campaign(plane: ControlPlane, out: str, *, epochs: int, producers: int) -> None:
     """Every epoch audited once, exactly once; the run's queue and dicts gone; no call left
     running; the fleet never doubled."""
-    trains = [c for c in world.calls() if c["function"].startswith("train")]  # (`train_2_nodes`: --nodes 2)
-    logs = "".join(container_log(world, c["id"], a) for c in trains for a in range(len(c["attempts"])))
+    logs = "".join(logs_of(plane, c) for c in train_calls(plane))
     audits = re.findall(r"epoch (\d+): ([\d,]+) cells trained, 0 missing, 0 duplicated", logs)
     assert sorted(int(e) for e, _ in audits) == list(range(epochs)), logs[-3000:]
     assert "failed its exactly-once audit" not in logs
-    world_now = world.describe()
-    assert world_now["queues"] == [] and world_now["dicts"] == []  # deleted at the end
-    assert not [c for c in world_now["calls"] if c["status"] in ("running", "pending")]
-    assert len(world.calls("produce")) == producers  # reused across attempts, never doubled
-    lines = out.strip().splitlines()
-    assert len(world.calls("setup")) == 1 and json.loads(lines[-2])["steps"] > 0
+    now = plane.describe()
+    assert now["queues"] == [] and now["dicts"] == []  # deleted at the end
+    assert not [c for c in now["calls"] if c["status"] == "running"]
+    assert len(calls(plane, "produce")) == producers  # reused across attempts, never doubled
+    assert len(calls(plane, "setup")) == 1 and summary_json(out)["steps"] > 0
+    line = verdict_line(out)
     assert re.match(
-        rf"complete: {epochs} epochs?, [\d,]+ cells, every epoch trained exactly once \(audited\)$", lines[-1]
-    ), lines[-1]
+        rf"complete: {epochs} epochs?, [\d,]+ cells, every epoch trained exactly once \(audited\)$", line
+    ), line
 
 
-def trained_cells(world: ModalEmulator) -> dict:
+def trained_cells(plane: ControlPlane) -> dict:
     """Per epoch, the multiset of cells the ranks trained, from every train call's --audit-cells
-    files on the emulated Volume (one set per call, by start time): a call's rows at or past the
+    files on the committed Volume (one set per call, by start time): a call's rows at or past the
     step its successor resumed from were trained again there, so they are set aside."""
-    from collections import Counter
-
-    calls: dict[str, list[dict]] = {}
-    for path in sorted((world.volume_dir / RUN / "cells").glob("*.rank*.jsonl")):
-        calls.setdefault(path.name.split(".")[0], []).extend(
+    found: dict[str, list[dict]] = {}
+    for path in sorted((plane.volume_dir / RUN / "cells").glob("*.rank*.jsonl")):
+        found.setdefault(path.name.split(".")[0], []).extend(
             json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")
         )
     out: dict = {}
     cut = float("inf")
-    for started in sorted(calls, key=int, reverse=True):
-        for row in calls[started]:
+    for started in sorted(found, key=int, reverse=True):
+        for row in found[started]:
             if row["step"] < cut:
                 out.setdefault(row["epoch"], Counter()).update(row["cells"])
-        cut = min([cut] + [row["step"] for row in calls[started]])
+        cut = min([cut] + [row["step"] for row in found[started]])
     return out
 
 
+def training_cells(atlas) -> Counter:
+    held_out = set(np.flatnonzero(np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) == "plate14").tolist())
+    return Counter(c for c in range(atlas.n_cells) if c not in held_out)
+
+
 def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_mid_epoch(atlas, tmp_path):
-    """At Modal's 25 ms a call: `train` is preempted as soon as its fleet is spawned (nothing to
-    checkpoint yet), and its re-run is preempted again once training is past a checkpoint
-    (mid-epoch 0). Each re-run resumes with the same queue, plans and producers."""
-    with ModalEmulator(tmp_path / "world", grace_s=30) as world:
-        proc = modal_run(world, flags(atlas, rpc_latency_ms=25, batch_size=32, epochs=1))  # 21 steps
-        call = wait_for(lambda: train_attempt(world), "train to start")
-        wait_for(lambda: len(world.calls("produce")) == 2, "the fleet to be spawned")
-        world.preempt(call["id"])  # in its first minute
-        wait_for(lambda: train_attempt(world, 1), "train's input to run again")
-        during = world.describe()
+    """`train` is preempted as soon as its fleet is spawned (nothing to checkpoint yet), and its
+    re-run is preempted again once training is past a checkpoint (mid-epoch 0). Each re-run
+    resumes with the same queue, plans and producers."""
+    with control_plane(tmp_path) as plane:
+        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, batch_size=32, epochs=1), tmp_path)  # 21 steps
+        call = wait_for(lambda: running_train(plane), "train to start", timeout=180)
+        wait_for(lambda: len(calls(plane, "produce")) == 2, "the fleet to be spawned", timeout=180)
+        plane.preempt(call["id"])  # in its first minute
+        call = wait_for(lambda: running_train(plane, attempts=2), "train's input to run again", timeout=180)
+        during = plane.describe()
         assert f"cellfeed-{RUN}" in during["queues"] and f"cellfeed-{RUN}" in during["dicts"]  # not cleaned up
         # the event: a checkpoint is written (every 4 steps) and training is past it
-        wait_for(lambda: steps_logged(world) >= 6 or proc.poll() is not None, "six steps")
-        world.preempt(call["id"])
+        task = rank0_task(call)
+        wait_for(lambda: steps_logged(plane, task) >= 6 or proc.poll() is not None, "six steps", timeout=240)
+        assert proc.poll() is None, "the campaign ended before its second preemption"
+        plane.preempt(call["id"])
         code, out, err = finish(proc)
         assert code == 0, err[-3000:]
-        (train,) = world.calls("train")
+        (train,) = calls(plane, "train")
         assert [a["outcome"] for a in train["attempts"]] == ["preempted", "preempted", "success"]
         # the second preemption's SIGINT reached every process of the container at once: the function's,
         # the rank server and both ranks (each took it as a request to checkpoint at its next step)
-        assert train["attempts"][1]["interrupted_processes"] >= 4
-        logs = [container_log(world, train["id"], a) for a in range(3)]
+        assert train["attempts"][1]["containers"][0]["interrupted_processes"] >= 4
+        logs = [logs_of(plane, train, a) for a in range(3)]
         assert all("reusing the 2 producers still running" in log for log in logs[1:])
         assert "preempted: the ranks checkpoint" in logs[1]
         resumed = re.search(r"resumed from step (\d+) \(epoch (\d+), ([\d,]+) cells of it already trained\)", logs[2])
         assert resumed and int(resumed[1]) >= 6 and int(resumed[2]) == 0, logs[2][-2000:]  # mid-epoch 0
-        check_campaign(world, out, epochs=1, producers=2)
+        check_campaign(plane, out, epochs=1, producers=2)
 
 
 def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed_command_resumes_it(atlas, tmp_path):
     """A real failure stops the campaign but deletes nothing: the run's queue and dicts stay, the
     last lines say how to resume, and that very command (the fault mended) completes the campaign,
-    every epoch exactly once."""
-    import shlex
-
-    with ModalEmulator(tmp_path / "world", grace_s=10, retry_delay_s=0.2) as world:
-        world.fail("produce", times=8)  # every attempt of both producers (1 + retries=3 each): then mended
+    every epoch exactly once. Each failing attempt is a container whose import fails before the
+    body (the plane's K6): modal's own client reports it, retries it (retries=3) and raises it."""
+    with control_plane(tmp_path) as plane:
+        plane.fail("produce", times=8)  # every attempt of both producers (1 + retries=3 each): then mended
         # (one rank is enough here; batches of 64: the resumed epoch is 21 steps, not 84)
-        code, out, err = finish(modal_run(world, flags(atlas, epochs=1, gpus=1, batch_size=64)))
+        code, out, err = finish(modal_run(plane, flags(atlas, epochs=1, gpus=1, batch_size=64), tmp_path))
         assert code != 0
         lines = [line for line in err.splitlines() if "Modal's retries spent" in line]
         assert lines and re.search(
             r"producer-\d failed 4 times, Modal's retries spent \(RuntimeError: injected "
             r"fault\); the run stops: mend the cause, then run again with --resume",
             lines[-1],
-        )
-        assert all(len(c["attempts"]) == 4 for c in world.calls("produce"))  # 1 + retries=3
-        described = world.describe()
+        ), err[-3000:]
+        produce = calls(plane, "produce")
+        assert [len(c["attempts"]) for c in produce] == [4, 4]  # 1 + retries=3
+        assert all(a["outcome"] == "failure" for c in produce for a in c["attempts"])
+        described = plane.describe()
         assert described["queues"] == [f"cellfeed-{RUN}"] and f"cellfeed-{RUN}" in described["dicts"]  # kept
-        assert not [c for c in described["calls"] if c["status"] in ("running", "pending")]
-        command = err.strip().splitlines()[-1].strip()
-        assert err.strip().splitlines()[-2].endswith("Resume it with:") and command.startswith("modal run ")
-        assert command.endswith(f"--run {RUN} --resume")
-        resumed = modal_run(world, shlex.split(command)[3:])  # (after `modal run app/modal_app.py`)
-        code, out, err = finish(resumed)
+        assert not [c for c in described["calls"] if c["status"] == "running"]
+        command = resume_command(err)
+        assert command[:3] == ["modal", "run", "app/modal_app.py"] and command[-3:] == ["--run", RUN, "--resume"]
+        code, out, err = finish(modal_run(plane, command[3:], tmp_path))  # (after `modal run app/modal_app.py`)
         assert code == 0, err[-3000:]
-        trains = world.calls("train")
-        logs = "".join(container_log(world, c["id"], a) for c in trains for a in range(len(c["attempts"])))
+        logs = "".join(logs_of(plane, c) for c in train_calls(plane))
         assert re.search(r"epoch 0: [\d,]+ cells trained, 0 missing, 0 duplicated", logs), logs[-3000:]
-        assert world.describe()["queues"] == [] and world.describe()["dicts"] == []  # complete: now deleted
+        assert plane.describe()["queues"] == [] and plane.describe()["dicts"] == []  # complete: now deleted
 
 
 def test_a_train_spawn_whose_reply_was_lost_trains_the_run_once(atlas, tmp_path):
-    """The train spawn's reply is lost: the client spawns again (the emulator's worst reading of a
-    retry, S21: a new call), and a second train call of the run starts. The one that claims the run
-    first trains it; the other finds it held and does nothing; `modal run` follows the trainer, and
-    the epoch is trained exactly once by one trainer and one fleet."""
-    with ModalEmulator(tmp_path / "world") as world:
-        world.fault("lost_reply", "spawn", after=1)  # setup's spawn goes through; train's reply is lost
-        code, out, err = finish(modal_run(world, flags(atlas, epochs=1, gpus=1, batch_size=64)))
+    """The train spawn's reply is lost (the plane resets the stream after making the call: faults.py's
+    lost_reply): modal's client retries the FunctionMap and the plane, deduplicating nothing, makes a
+    second train call of the run. The one that claims the run first trains it; the other finds it
+    held and does nothing; `modal run` follows the trainer, and the epoch is trained exactly once by
+    one trainer and one fleet."""
+    with control_plane(tmp_path) as plane:
+        plane.fault("lost_reply", "spawn", function="train")
+        code, out, err = finish(modal_run(plane, flags(atlas, epochs=1, gpus=1, batch_size=64), tmp_path))
         assert code == 0, err[-3000:]
-        trains = world.calls("train")
+        trains = calls(plane, "train")
         assert len(trains) == 2, trains  # (the fault did make a second train call)
-        logs = [container_log(world, c["id"], 0) for c in trains]
+        (rule,) = plane.faults()  # one reply lost, its call made: the client never learnt that call's id
+        assert rule["hits"] == 1 and rule["calls_made"] == [trains[0]["id"]], rule
+        logs = [logs_of(plane, c) for c in trains]
         assert sum(f"run {RUN} is already being trained by call" in log for log in logs) == 1, logs
-        check_campaign(world, out, epochs=1, producers=2)
+        check_campaign(plane, out, epochs=1, producers=2)
 
 
 def test_a_campaign_longer_than_a_call_continues_in_new_calls(atlas, tmp_path):
     """Each train call hands over to a new one when its --attempt-hours are up (Modal ends a call
     at 24 h). Here the hours are up at once, so every call trains one step (the event), saves and
-    hands over: an epoch of 3 steps spans 3 calls and is still trained exactly once; on the
-    emulator's clock a day is three minutes (a minute was reached by a call on 2 cores under a load
-    of 9, whose producers retire at 23 h), and no call reaches it."""
-    with ModalEmulator(tmp_path / "world", grace_s=10, clock_speed=24 * 20) as world:
+    hands over: an epoch of 3 steps spans 3 calls and is still trained exactly once, each call
+    spawned from inside the one before and followed by `modal run` (FunctionCall.from_id). Modal's
+    24 h is the plane's, server-side: the functions ask for it (timeout=86400, as modal's client
+    sent it) and the plane runs it 480 times faster (K5: a day is three minutes), so a call that did
+    not hand over in time would end as a TIMEOUT; none does."""
+    with control_plane(tmp_path) as plane:
+        plane.scale_timeouts(24 * 20)
         # one rank, batches of 512: the epoch's 1,344 cells are 3 steps
-        code, out, err = finish(modal_run(world, flags(atlas, epochs=1, gpus=1, batch_size=512, attempt_hours=1e-6)))
+        args = flags(atlas, epochs=1, gpus=1, batch_size=512, attempt_hours=1e-6)
+        code, out, err = finish(modal_run(plane, args, tmp_path))
         assert code == 0, err[-3000:]
-        trains = world.calls("train")
+        trains = calls(plane, "train")
         assert len(trains) >= 3 and all(c["status"] == "success" for c in trains)
-        # train.with_options(gpu=...) changes the GPUs only: every call keeps the function's 32 cores and
-        # 128 GiB (modal/_function_variants.py: unset options are not sent; S25)
-        assert {(c["gpu"], c["cpu"], c["memory"]) for c in trains} == {("H100:1", 32.0, 131_072)}
+        # train.with_options(gpu=...) changes the GPUs only: every call keeps the function's 32 cores,
+        # 128 GiB and Modal's longest timeout (D9: the server merges what the variant does not set)
+        assert {(c["gpu"], c["cpu"], c["memory"], c["timeout_s"]) for c in trains} == {
+            ("H100:1", 32.0, 131_072, 86_400)
+        }
         assert out.count("train continues in call") == len(trains) - 1
-        assert not [a for c in world.describe()["calls"] for a in c["attempts"] if a["outcome"] == "timeout"]
-        check_campaign(world, out, epochs=1, producers=2)
+        assert not [a for c in calls(plane) for a in c["attempts"] if a["outcome"] == "timeout"]
+        check_campaign(plane, out, epochs=1, producers=2)
+
+
+EXPIRY_CLIENT = """
+import json, sys
+from dataclasses import asdict
+
+from app.config import CampaignConfig
+from coordination.backends import connect
+from coordination.routing import EVAL_PARTITION, summary_key
+from coordination.summary import SetupFacts
+import app.modal_app as m
+
+cfg = CampaignConfig(dataset=sys.argv[1], run="expiry", gpus=2, epochs=2, eval_filter="plate = 'plate14'",
+                     eval_cells=64, max_genes=32).validate()
+config = asdict(cfg)
+
+
+def state(step):
+    print(json.dumps({"step": step, "held_out": queue.len(partition=EVAL_PARTITION),
+                      "plans": [summary_key(cfg.run, e) in store for e in range(cfg.epochs)]}), flush=True)
+
+
+with m.app.run():
+    facts = SetupFacts(**m.setup.remote(config))
+    print(json.dumps({"held_out_items": facts.held_out_items}), flush=True)
+    queue, store = connect(cfg.backend_spec("modal"))
+    for step in ("setup", "ensured", "advanced 25 h", "ensured again", "advanced 8 days", "ensured at last"):
+        if step.startswith("advanced"):
+            sys.stdin.readline()  # the test moves the plane's clock on, then says so
+        if step.startswith("ensured"):
+            m.ensure_setup(cfg, config, facts, queue, store)
+        state(step)
+"""
 
 
 def test_an_expired_setup_is_done_again(atlas, tmp_path):
     """Modal clears a queue partition 24 h after its last put and a Dict entry after 7 days
-    unused: a train call that finds the held-out set or a plan gone runs `setup` again."""
-    from dataclasses import asdict
+    unused: a train call that finds the held-out set or a plan gone runs `setup` again. The laptop
+    side is modal's client in a process of its own (`app.run()`, `setup.remote`, the run's Queue and
+    Dict); the plane's clock is moved on between its steps (C7, C10)."""
+    with control_plane(tmp_path) as plane:
+        client = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(EXPIRY_CLIENT), atlas.uri],
+            cwd=ROOT,
+            env=client_env(plane),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
-    from app.config import CampaignConfig
-    from coordination.backends import connect
-    from coordination.routing import EVAL_PARTITION, summary_key
-    from coordination.summary import SetupFacts
-    from tests.conftest import fresh_import
+        def next_state() -> dict:
+            while line := client.stdout.readline():  # (a blocking read: the client's own timeouts bound it)
+                if line.startswith("{"):
+                    return json.loads(line)
+            raise AssertionError("the client ended: " + client.communicate(timeout=60)[1][-3000:])
 
-    with ModalEmulator(tmp_path / "world") as world:
-        world.install()
-        with fresh_import("app.modal_app") as m:
-            cfg = CampaignConfig(
-                dataset=atlas.uri,
-                run="expiry",
-                gpus=2,
-                epochs=2,
-                eval_filter="plate = 'plate14'",
-                eval_cells=64,
-                max_genes=32,
-            ).validate()
-            config = asdict(cfg)
-            facts = SetupFacts(**m.setup.remote(config))
-            queue, store = connect(cfg.backend_spec("modal"))
-            assert queue.len(partition=EVAL_PARTITION) == facts.held_out_items > 0
-            m.ensure_setup(cfg, config, facts, queue, store)
-            assert len(world.calls("setup")) == 1  # all there: nothing to do
-            world.advance(25 * 3600)
-            assert queue.len(partition=EVAL_PARTITION) == 0  # the held-out partition's day is over
-            m.ensure_setup(cfg, config, facts, queue, store)
-            assert len(world.calls("setup")) == 2 and queue.len(partition=EVAL_PARTITION) == facts.held_out_items
-            world.advance(8 * 24 * 3600)
-            assert summary_key(cfg.run, 1) not in store  # a week unused
-            m.ensure_setup(cfg, config, facts, queue, store)
-            assert len(world.calls("setup")) == 3 and all(summary_key(cfg.run, e) in store for e in range(2))
+        def advance(seconds: float) -> dict:
+            plane.advance(seconds)
+            client.stdin.write("advanced\n")
+            client.stdin.flush()
+            return next_state()
+
+        try:
+            items = next_state()["held_out_items"]
+            assert items > 0
+            assert next_state() == {"step": "setup", "held_out": items, "plans": [True, True]}
+            assert next_state() == {"step": "ensured", "held_out": items, "plans": [True, True]}
+            assert len(calls(plane, "setup")) == 1  # all there: nothing to do
+            # the held-out partition's day is over
+            assert advance(25 * 3600) == {"step": "advanced 25 h", "held_out": 0, "plans": [True, True]}
+            assert next_state() == {"step": "ensured again", "held_out": items, "plans": [True, True]}
+            assert len(calls(plane, "setup")) == 2
+            # a week unused: the plans are gone (and the held-out set, a day after its last put)
+            assert advance(8 * 24 * 3600) == {"step": "advanced 8 days", "held_out": 0, "plans": [False, False]}
+            assert next_state() == {"step": "ensured at last", "held_out": items, "plans": [True, True]}
+            assert len(calls(plane, "setup")) == 3
+            _, err = client.communicate(timeout=120)
+            assert client.returncode == 0, err[-3000:]
+        finally:
+            if client.poll() is None:
+                client.kill()
+                client.communicate()
 
 
 def test_modal_run_trains_a_corpus_with_its_files_carried_into_the_containers(corpus, tmp_path):
@@ -305,37 +446,16 @@ def test_modal_run_trains_a_corpus_with_its_files_carried_into_the_containers(co
     identifiers = [s.identifiers for s in open_sources(CorpusSpec.read(path))]
     vocab = GeneVocab.build(identifiers + [[f"EXTRA{i}" for i in range(10)]])  # 10 genes no source has
     (tmp_path / "vocab.json").write_text(json.dumps(vocab.ids))
-    args = [
-        "--corpus",
-        path,
-        "--vocabulary",
-        str(tmp_path / "vocab.json"),
-        "--run",
-        RUN,
-        "--producers",
-        "2",
-        "--gpus",
-        "1",
-        "--batch-size",
-        "16",
-        "--max-genes",
-        "32",
-        "--preset",
-        "tiny",
-        "--epochs",
-        "1",
-        "--warmup-steps",
-        "2",
-        "--checkpoint-every",
-        "50",
-    ]
-    with ModalEmulator(tmp_path / "world") as world:
-        code, out, err = finish(modal_run(world, args))
+    args = ["--corpus", path, "--vocabulary", str(tmp_path / "vocab.json"), "--run", RUN, "--producers", "2",
+            "--gpus", "1", "--batch-size", "16", "--max-genes", "32", "--preset", "tiny", "--epochs", "1",
+            "--warmup-steps", "2", "--checkpoint-every", "50"]  # fmt: skip
+    with control_plane(tmp_path) as plane:
+        code, out, err = finish(modal_run(plane, args, tmp_path))
         assert code == 0, out[-2000:] + err[-3000:]
         assert f"vocabulary of {vocab.n_genes:,} genes" in out  # the file's (the sources hold 10 fewer)
         assert "1,440 cells per epoch from atlas_a" in out and "240 cells per epoch from pbmc" in out
-        check_campaign(world, out, epochs=1, producers=2)
-        logs = "".join(container_log(world, c["id"], 0) for c in world.calls("train"))
+        check_campaign(plane, out, epochs=1, producers=2)
+        logs = "".join(logs_of(plane, c) for c in calls(plane, "train"))
         assert "epoch 0: 2,400 cells trained, 0 missing, 0 duplicated" in logs
 
 
@@ -343,36 +463,32 @@ def test_a_rerun_with_another_gpus_count_resumes_the_epoch_on_it(atlas, tmp_path
     """`modal run --resume --gpus 1` after a campaign on 2 GPUs stopped inside epoch 1 (its
     --steps): the checkpoint's epoch is finished on one rank, its rest re-planned, and audited
     across both runs."""
-    with ModalEmulator(tmp_path / "world") as world:
+    with control_plane(tmp_path) as plane:
         # batches of 32: 21 steps an epoch, so step 30 is inside epoch 1
+        args = flags(atlas, steps=30, checkpoint_every=10, batch_size=32) + ["--audit-cells"]
+        code, out, err = finish(modal_run(plane, args, tmp_path))
+        assert code == 0, out[-2000:] + err[-3000:]
+        assert verdict_line(out).startswith("stopped at step 30 as --steps asked: 1 of 2 epochs complete")
         code, out, err = finish(
-            modal_run(world, flags(atlas, steps=30, checkpoint_every=10, batch_size=32) + ["--audit-cells"])
+            modal_run(plane, flags(atlas, gpus=1, batch_size=32) + ["--resume", "--audit-cells"], tmp_path)
         )
         assert code == 0, out[-2000:] + err[-3000:]
-        assert out.strip().splitlines()[-1].startswith("stopped at step 30 as --steps asked: 1 of 2 epochs complete")
-        code, out, err = finish(modal_run(world, flags(atlas, gpus=1, batch_size=32) + ["--resume", "--audit-cells"]))
-        assert code == 0, out[-2000:] + err[-3000:]
-        assert out.strip().splitlines()[-1].startswith("complete: 2 epochs, ")
-        from collections import Counter
-
-        held_out = set(np.flatnonzero(np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) == "plate14").tolist())
-        train_cells = Counter(c for c in range(atlas.n_cells) if c not in held_out)
-        cells = trained_cells(world)  # the cell logs of both runs: every epoch exactly once, across 2 -> 1 ranks
-        assert [cells.get(e) for e in (0, 1)] == [train_cells, train_cells]
-        trains = world.calls("train")
-        logs = container_log(world, trains[-1]["id"], 0)
+        assert verdict_line(out).startswith("complete: 2 epochs, ")
+        cells = trained_cells(plane)  # the cell logs of both runs: every epoch exactly once, across 2 -> 1 ranks
+        assert [cells.get(e) for e in (0, 1)] == [training_cells(atlas)] * 2
+        logs = logs_of(plane, calls(plane, "train")[-1])
         assert "written by 2 ranks, its" in logs and "re-planned over 1" in logs, logs[-3000:]
         assert re.search(r"epoch 1: [\d,]+ cells trained, 0 missing, 0 duplicated .*across the resume", logs), logs[
             -3000:
         ]
 
 
-def cellfeed(world: ModalEmulator, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`cellfeed ARGS` on the laptop, whose `import modal` is the emulator's."""
+def cellfeed(plane: ControlPlane, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`cellfeed ARGS` on the laptop, with modal's own client against the plane."""
     return subprocess.run(
         [sys.executable, "-m", "app.cli", *args],
         cwd=ROOT,
-        env=world.env,
+        env=client_env(plane),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -380,38 +496,37 @@ def cellfeed(world: ModalEmulator, *args: str, timeout: float = 120) -> subproce
 
 
 def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_campaign(atlas, tmp_path):
-    """`cellfeed status emu --modal` reads a running campaign's Dict (no GPU started); `cellfeed stop
-    emu --modal` in epoch 1 of 3 has its ranks checkpoint and its producers stop, the state kept; the
+    """`cellfeed status RUN --modal` reads a running campaign's Dict (no GPU started); `cellfeed stop
+    RUN --modal` in epoch 1 of 3 has its ranks checkpoint and its producers stop, the state kept; the
     run's last line says where it stopped and exits 0; then exactly the README's `modal run
-    app/modal_app.py --run emu --resume` (the campaign from the run's record on the Volume) completes
+    app/modal_app.py --run RUN --resume` (the campaign from the run's record on the Volume) completes
     it, every epoch's cells once across the stop. The stop is asked of held ranks and they are let go
     once it is theirs (`cellfeed_testing.procs.stop_asked_while_held`): it lands before the end."""
-    from collections import Counter
-
     from cellfeed_testing.procs import stop_asked_while_held
 
-    with ModalEmulator(tmp_path / "world", grace_s=10) as world:
+    with control_plane(tmp_path) as plane:
         # 3 epochs of 42 steps (batches of 16), at Modal's 25 ms a call
-        proc = modal_run(world, flags(atlas, rpc_latency_ms=25, epochs=3) + ["--audit-cells"])
-        call = wait_for(lambda: train_attempt(world), "train to start")
-        wait_for(lambda: epoch_logged(world) >= 1 or proc.poll() is not None, "a step of epoch 1")
-        assert proc.poll() is None, "the campaign ended before epoch 1: " + proc.communicate()[1][-2000:]
+        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, epochs=3) + ["--audit-cells"], tmp_path)
+        call = wait_for(lambda: running_train(plane), "train to start", timeout=180)
+        task = rank0_task(call)
+        wait_for(lambda: epoch_logged(plane, task) >= 1 or proc.poll() is not None, "a step of epoch 1", timeout=300)
+        assert proc.poll() is None, "the campaign ended before epoch 1: " + finish(proc)[2][-2000:]
 
         def status():
-            out = cellfeed(world, "status", RUN, "--modal", "--json")
+            out = cellfeed(plane, "status", RUN, "--modal", "--json")
             assert out.returncode == 0, out.stderr[-2000:]
             return json.loads(out.stdout)
 
         def held_in_epoch_1() -> dict:  # (while the ranks are held: still in epoch 1, and its status)
-            assert epoch_logged(world) == 1, "the campaign was past epoch 1 before its ranks were held"
+            assert epoch_logged(plane, task) == 1, "the campaign was past epoch 1 before its ranks were held"
             return wait_for(lambda: (s := status())["epoch"] >= 1 and s, "the status in epoch 1 (every 5 s)")
 
         snap, stopper = stop_asked_while_held(
-            call["attempts"][0]["pid"],
+            call["attempts"][0]["containers"][0]["pid"],
             2,
             lambda: subprocess.Popen(
                 [sys.executable, "-m", "app.cli", "stop", RUN, "--modal"],
-                cwd=ROOT, env=world.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                cwd=ROOT, env=client_env(plane), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             ),
             wait_for,
             during=held_in_epoch_1,
@@ -420,119 +535,152 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
         assert snap["loss"] > 0 and len(snap["producers"]) == 2 and len(snap["queue"]["ranks"]) == 2
         stop_out, stop_err = stopper.communicate(timeout=120)
         assert stopper.returncode == 0, stop_out[-2000:] + stop_err[-2000:]
-        assert re.search(r"run emu stopped at step \d+ \(checkpoint at step \d+\)", stop_out), stop_out
+        assert re.search(rf"run {RUN} stopped at step \d+ \(checkpoint at step \d+\)", stop_out), stop_out
         code, out, err = finish(proc)
         assert code == 0, err[-3000:]
-        assert "watch it from another terminal: cellfeed status emu --modal | cellfeed stop emu --modal" in out
-        last = out.strip().splitlines()[-1]
+        assert f"watch it from another terminal: cellfeed status {RUN} --modal | cellfeed stop {RUN} --modal" in out
+        last = verdict_line(out)
         stopped = re.match(r"stopped at step (\d+) as asked: 1 of 3 epochs complete; .*; resume: (modal run .*)$", last)
         assert stopped, last
-        assert f"cellfeed-{RUN}" in world.describe()["dicts"]  # kept for the resume
-        assert json.loads(cellfeed(world, "status", RUN, "--modal", "--json").stdout)["state"] == "stopped"
-        code, out, err = finish(modal_run(world, ["--run", RUN, "--resume", "--batch-size", "64"]))  # (from its record)
+        assert f"cellfeed-{RUN}" in plane.describe()["dicts"]  # kept for the resume
+        assert json.loads(cellfeed(plane, "status", RUN, "--modal", "--json").stdout)["state"] == "stopped"
+        code, out, err = finish(modal_run(plane, ["--run", RUN, "--resume", "--batch-size", "64"], tmp_path))
         assert code == 2 and "Traceback" not in err, err[-2000:]
-        assert err.strip().splitlines()[-1].startswith("cellfeed: error: --batch-size 64: run emu was started with ")
-        code, out, err = finish(modal_run(world, ["--run", RUN, "--resume"]))  # the README's resume, as written
+        assert f"cellfeed: error: --batch-size 64: run {RUN} was started with " in err, err[-2000:]
+        code, out, err = finish(modal_run(plane, ["--run", RUN, "--resume"], tmp_path))  # the README's, as written
         assert code == 0, err[-3000:]
-        assert out.strip().splitlines()[-1].startswith("complete: 3 epochs, ")
-        held_out = set(np.flatnonzero(np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) == "plate14").tolist())
-        train_cells = Counter(c for c in range(atlas.n_cells) if c not in held_out)
-        assert [trained_cells(world).get(e) for e in (0, 1, 2)] == [train_cells] * 3
+        assert verdict_line(out).startswith("complete: 3 epochs, ")
+        assert [trained_cells(plane).get(e) for e in (0, 1, 2)] == [training_cells(atlas)] * 3
         # the Dict is gone with the campaign; its last status stayed on the Volume
-        after = json.loads(cellfeed(world, "status", RUN, "--modal", "--json").stdout)
+        after = json.loads(cellfeed(plane, "status", RUN, "--modal", "--json").stdout)
         assert after["state"] == "complete" and after["cells_per_epoch"] == 1344
         assert [a["epoch"] for a in after["audits"]] == [0, 1, 2]  # every epoch, across the new call
-        # the report from the Volume's copy of the run (`modal volume get cellfeed-checkpoints emu ...`)
+        # the report from the Volume's copy of the run (`modal volume get cellfeed-checkpoints RUN ...`)
         page = tmp_path / "report.html"
-        made = cellfeed(world, "report", RUN, "--workdir", str(world.volume_dir), "--out", str(page))
+        made = cellfeed(plane, "report", RUN, "--workdir", str(plane.volume_dir), "--out", str(page))
         assert made.returncode == 0 and page.read_text().count("<svg") == 7, made.stderr[-2000:]
         assert {
-            e["event"] for e in map(json.loads, (world.volume_dir / RUN / "events.jsonl").read_text().split("\n")[:-1])
+            e["event"] for e in map(json.loads, (plane.volume_dir / RUN / "events.jsonl").read_text().split("\n")[:-1])
         } >= {"started", "stop asked", "stopped", "resumed", "complete"}
 
 
+# --nodes 2: modal.clustered's docs ask each container of a cluster for all GPUs of its host, and the
+# product refuses fewer (app/modal_app.py: --gpus 8). Here a "GPU" is a CPU rank: 2 nodes x 8 ranks on
+# this machine's cores, with batches of 4 a rank (64 cells a step: an epoch of 1,344 cells is 21 steps).
+NODES = dict(gpus=8, nodes=2, epochs=1, batch_size=4)
+
+
 def test_modal_run_on_two_nodes_trains_every_cell_once(atlas, tmp_path):
-    """`--nodes 2 --gpus 1`: `train_2_nodes`, a clustered function, runs each input in 2 containers
-    started together (S27); container 1's rank joins container 0's DDP world at the address it
-    publishes. Preempted mid-epoch (every container interrupted: each node's rank checkpoints at the
+    """`--nodes 2 --gpus 8`: `train_2_nodes`, a clustered function: each attempt is 2 containers
+    started together (K1), each told its rank and both addresses by TaskClusterHello (`::1`, from
+    `i6pn.modal.local`: K2); container 1's ranks join container 0's DDP world at the address it
+    publishes. Preempted mid-epoch (every container interrupted: each node's ranks checkpoint at the
     same step), the input runs again on a new cluster and resumes. Every cell once, from the cell
     logs of both nodes and both attempts."""
-    from collections import Counter
-
-    with ModalEmulator(tmp_path / "world", grace_s=30) as world:
-        proc = modal_run(world, flags(atlas, gpus=1, nodes=2, epochs=1, batch_size=16) + ["--audit-cells"])
-        call = wait_for(lambda: train_attempt_of(world, "train_2_nodes"), "train to start")
-        wait_for(lambda: steps_logged(world) >= 6 or proc.poll() is not None, "six steps")
-        world.preempt(call["id"])  # past a checkpoint (every 4 steps): the whole cluster is interrupted
+    with control_plane(tmp_path) as plane:
+        proc = modal_run(plane, flags(atlas, **NODES) + ["--audit-cells"], tmp_path)
+        call = wait_for(lambda: running_train(plane, "train_2_nodes"), "train to start", timeout=240)
+        task = rank0_task(call)
+        wait_for(lambda: steps_logged(plane, task) >= 6 or proc.poll() is not None, "six steps", timeout=300)
+        assert proc.poll() is None, "the campaign ended before its preemption"
+        plane.preempt(call["id"])  # past a checkpoint (every 4 steps): the whole cluster is interrupted
         code, out, err = finish(proc)
         assert code == 0, err[-3000:]
-        assert "campaign emu: 2 producers -> 2 nodes x 1 x H100" in out
-        (call,) = world.calls("train_2_nodes")
-        assert [(a["outcome"], len(a["pids"])) for a in call["attempts"]] == [("preempted", 2), ("success", 2)]
-        assert call["attempts"][0]["interrupted_processes"] >= 6  # both containers, each with its rank server and rank
-        assert "resumed from step" in container_log(world, call["id"], 1)
-        held_out = set(np.flatnonzero(np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) == "plate14").tolist())
-        train_cells = Counter(c for c in range(atlas.n_cells) if c not in held_out)
-        assert trained_cells(world).get(0) == train_cells
-        assert {p.name.split(".")[1] for p in (world.volume_dir / RUN / "cells").glob("*.rank*.jsonl")} == {
-            "rank0",
-            "rank1",
-        }
-        check_campaign(world, out, epochs=1, producers=2)
+        assert f"campaign {RUN}: 2 producers -> 2 nodes x 8 x H100" in out
+        (call,) = calls(plane, "train_2_nodes")
+        assert call["cluster_size"] == 2 and call["gpu"] == "H100:8"
+        # each container resolved i6pn.modal.local (K2) and said hello with it: the rendezvous was at `::1`
+        assert [a["cluster_ips"] for a in call["attempts"]] == [["::1", "::1"]] * 2
+        assert [(a["outcome"], [k["rank"] for k in a["containers"]]) for a in call["attempts"]] == [
+            ("preempted", [0, 1]),
+            ("success", [0, 1]),
+        ]
+        # both containers interrupted, each with its rank server and 8 ranks
+        assert all(k["interrupted_processes"] >= 10 for k in call["attempts"][0]["containers"])
+        assert "resumed from step" in logs_of(plane, call, 1)
+        assert trained_cells(plane).get(0) == training_cells(atlas)
+        ranks = {p.name.split(".")[1] for p in (plane.volume_dir / RUN / "cells").glob("*.rank*.jsonl")}
+        assert ranks == {f"rank{r}" for r in range(16)}  # node 1's ranks wrote from its own container
+        check_campaign(plane, out, epochs=1, producers=2)
+
+
+def views_committed(plane: ControlPlane, tasks: list[str]) -> bool:
+    """Whether every file of the run that these containers wrote to their views of the Volume is in
+    the committed Volume as written (V8's background commits have caught up with them)."""
+    for task in tasks:
+        view = plane.volume_view(task)
+        for path in (view / RUN).rglob("*") if view else ():
+            if path.is_file():
+                committed = plane.volume_dir / path.relative_to(view)
+                if not committed.exists() or committed.read_bytes() != path.read_bytes():
+                    return False
+    return True
 
 
 def test_a_node_lost_mid_epoch_on_modal_then_resumed_on_one_node_is_exact(atlas, tmp_path):
-    """Container 1 of a 2-node train is lost mid-epoch, past a checkpoint (SIGKILL, no grace): the
-    attempt fails with its cluster, the run stops with the command that resumes it, state kept. That
-    command with `--nodes 1` replaces the producers started for 2 ranks and finishes the epoch on one
-    node: every cell once across both, from the cell logs."""
-    import shlex
-    from collections import Counter
+    """Container 1 of a 2-node train is lost mid-epoch, past a checkpoint (SIGKILL, no grace: K4):
+    the attempt fails with its cluster, the run stops with the command that resumes it, state kept.
+    The campaign runs with `modal run --detach`, so its producers outlive the failed train and the
+    laptop's exit (without it Modal stops the app's calls as `modal run` ends: D5). That command with
+    `--nodes 1` replaces the producers started for 16 ranks and finishes the epoch on one node: every
+    cell once across both, from the cell logs. (A container killed without a grace
+    loses what it wrote since its Volume's last background commit, V8, as on Modal: the ranks are
+    held while both containers' writes are committed, so the cell logs the test reads are whole.)"""
+    from cellfeed_testing.procs import ranks_held
 
-    with ModalEmulator(tmp_path / "world", grace_s=10) as world:
-        proc = modal_run(world, flags(atlas, gpus=1, nodes=2, epochs=1, batch_size=16) + ["--audit-cells"])
-        call = wait_for(
-            lambda: next((c for c in world.calls("train_2_nodes") if c["status"] == "running"), None), "train"
-        )
-        wait_for(lambda: steps_logged(world) >= 6 or proc.poll() is not None, "six steps")
-        assert proc.poll() is None
-        world.lose_container(call["id"], 1)
+    with control_plane(tmp_path) as plane:
+        proc = modal_run(plane, flags(atlas, **NODES) + ["--audit-cells"], tmp_path, detach=True)
+        call = wait_for(lambda: running_train(plane, "train_2_nodes"), "train", timeout=240)
+        task = rank0_task(call)
+        wait_for(lambda: steps_logged(plane, task) >= 6 or proc.poll() is not None, "six steps", timeout=300)
+        assert proc.poll() is None, "the campaign ended before its node was lost"
+        containers = call["attempts"][0]["containers"]
+        with contextlib.ExitStack() as held:
+            for k in containers:
+                held.enter_context(ranks_held(k["pid"], 8))
+            wait_for(lambda: views_committed(plane, [k["task"] for k in containers]), "a background commit", 60)
+            plane.lose_container(call["id"], 1)
         code, out, err = finish(proc)
         assert code != 0 and "container 1 of its cluster exited" in err, err[-3000:]
-        command = shlex.split(err.strip().splitlines()[-1].strip())
+        (failed,) = calls(plane, "train_2_nodes")
+        assert failed["status"] == "failure" and [k["killed"] for k in failed["attempts"][0]["containers"]] == [
+            "its cluster failed",
+            "lost",
+        ]
+        command = resume_command(err)
         assert command[:3] == ["modal", "run", "app/modal_app.py"] and command[-1] == "--resume"
-        code, out, err = finish(modal_run(world, command[3:] + ["--nodes", "1"]))
+        code, out, err = finish(modal_run(plane, command[3:] + ["--nodes", "1"], tmp_path))
         assert code == 0, err[-3000:]
-        assert out.strip().splitlines()[-1].startswith("complete: 1 epoch, ")
-        logs = "".join(container_log(world, c["id"], 0) for c in world.calls("train"))
-        assert "were started for 2 ranks: cancelling them" in logs and "resumed from step" in logs
-        held_out = set(np.flatnonzero(np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) == "plate14").tolist())
-        assert trained_cells(world).get(0) == Counter(c for c in range(atlas.n_cells) if c not in held_out)
+        assert verdict_line(out).startswith("complete: 1 epoch, ")
+        logs = "".join(logs_of(plane, c) for c in calls(plane, "train"))
+        assert "were started for 16 ranks: cancelling them" in logs and "resumed from step" in logs
+        assert trained_cells(plane).get(0) == training_cells(atlas)
 
 
 def test_a_balanced_campaign_preempted_on_modal_trains_every_tissue_at_its_quota(atlas, tmp_path):
     """`--balance-by tissue --balance-power 1` through `modal run`, preempted mid-epoch: the cell
     logs of both attempts hold every tissue at its quota (equal shares of the training cells, by
     largest remainder), and the audit says so."""
-    from collections import Counter
-
     tissue = np.asarray(atlas.obs(["tissue"]).column(0).to_pylist())
     training = np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) != "plate14"
     names, counts = np.unique(tissue[training], return_counts=True)
     share = len(tissue[training]) / len(names)  # ALPHA 1: every tissue the same, the remainder to the first
     quotas = np.full(len(names), int(share))
     quotas[: len(tissue[training]) - int(quotas.sum())] += 1
-    with ModalEmulator(tmp_path / "world", grace_s=30) as world:
+    with control_plane(tmp_path) as plane:
         args = flags(atlas, epochs=1, balance_by="tissue", balance_power=1) + ["--audit-cells"]
-        proc = modal_run(world, args)
-        call = wait_for(lambda: train_attempt(world), "train to start")
-        wait_for(lambda: steps_logged(world) >= 6 or proc.poll() is not None, "six steps")
-        world.preempt(call["id"])
+        proc = modal_run(plane, args, tmp_path)
+        call = wait_for(lambda: running_train(plane), "train to start", timeout=180)
+        task = rank0_task(call)
+        wait_for(lambda: steps_logged(plane, task) >= 6 or proc.poll() is not None, "six steps", timeout=300)
+        assert proc.poll() is None, "the campaign ended before its preemption"
+        plane.preempt(call["id"])
         code, out, err = finish(proc)
         assert code == 0, err[-3000:]
-        trained = trained_cells(world)[0]
+        trained = trained_cells(plane)[0]
         got = Counter(tissue[list(trained.elements())].tolist())
         assert [got[n] for n in names] == quotas.tolist() and counts.min() < quotas.min()  # small tissues repeat
-        logs = "".join(container_log(world, call["id"], a) for a in range(2))
-        assert f"{len(names)} classes at their quotas" in logs
-        check_campaign(world, out, epochs=1, producers=2)
+        (train,) = calls(plane, "train")
+        assert [a["outcome"] for a in train["attempts"]] == ["preempted", "success"]
+        assert f"{len(names)} classes at their quotas" in logs_of(plane, train)
+        check_campaign(plane, out, epochs=1, producers=2)
