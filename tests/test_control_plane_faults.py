@@ -169,6 +169,17 @@ def notes(path: str, text: str) -> str:
     with open(path, "a") as f:
         f.write(f"{text} {modal.current_function_call_id()}\\n")
     return text
+
+
+@app.function(image=image, timeout=600)
+def pops(name: str, key: str) -> str:
+    """Puts `key` in the Dict `name` and pops it, from inside a container."""
+    d = modal.Dict.from_name(name, create_if_missing=True)
+    d[key] = "v"
+    try:
+        return d.pop(key)
+    except KeyError:
+        return "KeyError"
 '''
 
 
@@ -224,6 +235,23 @@ def test_a_lost_get_outputs_reply_is_asked_again_and_the_output_is_still_there(p
     # FunctionCall.get polls with clear_on_success=False (_functions.py:349-353): the output stays
     assert (rule["hits"], rule["items_lost"], rule["recovered"]) == (1, 1, 1)
     assert len(plane.call_list("notes")) == 1 and len(path.read_text().splitlines()) == 1
+
+
+def test_a_container_s_requests_are_faulted_too_and_named_by_its_task(plane, probe):
+    index = plane.fault("lost_reply", "dict", op="pop")
+    got = run_client(
+        plane,
+        """
+        import json
+        from fp_probe.app import app, pops
+        with app.run():
+            print(json.dumps(pops.remote("in-container", "k")))
+        """,
+        cwd=probe,
+    )
+    assert got == "KeyError"  # the pop was applied in the container, its reply lost, the retry found no key
+    ((attempt,),) = [c["attempts"] for c in plane.call_list("pops")]
+    assert [e["from"] for e in plane.faults()[index]["events"]] == [attempt["task"]]
 
 
 # ---- latency

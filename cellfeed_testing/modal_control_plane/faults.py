@@ -49,6 +49,8 @@ from grpclib.const import Handler, Status
 from grpclib.exceptions import GRPCError
 from modal_proto import api_pb2
 
+from cellfeed_testing.modal_control_plane.containers import TASK_HEADER
+
 KINDS = ("grpc_burst", "lost_reply", "latency")
 # the statuses modal's client retries (grpc_utils.py:199-205), and RESOURCE_EXHAUSTED (retried where added)
 STATUSES = ("UNAVAILABLE", "INTERNAL", "DEADLINE_EXCEEDED", "UNKNOWN", "CANCELLED", "RESOURCE_EXHAUSTED")
@@ -267,7 +269,7 @@ class Faults:
             rule.events.append(
                 {
                     "rpc": rpc,
-                    "from": metadata.get("x-modal-task-id") or "client",
+                    "from": metadata.get(TASK_HEADER) or "client",  # (a container's requests carry its task id)
                     "attempt": int(metadata.get("x-retry-attempt") or 0),
                     "key": (key or "")[:8],
                     "items": items,
