@@ -132,6 +132,31 @@ def test_lost_get_replies_past_the_client_s_retries_reach_the_caller_and_each_at
     assert [e["attempt"] for e in rule["events"]] == [0, 1, 2, 3]
 
 
+def test_a_burst_and_lost_replies_on_one_call_spend_its_attempts_together(plane):
+    burst = plane.fault("grpc_burst", "queue", op="get", calls=2)
+    lose = plane.fault("lost_reply", "queue", op="get", calls=2)
+    got = run_client(
+        plane,
+        """
+        import json, modal
+        q = modal.Queue.from_name("both", create_if_missing=True)
+        q.put_many(list(range(6)))
+        try:
+            q.get_many(2)
+        except Exception as e:
+            out = {"error": type(e).__name__}
+        out["rest"] = q.get_many(100, block=False)
+        print(json.dumps(out))
+        """,
+    )
+    # attempts 0 and 1 failed unapplied (the burst), 2 and 3 were applied and their replies lost
+    assert got == {"error": "StreamTerminatedError", "rest": [4, 5]}
+    b, lost_rule = plane.faults()[burst], plane.faults()[lose]
+    assert [e["attempt"] for e in b["events"]] == [0, 1] and b["items_lost"] == 0
+    assert [e["attempt"] for e in lost_rule["events"]] == [2, 3] and lost_rule["items_lost"] == 4
+    assert (b["keys_hit"], b["recovered"]) == (lost_rule["keys_hit"], lost_rule["recovered"]) == (1, 0)
+
+
 def test_a_lost_dict_pop_reply_removes_the_key_and_the_retry_finds_it_gone(plane):
     index = plane.fault("lost_reply", "dict", op="pop")
     got = run_client(

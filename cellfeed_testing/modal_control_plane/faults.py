@@ -261,9 +261,8 @@ class Faults:
         rule.hits += 1
         rule.done = rule.hits >= rule.calls
         key = metadata.get("x-idempotency-key")
-        if key and rule not in self._touched.get(key, []):
-            if not self._touched.get(key):
-                rule.keys_hit += 1
+        if key and rule not in self._touched.get(key, []):  # (a call another rule touched counts for this one too)
+            rule.keys_hit += 1
             self._touched.setdefault(key, []).append(rule)
         if len(rule.events) < EVENTS_KEPT:
             rule.events.append(
