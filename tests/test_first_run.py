@@ -1,30 +1,38 @@
-"""`python -m deploy.first_run` on the Modal emulator (not a Modal run) and a real S3 server
-(SeaweedFS): the whole first run, and what it leaves behind (nothing); a missing Secret stops it
-in one line before anything is made. Also the emulator's Secret, Volume and App.run (S22-S24),
-and deploy/README.md's cost table against deploy/costs.py."""
+"""`python -m deploy.first_run` against the local Modal control plane (modal's own client, `app.run()`
+and containers running modal's entrypoint; not a Modal run) and a real S3 server (SeaweedFS): the
+whole first run, and what it leaves behind (nothing); a campaign that fails; a missing Secret stops it
+in one line before anything is made. Also deploy/README.md's cost table against deploy/costs.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from cellfeed_testing.modal_emulator import ModalEmulator
+from cellfeed_testing.modal_control_plane import ControlPlane
 
 ROOT = Path(__file__).resolve().parents[1]
+SECRET = "cellfeed-s3"  # app/modal_app.py's Secret (CELLFEED_SECRET unset: the first run's own)
 
 
-def first_run(world: ModalEmulator, settings: dict, bucket: str, timeout: float = 500) -> tuple[int, list[str], str]:
-    """The command a user runs, in a process whose `import modal` is the emulator's."""
-    env = {k: v for k, v in {**world.env, **settings}.items() if k != "CELLFEED_SECRET"}
+@contextlib.contextmanager
+def control_plane(tmp_path: Path, secrets: dict):
+    """A plane with `secrets` and the checkpoints Volume told to containers (app/modal_app.py)."""
+    mounts = {"/checkpoints": "CELLFEED_CHECKPOINT_MOUNT"}
+    with ControlPlane(tmp_path / "plane", secrets=secrets, mount_env=mounts) as plane:
+        yield plane
+
+
+def first_run(plane: ControlPlane, settings: dict, bucket: str, timeout: float = 500) -> tuple[int, list[str], str]:
+    """The command a user runs, with this shell's S3 settings, its `import modal` modal's own, on the plane."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_") and k != "CELLFEED_SECRET"}
     proc = subprocess.run(
         [sys.executable, "-m", "deploy.first_run", "--bucket", f"s3://{bucket}/first", "--yes"],
         cwd=ROOT,
-        env=env,
+        env={**env, **settings, **plane.env},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -42,8 +50,8 @@ def test_a_first_run_trains_every_cell_once_and_deletes_what_it_made(seaweed, tm
 
     bucket = f"first-{os.urandom(4).hex()}"
     seaweed.client().create_bucket(Bucket=bucket)
-    with ModalEmulator(tmp_path / "world", grace_s=10, secrets={"cellfeed-s3": seaweed.settings}) as world:
-        code, out, err = first_run(world, seaweed.settings, bucket)
+    with control_plane(tmp_path, {SECRET: seaweed.settings}) as plane:
+        code, out, err = first_run(plane, seaweed.settings, bucket)
         assert code == 0, "\n".join(out[-30:]) + err[-3000:]
         done = re.fullmatch(
             r"first run: ok: run (first-run-[\d-]+), 2,000 cells trained exactly once in \d+ s wall "
@@ -57,15 +65,15 @@ def test_a_first_run_trains_every_cell_once_and_deletes_what_it_made(seaweed, tm
         assert f"deleted the atlas at s3://{bucket}/first/{run}" in out
         assert f"deleted the checkpoints /{run} in the Volume cellfeed-checkpoints" in out  # it was there
         assert objects_under(seaweed, bucket, "first/") == 0
-        assert not (world.volume_dir / run).exists()
-        described = world.describe()
+        assert not (plane.volume_dir / run).exists()
+        described = plane.describe()
         assert described["queues"] == [] and described["dicts"] == []
-        assert not [c for c in described["calls"] if c["status"] in ("running", "pending")]
+        assert not [c for c in described["calls"] if c["status"] == "running"]
         # the estimate priced what ran: 1 GPU with the trainer's cores and memory, 2 producers, setup
-        (setup,), (train,) = world.calls("setup"), world.calls("train")
+        (setup,), (train,) = plane.history("setup"), plane.history("train")
         assert (setup["cpu"], setup["memory"]) == (SETUP_CPU, SETUP_MEMORY_MB)
         assert (train["gpu"], train["cpu"], train["memory"]) == ("H100:1", TRAINER_CPU, TRAINER_MEMORY_MB)
-        assert [(c["cpu"], c["memory"]) for c in world.calls("produce")] == [(PRODUCER_CPU, PRODUCER_MEMORY_MB)] * 2
+        assert [(c["cpu"], c["memory"]) for c in plane.history("produce")] == [(PRODUCER_CPU, PRODUCER_MEMORY_MB)] * 2
 
 
 def test_a_campaign_that_fails_is_said_in_the_last_line_and_its_queue_and_dicts_are_deleted(seaweed, tmp_path):
@@ -75,62 +83,30 @@ def test_a_campaign_that_fails_is_said_in_the_last_line_and_its_queue_and_dicts_
     tests/test_modal_campaign.py.)"""
     bucket = f"first-{os.urandom(4).hex()}"
     seaweed.client().create_bucket(Bucket=bucket)
-    with ModalEmulator(tmp_path / "world", grace_s=5, retry_delay_s=0.2, env=seaweed.settings) as world:
-        world.fail("train", times=1)  # (train has no retries: its one attempt fails before its body runs)
-        code, out, err = first_run(world, seaweed.settings, bucket)
+    with control_plane(tmp_path, {SECRET: seaweed.settings}) as plane:
+        plane.fail("train", times=1)  # (train has no retries: its one attempt fails before its body runs)
+        code, out, err = first_run(plane, seaweed.settings, bucket)
         assert code == 1, "\n".join(out[-30:]) + err[-3000:]
         assert out[-1] == "first run: FAILED: the campaign failed: RuntimeError: injected fault", out[-1]
-        assert [c["status"] for c in world.calls("setup")] == ["success"]
+        assert [c["status"] for c in plane.call_list("setup")] == ["success"]
+        assert [c["status"] for c in plane.call_list("train")] == ["failure"]
         assert "deleted the run's queue and dicts" in out and any(line.startswith("deleted the atlas") for line in out)
-        described = world.describe()
+        described = plane.describe()
         assert described["queues"] == [] and described["dicts"] == []
-        assert objects_under(seaweed, bucket, "first/") == 0 and list(world.volume_dir.iterdir()) == []
+        assert objects_under(seaweed, bucket, "first/") == 0 and list(plane.volume_dir.iterdir()) == []
 
 
 def test_a_missing_secret_is_one_line_and_nothing_is_made(seaweed, tmp_path):
     bucket = f"first-{os.urandom(4).hex()}"
     seaweed.client().create_bucket(Bucket=bucket)
-    with ModalEmulator(tmp_path / "world", env=seaweed.settings, secrets={}) as world:
-        code, out, err = first_run(world, seaweed.settings, bucket, timeout=120)
+    with control_plane(tmp_path, {}) as plane:
+        code, out, err = first_run(plane, seaweed.settings, bucket, timeout=120)
         assert code == 1, err[-3000:]
         assert out[-1] == "first run: FAILED: 1 thing(s) missing (above); nothing was made or started"
         (line,) = [line for line in out if "cellfeed-s3" in line]
         assert line.startswith("the Modal Secret 'cellfeed-s3' is missing: run  modal secret create cellfeed-s3 ")
         assert seaweed.settings["AWS_SECRET_ACCESS_KEY"] not in "\n".join(out) + err
-        assert objects_under(seaweed, bucket, "") == 0 and world.describe()["calls"] == []
-
-
-def test_the_emulated_secret_volume_and_app_run(tmp_path):  # S22, S23, S24
-    import modal
-    import modal.exception
-
-    with ModalEmulator(tmp_path / "compat", env={"X": "1"}) as world:
-        world.install()
-        modal.Secret.from_name("cellfeed-s3").hydrate()  # without `secrets`, `env` is the Secret
-    with ModalEmulator(tmp_path / "world", secrets={"s3": {"A": "1"}}) as world:
-        world.install()
-        assert world.env["A"] == "1" and modal.Secret.from_name("s3").hydrate().object_id
-        missing = modal.Secret.from_name("nowhere")  # lazy: nothing asked yet
-        with pytest.raises(modal.exception.NotFoundError):
-            missing.hydrate()
-        volume = modal.Volume.from_name("cellfeed-checkpoints", create_if_missing=True).hydrate()
-        (world.volume_dir / "r" / "sub").mkdir(parents=True)
-        (world.volume_dir / "r" / "sub" / "step-1.pt").write_bytes(b"x")
-        with pytest.raises(modal.exception.InvalidError):
-            volume.remove_file("/r")  # a directory with files in it: recursive=True
-        volume.remove_file("/r/sub/step-1.pt")
-        volume.remove_file("r", recursive=True)
-        assert not (world.volume_dir / "r").exists() and world.volume_dir.exists()
-        with pytest.raises(FileNotFoundError):
-            volume.remove_file("/r", recursive=True)
-        app = modal.App("a")
-        with app.run() as running:
-            assert running is app
-            with pytest.raises(modal.exception.InvalidError):
-                with app.run():
-                    pass
-        with app.run():  # (again, once the first has ended)
-            pass
+        assert objects_under(seaweed, bucket, "") == 0 and plane.describe()["calls"] == []
 
 
 def test_the_readmes_cost_table_is_what_deploy_costs_computes():
