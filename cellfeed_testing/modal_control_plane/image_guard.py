@@ -5,7 +5,7 @@ recipe; this enforces it), modal and the standard library.
     enforce_images(plane)        # containers started from now on run under their image
 
 What an image provides is worked out here, once per recipe, from this machine's installed distributions
-(the emulator's rule, `cellfeed_testing/modal_emulator/images.py`): the requirements its `pip_install`
+(the rule the Modal emulator had, its S20): the requirements its `pip_install`
 layers name (`Image.pip_packages`, apps.py) and `modal`, closed over their dependencies (markers
 evaluated, extras followed only where asked), as top-level module names. The container gets that list
 in `/root/cellfeed_image_guard.json` and `image_site.py` as `/root/sitecustomize.py`: /root is first on
