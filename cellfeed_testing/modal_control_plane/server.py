@@ -172,7 +172,10 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, ClusterRPCs, VolumeRPCs, SecretRPC
             except asyncio.TimeoutError:
                 for volume_id, entry in list(c.volumes.items()):
                     if volume_id in self.volumes and not self.volumes[volume_id].deleted:
-                        self.commit_view(volume_id, entry)
+                        try:
+                            self.commit_view(volume_id, entry)
+                        except OSError as exc:  # this pass is lost, said; the next one (or the exit's) commits
+                            log.error("background commit of %s for %s failed: %s", volume_id, c.task_id, exc)
 
     async def shutdown(self) -> None:
         """Called once as the plane stops, before the server closes: every container goes."""

@@ -56,7 +56,10 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     for dirpath, _, files in os.walk(folder):
         for f in files:
             p = Path(dirpath, f)
-            st = p.lstat()
+            try:
+                st = p.lstat()
+            except FileNotFoundError:  # deleted since the folder was listed (the container runs on)
+                continue
             out[str(p.relative_to(folder))] = (st.st_size, st.st_mtime_ns)
     return out
 
@@ -214,9 +217,12 @@ class VolumeRPCs:
             return
         committed = self._volume(volume_id).committed
         now = snapshot(view)
-        for rel, stat in now.items():
+        for rel, stat in list(now.items()):
             if baseline.get(rel) != stat or not (committed / rel).exists():
-                _copy(view / rel, committed / rel)
+                try:
+                    _copy(view / rel, committed / rel)
+                except FileNotFoundError:  # deleted by the container since the listing (a background
+                    del now[rel]  # commit runs beside it): deleted here too, as if listed after
         for rel in baseline.keys() - now.keys():
             (committed / rel).unlink(missing_ok=True)
         entry[1] = now
