@@ -1052,11 +1052,8 @@ def child_imports(names: list) -> list:
 def test_a_container_imports_only_what_its_image_installs(plane, probe):
     """`bare` adds only `cp_probe`: numpy (installed on this machine) is not there, in the body or in a
     Python the body starts; an image that pip-installs numpy has it; the repository's packages are in
-    neither (emulator S20)."""
-    from cellfeed_testing.modal_control_plane.image_guard import enforce_images
-
+    neither (emulator S20: every plane enforces it, D11)."""
     (probe / "cp_probe" / "images.py").write_text(IMAGES_APP)
-    enforce_images(plane)
     got = run_client(
         plane,
         """

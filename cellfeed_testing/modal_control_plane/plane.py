@@ -39,9 +39,12 @@ class ControlPlane:
         transport: str = "tcp",
         secrets: dict[str, dict[str, str]] | None = None,
         mount_env: dict[str, str] | None = None,
+        images: bool = True,
     ) -> None:
         """`secrets`: the named Secrets that exist ({name: {VAR: value}}). `mount_env`: for a Volume
-        mount path, a variable its containers get naming the folder standing for it (volumes.py, V5)."""
+        mount path, a variable its containers get naming the folder standing for it (volumes.py, V5).
+        `images`: a container imports only what its function's image installs (S20, image_guard.py),
+        as on Modal; False lets containers import whatever this machine has."""
         if transport not in ("tcp", "unix"):
             raise ValueError(f"transport is 'tcp' or 'unix', not {transport!r}")
         self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="modal-control-plane-")
@@ -50,6 +53,10 @@ class ControlPlane:
         self.transport = transport
         self.servicer = Servicer(self.root, secrets=secrets, mount_env=mount_env)
         self.network = faults_for(self.servicer)  # injected network faults (faults.py): fault(), faults()
+        if images:
+            from cellfeed_testing.modal_control_plane.image_guard import enforce_images
+
+            enforce_images(self)
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="modal-control-plane", daemon=True)
