@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._checks import check_figures, fail  # noqa: E402
-from coordination.arrays import offsets_of  # noqa: E402
+from coordination.arrays import CellRows, offsets_of  # noqa: E402
 from coordination.latency import remote  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
@@ -38,7 +38,7 @@ from producers.dataset import open_dataset  # noqa: E402
 from producers.gene_stats import compute_gene_medians, load_gene_medians, store_gene_stats  # noqa: E402
 from producers.items import CHUNK_CELLS  # noqa: E402
 from producers.producer import Producer  # noqa: E402
-from producers.ranking import CellRows, rank_order  # noqa: E402
+from producers.ranking import rank_order  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
 
 # units as large as on a Tahoe-scale atlas (min_units=1: a small benchmark atlas must not shrink them)

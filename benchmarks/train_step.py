@@ -28,13 +28,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks._checks import check_figures, fail  # noqa: E402
+from coordination.arrays import CellRows  # noqa: E402
 from coordination.latency import remote  # noqa: E402
 from coordination.net import free_port  # noqa: E402
 from coordination.queues import Full, MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import rank_partition, run_tag  # noqa: E402
 from coordination.summary import PlanSummary, publish_summary  # noqa: E402
 from coordination.wire import pack_items  # noqa: E402
-from producers.ranking import CellRows  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.train import train  # noqa: E402
 

@@ -1,6 +1,9 @@
-"""Small vectorised helpers on ragged arrays, shared by readers, producers and consumers."""
+"""Ragged arrays: `CellRows`, the one container of cells from the rows a dataset reads to the
+tokens the wire packs, and small vectorised helpers shared by readers, producers and consumers."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,3 +57,62 @@ def bridge_gaps(ranges: np.ndarray, max_gap: int) -> np.ndarray:
     new[1:] = ranges[1:, 0] - ranges[:-1, 1] > max_gap
     starts = np.flatnonzero(new)
     return np.stack([ranges[starts, 0], np.maximum.reduceat(ranges[:, 1], starts)], axis=1)
+
+
+@dataclass
+class CellRows:
+    """Cells as ragged rows: cell i owns rows offsets[i]:offsets[i+1] (any order within). The one
+    container of a unit's cells from the read to the wire: `producers.dataset.Dataset.read_cells`
+    gives a unit's cells in it (`ids`: gene ids as read), `producers.items.to_tokens` maps their
+    genes to token ids, a tokenizer (`producers.tokenizers`) turns each cell's rows into its token
+    sequence, special tokens included, and `coordination.wire.pack_cells` packs that into items."""
+
+    cell_ids: np.ndarray  # int64[n]
+    offsets: np.ndarray  # int64[n + 1]
+    ids: np.ndarray  # gene ids, or token ids
+    values: np.ndarray | None  # expression values (bins or raw values once tokenized; None: none ride along)
+    # each cell's total over all its genes, those outside the vocabulary included (Geneformer
+    # normalises by it); None: the sum of the rows here
+    totals: np.ndarray | None = None
+
+    @property
+    def n_cells(self) -> int:
+        return len(self.cell_ids)
+
+    @property
+    def counts(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def cell_of_row(self) -> np.ndarray:
+        return np.repeat(np.arange(self.n_cells, dtype=np.int64), self.counts)
+
+    def take(self, rows: np.ndarray, offsets: np.ndarray) -> "CellRows":
+        """The same cells with rows `rows` (of these), cut at `offsets`."""
+        return CellRows(self.cell_ids, offsets, self.ids[rows], self.values[rows], self.totals)
+
+    def slice(self, lo: int, hi: int) -> "CellRows":
+        """Cells lo..hi-1: views of these arrays, no copy."""
+        a, b = int(self.offsets[lo]), int(self.offsets[hi])
+        return CellRows(
+            self.cell_ids[lo:hi],
+            self.offsets[lo : hi + 1] - a,
+            self.ids[a:b],
+            None if self.values is None else self.values[a:b],
+            None if self.totals is None else self.totals[lo:hi],
+        )
+
+    def select(self, cells: np.ndarray) -> "CellRows":
+        """The cells at positions `cells`, in that order, their rows gathered into arrays of their
+        own (a run of consecutive cells: `slice`, no copy)."""
+        cells = np.asarray(cells, dtype=np.int64)
+        if len(cells) and cells[-1] - cells[0] == len(cells) - 1 and bool(np.all(np.diff(cells) == 1)):
+            return self.slice(int(cells[0]), int(cells[-1]) + 1)
+        starts, stops = self.offsets[cells], self.offsets[cells + 1]
+        rows = ragged_arange(starts, stops)
+        return CellRows(
+            self.cell_ids[cells],
+            offsets_of(stops - starts),
+            self.ids[rows],
+            None if self.values is None else self.values[rows],
+            None if self.totals is None else self.totals[cells],
+        )

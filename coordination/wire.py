@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
+from coordination.arrays import CellRows
 from coordination.errors import CellfeedError
 from coordination.queues import MAX_ITEM_BYTES
 
@@ -80,29 +81,45 @@ def _compressor():
 
 
 def pack_item(item: Item) -> bytes:
-    n = item.n_cells
-    lengths = np.diff(item.offsets).astype(np.uint32)
-    tokens = np.ascontiguousarray(item.tokens)
-    parts = [np.asarray(item.cell_ids, dtype=np.uint32).tobytes(), lengths.tobytes(), tokens.tobytes()]
-    flags = STITCHED if item.stitched else 0
+    """An item's bytes (`unpack_item` gives it back)."""
+    cells = CellRows(item.cell_ids, item.offsets, item.tokens, item.values)
+    return _packed(cells, item.labels, item.stitched, item.run_tag, item.epoch, item.key_id, item.seq, item.n_items)
+
+
+def _packed(
+    cells: CellRows,
+    labels: np.ndarray | None,
+    stitched: bool,
+    run_tag: int,
+    epoch: int,
+    key_id: int,
+    seq: int = 0,
+    n_items: int = 0,
+) -> bytes:
+    """The header and compressed payload of tokenized cells (`ids`: tokens)."""
+    n = cells.n_cells
+    lengths = np.diff(cells.offsets).astype(np.uint32)
+    tokens = np.ascontiguousarray(cells.ids)
+    parts = [np.asarray(cells.cell_ids, dtype=np.uint32).tobytes(), lengths.tobytes(), tokens.tobytes()]
+    flags = STITCHED if stitched else 0
     value_code = 0
-    if item.values is not None:
+    if cells.values is not None:
         flags |= HAS_VALUES
-        value_code = DTYPE_CODES[item.values.dtype]
-        parts.append(np.ascontiguousarray(item.values).tobytes())
-    if item.labels is not None:
+        value_code = DTYPE_CODES[cells.values.dtype]
+        parts.append(np.ascontiguousarray(cells.values).tobytes())
+    if labels is not None:
         flags |= HAS_LABELS
-        parts.append(np.asarray(item.labels, dtype=np.int32).tobytes())
+        parts.append(np.asarray(labels, dtype=np.int32).tobytes())
     payload = _compressor()[0].compress(b"".join(parts))
     header = HEADER.pack(
         MAGIC,
         VERSION,
         flags,
-        item.run_tag,
-        item.epoch,
-        item.key_id,
-        item.seq,
-        item.n_items,
+        run_tag,
+        epoch,
+        key_id,
+        seq,
+        n_items,
         n,
         len(tokens),
         DTYPE_CODES[tokens.dtype],
@@ -184,14 +201,8 @@ def unpack_item(data: bytes, run_tag: int | None = None, epoch: int | None = Non
     )
 
 
-def _slice_cells(tokens, lo: int, hi: int):
-    a, b = tokens.offsets[lo], tokens.offsets[hi]
-    values = None if tokens.values is None else tokens.values[a:b]
-    return tokens.cell_ids[lo:hi], tokens.offsets[lo : hi + 1] - a, tokens.ids[a:b], values
-
-
 def pack_cells(
-    tokens,
+    tokens: CellRows,
     *,
     epoch: int,
     key_id: int,
@@ -200,38 +211,23 @@ def pack_cells(
     labels: np.ndarray | None = None,
     cells_per_item: int = 128,
 ) -> list[bytearray]:
-    """Pack tokenized cells (a `producers.ranking.CellRows` whose `ids` are tokens) into items of at
-    most `cells_per_item` cells and 1 MiB, not yet numbered (`number_items` does that once a
-    unit's items are all packed)."""
+    """Pack tokenized cells (`ids`: tokens; `labels`: one per cell) into items of at most
+    `cells_per_item` cells and 1 MiB, in order, not yet numbered (`number_items` does that once a
+    unit's items are all packed). A run of cells over 1 MiB is halved until its items fit."""
     packed: list[bytearray] = []
-
-    def emit(lo: int, hi: int) -> None:
-        cell_ids, offsets, toks, values = _slice_cells(tokens, lo, hi)
-        data = pack_item(
-            Item(
-                epoch,
-                key_id,
-                0,
-                stitched,
-                run_tag,
-                0,
-                cell_ids,
-                offsets,
-                toks,
-                values,
-                None if labels is None else labels[lo:hi],
-            )
+    todo = [(lo, min(lo + cells_per_item, tokens.n_cells)) for lo in range(0, tokens.n_cells, cells_per_item)]
+    todo.reverse()  # (a stack: the next run of cells on top)
+    while todo:
+        lo, hi = todo.pop()
+        data = _packed(
+            tokens.slice(lo, hi), None if labels is None else labels[lo:hi], stitched, run_tag, epoch, key_id
         )
         if len(data) <= MAX_ITEM_BYTES:
             packed.append(bytearray(data))
         elif hi - lo > 1:
-            emit(lo, (lo + hi) // 2)
-            emit((lo + hi) // 2, hi)
+            todo += [((lo + hi) // 2, hi), (lo, (lo + hi) // 2)]
         else:
             raise ItemError(f"one cell packs to {len(data):,} bytes, over the 1 MiB item limit")
-
-    for lo in range(0, tokens.n_cells, cells_per_item):
-        emit(lo, min(lo + cells_per_item, tokens.n_cells))
     return packed
 
 
@@ -243,7 +239,7 @@ def number_items(packed: list[bytearray]) -> list[bytes]:
 
 
 def pack_items(
-    tokens,
+    tokens: CellRows,
     *,
     epoch: int,
     key_id: int,
@@ -252,7 +248,7 @@ def pack_items(
     labels: np.ndarray | None = None,
     cells_per_item: int = 128,
 ) -> list[bytes]:
-    """Pack and number tokenized cells (a `CellRows` whose `ids` are tokens): deterministic."""
+    """Pack and number tokenized cells (`ids`: tokens): deterministic."""
     return number_items(
         pack_cells(
             tokens,

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordination.arrays import offsets_of, ragged_arange
+from coordination.arrays import CellRows, offsets_of, ragged_arange
 from coordination.vocab import inside
 from coordination.wire import number_items, pack_cells
 from producers.dataset import RowBlock
-from producers.ranking import CellRows
 
 CHUNK_CELLS = 256  # cells tokenized at once: their rows (~0.4M at 1,600 genes per cell) fit in cache
 

@@ -1,6 +1,6 @@
 """Per-cell gene ranking and expression binning, vectorised over all cells of a unit.
 
-Input is `CellRows`: the non-zeros of whole cells, each cell's rows contiguous (CSR-like).
+Input is `CellRows` (`coordination.arrays`): the non-zeros of whole cells, each cell's rows contiguous (CSR-like).
 Ranking orders each cell's rows by (value descending, gene ascending) with one sort of packed
 64-bit keys (cell | inverted value | gene) when values are uint16 counts or non-negative float32
 and token ids fit in 24 bits (a union vocabulary passes 65,536), and a lexsort otherwise. No Python loop runs per cell.
@@ -8,41 +8,9 @@ and token ids fit in 24 bits (a union vocabulary passes 65,536), and a lexsort o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from coordination.arrays import offsets_of, ragged_arange
-
-
-@dataclass
-class CellRows:
-    """Whole cells as ragged rows: cell i owns rows offsets[i]:offsets[i+1] (any order within).
-    The one container of a unit's cells from the rows read to the tokens packed: `ids` are gene
-    ids as read, token ids once mapped through the vocabulary (`producers.items.to_tokens`), and
-    a cell's token sequence, special tokens included, once tokenized (`producers.tokenizers`)."""
-
-    cell_ids: np.ndarray  # int64[n]
-    offsets: np.ndarray  # int64[n + 1]
-    ids: np.ndarray  # gene ids, or token ids
-    values: np.ndarray | None  # expression values (bins or raw values once tokenized; None: none ride along)
-    # each cell's total over all its genes, those outside the vocabulary included (Geneformer
-    # normalises by it); None: the sum of the rows here
-    totals: np.ndarray | None = None
-
-    @property
-    def n_cells(self) -> int:
-        return len(self.cell_ids)
-
-    @property
-    def counts(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def cell_of_row(self) -> np.ndarray:
-        return np.repeat(np.arange(self.n_cells, dtype=np.int64), self.counts)
-
-    def take(self, rows: np.ndarray, offsets: np.ndarray) -> "CellRows":
-        return CellRows(self.cell_ids, offsets, self.ids[rows], self.values[rows], self.totals)
+from coordination.arrays import CellRows, offsets_of, ragged_arange
 
 
 def gene_bits(rows: CellRows) -> int:

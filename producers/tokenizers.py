@@ -37,10 +37,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordination.arrays import offsets_of
+from coordination.arrays import CellRows, offsets_of
 from coordination.errors import CellfeedError
 from coordination.vocab import GeneVocab
-from producers.ranking import CellRows, gene_order, quantile_bins, random_order, rank_order, truncate
+from producers.ranking import gene_order, quantile_bins, random_order, rank_order, truncate
 
 
 @dataclass(frozen=True)

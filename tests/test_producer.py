@@ -140,9 +140,9 @@ def test_chunked_threaded_tokenizing_equals_one_pass(small_synth, monkeypatch, t
     """A unit tokenized in chunks on several threads gives exactly the items of tokenizing all its
     cells at once and packing them (item boundaries included)."""
     import producers.items as items_module
+    from coordination.arrays import CellRows
     from coordination.seeds import unit_rng
     from coordination.wire import pack_items
-    from producers.ranking import CellRows
 
     monkeypatch.setattr(items_module, "CHUNK_CELLS", 40)  # several chunks of 2 items each
     sampling = Sampling("block", block_size=16, fetch_factor=8, batch_size=32, min_units=1)

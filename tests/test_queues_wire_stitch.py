@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from coordination.arrays import CellRows
 from coordination.queues import MAX_ITEM_BYTES, Empty, Full, ItemTooLarge, MapGone, MemoryMap, MemoryQueue
 from coordination.wire import Item, ItemError, pack_item, pack_items, unpack_item
-from producers.ranking import CellRows
 from producers.stitch import arrival_key, offer_piece
 
 # ----------------------------------------------------------------------------------- queue / map
