@@ -88,7 +88,7 @@ def fake_item(epoch: int, unit: int, seq: int, n_items: int, n_cells: int, paylo
     )
 
 
-NO_ROWS = SimpleNamespace(gene=np.empty(0, np.uint32), value=np.empty(0, np.float32))
+NO_CELLS = SimpleNamespace(ids=np.empty(0, np.uint32), values=np.empty(0, np.float32))
 
 
 class SimulatedProducer(Producer):
@@ -108,9 +108,8 @@ class SimulatedProducer(Producer):
         return self.plans[epoch]
 
     def read(self, epoch, unit):
-        return None, [
-            NO_ROWS
-        ]  # (unit, rows per part): nothing is read; the loop sizes its read-ahead by the rows' bytes
+        # (unit, cells per part, pieces): nothing is read; the loop sizes its read-ahead by the cells' bytes
+        return None, [NO_CELLS], None
 
     def process(self, epoch, unit_id, rows=None):
         cells = int(self.plans[epoch].unit_cell_counts[unit_id])
@@ -122,8 +121,10 @@ class SimulatedProducer(Producer):
             fake_item(epoch, unit_id, s, n_items, min(CELLS_PER_ITEM, cells - s * CELLS_PER_ITEM), self.payload)
             for s in range(n_items)
         ]
-        self.hand_off(items, rank_partition(unit_rank(unit_id, self.config.world_size)))
+        self.courier.post([(rank_partition(unit_rank(unit_id, self.config.world_size)), items)], (epoch, unit_id))
         self.stats.cells += cells
+        self.stats.items += len(items)
+        self.stats.bytes += sum(len(b) for b in items)
         self.stats.units += 1
 
 

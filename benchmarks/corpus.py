@@ -197,11 +197,11 @@ def token_mismatches(corpus: Path, per_source: int) -> tuple[int, int]:
     differ = 0
     for s in producer.sources:
         mine = chosen[(chosen >= s.offset) & (chosen < s.offset + s.ds.n_cells)] - s.offset
-        block = s.ds.read_cells(mine)
-        for c in mine.tolist():
-            rows = block.cell == c
+        cells = s.ds.read_cells(mine)
+        for i, c in enumerate(mine.tolist()):
+            rows = slice(cells.offsets[i], cells.offsets[i + 1])
             expected = reference_scgpt(
-                [s.identifiers[g] for g in block.gene[rows]], producer.vocab, block.value[rows], s.identifiers
+                [s.identifiers[g] for g in cells.ids[rows]], producer.vocab, cells.values[rows], s.identifiers
             )
             differ += got.get(c + s.offset) != expected
     return int(differ), len(chosen)
@@ -234,13 +234,14 @@ def producer_rate(
     epoch = 0
     while cells < min_cells:
         for u in range(producer.plan(epoch).n_units):
-            unit, blocks = producer.read(epoch, u)
+            taken = producer.read(epoch, u)  # (unit, its cells per part, its pieces)
+            unit = taken[0]
             t = time.perf_counter()
-            producer.process(epoch, u, (unit, blocks))
+            producer.process(epoch, u, taken)
             seconds += time.perf_counter() - t
             producer.queue = producer.courier.queue = MemoryQueue()  # drop the items
             cells += unit.n_cells
-            rows += sum(len(b.gene) for b in blocks)
+            rows += sum(len(part.ids) for part in taken[1])
             if cells >= min_cells:
                 break
         epoch += 1

@@ -5,7 +5,7 @@ What we rely on, and what the shim enforces so tests catch what Modal would reje
 
 - `put_many(values, block=True, timeout=None, *, partition=None)`: raises `queue.Full` at once when
   `block=False` and the partition is full (so does Modal's client for any timeout under ~2 s:
-  callers wait for room themselves, `producers.producer.Producer._send`). Items are bytes of at
+  callers wait for room themselves, `producers.courier.Courier.send`). Items are bytes of at
   most `MAX_ITEM_BYTES` (1 MiB less a margin for Modal's serialization; `ItemTooLarge`
   otherwise); a partition holds at most 5,000 items and 64 MiB; one request at most
   `REQUEST_LIMIT_BYTES` (`RequestTooLarge` otherwise: split it and send the halves).

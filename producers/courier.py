@@ -8,8 +8,10 @@ so no call to the queue waits on the loop that tokenizes (`producers.producer`).
 - Going away: the units held and not done are named in one last `released` event, so they are
   issued again at once rather than when their lease runs out.
 
-The loop talks to it through `hold` (a unit taken), `post_items` / `post_done` (in order), `finish`
-(everything posted is sent), `release`, and the shared `stopping` event.
+The loop talks to it through `hold` (a unit taken), `post` (a unit's items, then its done event),
+`finish` (everything posted is sent), `release`, and the shared `stopping` event. Sending calls
+nothing that sends back into it: `send` puts a unit's items (`_put_next`), heartbeating while it
+waits for room; a heartbeat's event is put by `_event` (`_put_next` too), which never heartbeats.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import queue as stdlib_queue
 import random
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 from coordination.errors import CellfeedError
@@ -71,24 +74,33 @@ class Courier:
         self._thread = threading.Thread(target=self._run, daemon=True, name="cellfeed-courier")
         self._thread.start()
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
     def hold(self, epoch: int, unit: int) -> None:
         """(read-ahead thread) A unit was taken: heartbeats name it until its done event is sent."""
         with self._held_lock:
             self._held.append((epoch, unit))
 
-    def post_items(self, partition: str, items: list[bytes]) -> None:
-        self._post(("items", partition, items))
-
-    def post_done(self, epoch: int, unit: int) -> None:
-        self._post(("done", (epoch, unit)))
+    def post(self, sends: list[tuple[str, list[bytes]]] | None, done: tuple[int, int] | None = None) -> None:
+        """(the loop) Send `sends` ([(partition, items), ...]) in order, then the done event of
+        `done` (epoch, unit); `sends` None: the end (`finish`). The courier sends them on its
+        thread: this waits while it is behind (backpressure), never past its failure. With no
+        thread running (the held-out set, a unit produced by hand) the items are sent now."""
+        if self._thread is None:
+            for partition, items in sends or ():
+                self.send(items, partition)
+            return
+        while True:
+            if self.error is not None:
+                raise self.error
+            if self.stopping.is_set():
+                raise Stopped
+            try:
+                return self._outbox.put((sends, done), timeout=STOP_POLL_S)
+            except stdlib_queue.Full:
+                continue
 
     def finish(self) -> None:
         """Everything posted before is sent, then the thread ends (`join`)."""
-        self._post(("end",))
+        self.post(None)
 
     def join(self) -> None:
         if self._thread is not None:
@@ -117,18 +129,6 @@ class Courier:
         except Exception:  # noqa: BLE001 - the lease covers it
             pass
 
-    def _post(self, job: tuple) -> None:
-        """Give the courier a job; waits while it is behind (backpressure), never past its failure."""
-        while True:
-            if self.error is not None:
-                raise self.error
-            if self.stopping.is_set():
-                raise Stopped
-            try:
-                return self._outbox.put(job, timeout=STOP_POLL_S)
-            except stdlib_queue.Full:
-                continue
-
     # ---- the courier's thread
 
     def _run(self) -> None:
@@ -142,14 +142,15 @@ class Courier:
                     job = self._outbox.get(timeout=max(0.01, min(STOP_POLL_S, self._beat_at - time.monotonic())))
                 except stdlib_queue.Empty:
                     continue
-                if job[0] == "items":
-                    self.send(job[2], job[1])
-                elif job[0] == "done":
-                    with self._held_lock:
-                        self._held.remove(job[1])
-                    self._event(done=[job[1]])
-                else:  # "end": everything before it is sent
+                sends, done = job
+                if sends is None:  # the end: everything before it is sent
                     return
+                for partition, items in sends:
+                    self.send(items, partition)
+                if done is not None:
+                    with self._held_lock:
+                        self._held.remove(done)
+                    self._event(done=[done])
         except Stopped:
             self.stopping.set()
         except BaseException as exc:  # noqa: BLE001 - raised in the loop's thread
@@ -167,65 +168,78 @@ class Courier:
         self._event()
 
     def _event(self, done=()) -> None:
-        """One event: the units just finished, the units held now, the running totals."""
+        """One event: the units just finished, the units held now, the running totals. A full
+        events partition is waited on (the driver drains it every pass), without heartbeats."""
         with self._held_lock:
             held = list(self._held)
-        self._send([encode_event(self.name, done=done, held=held, totals=self.totals())], EVENTS_PARTITION)
+        batches = deque([[encode_event(self.name, done=done, held=held, totals=self.totals())]])
+        deadline = time.monotonic() + self.put_timeout_s
+        while batches:
+            if not self._put_next(batches, EVENTS_PARTITION, deadline):
+                self._pause()
 
     # ---- sending
 
     def send(self, items: list[bytes], partition: str) -> None:
-        """Put items now, in requests the backend accepts (the courier's job; also the held-out
-        set's, sent once before any loop runs)."""
-        for batch in request_batches(items):
-            self._send(batch, partition)
-
-    def _send(self, batch: list[bytes], partition: str) -> None:
-        """One put. A full partition is backpressure: wait for room, then send — never send a
-        batch into a partition known to be full. (On Modal a put whose timeout is under ~2 s is
-        refused at once, and each try uploads the whole batch again.) A refusal at length L
-        marks the partition full with room for L items; until it drains, each send first looks
-        at its length (one small call) and waits for room for the batch. A request too large for
-        the backend is split in two. Waiting is an error after `put_timeout_s`; a stop is noticed
-        within a wait."""
+        """Put items now, in order, in requests the backend accepts (the courier's job; also the
+        held-out set's, sent once before any loop runs). A full partition is backpressure: it is
+        waited on (`_pause`), heartbeating meanwhile (backpressure is no silence), never sent into
+        again. A request waiting `put_timeout_s` is an error; a stop is noticed within a wait."""
+        batches = deque(request_batches(items))
         deadline = time.monotonic() + self.put_timeout_s
-        while True:
-            if self.stopping.is_set():
-                raise Stopped
-            if partition in self._full_at:
-                self._wait_for_room(len(batch), partition, deadline)
-            try:
-                self.queue.put_many(batch, block=False, partition=partition)
-                return
-            except RequestTooLarge as exc:
-                if len(batch) == 1:
-                    raise CellfeedError(
-                        f"one item of {len(batch[0]):,} bytes is a request too large for the queue ({exc})"
-                    ) from None
-                self._send(batch[: len(batch) // 2], partition)
-                self._send(batch[len(batch) // 2 :], partition)
-                return
-            except Full:
-                self._full_at[partition] = self.queue.len(partition=partition)
-
-    def _wait_for_room(self, n_items: int, partition: str, deadline: float) -> None:
-        """Until a partition marked full has room for `n_items` more, looking at its length with
-        a jittered back-off (0.1 s up to 2 s, remembered between waits, so producers sharing a
-        partition look at different moments); a partition that drained to half is full no more."""
-        while True:
-            held, room_for = self.queue.len(partition=partition), self._full_at[partition]
-            if held <= room_for // 2:
-                del self._full_at[partition]
-                return
-            if held + n_items <= room_for:
-                self._full_wait_s = max(FULL_WAIT_MIN_S, self._full_wait_s / 2)
-                return
-            if time.monotonic() >= deadline:
-                raise CellfeedError(
-                    f"queue partition {partition} stayed full for {self.put_timeout_s:.0f}s: is the trainer consuming?"
-                )
-            if partition != EVENTS_PARTITION:  # backpressure is no silence: keep heartbeating
+        while batches:
+            left = len(batches)
+            if not self._put_next(batches, partition, deadline):
                 self._beat_if_due()
-            if self.stopping.wait(self._full_wait_s * random.uniform(0.75, 1.25)):
-                raise Stopped
-            self._full_wait_s = min(FULL_WAIT_MAX_S, self._full_wait_s * 2)
+                self._pause()
+            elif len(batches) != left:  # one went (or was split): the next has its own put_timeout_s
+                deadline = time.monotonic() + self.put_timeout_s
+
+    def _put_next(self, batches: deque, partition: str, deadline: float) -> bool:
+        """One try at the first batch: put (it leaves `batches`), or split in two if the backend
+        takes it for a request too large, or found full; False when the partition, marked full,
+        has no room for it yet (the caller waits, then tries again). (On Modal a put whose timeout
+        is under ~2 s is refused at once, and each try uploads the whole batch again.) A refusal at
+        length L marks the partition full with room for L items; until it drains, each try first
+        looks at its length (one small call)."""
+        if self.stopping.is_set():
+            raise Stopped
+        batch = batches[0]
+        if partition in self._full_at and not self._has_room(len(batch), partition, deadline):
+            return False
+        try:
+            self.queue.put_many(batch, block=False, partition=partition)
+            batches.popleft()
+        except RequestTooLarge as exc:
+            if len(batch) == 1:
+                raise CellfeedError(
+                    f"one item of {len(batch[0]):,} bytes is a request too large for the queue ({exc})"
+                ) from None
+            batches.popleft()
+            batches.extendleft([batch[len(batch) // 2 :], batch[: len(batch) // 2]])
+        except Full:
+            self._full_at[partition] = self.queue.len(partition=partition)
+        return True
+
+    def _has_room(self, n_items: int, partition: str, deadline: float) -> bool:
+        """Whether a partition marked full has room for `n_items` more now (its length: one call);
+        a partition that drained to half is full no more. Past `deadline`, an error."""
+        held, room_for = self.queue.len(partition=partition), self._full_at[partition]
+        if held <= room_for // 2:
+            del self._full_at[partition]
+            return True
+        if held + n_items <= room_for:
+            self._full_wait_s = max(FULL_WAIT_MIN_S, self._full_wait_s / 2)
+            return True
+        if time.monotonic() >= deadline:
+            raise CellfeedError(
+                f"queue partition {partition} stayed full for {self.put_timeout_s:.0f}s: is the trainer consuming?"
+            )
+        return False
+
+    def _pause(self) -> None:
+        """Wait before looking at a full partition again: a jittered back-off (0.1 s up to 2 s,
+        remembered between waits, so producers sharing a partition look at different moments)."""
+        if self.stopping.wait(self._full_wait_s * random.uniform(0.75, 1.25)):
+            raise Stopped
+        self._full_wait_s = min(FULL_WAIT_MAX_S, self._full_wait_s * 2)

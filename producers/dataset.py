@@ -20,7 +20,7 @@ import lance
 import numpy as np
 import pyarrow as pa
 
-from coordination.arrays import ragged_arange
+from coordination.arrays import CellRows, merge_ranges, offsets_of, positions_in_ranges, ragged_arange
 from coordination.errors import CellfeedError
 from producers.storage import LocalLocation, Location, S3Settings, location
 
@@ -331,14 +331,43 @@ class Dataset:
         return self.read_row_ranges(np.array([[start, stop]]))
 
     def read_row_ranges(self, ranges: np.ndarray, with_cell_ids: bool = True) -> RowBlock:
+        """Rows of many [start, stop) ranges at once, concatenated in the order given (`_read_ranges`).
+        Without `with_cell_ids` the cell column is not read (a third less to fetch and decode)."""
+        return self._block(self._read_ranges(ranges, EXPRESSION_COLUMNS if with_cell_ids else EXPRESSION_COLUMNS[1:]))
+
+    def read_cells(self, cell_ids: np.ndarray, ranges: np.ndarray | None = None, spans=None) -> CellRows:
+        """Cells' rows as `CellRows`, in the order given: cell i's are rows `spans[i]` ([start, stop)
+        of the expression table; default: all of its rows; a boundary cell's piece is a span of its
+        rows), read in one go through `ranges` (sorted, disjoint [start, stop) ranges holding every
+        span, as a unit's part reads; default: the spans merged). Where the spans lie end to end in
+        what is read (a unit's cells and pieces in storage order), the container holds the arrays
+        read, with no copy; else each cell's rows are gathered."""
+        cell_ids = np.asarray(cell_ids, dtype=np.int64)
+        if spans is None:
+            starts = self.cell_row_start
+            spans = np.stack([starts[cell_ids], starts[cell_ids + 1]], axis=1)
+        spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+        if ranges is None:
+            ranges = merge_ranges(spans[:, 0], spans[:, 1])
+        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        table = self._read_ranges(ranges, EXPRESSION_COLUMNS[1:])
+        genes, values = table.column("gene_integer_id").to_numpy(), table.column("value").to_numpy()
+        counts = spans[:, 1] - spans[:, 0]
+        end_to_end = len(genes) == counts.sum() and bool(np.all(spans[1:, 0] >= spans[:-1, 1]))
+        if not end_to_end:
+            first = positions_in_ranges(ranges, spans[:, 0]) if len(ranges) else np.zeros(len(spans), np.int64)
+            at = ragged_arange(first, first + counts)
+            genes, values = genes[at], values[at]
+        return CellRows(cell_ids, offsets_of(counts), genes, values)
+
+    def _read_ranges(self, ranges: np.ndarray, columns) -> pa.Table:
         """Rows of many [start, stop) ranges at once, concatenated in the order given.
 
         Each range is cut at fragment edges and read as contiguous slices of fragments, all in
         flight at once on a pool of threads (Lance releases the GIL): several times faster than a
         row `take` for ranges of a few cells or more, and on object storage a unit costs a few
         round trips. On local disk many tiny ranges (single cells) go through one `take`, which
-        beats paying a slice's fixed cost per range. Without `with_cell_ids` the cell column is not read (a
-        third less to fetch and decode)."""
+        beats paying a slice's fixed cost per range."""
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         bounds = self.fragment_row_start
         pieces = []
@@ -351,24 +380,18 @@ class Dataset:
                 pieces.append((f, start - int(bounds[f]), end - start))
                 start = end
                 f += end == int(bounds[f + 1])
-        columns = list(EXPRESSION_COLUMNS if with_cell_ids else EXPRESSION_COLUMNS[1:])
+        columns = list(columns)
         local = isinstance(self.location, LocalLocation)  # remote: Lance's take sends its GETs a few at a time
         if local and len(pieces) > 1 and sum(p[2] for p in pieces) < TAKE_BELOW_MEAN_ROWS * len(pieces):
             try:
-                return self._block(self.expression.take(ragged_arange(ranges[:, 0], ranges[:, 1]), columns=columns))
+                return self.expression.take(ragged_arange(ranges[:, 0], ranges[:, 1]), columns=columns)
             except Exception as exc:  # noqa: BLE001
                 raise self._read_error(exc, f"{len(ranges)} row ranges") from None
         if not pieces:
-            return self._block(expression_schema(self.n_genes, self.value_type).empty_table().select(columns))
+            return expression_schema(self.n_genes, self.value_type).empty_table().select(columns)
         if len(pieces) == 1:
-            return self._block(self._read_piece(pieces[0], columns))
-        return self._block(pa.concat_tables(self._pool.map(lambda piece: self._read_piece(piece, columns), pieces)))
-
-    def read_cells(self, cell_ids: np.ndarray, with_cell_ids: bool = True) -> RowBlock:
-        """All rows of the given cells (in the order given)."""
-        starts = self.cell_row_start
-        cell_ids = np.asarray(cell_ids, dtype=np.int64)
-        return self.read_row_ranges(np.stack([starts[cell_ids], starts[cell_ids + 1]], axis=1), with_cell_ids)
+            return self._read_piece(pieces[0], columns)
+        return pa.concat_tables(self._pool.map(lambda piece: self._read_piece(piece, columns), pieces))
 
     def straddling_cells(self) -> np.ndarray:
         """Ids of cells whose rows are cut by a fragment boundary."""

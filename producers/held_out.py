@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from coordination.arrays import offsets_of
 from coordination.errors import CellfeedError
+from coordination.plan import NO_ROWS, Unit, UnitPart
 from coordination.queues import MAX_PARTITION_BYTES, MAX_PARTITION_ITEMS
 from coordination.routing import EVAL_PARTITION
 from coordination.seeds import held_out_rng
-from producers.items import SourceCells
+from producers.items import unit_items
 
 
 def check_fits_partition(n_cells: int, n_items: int, n_bytes: int) -> None:
@@ -28,15 +28,16 @@ def produce_held_out(producer, cell_ids: np.ndarray, partition: str = EVAL_PARTI
     `partition`, once. It must fit one partition: a larger set is refused before anything is put.
     Returns the number of items put."""
     cell_ids = np.sort(np.asarray(cell_ids, dtype=np.int64))
-    parts = []
+    parts, cells = [], []
     for s, src in enumerate(producer.sources):
         local = cell_ids[(cell_ids >= src.offset) & (cell_ids < src.offset + src.ds.n_cells)] - src.offset
         if len(local):
-            counts = np.diff(src.ds.cell_row_start)[local]
-            parts.append(
-                SourceCells(s, local, offsets_of(counts)[:-1], counts, src.ds.read_cells(local, with_cell_ids=False))
-            )
-    items = producer.tokenize(parts, 0, 0, held_out_rng(producer.config.seed))
+            parts.append(UnitPart(s, local, NO_ROWS))
+            cells.append(src.ds.read_cells(local))
+    unit = Unit(0, 0, parts)  # the held-out set as one unit: its items' key is (0, 0, seq)
+    items, _, _ = unit_items(
+        unit, cells, producer.tokenizer, producer.item_settings, held_out_rng(producer.config.seed)
+    )
     check_fits_partition(len(cell_ids), len(items), sum(len(b) for b in items))
-    producer.hand_off(items, partition)
+    producer.courier.send(items, partition)
     return len(items)

@@ -1,145 +1,96 @@
-"""A unit's cells -> numbered items: map genes to tokens, rank, tokenize and pack whole cells into
-items, source by source, then merge the sources' items in proportion and number them
-(`unit_items`).
+"""A unit's work, one pure function (`unit_items`): its cells, as read (`CellRows`) -> numbered
+items. Source by source: genes mapped to tokens, each cell ranked and tokenized, whole cells
+packed into items; then the sources' items merged in proportion and numbered.
 
-A pure function of its inputs (cells and their rows, the tokenizer, the generator): the same unit
-gives the same items on any producer, any number of times, which is what makes a re-issued unit
-harmless (consumers drop the duplicates by key). Work is split in chunks of a few hundred cells
-on a thread pool: a chunk's rows fit in cache (one sort of a whole unit's rows is several times
-slower per row), and NumPy, the sort and zstd release the GIL. Chunks hold whole items, so the
-items are the same as if the unit were packed at once; each chunk draws from its own child of the
-unit's generator.
+The same unit gives the same items on any producer, any number of times, which is what makes a
+re-issued unit harmless (consumers drop the duplicates by key). Work is split in chunks of a few
+hundred cells on a thread pool: a chunk's rows fit in cache (one sort of a whole unit's rows is
+several times slower per row), and NumPy, the sort and zstd release the GIL. Chunks hold whole
+items, so the items are the same as if the unit were packed at once; each chunk draws from its
+own child of the unit's generator.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from coordination.arrays import CellRows, offsets_of, ragged_arange
+from coordination.arrays import CellRows, offsets_of
+from coordination.plan import Unit
 from coordination.vocab import inside
 from coordination.wire import number_items, pack_cells
-from producers.dataset import RowBlock
 
 CHUNK_CELLS = 256  # cells tokenized at once: their rows (~0.4M at 1,600 genes per cell) fit in cache
 
 
 @dataclass(frozen=True)
-class SourceCells:
-    """Cells of one source to tokenize: cell i (local id `cells[i]`) has the rows
-    `rows[first[i]:first[i] + counts[i]]` of what was read."""
+class ItemSettings:
+    """What every unit's items share: the campaign's sources (each one's first global cell id,
+    `offset`, and gene -> token lookup, `gene_tokens`: `producers.sources.Source`), the run's tag,
+    cells per item, each cell's label by global id (or None), and the pool the chunks run on (None:
+    the caller's thread; the items are the same)."""
 
-    source: int  # index into the campaign's sources (`producers.sources.Source`)
-    cells: np.ndarray  # int64 local cell ids
-    first: np.ndarray  # int64
-    counts: np.ndarray  # int64
-    rows: RowBlock
-
-    def shuffled(self, rng: np.random.Generator) -> "SourceCells":
-        order = rng.permutation(len(self.cells))
-        return SourceCells(self.source, self.cells[order], self.first[order], self.counts[order], self.rows)
+    sources: list
+    run_tag: int
+    cells_per_item: int
+    labels: np.ndarray | None = None
+    pool: Executor | None = None
 
 
 def unit_items(
-    parts: list[SourceCells],
-    sources,
+    unit: Unit,
+    cells: list[CellRows],
     tokenizer,
-    *,
-    epoch: int,
-    key_id: int,
-    run_tag: int,
+    settings: ItemSettings,
     rng: np.random.Generator,
-    cells_per_item: int,
-    labels: np.ndarray | None = None,
-    stitched: bool = False,
+    *,
     shuffle: bool = False,
-    pool: Executor | None = None,
-) -> tuple[list[bytes], float, float]:
-    """The numbered items of cells from one or more sources (`sources[p.source]` gives each part's
-    global id offset and gene-to-token lookup), and the seconds spent tokenizing and packing. Each
-    source's cells are tokenized apart (a source's rows share a dtype, which ranking's fast path
-    needs) and, with several sources, their items interleaved in proportion (`interleave`), so any
-    stretch of a unit's items (what a rank's mixing buffer holds) has every source by its share.
-    `shuffle`: each part's cells are shuffled first, with its own child of `rng` (one part: `rng`)."""
-    groups, tokenize_s, pack_s = [], 0.0, 0.0
-    rngs = rng.spawn(len(parts)) if len(parts) > 1 else [rng]
-    for part, part_rng in zip(parts, rngs):
-        if shuffle:
-            part = part.shuffled(part_rng)
-        src = sources[part.source]
-        packed, t, p = cells_to_packed(
-            part.cells + src.offset,
-            part.first,
-            part.counts,
-            part.rows,
-            tokenizer,
-            epoch=epoch,
-            key_id=key_id,
-            run_tag=run_tag,
-            rng=part_rng,
-            cells_per_item=cells_per_item,
-            labels=labels,
-            stitched=stitched,
-            gene_tokens=src.gene_tokens,
-            pool=pool,
-        )
-        groups.append(packed)
-        tokenize_s, pack_s = tokenize_s + t, pack_s + p
-    return number_items(interleave(groups) if len(groups) > 1 else groups[0]), tokenize_s, pack_s
-
-
-def cells_to_packed(
-    cells: np.ndarray,
-    first: np.ndarray,
-    counts: np.ndarray,
-    block: RowBlock,
-    tokenizer,
-    *,
-    epoch: int,
-    key_id: int,
-    run_tag: int,
-    rng: np.random.Generator,
-    cells_per_item: int,
-    labels: np.ndarray | None = None,
     stitched: bool = False,
-    gene_tokens: np.ndarray | None = None,
-    pool: Executor | None = None,
-) -> tuple[list[bytearray], float, float]:
-    """Packed, unnumbered items of `cells`, in this order (cell i's rows are
-    block[first[i]:first[i] + counts[i]], genes mapped to tokens by `gene_tokens`: `to_tokens`),
-    and the seconds spent tokenizing and packing (summed over threads). `labels` is indexed by
-    the ids in `cells`."""
-    size = cells_per_item * max(1, CHUNK_CELLS // cells_per_item)
-    bounds = list(range(0, len(cells), size))
-    rngs = rng.spawn(len(bounds))
+) -> tuple[list[bytes], float, float]:
+    """The numbered items of a unit's cells (`cells[i]`: part i's, local ids), and the seconds
+    spent tokenizing and packing (summed over threads). Each part's cells are tokenized apart (a
+    source's rows share a dtype, which ranking's fast path needs) and, with several parts, their
+    items interleaved in proportion (`interleave`), so any stretch of a unit's items (what a rank's
+    mixing buffer holds) has every source by its share. `rng`: each part draws from its own child
+    (one part: `rng`), which first shuffles its cells when `shuffle`. A `stitched` unit is one
+    boundary cell, made whole: its id is the cell's."""
+    groups, tokenize_s, pack_s = [], 0.0, 0.0
+    rngs = rng.spawn(len(cells)) if len(cells) > 1 else [rng]
+    for part, rows, part_rng in zip(unit.parts, cells, rngs):
+        src = settings.sources[part.source]
+        order = part_rng.permutation(rows.n_cells) if shuffle else np.arange(rows.n_cells)
+        rows = replace(rows, cell_ids=rows.cell_ids + src.offset)
+        size = settings.cells_per_item * max(1, CHUNK_CELLS // settings.cells_per_item)
+        bounds = list(range(0, rows.n_cells, size))
+        chunk_rngs = part_rng.spawn(len(bounds))
 
-    def chunk(i: int) -> tuple[list[bytearray], float, float]:
-        t0 = time.perf_counter()
-        sel = slice(bounds[i], bounds[i] + size)
-        at = ragged_arange(first[sel], first[sel] + counts[sel])
-        rows = CellRows(cells[sel], offsets_of(counts[sel]), block.gene[at], block.value[at])
-        tokens = tokenizer(rows if gene_tokens is None else to_tokens(rows, gene_tokens), rngs[i])
-        t1 = time.perf_counter()
-        packed = pack_cells(
-            tokens,
-            epoch=epoch,
-            key_id=key_id,
-            run_tag=run_tag,
-            stitched=stitched,
-            labels=None if labels is None else labels[rows.cell_ids],
-            cells_per_item=cells_per_item,
-        )
-        return packed, t1 - t0, time.perf_counter() - t1
+        def chunk(i: int) -> tuple[list[bytearray], float, float]:
+            t0 = time.perf_counter()
+            chosen = rows.select(order[bounds[i] : bounds[i] + size])
+            mapped = chosen if src.gene_tokens is None else to_tokens(chosen, src.gene_tokens)
+            tokens = tokenizer(mapped, chunk_rngs[i])
+            t1 = time.perf_counter()
+            packed = pack_cells(
+                tokens,
+                epoch=unit.epoch,
+                key_id=unit.id,
+                run_tag=settings.run_tag,
+                stitched=stitched,
+                labels=None if settings.labels is None else settings.labels[chosen.cell_ids],
+                cells_per_item=settings.cells_per_item,
+            )
+            return packed, t1 - t0, time.perf_counter() - t1
 
-    jobs = map(chunk, range(len(bounds))) if (pool is None or len(bounds) == 1) else pool.map(chunk, range(len(bounds)))
-    packed, tokenize_s, pack_s = [], 0.0, 0.0
-    for part, t, p in jobs:
-        packed += part
-        tokenize_s, pack_s = tokenize_s + t, pack_s + p
-    return packed, tokenize_s, pack_s
+        pool = settings.pool if len(bounds) > 1 else None
+        packed = []
+        for items, t, p in map(chunk, range(len(bounds))) if pool is None else pool.map(chunk, range(len(bounds))):
+            packed += items
+            tokenize_s, pack_s = tokenize_s + t, pack_s + p
+        groups.append(packed)
+    return number_items(interleave(groups) if len(groups) > 1 else groups[0]), tokenize_s, pack_s
 
 
 def to_tokens(rows: CellRows, gene_tokens: np.ndarray) -> CellRows:

@@ -1,6 +1,6 @@
-"""The producer loop: take a unit, read its rows, tokenize its cells, hand the items off.
+"""The producer loop: take a unit (and read its cells), make its items, send them.
 
-    run -> _take_and_read (read-ahead threads) -> process -> tokenize -> hand_off (courier)
+    run -> _take (read-ahead threads: the task, `read`) -> process (`producers.items.unit_items`) -> courier.post
 
 Stateless and safe to kill at any point: a unit is only reported done after all its items are
 put, so a unit interrupted mid-way is produced again from scratch (the driver re-issues it once
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordination.arrays import positions_in_ranges
+from coordination.arrays import CellRows
 from coordination.errors import CellfeedError
-from coordination.plan import Plan, Unit
+from coordination.plan import NO_ROWS, Plan, Unit, UnitPart
 from coordination.queues import Empty, Map, MapGone, Queue
 from coordination.routing import (
     TASKS_PARTITION,
@@ -44,8 +44,8 @@ from coordination.summary import PlanSummary
 from coordination.vocab import GeneVocab, published_vocab
 from producers.config import ProducerConfig, usable_cpus
 from producers.courier import STOP_POLL_S, Courier, Stopped
-from producers.dataset import Dataset, RowBlock, StorageUnavailable
-from producers.items import SourceCells, unit_items
+from producers.dataset import Dataset, StorageUnavailable
+from producers.items import ItemSettings, unit_items
 from producers.selection import label_codes
 from producers.sources import (
     attach_vocab,
@@ -132,6 +132,7 @@ class Producer:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.stats = ProducerStats()
         self._setup_loop()
+        self.item_settings = ItemSettings(self.sources, self.tag, config.cells_per_item, self.labels, self._workers)
 
     def _setup_loop(self) -> None:
         """State of the loop (`run`) and its courier, apart from the data work."""
@@ -174,136 +175,98 @@ class Producer:
         """Balanced: [[class, cells planned], ...] of `epoch` (`PlanSummary.class_mix`, which the audit checks)."""
         return self.strata.class_mix(source_quotas(self.sources, self.mixtures, epoch)) if self.strata else []
 
-    # ---- one unit: read, tokenize, hand off
+    # ---- one unit: take, read, make its items, send them
 
-    def read(self, epoch: int, unit_id: int) -> tuple[Unit, list[RowBlock]]:
-        """A unit and the rows of each of its parts. Storage that does not answer is tried again
-        (1 s, 2 s, 4 s, then 5 s apart, for `read_retry_s`): an object store restarting mid-epoch
-        costs time, not the run. The unit stays held meanwhile (the courier's heartbeats name it)."""
+    def read(self, epoch: int, unit_id: int) -> tuple[Unit, list[CellRows], CellRows | None]:
+        """A unit, its cells (per part, as `Dataset.read_cells` gives them: local ids) and the
+        boundary pieces it holds (keyed by their cells; None: none), from one read of each part's
+        row ranges. Storage that does not answer is tried again (1 s, 2 s, 4 s, then 5 s apart,
+        for `read_retry_s`): an object store restarting mid-epoch costs time, not the run. The unit
+        stays held meanwhile (the courier's heartbeats name it)."""
         unit = self.plan(epoch).unit(unit_id)
         deadline, pause = time.monotonic() + self.config.read_retry_s, 1.0
         while True:
             try:
-                return unit, [
-                    self.sources[p.source].ds.read_row_ranges(p.ranges, with_cell_ids=False) for p in unit.parts
-                ]
+                if not len(unit.pieces):
+                    return unit, [self.sources[p.source].ds.read_cells(p.cells, p.ranges) for p in unit.parts], None
+                # a scanner unit's one part: its cells and pieces, read end to end in storage order, told apart
+                (part,) = unit.parts
+                ds = self.sources[part.source].ds
+                starts = ds.cell_row_start
+                ids = np.concatenate([part.cells, unit.pieces])
+                spans = np.concatenate([np.stack([starts[part.cells], starts[part.cells + 1]], 1), unit.piece_rows])
+                order = np.lexsort((spans[:, 1], spans[:, 0]))
+                rows, at = ds.read_cells(ids[order], part.ranges, spans[order]), np.argsort(order)
+                return unit, [rows.select(at[: len(part.cells)])], rows.select(at[len(part.cells) :])
             except StorageUnavailable:
                 if time.monotonic() + pause > deadline or self._stopping.is_set():
                     raise
                 time.sleep(pause)
                 pause = min(2 * pause, 5.0)
 
-    def process(self, epoch: int, unit_id: int, rows: tuple | None = None) -> None:
-        """Produce every item of one unit (and any boundary cell it completes); `rows`: the unit
-        and its rows if already read (the loop reads ahead), else they are read here."""
-        cfg = self.config
-        t = time.perf_counter()
-        unit, blocks = rows if rows is not None else self.read(epoch, unit_id)
+    def process(self, epoch: int, unit_id: int, taken: tuple | None = None) -> None:
+        """One unit: its items (`unit_items`) to its rank's partition, those of the boundary cells
+        it completes to theirs, then its done event, all posted to the courier. `taken`: what
+        `read` gave (the loop reads ahead), else it is read here."""
+        cfg, t = self.config, time.perf_counter()
+        unit, cells, pieces = taken if taken is not None else self.read(epoch, unit_id)
         self.stats.add_time("read", t)
-        # per part: its cells, where their rows sit in what was read, and those rows
-        parts = []
-        for part, block in zip(unit.parts, blocks):
-            starts = self.sources[part.source].ds.cell_row_start
-            parts.append(
-                SourceCells(
-                    part.source,
-                    part.cells,
-                    positions_in_ranges(part.ranges, starts[part.cells]),
-                    starts[part.cells + 1] - starts[part.cells],
-                    block,
+        made = []  # (rank, (items, tokenize seconds, pack seconds))
+        if unit.n_cells:
+            rng = unit_rng(cfg.seed, epoch, unit.id)
+            made.append(
+                (
+                    unit_rank(unit.id, cfg.world_size),
+                    unit_items(unit, cells, self.tokenizer, self.item_settings, rng, shuffle=True),
                 )
             )
-        cells = unit.n_cells
-        if cells:
-            items = self.tokenize(parts, epoch, unit_id, unit_rng(cfg.seed, epoch, unit_id), shuffle=True)
-            self.hand_off(items, rank_partition(unit_rank(unit_id, cfg.world_size)))
-            self.stats.cells += cells
-        for cell, genes, values in self._stitch(unit, blocks):
-            items = self.tokenize(
-                [
-                    SourceCells(
-                        0, np.array([cell]), np.array([0]), np.array([len(genes)]), RowBlock(None, genes, values)
-                    )
-                ],
-                epoch,
-                cell,
-                cell_rng(cfg.seed, epoch, cell),
-                stitched=True,
+            self.stats.cells += unit.n_cells
+        for cell, whole in self._stitch(unit, pieces):
+            one = Unit(epoch, cell, [UnitPart(0, whole.cell_ids, NO_ROWS)])  # a unit of one cell, keyed by its id
+            rng = cell_rng(cfg.seed, epoch, cell)
+            made.append(
+                (
+                    cell_rank(cell, cfg.world_size),
+                    unit_items(one, [whole], self.tokenizer, self.item_settings, rng, stitched=True),
+                )
             )
-            self.hand_off(items, rank_partition(cell_rank(cell, cfg.world_size)))
             self.stats.cells += 1
+        for _, (items, tokenize_s, pack_s) in made:
+            self.stats.seconds["tokenize"] += tokenize_s
+            self.stats.seconds["pack"] += pack_s
+            self.stats.items += len(items)
+            self.stats.bytes += sum(len(b) for b in items)
+        t = time.perf_counter()
+        self.courier.post([(rank_partition(rank), items) for rank, (items, _, _) in made], (epoch, unit.id))
+        self.stats.add_time("put", t)
         self.stats.units += 1
 
-    def _stitch(self, unit: Unit, blocks: list[RowBlock]):
-        """The boundary cells this unit completes, as (cell, genes, values): each piece it holds (in
-        its one part's rows) is offered to the epoch's map; the last piece to arrive gets the cell."""
-        if not len(unit.pieces):
+    def _stitch(self, unit: Unit, pieces: CellRows | None):
+        """The boundary cells this unit completes, each whole (`CellRows` of one cell): each piece
+        it holds is offered to the epoch's map; the last piece to arrive gets the cell."""
+        if pieces is None:
             return
-        block = blocks[0]
-        piece_at = positions_in_ranges(unit.parts[0].ranges, unit.piece_rows[:, 0])
         for p, (cell, index, count) in enumerate(
-            zip(unit.pieces.tolist(), unit.piece_index.tolist(), unit.piece_count.tolist())
+            zip(pieces.cell_ids.tolist(), unit.piece_index.tolist(), unit.piece_count.tolist())
         ):
-            a = int(piece_at[p])
-            b = a + int(unit.piece_rows[p, 1] - unit.piece_rows[p, 0])
+            a, b = int(pieces.offsets[p]), int(pieces.offsets[p + 1])
             t = time.perf_counter()
             try:
-                whole_cell = offer_piece(
+                whole = offer_piece(
                     self._epoch_map(unit.epoch),
                     unit.epoch,
                     f"{unit.id}.{index}",
                     cell,
                     index,
                     count,
-                    block.gene[a:b],
-                    block.value[a:b],
+                    pieces.ids[a:b],
+                    pieces.values[a:b],
                 )
             except MapGone:  # the epoch is complete: this is a late duplicate, the cell was emitted
-                whole_cell = None
+                whole = None
             self.stats.add_time("stitch", t)
-            if whole_cell is not None:
-                yield cell, *whole_cell
-
-    def tokenize(
-        self,
-        parts: list[SourceCells],
-        epoch: int,
-        key_id: int,
-        rng: np.random.Generator,
-        *,
-        stitched: bool = False,
-        shuffle: bool = False,
-    ) -> list[bytes]:
-        """The numbered items of `parts` (`producers.items.unit_items`), timed."""
-        items, tokenize_s, pack_s = unit_items(
-            parts,
-            self.sources,
-            self.tokenizer,
-            epoch=epoch,
-            key_id=key_id,
-            run_tag=self.tag,
-            rng=rng,
-            cells_per_item=self.config.cells_per_item,
-            labels=self.labels,
-            stitched=stitched,
-            shuffle=shuffle,
-            pool=self._workers,
-        )
-        self.stats.seconds["tokenize"] += tokenize_s
-        self.stats.seconds["pack"] += pack_s
-        return items
-
-    def hand_off(self, items: list[bytes], partition: str) -> None:
-        """Items to the courier, which puts them in order, then the unit's done event; or put now
-        when no loop runs (the held-out set)."""
-        t = time.perf_counter()
-        if self.courier.running:
-            self.courier.post_items(partition, items)
-        else:
-            self.courier.send(items, partition)
-        self.stats.add_time("put", t)
-        self.stats.items += len(items)
-        self.stats.bytes += sum(len(b) for b in items)
+            if whole is not None:
+                yield cell, CellRows(np.array([cell]), np.array([0, len(whole[0])]), *whole)
 
     def _check_plan(self, epoch: int) -> None:
         """Once per epoch: this producer's plan is the one the campaign published (same dataset
@@ -334,7 +297,7 @@ class Producer:
     def run(self, max_units: int | None = None) -> ProducerStats:
         """Work until the task list stays empty for `idle_timeout_s`, a stop is signalled, or
         `max_units` units are done. The next `read_ahead` units are taken and read while this one
-        is tokenized (deeper when storage is remote: its reads take several round trips); the
+        is worked on (deeper when storage is remote: its reads take several round trips); the
         courier thread sends while the next is worked on, so no call waits on this thread."""
         self._stopping.clear()  # a stop still signalled in the map is read by the courier's first heartbeat
         self.courier.start()
@@ -345,7 +308,7 @@ class Producer:
         try:
             while True:
                 while not idle and len(ahead) < self.read_ahead() and (max_units is None or taken_units < max_units):
-                    ahead.append(self._reader.submit(self._take_and_read))
+                    ahead.append(self._reader.submit(self._take))
                     taken_units += 1
                 if not ahead:
                     break
@@ -356,12 +319,11 @@ class Producer:
                     idle = True
                     continue
                 self.stats.unit_wait_s.append(time.perf_counter() - t)
-                epoch, unit, rows = taken
+                epoch, unit, cells = taken
                 t = time.perf_counter()
-                self.process(epoch, unit, rows)
+                self.process(epoch, unit, cells)
                 self._unit_work_s.append(time.perf_counter() - t)
-                self._unit_bytes = sum(b.gene.nbytes + b.value.nbytes for b in rows[1])
-                self.courier.post_done(epoch, unit)
+                self._unit_bytes = sum(c.ids.nbytes + c.values.nbytes for c in cells[1])
             self.courier.finish()
             finished = True
         except Stopped:
@@ -376,8 +338,8 @@ class Producer:
             raise self.courier.error
         return self.stats
 
-    def _take_and_read(self) -> tuple[int, int, tuple[Unit, list[RowBlock]]] | None:
-        """(read-ahead thread) The next task and its rows; None when the task list stayed empty
+    def _take(self) -> tuple[int, int, tuple] | None:
+        """(read-ahead thread) The next task, held and read (`read`); None when the task list stayed empty
         for `idle_timeout_s`, or a stop was signalled (an idle producer looks for the stop key at
         each empty poll, so a campaign's end stops it within a second, not at its next heartbeat)."""
         idle_until = time.monotonic() + self.config.idle_timeout_s
@@ -395,9 +357,9 @@ class Producer:
                 self.courier.hold(epoch, unit)
                 self._check_plan(epoch)
                 t = time.perf_counter()
-                rows = self.read(epoch, unit)
+                cells = self.read(epoch, unit)
                 self.stats.unit_read_s.append(time.perf_counter() - t)
-                return epoch, unit, rows
+                return epoch, unit, cells
             if time.monotonic() >= idle_until or self.courier.stop_signalled():
                 return None
         return None

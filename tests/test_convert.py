@@ -36,8 +36,8 @@ def assert_same_cells(ds, x: sp.csr_matrix) -> None:
     for c in range(x.shape[0]):
         rows = ds.read_cells(np.array([c]))
         lo, hi = x.indptr[c], x.indptr[c + 1]
-        np.testing.assert_array_equal(rows.gene, x.indices[lo:hi])
-        np.testing.assert_array_equal(rows.value.astype(np.float64), x.data[lo:hi].astype(np.float64))
+        np.testing.assert_array_equal(rows.ids, x.indices[lo:hi])
+        np.testing.assert_array_equal(rows.values.astype(np.float64), x.data[lo:hi].astype(np.float64))
 
 
 @pytest.mark.parametrize("layout", ["csr", "csc", "dense"])

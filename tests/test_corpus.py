@@ -255,11 +255,11 @@ def test_geneformer_with_an_ensembl_dictionary_equals_its_rule(small_synth, tmp_
     producer = Producer(config, MemoryQueue(), MemoryMap(), dataset=ds)
     n = 300
     got = every_cell(producer, n)
-    block = ds.read_cells(np.arange(n))
+    cells = ds.read_cells(np.arange(n))
     for cell in range(n):
-        mine = block.cell == cell
-        total = float(block.value[mine].astype(np.float64).sum())  # n_counts: all the cell's genes
-        pairs = [(genes[g], float(v)) for g, v in zip(block.gene[mine], block.value[mine]) if genes[g] in tokens]
+        mine = slice(cells.offsets[cell], cells.offsets[cell + 1])
+        total = float(cells.values[mine].astype(np.float64).sum())  # n_counts: all the cell's genes
+        pairs = [(genes[g], float(v)) for g, v in zip(cells.ids[mine], cells.values[mine]) if genes[g] in tokens]
         score = [(-(v / total * 10_000 / medians[g]), tokens[g]) for g, v in pairs]
         expected = [2] + [t for _, t in sorted(score)[:64]] + [3]
         np.testing.assert_array_equal(got[cell][0], expected)

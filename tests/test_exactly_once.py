@@ -327,7 +327,7 @@ def test_driver_reissues_expired_leases(small_synth):
     thread = driver.start([0])
     # a producer takes a task and dies with it (never says it holds it, never reports it done)
     wait_for(lambda: queue.len(partition=TASKS_PARTITION) > 0, "the driver to issue tasks")
-    taken = producer._take_and_read()
+    taken = producer._take()
     assert taken is not None
     Producer(config, queue, store, dataset=small_synth).run()  # a healthy producer does the rest
     thread.join(timeout=60)

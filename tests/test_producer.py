@@ -61,7 +61,7 @@ def check_scgpt_tokens(ds, items, n_check=40, max_genes=64):
     for item in items:
         for i, cell in enumerate(item.cell_ids[:3].tolist()):
             rows = ds.read_cells(np.array([cell]))
-            genes, values = rows.gene.astype(np.int64), rows.value
+            genes, values = rows.ids.astype(np.int64), rows.values
             order = sorted(range(len(genes)), key=lambda j: (-int(values[j]), genes[j]))[:max_genes]
             got = item.tokens[item.offsets[i] : item.offsets[i + 1]].astype(np.int64)
             np.testing.assert_array_equal(got, [CLS] + [int(genes[j]) + 4 for j in order])
@@ -169,8 +169,8 @@ def test_chunked_threaded_tokenizing_equals_one_pass(small_synth, monkeypatch, t
     rows = CellRows(
         cells,
         np.concatenate([[0], np.cumsum(np.diff(small_synth.cell_row_start)[cells])]),
-        block.gene.astype(np.int64) + 4,
-        block.value,
+        block.ids.astype(np.int64) + 4,
+        block.values,
     )  # the built vocabulary: gene g is token g + 4
     expected = pack_items(
         producer.tokenizer(rows, None), epoch=0, key_id=2, run_tag=run_tag("chunks"), cells_per_item=20
