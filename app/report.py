@@ -163,8 +163,8 @@ report written {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}.</p>
 
 
 def modal_cost(events: list[dict], state: dict, settings: dict) -> str:
-    """What the run's wall time would cost on Modal (deploy/costs.py): `train` on its GPUs and its producers."""
-    from deploy.costs import functions_per_hour
+    """What the run's wall time would cost on Modal (app/costs.py): `train` on its GPUs and its producers."""
+    from app.costs import functions_per_hour
 
     spans, start = 0.0, None
     for e in events:  # a run's time: from each start or resume to its next event that ends one (or the next start)

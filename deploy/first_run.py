@@ -143,9 +143,8 @@ def missing_pieces(bucket: str) -> list[str]:
 
 
 def estimate(timeout_minutes: float) -> str:
-    """This run's cost, from deploy/costs.py's prices and what app/modal_app.py asks for."""
-    from app.modal_app import TRAINER_CPU, TRAINER_MEMORY_MB
-    from deploy.costs import functions_per_hour
+    """This run's cost, from app/costs.py's prices and what app/modal_app.py's functions ask for."""
+    from app.costs import TRAINER_CPU, TRAINER_MEMORY_MB, functions_per_hour
 
     rate, n = functions_per_hour(CAMPAIGN["gpus"]), CAMPAIGN["producers"]
     expected = (

@@ -1,7 +1,7 @@
 """`python -m deploy.first_run` against the local Modal control plane (modal's own client, `app.run()`
 and containers running modal's entrypoint; not a Modal run) and a real S3 server (SeaweedFS): the
 whole first run, and what it leaves behind (nothing); a campaign that fails; a missing Secret stops it
-in one line before anything is made. Also deploy/README.md's cost table against deploy/costs.py."""
+in one line before anything is made. Also deploy/README.md's cost table against app/costs.py."""
 
 from __future__ import annotations
 
@@ -45,8 +45,14 @@ def objects_under(seaweed, bucket: str, prefix: str) -> int:
 
 
 def test_a_first_run_trains_every_cell_once_and_deletes_what_it_made(seaweed, tmp_path):
-    from app.modal_app import PRODUCER_CPU, PRODUCER_MEMORY_MB, TRAINER_CPU, TRAINER_MEMORY_MB
-    from deploy.costs import SETUP_CPU, SETUP_MEMORY_MB
+    from app.costs import (
+        PRODUCER_CPU,
+        PRODUCER_MEMORY_MB,
+        SETUP_CPU,
+        SETUP_MEMORY_MB,
+        TRAINER_CPU,
+        TRAINER_MEMORY_MB,
+    )
 
     bucket = f"first-{os.urandom(4).hex()}"
     seaweed.client().create_bucket(Bucket=bucket)
@@ -110,7 +116,7 @@ def test_a_missing_secret_is_one_line_and_nothing_is_made(seaweed, tmp_path):
 
 
 def test_the_readmes_cost_table_is_what_deploy_costs_computes():
-    from deploy.costs import functions_per_hour
+    from app.costs import functions_per_hour
 
     text = (ROOT / "deploy" / "README.md").read_text()
 
