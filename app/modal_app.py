@@ -36,6 +36,7 @@ emulator (cellfeed_testing/modal_emulator): no Modal run has been made from this
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -55,8 +56,10 @@ from app.config import (
     resumed_flags,
     write_record,
 )
+from app.costs import PRODUCER_CPU, PRODUCER_MEMORY_MB, SETUP_CPU, SETUP_MEMORY_MB, TRAINER_CPU, TRAINER_MEMORY_MB
 from app.modal_calls import (
     PRODUCER_RETRIES,
+    CallFailed,
     Fleet,
     call_by_id,
     claim_run,
@@ -75,9 +78,6 @@ SECRET_NAME = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")
 VOLUME_NAME = "cellfeed-checkpoints"
 CHECKPOINTS = "/checkpoints"  # where train's container mounts the Volume (fixed: never from the laptop's environment)
 PACKAGES = ("producers", "coordination", "trainer", "app")
-PRODUCER_CPU, PRODUCER_MEMORY_MB = 4.0, 16_384
-# 8 ranks pop, verify and decompress items and collate batches on the CPU (Modal's default is 0.125 core)
-TRAINER_CPU, TRAINER_MEMORY_MB = 32.0, 131_072
 DAY = 24 * 3600  # Modal's longest timeout for a call
 MAX_GPUS = 8  # Modal's largest GPU count for one container ("H100:8")
 PRODUCER_HOURS = 23.0  # a producer call returns after this long (Modal ends it at 24 h) and is replaced
@@ -373,7 +373,7 @@ def stop_campaign(cfg: CampaignConfig, config: dict, fleet: "Fleet | None", stor
 # ---- the functions
 
 
-@app.function(image=producer_image, secrets=[secret], cpu=2.0, memory=8192, timeout=DAY)  # many epochs' plans
+@app.function(image=producer_image, secrets=[secret], cpu=SETUP_CPU, memory=SETUP_MEMORY_MB, timeout=DAY)
 def setup(config: dict) -> dict:
     return setup_body(config)
 
@@ -533,6 +533,7 @@ def main(**flags) -> dict:
         else:
             summary = start(cfg, config, store)
     except (Exception, KeyboardInterrupt) as exc:  # one line, and the command that continues the campaign
+        expected = isinstance(exc, (CallFailed, CellfeedError, modal.exception.Error, OSError, KeyboardInterrupt))
         if isinstance(exc, KeyboardInterrupt):  # modal/runner.py:503-514: an app not detached is stopped now
             print(
                 "interrupted: without `modal run --detach`, Modal stops this campaign's calls as `modal run` ends "
@@ -546,7 +547,9 @@ def main(**flags) -> dict:
                 "the app in Modal's dashboard before resuming (two trainers on one run must not run at once)",
                 file=sys.stderr,
             )
-        else:
+        elif isinstance(exc, CallFailed):  # a call's end (its function's error, or Modal's): said by the call
+            print(f"cellfeed: error: {exc}", file=sys.stderr)
+        elif expected:
             last = (str(exc).strip().splitlines() or [""])[-1]
             print(f"cellfeed: error: {type(exc).__name__}: {last}", file=sys.stderr)
         print(
@@ -554,15 +557,29 @@ def main(**flags) -> dict:
             file=sys.stderr,
             flush=True,
         )
+        if not expected:  # a fault of this code, not of the input, Modal or a call: its traceback follows
+            raise
         raise SystemExit(1) from None
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "audits") if k in summary}), flush=True)
     ok, line = verdict(summary["epochs"], summary.get("stopped"), summary.get("last_step"))
     if summary.get("resume_command"):  # stopped by `cellfeed stop`: where, and how to go on
         line += f"; checkpoint at step {summary['last_step']:,}; resume: {summary['resume_command']}"
-    print(line, flush=True)  # the last line tells the truth: an epoch short or unaudited exits non-zero
+    # the last line tells the truth (an epoch short or unaudited exits non-zero). Under `modal run` it is
+    # said as the process ends, after what modal prints once the entrypoint returns (the containers'
+    # last logs, its "App completed" line: modal/runner.py:539-551)
+    if under_modal_cli():
+        atexit.register(print, line, flush=True)
+    else:  # (a script calling the entrypoint, deploy/first_run: its own last line comes after)
+        print(line, flush=True)
     if not ok:
         raise SystemExit(1)
     return summary
+
+
+def under_modal_cli() -> bool:
+    """Whether this process is modal's CLI (`modal run`, or `python -m modal run`)."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return os.path.basename(sys.argv[0]) == "modal" or getattr(main_spec, "name", "") == "modal.__main__"
 
 
 # `modal run` builds its options from the entrypoint's signature: here, one per campaign flag, with

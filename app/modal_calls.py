@@ -24,9 +24,25 @@ def spawn(function, *args, retry: float = RETRY_S):
     return retrying(lambda: function.spawn(*args), f"spawning {function!r}", retry)  # (a Function has no __name__)
 
 
+class CallFailed(Exception):
+    """A Modal call ended in an error: its function's own exception, or Modal's word for the call's end
+    (`RemoteError`, `FunctionTimeoutError`, ...), as modal's client raised it here (`__cause__`)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        last = (str(cause).strip().splitlines() or [""])[-1]
+        super().__init__(f"{type(cause).__name__}: {last}")
+
+
 def result(call, retry: float = RETRY_S):
-    """The call's result (waiting for it), its own error raised; transient errors retried."""
-    return retrying(call.get, f"waiting for {call.object_id}", retry)
+    """The call's result (waiting for it); its error is raised as `CallFailed`, transient errors retried."""
+    from coordination.modal_backend import ModalUnreachable
+
+    try:
+        return retrying(call.get, f"waiting for {call.object_id}", retry)
+    except ModalUnreachable:  # (this machine lost Modal: not the call's end)
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the call raised: its end, said by the caller in one line
+        raise CallFailed(exc) from exc
 
 
 def call_by_id(call_id: str):

@@ -364,3 +364,35 @@ def test_modal_refuses_a_cluster_node_of_fewer_than_all_its_hosts_gpus():
         m.campaign_of({"dataset": "s3://bucket/atlas", "nodes": 2, "gpus": 2})
     assert m.campaign_of({"dataset": "s3://bucket/atlas", "nodes": 2, "gpus": 8}).world_size == 16
     assert m.campaign_of({"dataset": "s3://bucket/atlas", "nodes": 1, "gpus": 2}).world_size == 2
+
+
+def test_the_entrypoint_reaches_setup_with_modals_real_function_objects(monkeypatch, capsys):
+    """With modal's real objects (nothing emulated), `modal run`'s entrypoint builds the campaign from
+    its flags and spawns `setup` through the product's own helpers; an error that is not the input's,
+    Modal's or a call's (here a stand-in for setup's spawn) is not swallowed into one line: it
+    propagates with its traceback, after the command that resumes the campaign."""
+    import app.journal
+    import app.modal_app as m
+    import coordination.modal_backend as mb
+
+    class Reached(Exception):
+        pass
+
+    def spawned(config, *args, **kwargs):
+        raise Reached(config)
+
+    class NoJournal:
+        def __init__(self, *a, **k):
+            pass
+
+        def clear_stop(self):
+            pass
+
+    monkeypatch.setattr(app.journal, "DictJournal", NoJournal)
+    monkeypatch.setattr(mb, "run_backends", lambda *a, **k: (None, None))
+    monkeypatch.setattr(m.setup, "spawn", spawned, raising=False)
+    with pytest.raises(Reached) as reached:
+        m.main.info.raw_f(dataset="s3://bucket/atlas", producers=3, gpus=2)
+    config = reached.value.args[0]
+    assert (config["dataset"], config["producers"], config["gpus"]) == ("s3://bucket/atlas", 3, 2)
+    assert "Resume it with:\n  modal run app/modal_app.py --dataset s3://bucket/atlas" in capsys.readouterr().err

@@ -673,7 +673,9 @@ def test_a_campaign_through_modal_run_on_the_control_plane_trains_every_cell_onc
     proc = run_command(["--", sys.executable, "-m", "modal", "run", "app/modal_app.py", *args], REPO, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if x.strip()]
-    assert "complete: 1 epoch, 1,344 cells, every epoch trained exactly once (audited)" in lines
+    # the campaign's verdict is the last line, after modal's own "App completed" and the containers' last logs
+    assert any(x.startswith("✓ App completed.") for x in lines), lines[-5:]
+    assert lines[-1] == "complete: 1 epoch, 1,344 cells, every epoch trained exactly once (audited)", lines[-5:]
     # the step log is on the Volume's committed folder (train committed it)
     assert list((tmp_path / "root" / "volumes").glob("*/cp/steps.jsonl"))
 
