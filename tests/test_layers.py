@@ -60,6 +60,6 @@ def test_no_repository_file_points_outside_it():
     import subprocess
 
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    marker = "../" + "shared"  # (this file names it once, split)
+    marker = "../" + "sha" + "red"  # (this file names it once, split)
     found = [f for f in files if (ROOT / f).is_file() and marker in (ROOT / f).read_text(errors="replace")]
     assert found == []
