@@ -30,8 +30,9 @@ minutes costs time, not the campaign (`coordination.modal_backend.retrying`).
 
 Checkpoints go to the `cellfeed-checkpoints` Volume. S3 credentials come from a Modal Secret
 (name: $CELLFEED_SECRET, default "cellfeed-s3") holding AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL and AWS_REGION. Tests run all of this on the Modal
-emulator (cellfeed_testing/modal_emulator): no Modal run has been made from this repository.
+AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL and AWS_REGION. Tests run all of this with modal's own client
+against a local control plane speaking Modal's API (cellfeed_testing/modal_control_plane): no Modal
+run has been made from this repository.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Deliberately thin. Modal already has the semantics the interfaces were shaped after (blocking
 `get_many` returns at least one item or raises `queue.Empty`, non-blocking `get` returns None,
 `queue.Full` on a full partition, `put(..., skip_if_exists=True)` returns False when the key
-existed), so each method is one call. What it adds (each point checked against modal 1.6.4 on
-the emulator, cellfeed_testing/modal_emulator/README.md):
+existed), so each method is one call. What it adds (each point checked with modal 1.6.4's own client
+against the local control plane, cellfeed_testing/modal_control_plane/README.md):
 
 - nothing touches Modal until first use (it imports and constructs offline);
 - items are checked as bytes under Modal's 1 MiB, with a margin for its serialization, before

@@ -37,7 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 from coordination.errors import CellfeedError
 
 MODAL_ITEM_LIMIT = 1 << 20  # Modal's limit on an item, counted as its client serializes it
-# cloudpickle adds 9-18 bytes to a bytes value (1,048,576 -> 1,048,585: cellfeed_testing/modal_emulator/README.md, S6)
+# cloudpickle adds 9-18 bytes to a bytes value (1,048,576 -> 1,048,585: cellfeed_testing/modal_control_plane, C4)
 MAX_ITEM_BYTES = MODAL_ITEM_LIMIT - 1024
 MAX_PARTITION_ITEMS = 5_000
 MAX_PARTITION_BYTES = 64 << 20
@@ -92,8 +92,8 @@ class Map(Protocol):
 
 
 MAX_REQUEST_ITEMS = 32  # items in one put_many request
-# Modal's request-size limit is undocumented; assume a gRPC server's default 4 MiB (the emulator's
-# figure, cellfeed_testing/modal_emulator/README.md S9) and send half of it, so a request is never refused
+# Modal's request-size limit is undocumented; assume a gRPC server's default 4 MiB (the control plane's
+# figure, cellfeed_testing/modal_control_plane/README.md C4) and send half of it, so a request is never refused
 REQUEST_LIMIT_BYTES = 4 << 20
 MAX_REQUEST_BYTES = REQUEST_LIMIT_BYTES // 2
 

@@ -700,7 +700,7 @@ def test_a_preempted_input_is_interrupted_and_runs_again_not_counted_as_a_retry(
     assert [(c.task_id == first, c.retry_count) for c in call.containers] == [(True, 0), (False, 0)]
 
 
-# ---- cellfeed's Modal backend on the plane (issue 41: what tests/test_modal_emulator.py held), modal's client in
+# ---- cellfeed's Modal backend on the plane (issue 41: what the emulator's tests held), modal's client in
 # this process: the plane's environment is set here and modal's cached client (`Client.from_env`'s, made on
 # first use from the environment) is closed before and after, so no test reaches another test's plane.
 

@@ -24,7 +24,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from modal_proto import api_pb2
 
-from cellfeed_testing.modal_emulator.limits import MAX_GPUS
+from cellfeed_testing.modal_control_plane.limits import MAX_GPUS
 
 # D7: inline payload sizes advertised in every function's handle metadata. Modal's client uploads an
 # argument or result larger than this as a blob (BlobCreate, then an HTTP PUT to a signed URL:
@@ -76,6 +76,9 @@ class App:
     stopped: bool = False
     logs: list[api_pb2.TaskLogsBatch] = field(default_factory=list)  # entry_id = index + 1
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    heard_at: float = field(default_factory=time.monotonic)  # its client's last AppCreate or AppHeartbeat (D12)
+    client_gone: bool = False
+    client_calls: list[str] = field(default_factory=list)  # the calls its client made (not its containers), in order
 
 
 def _pip_packages(image: api_pb2.Image) -> list[str]:
@@ -116,7 +119,7 @@ class AppRPCs:
 
     async def AppHeartbeat(self, stream) -> None:
         req: api_pb2.AppHeartbeatRequest = await stream.recv_message()
-        self._app(req.app_id)
+        self._app(req.app_id).heard_at = time.monotonic()
         await stream.send_message(Empty())
 
     async def AppPublish(self, stream) -> None:
@@ -131,10 +134,36 @@ class AppRPCs:
         # D5: the laptop's `modal run` ended: an ephemeral app stops with it, its containers too (runner.py:
         # 533-534, emulator S24); a detached one goes on (cli/run.py:365)
         req: api_pb2.AppClientDisconnectRequest = await stream.recv_message()
-        app = self._app(req.app_id)
-        if app.state != api_pb2.APP_STATE_DETACHED:
-            await self.stop_app(app, "the app's client disconnected")
+        await self.client_went(self._app(req.app_id), "the app's client disconnected")
         await stream.send_message(Empty())
+
+    async def client_went(self, app: App, why: str) -> None:
+        """D5, D12: an ephemeral app stops with its client; a detached one keeps "only the last triggered
+        Modal function alive" (cli/run.py:365): of the calls its client made, the last goes on and any
+        other still running is cancelled, its containers stopped (calls its containers made go on)."""
+        if app.client_gone or app.stopped:
+            return
+        app.client_gone = True
+        if app.state != api_pb2.APP_STATE_DETACHED:
+            await self.stop_app(app, why)
+            return
+        for call_id in app.client_calls[:-1]:
+            call = self.calls.get(call_id)
+            if call is not None and call.output is None and not call.cancelled:
+                call.cancelled = True
+                for c in call.containers:
+                    if not c.ended.is_set():
+                        await self.containers.kill(c, f"{why}: only the last call its client made goes on")
+
+    async def watch_clients(self, gone_after_s: float) -> None:
+        """D12: an app whose client has not been heard for `gone_after_s` (a laptop killed or cut off:
+        no AppClientDisconnect comes) is taken as disconnected."""
+        while True:
+            await asyncio.sleep(min(1.0, gone_after_s / 4))
+            now = time.monotonic()
+            for app in list(self.apps.values()):
+                if not (app.client_gone or app.stopped) and now - app.heard_at > gone_after_s:
+                    await self.client_went(app, f"the app's client was not heard for {gone_after_s:g}s")
 
     async def AppStop(self, stream) -> None:
         req: api_pb2.AppStopRequest = await stream.recv_message()

@@ -93,6 +93,8 @@ class CallRPCs:
             delay,
         )
         self.calls[call.call_id] = call
+        if self.containers.of(stream) is None and call.app_id in self.apps:  # made by the app's client (D12)
+            self.apps[call.app_id].client_calls.append(call.call_id)
         await self.start_attempt(call)
         await stream.send_message(
             api_pb2.FunctionMapResponse(

@@ -34,8 +34,6 @@ from pathlib import Path
 
 from modal_proto import api_pb2
 
-from cellfeed_testing.modal_emulator.server import _descendants  # the /proc walk (emulator S15)
-
 log = logging.getLogger("cellfeed.modal_control_plane")
 TASK_HEADER = "x-cellfeed-task-id"
 STOP_GRACE_S = 5.0  # SIGINT, then this long, then SIGKILL (when the plane or an app stops)
@@ -79,6 +77,22 @@ if _spec is not None and _spec.loader is not None:
 """
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc), collected before any is killed."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+                out += kids
+                todo += kids
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return out
+
+
 @dataclass
 class Container:
     task_id: str
@@ -103,7 +117,7 @@ class Container:
 
 
 def _tree(pid: int) -> list[int]:
-    return [pid, *_descendants(pid)]
+    return [pid, *descendants(pid)]
 
 
 def _signal_tree(pids: list[int], pgid: int, sig: int) -> None:

@@ -40,11 +40,13 @@ class ControlPlane:
         secrets: dict[str, dict[str, str]] | None = None,
         mount_env: dict[str, str] | None = None,
         images: bool = True,
+        client_gone_s: float | None = None,
     ) -> None:
         """`secrets`: the named Secrets that exist ({name: {VAR: value}}). `mount_env`: for a Volume
         mount path, a variable its containers get naming the folder standing for it (volumes.py, V5).
         `images`: a container imports only what its function's image installs (S20, image_guard.py),
-        as on Modal; False lets containers import whatever this machine has."""
+        as on Modal; False lets containers import whatever this machine has. `client_gone_s`: how long an
+        app's client may go unheard before it is taken as gone (D12; server.CLIENT_GONE_S by default)."""
         if transport not in ("tcp", "unix"):
             raise ValueError(f"transport is 'tcp' or 'unix', not {transport!r}")
         self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="modal-control-plane-")
@@ -52,6 +54,8 @@ class ControlPlane:
         self.root.mkdir(parents=True, exist_ok=True)
         self.transport = transport
         self.servicer = Servicer(self.root, secrets=secrets, mount_env=mount_env)
+        if client_gone_s is not None:
+            self.servicer.client_gone_s = client_gone_s
         self.network = faults_for(self.servicer)  # injected network faults (faults.py): fault(), faults()
         if images:
             from cellfeed_testing.modal_control_plane.image_guard import enforce_images

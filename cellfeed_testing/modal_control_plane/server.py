@@ -30,6 +30,9 @@ from cellfeed_testing.modal_control_plane.store import Store
 from cellfeed_testing.modal_control_plane.volumes import BlockServer, VolumeRPCs
 
 log = logging.getLogger("cellfeed.modal_control_plane")
+# D12: Modal does not document when a client that stopped heartbeating (every 15 s: modal/config.py:414,
+# runner.py:64-69) is taken as gone; we take four missed heartbeats
+CLIENT_GONE_S = 60.0
 BACKGROUND_COMMIT_S = 5.0  # V8: Modal's Volumes guide: "every few seconds" while a function runs
 
 
@@ -76,13 +79,15 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, ClusterRPCs, VolumeRPCs, SecretRPC
         self.block_server = BlockServer(self.volumes)
         self.mount_env = dict(mount_env or {})  # a Volume's mount path -> a variable naming its view (V5)
         self.secrets, self.secret_names = {}, {}
-        self._background: set[asyncio.Task] = set()  # V8's committers, one a container with a Volume
+        self._background: set[asyncio.Task] = set()  # V8's committers, one a container with a Volume; D12's watch
+        self.client_gone_s = CLIENT_GONE_S
         for name, variables in (secrets or {}).items():
             self.add_secret(name, variables)
 
     async def start(self) -> None:
         """Called once on the plane's loop before it listens."""
         await self.block_server.start()
+        self._background.add(asyncio.create_task(self.watch_clients(self.client_gone_s), name="clients"))
 
     async def _container_output(self, c: Container, fd: int, line: str) -> None:
         batch = api_pb2.TaskLogsBatch(

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from cellfeed_testing.modal_emulator.limits import (
+from cellfeed_testing.modal_control_plane.limits import (
     DICT_ENTRY_TTL_S,
     MAX_ITEM_BYTES,
     MAX_PARTITION_BYTES,

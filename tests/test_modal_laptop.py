@@ -1,0 +1,77 @@
+"""The laptop's part in a Modal campaign, with modal's own CLI against the control plane (issue 41):
+Ctrl-C on `modal run` stops the app (modal/runner.py: an app not detached is stopped when its client
+disconnects) and the laptop says so, with the command that resumes; with `modal run --detach`, the
+laptop can go away (killed: no goodbye reaches Modal) and the campaign goes on, handing over from call
+to call (each `train` spawns the next from inside its container) to its audited end."""
+
+from __future__ import annotations
+
+import signal
+
+from cellfeed_testing.modal_control_plane.plane import ControlPlane
+from tests.conftest import wait_for
+from tests.test_modal_campaign import (  # noqa: F401 (atlas: a fixture)
+    RUN,
+    SECRET,
+    atlas,
+    calls,
+    finish,
+    flags,
+    logs_of,
+    modal_run,
+    rank0_task,
+    steps_logged,
+    train_calls,
+    train_started,
+)
+
+
+def plane_of(tmp_path, **kw) -> ControlPlane:
+    return ControlPlane(
+        tmp_path / "plane", secrets={SECRET: {}}, mount_env={"/checkpoints": "CELLFEED_CHECKPOINT_MOUNT"}, **kw
+    )
+
+
+def test_ctrl_c_on_modal_run_stops_the_campaigns_calls_and_says_how_to_resume(atlas, tmp_path):  # noqa: F811
+    with plane_of(tmp_path) as plane:
+        run = modal_run(plane, flags(atlas, epochs=2, gpus=1), tmp_path)
+        call = train_started(plane, run)
+        wait_for(lambda: steps_logged(plane, rank0_task(call)) >= 1, "train's first step", timeout=240)
+        run.proc.send_signal(signal.SIGINT)  # Ctrl-C in the laptop's terminal
+        code, out, err = finish(run, timeout=120)
+        assert code != 0
+        assert "interrupted: without `modal run --detach`, Modal stops this campaign's calls" in err, err[-3000:]
+        assert "Resume it with:\n  modal run app/modal_app.py" in err and "--resume" in err.splitlines()[-1]
+        # the app stopped with its client: no call of it goes on; the run's state is kept for the resume
+        wait_for(lambda: all(c["status"] != "running" for c in calls(plane)), "the app's calls to end", timeout=60)
+        now = plane.describe()
+        assert f"cellfeed-{RUN}" in now["queues"] and f"cellfeed-{RUN}" in now["dicts"]
+
+
+def test_a_detached_campaign_hands_over_to_its_end_after_the_laptop_is_gone(atlas, tmp_path):  # noqa: F811
+    """`modal run --detach`: once train runs, the laptop is killed (SIGKILL: no disconnect reaches the
+    plane; it takes the client as gone when its heartbeats stop, D12). Every call trains one step and
+    hands over (--attempt-hours at once; the 24 h timeout is the plane's, 480 times faster: K5): the
+    calls after the first are spawned by train itself, so they are not "triggered" by the laptop, and
+    the campaign completes: every train call succeeds, the epoch is audited exactly once, the run's
+    queue and dicts are deleted."""
+    with plane_of(tmp_path, client_gone_s=2.0) as plane:
+        plane.scale_timeouts(24 * 20)
+        args = flags(atlas, epochs=1, gpus=1, batch_size=512, attempt_hours=1e-6)  # 3 steps: 3 calls
+        run = modal_run(plane, args, tmp_path, detach=True)
+        train_started(plane, run)
+        run.proc.kill()  # the laptop is gone
+        run.proc.wait(timeout=30)
+
+        def ended():
+            trains = train_calls(plane)
+            return len(trains) >= 3 and all(c["status"] != "running" for c in trains) and trains
+
+        trains = wait_for(ended, "the campaign's train calls to end without the laptop", timeout=300)
+        assert all(c["status"] == "success" for c in trains), [c["status"] for c in trains]
+        logs = "".join(logs_of(plane, c) for c in trains)
+        assert logs.count("a new call") >= 2 and logs.count("cells trained, 0 missing, 0 duplicated") == 1, logs[-3000:]
+        wait_for(lambda: plane.describe()["queues"] == [], "the run's queue to be deleted", timeout=60)
+        assert plane.describe()["dicts"] == []
+        # the plane took the laptop as gone (its heartbeats stopped) and the detached app went on
+        assert [a.client_gone for a in plane.servicer.apps.values()] == [True]
