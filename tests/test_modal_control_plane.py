@@ -315,6 +315,15 @@ def dies(code: int) -> int:
 
 
 @app.function(image=image, timeout=600)
+def bars(n: int) -> int:
+    """A progress bar's output: n updates rewriting one line with a carriage return, never a newline."""
+    for i in range(n):
+        sys.stderr.write(f"\\rstep {i:>9,} of {n:,} " + "#" * 40)
+    sys.stderr.flush()
+    return n
+
+
+@app.function(image=image, timeout=600)
 def where() -> dict:
     remote = os.environ.get("MODAL_IS_REMOTE")
     return {"modal": modal.__file__, "remote": remote, "cwd": os.getcwd(), "env": sorted(os.environ)}
@@ -436,6 +445,26 @@ def test_spawn_get_remote_and_exceptions_run_in_real_container_entrypoints(plane
     (failing,) = [c for c in calls if c.output and c.output.result.exception.startswith("ValueError")]
     assert [c.attempt for c in failing.containers] == [0, 1, 2]
     assert plane.servicer.unimplemented_calls == []
+
+
+def test_a_container_writing_one_endless_line_is_not_stalled(plane, probe):
+    """A progress bar never ends its line: 1.5 MB of carriage-return updates (past a line reader's 64
+    KiB limit, which ended the plane's reader and then stalled the container on a full pipe) reach the
+    container's log whole, and the call returns."""
+    got = run_client(
+        plane,
+        """
+        import json
+        from cp_probe.app import app, bars
+        with app.run():
+            print(json.dumps({"n": bars.remote(20_000)}))
+        """,
+        cwd=probe,
+    )
+    assert got["n"] == 20_000
+    (call,) = [c for c in plane.servicer.calls.values() if c.output is not None]
+    log = (plane.servicer.containers.folder_for(call.containers[-1].task_id) / "stderr.log").read_bytes()
+    assert log.count(b"\r") == 20_000 and b"\rstep    19,999 of 20,000 " in log and b"\n" not in log
 
 
 @pytest.mark.parametrize("plane", ["tcp", "unix"], indirect=True)

@@ -23,6 +23,7 @@ found in /proc before any is signalled).
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import os
 import shutil
@@ -224,11 +225,15 @@ class Containers:
         return c
 
     async def _pump(self, c: Container, reader: asyncio.StreamReader, fd: int) -> None:
+        # chunks, not lines: a progress bar rewrites its line with "\r" and never ends it, and a line past the
+        # reader's 64 KiB limit would end the pump and then stall the container on a full pipe
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         with open(c.folder / ("stdout.log" if fd == api_pb2.FILE_DESCRIPTOR_STDOUT else "stderr.log"), "ab") as f:
-            while line := await reader.readline():
-                f.write(line)
+            while chunk := await reader.read(1 << 16):
+                f.write(chunk)
                 f.flush()
-                await self._on_output_line(c, fd, line.decode(errors="replace"))
+                if text := decoder.decode(chunk):
+                    await self._on_output_line(c, fd, text)
 
     async def _watch(self, c: Container, timeout_s: float | None) -> None:
         pumps = [

@@ -225,6 +225,13 @@ class VolumeRPCs:
                     del now[rel]  # commit runs beside it): deleted here too, as if listed after
         for rel in baseline.keys() - now.keys():
             (committed / rel).unlink(missing_ok=True)
+            folder = (committed / rel).parent  # a folder the container emptied (and removed) goes too
+            while folder != committed and not (view / folder.relative_to(committed)).exists():
+                try:
+                    folder.rmdir()
+                except OSError:  # not empty: another container's files are in it
+                    break
+                folder = folder.parent
         entry[1] = now
 
     async def VolumeCommit(self, stream) -> None:
