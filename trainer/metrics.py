@@ -13,7 +13,8 @@ import json
 import os
 import resource
 import statistics
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -207,3 +208,46 @@ class Tracker:
                 f"{out['first_loss']:>6.3f}->{out['final_loss']:<6.3f} {out['peak_mem_mb']:>8,.0f}"
             )
         return out
+
+
+@dataclass
+class StepTotals:
+    """One optimizer step's batches, summed: their time (waits included) and what they held."""
+
+    started: float
+    totals: torch.Tensor  # all-reduced: masked, loss sum, correct, stop asked, cells, epoch cut
+    waited: float = 0.0
+    cells: int = 0
+    masked: int = 0
+    lengths: list = field(default_factory=list)
+
+    def add(self, batch, counts: tuple[torch.Tensor, int]) -> None:
+        reduced, n_masked = counts
+        self.totals += reduced
+        self.waited, self.cells, self.masked = (
+            self.waited + batch.wait_s,
+            self.cells + batch.size,
+            self.masked + n_masked,
+        )
+        self.lengths.append(batch.attention_mask.sum(dim=1).cpu())
+
+    def metrics(self, step: int, epoch: int, lr: float, grad_norm, model_config, device, ready_cells) -> "StepMetrics":
+        """The step's metrics as the tracker records them (flops of real tokens: `train_flops`)."""
+        from trainer.model import train_flops
+
+        lengths, totals = torch.cat(self.lengths), self.totals
+        return StepMetrics(
+            step=step,
+            epoch=epoch,
+            loss=float(totals[1] / totals[0].clamp(min=1)),
+            accuracy=float(totals[2] / totals[0].clamp(min=1)),
+            lr=lr,
+            grad_norm=float(grad_norm),
+            seconds=time.perf_counter() - self.started,
+            wait_s=self.waited,
+            cells=self.cells,
+            tokens=int(lengths.sum()),
+            flops=train_flops(model_config, lengths, self.masked),
+            device=device,
+            ready_cells=ready_cells,
+        )

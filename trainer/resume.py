@@ -8,7 +8,7 @@ import json
 
 from coordination.driver import Driver
 from coordination.errors import CellfeedError
-from coordination.summary import load_summary
+from coordination.summary import load_summary, optimizer_steps, steps_per_epoch
 from trainer import checkpoint
 from trainer.config import TrainConfig
 
@@ -91,3 +91,35 @@ def start_driver(cfg: TrainConfig, queue, store, resumed, epoch: int, summaries:
         linger=True,
     )  # (after the last epoch it still answers ranks that ask for units again)
     return driver
+
+
+def total_steps(cfg: TrainConfig, store, summaries: dict, step: int, epoch: int, left) -> int:
+    """The run's optimizer steps (for the progress bar): a campaign of epochs ends when every epoch's
+    cells are trained, on any number of ranks, so its steps follow from this run's ranks; a resume
+    adds the epoch's rest (maybe on other ranks) and the later epochs'. --steps is a partial run."""
+    if cfg.max_steps:
+        return cfg.max_steps
+    if left is None:
+        return optimizer_steps(list(summaries.values()), cfg.batch_size, cfg.grad_accum)
+    later = [summaries.get(e) or load_summary(store, cfg.run, e) for e in range(epoch + 1, cfg.epochs)]
+    return (
+        step
+        + steps_per_epoch(left, cfg.batch_size) // cfg.grad_accum
+        + optimizer_steps(later, cfg.batch_size, cfg.grad_accum)
+    )
+
+
+def earlier_audits(saved, cfg: TrainConfig, store, summaries: dict) -> list[dict]:
+    """The audits of the epochs finished before this run: the checkpoint's ledger (one that predates
+    the ledger: its trainer audited every epoch it finished, or stopped)."""
+    if saved is not None and "audits" in saved.state:
+        return json.loads(saved.state["audits"])
+    done = saved.epoch if saved is not None else 0
+    return [
+        {
+            "epoch": e,
+            "cells": sum((summaries.get(e) or load_summary(store, cfg.run, e)).cells_per_rank),
+            "audited": True,
+        }
+        for e in range(done)
+    ]

@@ -29,14 +29,14 @@ from coordination.audit import epoch_ledger
 from coordination.backends import connect
 from coordination.errors import CellfeedError
 from coordination.seeds import mask_seed
-from coordination.summary import load_summary, optimizer_steps, steps_per_epoch
+from coordination.summary import load_summary
 from trainer import checkpoint
 from trainer.config import STOP_SIGNAL, TrainConfig
 from trainer.evaluation import evaluate, load_held_out
 from trainer.exactly_once import ask_again, audit_epoch
-from trainer.metrics import StepMetrics, Tracker, peak_flops
-from trainer.model import CellTransformer, ModelConfig, masked_loss, train_flops
-from trainer.resume import restore, start_driver
+from trainer.metrics import StepTotals, Tracker, peak_flops
+from trainer.model import CellTransformer, ModelConfig, masked_loss
+from trainer.resume import earlier_audits, restore, start_driver, total_steps
 from trainer.schedule import Schedule, lr_factor
 from trainer.stream import ConsumerStream
 
@@ -132,7 +132,9 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                         save(run)
                     break
                 lr, grad_norm = optimizer_step(run, step)
-                log_step(run, step, lr, grad_norm)
+                run.tracker.record(
+                    step.metrics(run.step, run.epoch, lr, grad_norm, run.model.config, run.device, batches.ready_cells)
+                )
                 if run.held_out is not None and run.step % cfg.eval_every == 0:
                     run.tracker.note(run.step, evaluate(run.model, run.held_out, cfg, run.autocast))
                 run.stopping = bool(step.totals[3] > 0)  # a rank was asked to stop: all stop after this step
@@ -244,60 +246,6 @@ def open_stream(cfg, queue, store, rank, world, progress, saved, epoch, summarie
     )
 
 
-def total_steps(cfg: TrainConfig, store, summaries: dict, step: int, epoch: int, left) -> int:
-    """The run's optimizer steps (for the progress bar): a campaign of epochs ends when every epoch's
-    cells are trained, on any number of ranks, so its steps follow from this run's ranks; a resume
-    adds the epoch's rest (maybe on other ranks) and the later epochs'. --steps is a partial run."""
-    if cfg.max_steps:
-        return cfg.max_steps
-    if left is None:
-        return optimizer_steps(list(summaries.values()), cfg.batch_size, cfg.grad_accum)
-    later = [summaries.get(e) or load_summary(store, cfg.run, e) for e in range(epoch + 1, cfg.epochs)]
-    return (
-        step
-        + steps_per_epoch(left, cfg.batch_size) // cfg.grad_accum
-        + optimizer_steps(later, cfg.batch_size, cfg.grad_accum)
-    )
-
-
-def earlier_audits(saved, cfg: TrainConfig, store, summaries: dict) -> list[dict]:
-    """The audits of the epochs finished before this run: the checkpoint's ledger (one that predates
-    the ledger: its trainer audited every epoch it finished, or stopped)."""
-    if saved is not None and "audits" in saved.state:
-        return json.loads(saved.state["audits"])
-    done = saved.epoch if saved is not None else 0
-    return [
-        {
-            "epoch": e,
-            "cells": sum((summaries.get(e) or load_summary(store, cfg.run, e)).cells_per_rank),
-            "audited": True,
-        }
-        for e in range(done)
-    ]
-
-
-@dataclass
-class StepTotals:
-    """One optimizer step's batches, summed: their time (waits included) and what they held."""
-
-    started: float
-    totals: torch.Tensor  # all-reduced: masked, loss sum, correct, stop asked, cells, epoch cut
-    waited: float = 0.0
-    cells: int = 0
-    masked: int = 0
-    lengths: list = field(default_factory=list)
-
-    def add(self, batch, counts: tuple[torch.Tensor, int]) -> None:
-        reduced, n_masked = counts
-        self.totals += reduced
-        self.waited, self.cells, self.masked = (
-            self.waited + batch.wait_s,
-            self.cells + batch.size,
-            self.masked + n_masked,
-        )
-        self.lengths.append(batch.attention_mask.sum(dim=1).cpu())
-
-
 def forward_backward(run: Run, batch, micro: int) -> tuple[torch.Tensor, int]:
     """One batch's loss and gradients (DDP syncs them on the step's last batch). Its counts, and this
     rank's stop request and whether its epoch was cut, ride on one all-reduce."""
@@ -348,27 +296,6 @@ def optimizer_step(run: Run, step: StepTotals) -> tuple[float, torch.Tensor]:
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
     return lr, grad_norm
-
-
-def log_step(run: Run, step: StepTotals, lr: float, grad_norm: torch.Tensor) -> None:
-    lengths, totals = torch.cat(step.lengths), step.totals
-    run.tracker.record(
-        StepMetrics(
-            step=run.step,
-            epoch=run.epoch,
-            loss=float(totals[1] / totals[0].clamp(min=1)),
-            accuracy=float(totals[2] / totals[0].clamp(min=1)),
-            lr=lr,
-            grad_norm=float(grad_norm),
-            seconds=time.perf_counter() - step.started,
-            wait_s=step.waited,
-            cells=step.cells,
-            tokens=int(lengths.sum()),
-            flops=train_flops(run.model.config, lengths, step.masked),
-            device=run.device,
-            ready_cells=run.batches.ready_cells,
-        )
-    )
 
 
 def save(run: Run) -> None:
