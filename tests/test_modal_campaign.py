@@ -179,6 +179,14 @@ def running_train(plane: ControlPlane, function: str = "train", attempts: int = 
     return None
 
 
+def train_started(plane: ControlPlane, proc: ModalRun, function: str = "train", attempts: int = 1) -> dict:
+    """`running_train`'s call, waited for; a `modal run` that ends first fails the test with its output."""
+    what = f"{function}'s attempt {attempts} to start"
+    found = wait_for(lambda: running_train(plane, function, attempts) or proc.poll() is not None, what, timeout=240)
+    assert isinstance(found, dict), f"modal run ended before {what}: " + finish(proc)[2][-3000:]
+    return found
+
+
 def step_rows(plane: ControlPlane, task: str | None = None) -> list[dict]:
     """Rank 0's step rows from the run's step log: the running train container's own view of the
     Volume (what it wrote, committed or not) when `task` is given, else the committed Volume."""
@@ -250,10 +258,10 @@ def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_mid_epoch(
     resumes with the same queue, plans and producers."""
     with control_plane(tmp_path) as plane:
         proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, batch_size=32, epochs=1), tmp_path)  # 21 steps
-        call = wait_for(lambda: running_train(plane), "train to start", timeout=180)
+        call = train_started(plane, proc)
         wait_for(lambda: len(calls(plane, "produce")) == 2, "the fleet to be spawned", timeout=180)
         plane.preempt(call["id"])  # in its first minute
-        call = wait_for(lambda: running_train(plane, attempts=2), "train's input to run again", timeout=180)
+        call = train_started(plane, proc, attempts=2)
         during = plane.describe()
         assert f"cellfeed-{RUN}" in during["queues"] and f"cellfeed-{RUN}" in during["dicts"]  # not cleaned up
         # the event: a checkpoint is written (every 4 steps) and training is past it
@@ -507,7 +515,7 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
     with control_plane(tmp_path) as plane:
         # 3 epochs of 42 steps (batches of 16), at Modal's 25 ms a call
         proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, epochs=3) + ["--audit-cells"], tmp_path)
-        call = wait_for(lambda: running_train(plane), "train to start", timeout=180)
+        call = train_started(plane, proc)
         task = rank0_task(call)
         wait_for(lambda: epoch_logged(plane, task) >= 1 or proc.poll() is not None, "a step of epoch 1", timeout=300)
         assert proc.poll() is None, "the campaign ended before epoch 1: " + finish(proc)[2][-2000:]
@@ -579,7 +587,7 @@ def test_modal_run_on_two_nodes_trains_every_cell_once(atlas, tmp_path):
     logs of both nodes and both attempts."""
     with control_plane(tmp_path) as plane:
         proc = modal_run(plane, flags(atlas, **NODES) + ["--audit-cells"], tmp_path)
-        call = wait_for(lambda: running_train(plane, "train_2_nodes"), "train to start", timeout=240)
+        call = train_started(plane, proc, "train_2_nodes")
         task = rank0_task(call)
         wait_for(lambda: steps_logged(plane, task) >= 6 or proc.poll() is not None, "six steps", timeout=300)
         assert proc.poll() is None, "the campaign ended before its preemption"
@@ -630,7 +638,7 @@ def test_a_node_lost_mid_epoch_on_modal_then_resumed_on_one_node_is_exact(atlas,
 
     with control_plane(tmp_path) as plane:
         proc = modal_run(plane, flags(atlas, **NODES) + ["--audit-cells"], tmp_path, detach=True)
-        call = wait_for(lambda: running_train(plane, "train_2_nodes"), "train", timeout=240)
+        call = train_started(plane, proc, "train_2_nodes")
         task = rank0_task(call)
         wait_for(lambda: steps_logged(plane, task) >= 6 or proc.poll() is not None, "six steps", timeout=300)
         assert proc.poll() is None, "the campaign ended before its node was lost"
@@ -670,7 +678,7 @@ def test_a_balanced_campaign_preempted_on_modal_trains_every_tissue_at_its_quota
     with control_plane(tmp_path) as plane:
         args = flags(atlas, epochs=1, balance_by="tissue", balance_power=1) + ["--audit-cells"]
         proc = modal_run(plane, args, tmp_path)
-        call = wait_for(lambda: running_train(plane), "train to start", timeout=180)
+        call = train_started(plane, proc)
         task = rank0_task(call)
         wait_for(lambda: steps_logged(plane, task) >= 6 or proc.poll() is not None, "six steps", timeout=300)
         assert proc.poll() is None, "the campaign ended before its preemption"
