@@ -212,7 +212,8 @@ def run_campaign(run: str, dataset: str, timeout_minutes: float) -> dict:
         cause = exc.__context__ if isinstance(exc, SystemExit) and exc.__context__ else exc  # (its error, `from None`)
         if isinstance(cause, KeyboardInterrupt):
             raise Failed("interrupted") from None
-        raise Failed(f"the campaign failed: {type(cause).__name__}: {last_line(cause)}") from None
+        said = str(cause) if type(cause).__name__ == "CallFailed" else f"{type(cause).__name__}: {last_line(cause)}"
+        raise Failed(f"the campaign failed: {said}") from None  # (a call's end names what the call raised)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

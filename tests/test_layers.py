@@ -56,7 +56,7 @@ def test_the_layer_check_finds_an_import_up(tmp_path):
 
 def test_no_repository_file_points_outside_it():
     """A user of the repository has only the repository: no file names the development machine's
-    `../shared` folder (its issues' checks and background papers)."""
+    shared folder beside the checkout (its issues' checks and background papers)."""
     import subprocess
 
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()

@@ -229,11 +229,19 @@ class Containers:
         # reader's 64 KiB limit would end the pump and then stall the container on a full pipe
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         with open(c.folder / ("stdout.log" if fd == api_pb2.FILE_DESCRIPTOR_STDOUT else "stderr.log"), "ab") as f:
+            pending = ""  # a line not ended yet: sent once it ends (or grows past 64 KiB), as a line reader would
             while chunk := await reader.read(1 << 16):
                 f.write(chunk)
                 f.flush()
-                if text := decoder.decode(chunk):
-                    await self._on_output_line(c, fd, text)
+                pending += decoder.decode(chunk)
+                cut = max(pending.rfind("\n"), pending.rfind("\r")) + 1
+                if len(pending) > 1 << 16:
+                    cut = len(pending)
+                if cut:
+                    await self._on_output_line(c, fd, pending[:cut])
+                    pending = pending[cut:]
+            if pending:
+                await self._on_output_line(c, fd, pending)
 
     async def _watch(self, c: Container, timeout_s: float | None) -> None:
         pumps = [
