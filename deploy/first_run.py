@@ -195,6 +195,7 @@ def run_campaign(run: str, dataset: str, timeout_minutes: float) -> dict:
     import modal
 
     from app import modal_app
+    from app.modal_calls import CallFailed
 
     def too_long(*_):
         raise KeyboardInterrupt  # as a Ctrl-C would: the entrypoint stops, and the app with it
@@ -212,7 +213,7 @@ def run_campaign(run: str, dataset: str, timeout_minutes: float) -> dict:
         cause = exc.__context__ if isinstance(exc, SystemExit) and exc.__context__ else exc  # (its error, `from None`)
         if isinstance(cause, KeyboardInterrupt):
             raise Failed("interrupted") from None
-        said = str(cause) if type(cause).__name__ == "CallFailed" else f"{type(cause).__name__}: {last_line(cause)}"
+        said = str(cause) if isinstance(cause, CallFailed) else f"{type(cause).__name__}: {last_line(cause)}"
         raise Failed(f"the campaign failed: {said}") from None  # (a call's end names what the call raised)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
