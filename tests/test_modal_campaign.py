@@ -252,21 +252,29 @@ def training_cells(atlas) -> Counter:
     return Counter(c for c in range(atlas.n_cells) if c not in held_out)
 
 
-def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_mid_epoch(atlas, tmp_path):
+def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_in_its_second_epoch(atlas, tmp_path):
     """`train` is preempted as soon as its fleet is spawned (nothing to checkpoint yet), and its
-    re-run is preempted again once training is past a checkpoint (mid-epoch 0). Each re-run
-    resumes with the same queue, plans and producers."""
+    re-run is preempted again in epoch 1 of 2, once epoch 0 is audited and training is past a
+    checkpoint. Each re-run resumes with the same queue, plans and producers. The call that resumes
+    (a new container) reports every epoch's audit, not only its own: in `cellfeed status --json` and
+    in the last status on the Volume that the report plots."""
+    audited_0 = re.compile(r"epoch 0: [\d,]+ cells trained, 0 missing, 0 duplicated")
     with control_plane(tmp_path) as plane:
-        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, batch_size=32, epochs=1), tmp_path)  # 21 steps
+        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, batch_size=32), tmp_path)  # 2 epochs of 21 steps
         call = train_started(plane, proc)
         wait_for(lambda: len(calls(plane, "produce")) == 2, "the fleet to be spawned", timeout=180)
         plane.preempt(call["id"])  # in its first minute
         call = train_started(plane, proc, attempts=2)
         during = plane.describe()
         assert f"cellfeed-{RUN}" in during["queues"] and f"cellfeed-{RUN}" in during["dicts"]  # not cleaned up
-        # the event: a checkpoint is written (every 4 steps) and training is past it
+        # the events: epoch 0 audited, and training past a checkpoint (every 4 steps) of epoch 1
         task = rank0_task(call)
-        wait_for(lambda: steps_logged(plane, task) >= 6 or proc.poll() is not None, "six steps", timeout=240)
+
+        def in_epoch_1() -> bool:
+            rows = step_rows(plane, task)
+            return bool(audited_0.search(plane.container_log(task)) and rows and rows[-1]["step"] >= 27)
+
+        wait_for(lambda: in_epoch_1() or proc.poll() is not None, "epoch 0's audit and six steps of epoch 1", 300)
         assert proc.poll() is None, "the campaign ended before its second preemption"
         plane.preempt(call["id"])
         code, out, err = finish(proc)
@@ -280,8 +288,15 @@ def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_mid_epoch(
         assert all("reusing the 2 producers still running" in log for log in logs[1:])
         assert "preempted: the ranks checkpoint" in logs[1]
         resumed = re.search(r"resumed from step (\d+) \(epoch (\d+), ([\d,]+) cells of it already trained\)", logs[2])
-        assert resumed and int(resumed[1]) >= 6 and int(resumed[2]) == 0, logs[2][-2000:]  # mid-epoch 0
-        check_campaign(plane, out, epochs=1, producers=2)
+        assert resumed and int(resumed[1]) >= 24 and int(resumed[2]) == 1, logs[2][-2000:]  # mid-epoch 1
+        check_campaign(plane, out, epochs=2, producers=2)
+        after = cellfeed(plane, "status", RUN, "--modal", "--json")  # (the Dict is gone: the Volume's copy)
+        assert after.returncode == 0, after.stderr[-2000:]
+        snap = json.loads(after.stdout)
+        assert snap["state"] == "complete" and [a["epoch"] for a in snap["audits"]] == [0, 1], snap["audits"]
+        assert all(a["missing"] == 0 and a["duplicated"] == 0 for a in snap["audits"])
+        plotted = json.loads((plane.volume_dir / RUN / "state.json").read_text())["audits"]  # (the audit plot's bars)
+        assert [a["epoch"] for a in plotted] == [0, 1]
 
 
 def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed_command_resumes_it(atlas, tmp_path):
@@ -513,8 +528,8 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
     from cellfeed_testing.procs import stop_asked_while_held
 
     with control_plane(tmp_path) as plane:
-        # 3 epochs of 42 steps (batches of 16), at Modal's 25 ms a call
-        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, epochs=3) + ["--audit-cells"], tmp_path)
+        # 3 epochs of 21 steps (batches of 32 on 2 ranks), at Modal's 25 ms a call
+        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, epochs=3, batch_size=32) + ["--audit-cells"], tmp_path)
         call = train_started(plane, proc)
         task = rank0_task(call)
         wait_for(lambda: epoch_logged(plane, task) >= 1 or proc.poll() is not None, "a step of epoch 1", timeout=300)
@@ -578,40 +593,6 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
 NODES = dict(gpus=8, nodes=2, epochs=1, batch_size=4)
 
 
-def test_modal_run_on_two_nodes_trains_every_cell_once(atlas, tmp_path):
-    """`--nodes 2 --gpus 8`: `train_2_nodes`, a clustered function: each attempt is 2 containers
-    started together (K1), each told its rank and both addresses by TaskClusterHello (`::1`, from
-    `i6pn.modal.local`: K2); container 1's ranks join container 0's DDP world at the address it
-    publishes. Preempted mid-epoch (every container interrupted: each node's ranks checkpoint at the
-    same step), the input runs again on a new cluster and resumes. Every cell once, from the cell
-    logs of both nodes and both attempts."""
-    with control_plane(tmp_path) as plane:
-        proc = modal_run(plane, flags(atlas, **NODES) + ["--audit-cells"], tmp_path)
-        call = train_started(plane, proc, "train_2_nodes")
-        task = rank0_task(call)
-        wait_for(lambda: steps_logged(plane, task) >= 6 or proc.poll() is not None, "six steps", timeout=300)
-        assert proc.poll() is None, "the campaign ended before its preemption"
-        plane.preempt(call["id"])  # past a checkpoint (every 4 steps): the whole cluster is interrupted
-        code, out, err = finish(proc)
-        assert code == 0, err[-3000:]
-        assert f"campaign {RUN}: 2 producers -> 2 nodes x 8 x H100" in out
-        (call,) = calls(plane, "train_2_nodes")
-        assert call["cluster_size"] == 2 and call["gpu"] == "H100:8"
-        # each container resolved i6pn.modal.local (K2) and said hello with it: the rendezvous was at `::1`
-        assert [a["cluster_ips"] for a in call["attempts"]] == [["::1", "::1"]] * 2
-        assert [(a["outcome"], [k["rank"] for k in a["containers"]]) for a in call["attempts"]] == [
-            ("preempted", [0, 1]),
-            ("success", [0, 1]),
-        ]
-        # both containers interrupted, each with its rank server and 8 ranks
-        assert all(k["interrupted_processes"] >= 10 for k in call["attempts"][0]["containers"])
-        assert "resumed from step" in logs_of(plane, call, 1)
-        assert trained_cells(plane).get(0) == training_cells(atlas)
-        ranks = {p.name.split(".")[1] for p in (plane.volume_dir / RUN / "cells").glob("*.rank*.jsonl")}
-        assert ranks == {f"rank{r}" for r in range(16)}  # node 1's ranks wrote from its own container
-        check_campaign(plane, out, epochs=1, producers=2)
-
-
 def views_committed(plane: ControlPlane, tasks: list[str]) -> bool:
     """Whether every file of the run that these containers wrote to their views of the Volume is in
     the committed Volume as written (V8's background commits have caught up with them)."""
@@ -625,15 +606,22 @@ def views_committed(plane: ControlPlane, tasks: list[str]) -> bool:
     return True
 
 
-def test_a_node_lost_mid_epoch_on_modal_then_resumed_on_one_node_is_exact(atlas, tmp_path):
-    """Container 1 of a 2-node train is lost mid-epoch, past a checkpoint (SIGKILL, no grace: K4):
-    the attempt fails with its cluster, the run stops with the command that resumes it, state kept.
-    The campaign runs with `modal run --detach`, so its producers outlive the failed train and the
-    laptop's exit (without it Modal stops the app's calls as `modal run` ends: D5). That command with
-    `--nodes 1` replaces the producers started for 16 ranks and finishes the epoch on one node: every
-    cell once across both, from the cell logs. (A container killed without a grace
-    loses what it wrote since its Volume's last background commit, V8, as on Modal: the ranks are
-    held while both containers' writes are committed, so the cell logs the test reads are whole.)"""
+def test_two_nodes_preempted_then_a_node_lost_then_resumed_on_one_node_train_every_cell_once(atlas, tmp_path):
+    """`--nodes 2 --gpus 8`: `train_2_nodes`, a clustered function: each attempt is 2 containers
+    started together (K1), each told its rank and both addresses by TaskClusterHello (`::1`, from
+    `i6pn.modal.local`: K2); container 1's ranks join container 0's DDP world at the address it
+    publishes. One campaign, one epoch, three events:
+    1. preempted past a checkpoint: every container is interrupted (each node's ranks checkpoint at
+       the same step) and the input runs again on a new cluster, which resumes;
+    2. container 1 of that cluster is lost past its next checkpoint (SIGKILL, no grace: K4): the
+       attempt fails with its cluster, the run stops with the command that resumes it, state kept.
+       The campaign runs with `modal run --detach`, so its producers outlive the failed train and the
+       laptop's exit (without it Modal stops the app's calls as `modal run` ends: D5);
+    3. that command with `--nodes 1` replaces the producers started for 16 ranks and finishes the
+       epoch on one node.
+    Every cell once across the three, from the cell logs of every container. (A container killed
+    without a grace loses what it wrote since its Volume's last background commit, V8, as on Modal:
+    the ranks are held while both containers' writes are committed, so the cell logs are whole.)"""
     from cellfeed_testing.procs import ranks_held
 
     with control_plane(tmp_path) as plane:
@@ -641,8 +629,13 @@ def test_a_node_lost_mid_epoch_on_modal_then_resumed_on_one_node_is_exact(atlas,
         call = train_started(plane, proc, "train_2_nodes")
         task = rank0_task(call)
         wait_for(lambda: steps_logged(plane, task) >= 6 or proc.poll() is not None, "six steps", timeout=300)
+        assert proc.poll() is None, "the campaign ended before its preemption"
+        plane.preempt(call["id"])  # past a checkpoint (every 4 steps): the whole cluster is interrupted
+        call = train_started(plane, proc, "train_2_nodes", attempts=2)
+        task = rank0_task(call)
+        wait_for(lambda: steps_logged(plane, task) >= 10 or proc.poll() is not None, "ten steps", timeout=300)
         assert proc.poll() is None, "the campaign ended before its node was lost"
-        containers = call["attempts"][0]["containers"]
+        containers = call["attempts"][1]["containers"]
         with contextlib.ExitStack() as held:
             for k in containers:
                 held.enter_context(ranks_held(k["pid"], 8))
@@ -650,11 +643,21 @@ def test_a_node_lost_mid_epoch_on_modal_then_resumed_on_one_node_is_exact(atlas,
             plane.lose_container(call["id"], 1)
         code, out, err = finish(proc)
         assert code != 0 and "container 1 of its cluster exited" in err, err[-3000:]
-        (failed,) = calls(plane, "train_2_nodes")
-        assert failed["status"] == "failure" and [k["killed"] for k in failed["attempts"][0]["containers"]] == [
-            "its cluster failed",
-            "lost",
+        assert f"campaign {RUN}: 2 producers -> 2 nodes x 8 x H100" in out
+        (call,) = calls(plane, "train_2_nodes")
+        assert call["cluster_size"] == 2 and call["gpu"] == "H100:8" and call["status"] == "failure"
+        # each container resolved i6pn.modal.local (K2) and said hello with it: the rendezvous was at `::1`
+        assert [a["cluster_ips"] for a in call["attempts"]] == [["::1", "::1"]] * 2
+        assert [(a["outcome"], [k["rank"] for k in a["containers"]]) for a in call["attempts"]] == [
+            ("preempted", [0, 1]),
+            ("failure", [0, 1]),
         ]
+        # both containers interrupted, each with its rank server and 8 ranks
+        assert all(k["interrupted_processes"] >= 10 for k in call["attempts"][0]["containers"])
+        assert "resumed from step" in logs_of(plane, call, 1)
+        assert [k["killed"] for k in call["attempts"][1]["containers"]] == ["its cluster failed", "lost"]
+        ranks = {p.name.split(".")[1] for p in (plane.volume_dir / RUN / "cells").glob("*.rank*.jsonl")}
+        assert ranks == {f"rank{r}" for r in range(16)}  # node 1's ranks wrote from its own container
         command = resume_command(err)
         assert command[:3] == ["modal", "run", "app/modal_app.py"] and command[-1] == "--resume"
         code, out, err = finish(modal_run(plane, command[3:] + ["--nodes", "1"], tmp_path))

@@ -54,7 +54,7 @@ def test_the_readmes_stop_and_resume_then_status_report_and_tensorboard(tmp_path
 
     synth = cellfeed("synth", "ds", "--cells", str(CELLS), "--genes", "2000", "--quiet", cwd=tmp_path)
     assert synth.returncode == 0, synth.stderr
-    first = ["local", "--run", "first", "--epochs", "3", "--dataset", "ds", "--batch-size", "8", "--max-genes", "24"]
+    first = ["local", "--run", "first", "--epochs", "3", "--dataset", "ds", "--batch-size", "16", "--max-genes", "24"]
     first += ["--checkpoint-every", "10", "--audit-cells", "--quiet"]
     run = tmp_path / "runs" / "first"
     proc = subprocess.Popen([CF, *first], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,14 +1,13 @@
 """`cellfeed status`, `stop` and `report` of a Modal campaign where they used to fail: on a machine
-with no Modal credentials (one line, at once: modal's real client, no server), after the campaign
-resumed (every epoch's audit, not only the last call's: `modal run` and modal's own client against
-the local control plane), and a stop that comes after the campaign's end (the run is complete: said
-so, locally and on Modal)."""
+with no Modal credentials (one line, at once: modal's real client, no server), and a stop that comes
+after the campaign's end (the run is complete: said so, locally and on Modal). After a campaign
+resumed, status and the report keep every epoch's audit, not only the last call's: that is checked
+on a preempted campaign in tests/test_modal_campaign.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -17,40 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from cellfeed_testing.modal_control_plane import ControlPlane
 from tests.conftest import wait_for
-from tests.test_modal_campaign import RUN, atlas, flags  # noqa: F401 - atlas: the campaign's fixture, shared
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def plane_env(plane: ControlPlane) -> dict:
-    """This machine's environment with the plane's (MODAL_SERVER_URL, its token): modal's own client."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}, **plane.env}
-
-
-def modal_run(plane: ControlPlane, args: list[str], folder: Path) -> subprocess.Popen:
-    """`modal run app/modal_app.py ARGS`, modal's CLI, against the plane, in a process of its own. Its
-    output goes to `folder`/out and err (the containers' logs stream through it: a pipe read only at
-    the end would fill and stall it)."""
-    with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
-        return subprocess.Popen(
-            [sys.executable, "-m", "modal", "run", "app/modal_app.py", *args],
-            cwd=ROOT, env=plane_env(plane), stdout=out, stderr=err, text=True,
-        )  # fmt: skip
-
-
-def cellfeed(plane: ControlPlane, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`cellfeed ARGS` on the laptop: its modal.Dict and modal.Volume calls reach the plane."""
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args], cwd=ROOT, env=plane_env(plane), capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
-
-
-def train_attempt(plane: ControlPlane) -> dict | None:
-    """The running train call once its first container has started."""
-    return next((c for c in plane.call_list("train") if c["status"] == "running" and c["attempts"]), None)
 
 
 def no_credentials_env(home: Path) -> dict:
@@ -192,41 +160,6 @@ def test_a_modal_campaigns_dict_gone_as_the_stop_is_asked_means_it_completed(tmp
 
     assert main(["stop", "emu", "--modal"]) == 0
     assert capsys.readouterr().out.splitlines() == ["run emu is complete (3 of 3 epochs, step 252): nothing to stop"]
-
-
-def test_status_and_the_report_keep_every_epoch_after_a_modal_campaign_resumes(atlas, tmp_path):  # noqa: F811
-    """A 3-epoch campaign preempted in epoch 1, its epoch 0 audited by the first call: the call that
-    resumes it (a new container, on the control plane as on Modal) reports every epoch's audit, in
-    `cellfeed status --json` and in the last status on the Volume that the report plots."""
-    secrets, mounts = {"cellfeed-s3": {}}, {"/checkpoints": "CELLFEED_CHECKPOINT_MOUNT"}
-    with ControlPlane(tmp_path / "plane", secrets=secrets, mount_env=mounts) as plane:
-        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, batch_size=16, epochs=3), tmp_path)  # 3 x 42 steps
-        call = wait_for(lambda: train_attempt(plane) or proc.poll() is not None, "train to start")
-        assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
-        first = call["attempts"][0]["task"]
-        audited_0 = re.compile(r"epoch 0: [\d,]+ cells trained, 0 missing, 0 duplicated")
-        wait_for(
-            lambda: audited_0.search(plane.container_log(first)) or proc.poll() is not None,
-            "epoch 0's audit",
-            timeout=300,
-        )
-        assert proc.poll() is None, "the campaign ended before the preemption"
-        assert plane.preempt(call["id"]) == [first]  # (two epochs are left: the campaign cannot end first)
-        assert proc.wait(timeout=600) == 0, (tmp_path / "err").read_text()[-3000:]
-        (train,) = plane.history("train")
-        assert [a["outcome"] for a in train["attempts"]] == ["preempted", "success"]
-        assert "resumed from step" in plane.container_log(train["attempts"][1]["containers"][0]["task"])
-
-        after = cellfeed(plane, "status", RUN, "--modal", "--json")  # (the Dict is gone: the Volume's copy)
-        assert after.returncode == 0, after.stderr[-2000:]
-        snap = json.loads(after.stdout)
-        assert snap["state"] == "complete" and [a["epoch"] for a in snap["audits"]] == [0, 1, 2], snap["audits"]
-        assert all(a["missing"] == 0 and a["duplicated"] == 0 for a in snap["audits"])
-        page = tmp_path / "report.html"
-        made = cellfeed(plane, "report", RUN, "--workdir", str(plane.volume_dir), "--out", str(page))
-        assert made.returncode == 0, made.stderr[-2000:]
-        plotted = json.loads((plane.volume_dir / RUN / "state.json").read_text())["audits"]  # (the audit plot's bars)
-        assert [a["epoch"] for a in plotted] == [0, 1, 2]
 
 
 def test_a_report_of_a_run_not_here_says_where_a_modal_runs_folder_comes_from(tmp_path):
