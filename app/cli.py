@@ -7,7 +7,7 @@ import sys
 import time
 
 from app import ops, stats
-from app.config import DEFAULT_LENGTHS, FLAG_HELP
+from app.flags import DEFAULT_LENGTHS, FLAG_HELP
 from coordination.balance import DEFAULT_POWER
 from coordination.errors import CellfeedError
 
@@ -115,8 +115,9 @@ def describe_corpus(path: str) -> str:
 def cmd_local(args) -> int:
     from pathlib import Path
 
-    from app.config import CAMPAIGN_RECORD, CampaignConfig, read_record, resumed_flags
+    from app.config import CampaignConfig
     from app.local import check_wandb, default_dataset, describe_resume, place_checkpoints, run_local
+    from app.resume import CAMPAIGN_RECORD, read_record, resumed_flags
     from app.status import print_summary
     from coordination.audit import verdict
     from producers.tokenizers import layout
@@ -233,8 +234,8 @@ LOCAL_HELP = {
 
 
 def add_campaign_flags(p: argparse.ArgumentParser) -> None:
-    """The campaign's flags, help from `app.config.FLAG_HELP`, defaults of the local run."""
-    from app.config import CAMPAIGN_FLAGS, FLAG_HELP, flag_choices, flag_defaults
+    """The campaign's flags, help from `app.flags.FLAG_HELP`, defaults of the local run."""
+    from app.flags import CAMPAIGN_FLAGS, flag_choices, flag_defaults
 
     defaults, choices = flag_defaults(LOCAL_DEFAULTS), flag_choices()
     for name in CAMPAIGN_FLAGS:

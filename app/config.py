@@ -1,158 +1,23 @@
 """One campaign config for Modal and local runs, validated up front, and the pieces derived from
-it: the producers' config and the trainer's config."""
+it: the producers' config and the trainer's config. Its command-line flags: `app/flags.py`; the
+record a run keeps of it, and what a resume may change: `app/resume.py`."""
 
 from __future__ import annotations
 
-import inspect
-import json
 import math
 import re
 import time
-import typing
-from dataclasses import MISSING, dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass, fields
 
 from coordination.balance import DEFAULT_POWER, Balance
 from coordination.driver import LEASE_S, heartbeat_interval
 from coordination.errors import CellfeedError
 from coordination.modal_backend import RETRY_S as MODAL_RETRY_S
-from coordination.plan import STRATEGIES, Sampling
+from coordination.plan import Sampling
 from producers.tokenizers import LAYOUTS, layout
 from trainer.presets import MODEL_PRESETS
 
 PRESETS = tuple(MODEL_PRESETS)
-
-# the trainable tokenizers' own genes per cell, as help text says them ("scgpt 1024", ...)
-DEFAULT_LENGTHS = tuple(f"{name} {spec.default_genes}" for name, spec in LAYOUTS.items() if spec.objective)
-
-# Every campaign flag, described once: `cellfeed local --help` and `modal run app/modal_app.py --help`
-# both show these (field name -> help; the defaults come from CampaignConfig or the local run).
-FLAG_HELP = {
-    "dataset": "the dataset: a local path or s3://bucket/prefix (S3 settings from AWS_* variables)",
-    "corpus": "instead of --dataset: a corpus file (TOML) of several datasets with weights, each with its own "
-    'filters, trained over one gene vocabulary (README, "Pretraining on a corpus")',
-    "vocabulary": "a gene vocabulary file: scGPT's vocab.json, Geneformer's token dictionary (.pkl, read without "
-    "running code) or JSON (default: built from the dataset(s), written to the run folder)",
-    "gene_column": "the var column whose values name genes in the vocabulary, e.g. feature_name for symbols",
-    "gene_medians": "geneformer over a corpus: Geneformer's gene median dictionary (.pkl or JSON, id -> median)",
-    "run": "run name: names the queue, the map and the checkpoints; --resume continues it (default: a timestamp)",
-    "subset_filter": "training cells as an obs filter in Lance SQL, e.g. \"plate != 'plate14'\" (default: all cells)",
-    "eval_filter": "held-out cells as an obs filter, e.g. \"plate = 'plate14'\": never trained on, evaluated "
-    "every --eval-every steps (default: no evaluation)",
-    "eval_cells": "how many held-out cells to evaluate on (the first that match --eval-filter)",
-    "eval_every": "evaluate on the held-out cells every N steps",
-    "tokenizer": "scgpt (genes in rank order + expression bins), geneformer-v1 (no special tokens) or "
-    "geneformer-v2 (CLS, genes, EOS; alias geneformer); geneformer needs `cellfeed stats`",
-    "max_genes": f"genes per cell (default: the tokenizer's own: {', '.join(DEFAULT_LENGTHS)})",
-    "n_bins": "scgpt expression bins per cell",
-    "strategy": "sampling: sequential, mixture (of scanners), block (shuffled blocks of cells) or random",
-    "block_size": "block sampling: consecutive cells per block",
-    "fetch_factor": "block sampling: batches' worth of blocks per work unit",
-    "n_scanners": "mixture sampling: fragments read together in one work unit",
-    "unit_cells": "sequential/mixture sampling: consecutive cells per scanner chunk",
-    "balance_by": "balanced sampling: an obs column whose values are classes (cell type, tissue, donor, assay); "
-    "every epoch gives each class an exact quota, each class's cells drawn without replacement across epochs "
-    "(with a corpus: within each source) (default: the data as it is)",
-    "balance_power": "with --balance-by: ALPHA, from 0 (classes as the data has them) to 1 (every class equal): "
-    "a class's share is proportional to its cells**(1 - ALPHA); 0.5, the square root, is the usual compromise",
-    "producers": "producer processes (CPU); scale them until the trainer never waits",
-    "gpus": "trainer ranks per node (GPUs of one train container; the DDP world is --nodes x --gpus)",
-    "nodes": "trainer nodes: --nodes x --gpus ranks in one DDP world (on Modal a clustered train of --nodes "
-    "containers of 8 GPUs; locally, groups of CPU ranks rendezvousing as nodes do)",
-    "batch_size": "cells per rank per step",
-    "grad_accum": "batches accumulated per optimizer step",
-    "steps": "optimizer steps; alone, as many epochs as they need (default: --epochs through)",
-    "epochs": "epochs (default: 1, or as many as --steps needs)",
-    "preset": "model preset: " + ", ".join(f"{name} ({p.note})" for name, p in MODEL_PRESETS.items()),
-    "lr": "peak learning rate (AdamW, linear warm-up, cosine decay)",
-    "warmup_steps": "learning-rate warm-up steps",
-    "compile": "torch.compile the model",
-    "checkpoint_every": "checkpoint every N steps (and at the end)",
-    "keep_checkpoints": "checkpoints kept: the last N, and the best by held-out loss",
-    "resume": "continue --run from its latest checkpoint, saying which step (locally: a run with none is an error)",
-    "seed": "seed of plans, shuffles, masks and weights: the same seed gives the same run",
-    "lease_s": "seconds a producer may fall silent before the units it holds are issued to another (it says what "
-    "it holds 4 times a lease): shorter finds a dead or stalled producer sooner, at more calls",
-    "rpc_latency_ms": "make every queue/map call cost this many ms (± 40%), as a round trip to Modal does: "
-    "run locally under the remote world's costs",
-    "modal_retry_s": "Modal: how long each call to Modal retries a failing network (with backoff) before the run "
-    "stops, its state kept for --resume; the default rides out a 10-minute outage",
-    "audit_cells": "Modal: write the cell ids each step trained, per rank (JSON lines), to the checkpoints Volume "
-    "under RUN/cells/, one file set per train call: an audit of exactly-once, cell by cell",
-    "attempt_hours": "Modal: after this many hours a train call checkpoints and continues in a new call "
-    "(Modal ends any call at 24 h)",
-}
-
-# The flags of `cellfeed local` and of `modal run app/modal_app.py`, in the order --help lists them.
-CAMPAIGN_FLAGS = (
-    "dataset",
-    "corpus",
-    "vocabulary",
-    "gene_column",
-    "gene_medians",
-    "run",
-    "tokenizer",
-    "max_genes",
-    "n_bins",
-    "strategy",
-    "block_size",
-    "fetch_factor",
-    "n_scanners",
-    "unit_cells",
-    "balance_by",
-    "balance_power",
-    "subset_filter",
-    "eval_filter",
-    "eval_cells",
-    "eval_every",
-    "producers",
-    "gpus",
-    "nodes",
-    "batch_size",
-    "grad_accum",
-    "steps",
-    "epochs",
-    "preset",
-    "lr",
-    "warmup_steps",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "resume",
-    "seed",
-    "lease_s",
-    "rpc_latency_ms",
-)
-MODAL_FLAGS = CAMPAIGN_FLAGS + ("attempt_hours", "modal_retry_s", "audit_cells")
-
-# A run remembers its campaign: the config it ran with is kept as RUN/campaign.json (the run folder;
-# on Modal the run's folder on the checkpoints Volume), and `--resume` with no other flag continues
-# exactly that campaign. These flags may be given at a resume to change it, each change said in one
-# line: the world and the producers (an interrupted epoch is re-planned over the new ranks, exactly
-# once), more epochs (or steps), the dataset's location (its content must be the same: the
-# checkpoint's data identity is checked), the corpus's mixture (from the epoch after the
-# checkpoint), how often things are done, and the remote world's settings. Every other flag defines
-# the campaign (its data, tokens, sampling, seed, model and schedule): a resume that changes one is
-# refused.
-CAMPAIGN_RECORD = "campaign.json"
-RESUME_CHANGES = frozenset(
-    {
-        "producers",
-        "gpus",
-        "nodes",
-        "epochs",
-        "steps",
-        "dataset",
-        "corpus",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "eval_every",
-        "lease_s",
-        "rpc_latency_ms",
-        "modal_retry_s",
-        "attempt_hours",
-        "audit_cells",
-    }
-)
 MAX_ATTEMPT_HOURS = 23.0  # an hour short of Modal's 24 h limit on a call: time to checkpoint and hand over
 
 
@@ -413,108 +278,3 @@ class CampaignConfig:
             eval_cells=facts.held_out_cells,
         )
         return TrainConfig(**{**base, **changes})
-
-
-def write_record(folder, config: dict) -> Path:
-    """Keep `config` as the run's campaign record (whole or not at all: written aside, then moved)."""
-    import os
-
-    path = Path(folder) / CAMPAIGN_RECORD
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{CAMPAIGN_RECORD}.{os.getpid()}")
-    tmp.write_text(json.dumps(config))
-    os.replace(tmp, path)
-    return path
-
-
-def read_record(text: str, where: str) -> dict:
-    """A campaign record's settings; one line naming the file when it cannot be read."""
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise CellfeedError(
-            f"{where}: the run's campaign record cannot be read ({exc}); give the campaign's flags with --resume, "
-            "or start another --run"
-        ) from None
-
-
-def resumed_flags(run: str, recorded: dict, given: dict, defaults: dict | None = None) -> tuple[dict, list[str]]:
-    """The settings a resume of `run` continues with: its recorded campaign (`CAMPAIGN_RECORD`), and
-    of the flags `given` on this command line, those a resume may change (`RESUME_CHANGES`); the
-    lines that say each change. A given flag that would change the campaign raises, naming the flag
-    and the recorded value; one equal to the recorded value changes nothing. `defaults`: the
-    command's own (a value the record lacks, as a run before a setting existed had it). A
-    recorded `--steps` beside `--epochs` was a partial run's stop, not the campaign's end: it is
-    not kept (alone, it sets how many epochs the campaign has, and is)."""
-    defaults = flag_defaults(defaults)
-    kept = {f.name for f in fields(CampaignConfig)} - {"run", "resume", "checkpoint_dir", "carried", "mixtures"}
-    flags = {name: value for name, value in recorded.items() if name in kept}
-    if flags.get("epochs") is not None or given.get("epochs") is not None:  # --steps beside --epochs stopped
-        flags.pop("steps", None)  # that run early: the campaign's end is its epochs
-    notes = []
-    for name, value in given.items():
-        before = flags.get(name, defaults.get(name))
-        if name == "max_genes" and before is None:  # (the tokenizer's own length: the same value, said or not)
-            before = layout(flags.get("tokenizer", defaults.get("tokenizer"))).default_genes
-        if name in ("run", "resume") or value == before:
-            continue
-        flag = "--" + name.replace("_", "-")
-        if name not in RESUME_CHANGES:
-            raise CellfeedError(
-                f"{flag} {value}: run {run} was started with {flag} {before}, which is part of what its campaign "
-                f"is; leave {flag} out to resume it as it was, or start another --run"
-            )
-        if name == "epochs" and before is not None and value < before:
-            raise CellfeedError(
-                f"--epochs {value}: run {run}'s campaign has {before} epochs; a resume may add epochs, not drop "
-                "them (leave --epochs out to finish the campaign, or `cellfeed stop` it where it stands)"
-            )
-        had = "none" if before is None else before
-        said = (flag if value else f"--no-{flag[2:]}") if isinstance(value, bool) else f"{flag} {value}"
-        notes.append(f"{said} from this resume on (the campaign had {had})")
-        flags[name] = value
-    return flags, notes
-
-
-def resume_command(cfg: CampaignConfig, program: str = "modal run app/modal_app.py", names=MODAL_FLAGS) -> str:
-    """The command line that continues this campaign: its flags that differ from the defaults
-    (files as the laptop named them), `--run`, and `--resume`."""
-    import shlex
-
-    defaults, words = flag_defaults(), program.split()
-    for name in names:
-        value = getattr(cfg, name)
-        if name in ("run", "resume") or value is None or value == defaults.get(name):
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            words.append(flag if value else f"--no-{name.replace('_', '-')}")
-        else:
-            words += [flag, str(value)]
-    return " ".join(shlex.quote(w) for w in words + ["--run", cfg.run, "--resume"])
-
-
-def flag_choices() -> dict[str, tuple]:
-    """The flags whose values come from a fixed list."""
-    from producers.tokenizers import TOKENIZER_NAMES
-
-    trainable = tuple(n for n in TOKENIZER_NAMES if layout(n).objective)
-    return {"tokenizer": trainable, "strategy": tuple(STRATEGIES), "preset": PRESETS}
-
-
-def flag_defaults(overrides: dict | None = None) -> dict:
-    return {f.name: f.default for f in fields(CampaignConfig) if f.default is not MISSING} | (overrides or {})
-
-
-def flags_signature(names=MODAL_FLAGS, defaults: dict | None = None) -> inspect.Signature:
-    """A signature with one keyword parameter per flag — its type and default from
-    `CampaignConfig`, choices as a `Literal` — for a command line built from a function's
-    signature (`modal run` builds its options so): the entrypoint cannot drift from the config."""
-    hints = typing.get_type_hints(CampaignConfig)
-    choices, defaults = flag_choices(), flag_defaults(defaults)
-    params = []
-    for name in names:
-        kind = typing.Literal[choices[name]] if name in choices else hints[name]
-        default = defaults.get(name, inspect.Parameter.empty)
-        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=kind))
-    return inspect.Signature(params)

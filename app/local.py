@@ -18,10 +18,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.campaign import prepare, record_mixtures
-from app.config import CAMPAIGN_FLAGS, CampaignConfig, resume_command, write_record
+from app.config import CampaignConfig
+from app.flags import CAMPAIGN_FLAGS
 from app.fleet import ProducerFleet, stop_campaign
 from app.journal import Journal
 from app.monitor import Monitor
+from app.resume import resume_command, write_record
 from app.status import plural, status_line, watch_line
 from coordination.backends import connect
 from coordination.errors import CellfeedError

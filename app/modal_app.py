@@ -47,17 +47,9 @@ from dataclasses import asdict
 
 import modal
 
-from app.config import (
-    CAMPAIGN_RECORD,
-    MODAL_FLAGS,
-    CampaignConfig,
-    flags_signature,
-    read_record,
-    resume_command,
-    resumed_flags,
-    write_record,
-)
+from app.config import CampaignConfig
 from app.costs import PRODUCER_CPU, PRODUCER_MEMORY_MB, SETUP_CPU, SETUP_MEMORY_MB, TRAINER_CPU, TRAINER_MEMORY_MB
+from app.flags import MODAL_FLAGS, flags_signature
 from app.modal_calls import (
     PRODUCER_RETRIES,
     CallFailed,
@@ -72,6 +64,7 @@ from app.modal_calls import (
 )
 from app.modal_nodes import cluster, meet, node_body
 from app.pins import pinned
+from app.resume import CAMPAIGN_RECORD, read_record, resume_command, resumed_flags, write_record
 from coordination.modal_backend import RETRY_S, ModalUnreachable, retrying
 
 APP_NAME = "cellfeed"

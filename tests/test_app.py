@@ -29,7 +29,7 @@ def offline_env(tmp_path) -> dict:
 def test_modal_app_imports_offline_and_help_lists_every_flag(tmp_path):
     """`modal run --help` (modal's own CLI, offline) lists one option per campaign flag: the
     entrypoint's parameters are derived from CampaignConfig (Modal 1.6 shows no help text)."""
-    from app.config import MODAL_FLAGS
+    from app.flags import MODAL_FLAGS
 
     env = offline_env(tmp_path)
     subprocess.run([sys.executable, "-c", "import app.modal_app"], cwd=ROOT, env=env, check=True, timeout=120)
@@ -51,7 +51,7 @@ def non_default_flags() -> dict:
     """A value for every flag that is not its default (and is valid)."""
     from dataclasses import MISSING, fields
 
-    from app.config import MODAL_FLAGS, flag_choices
+    from app.flags import MODAL_FLAGS, flag_choices
 
     choices, defaults = flag_choices(), {f.name: f.default for f in fields(CampaignConfig) if f.default is not MISSING}
     strings = dict(
@@ -97,7 +97,7 @@ def test_every_flag_round_trips_through_modal_run_and_cellfeed_local():
     """The same flags give the same CampaignConfig through `modal run`'s options (built by
     modal's own CLI code from the entrypoint) and `cellfeed local`'s parser."""
     from app.cli import build_parser
-    from app.config import CAMPAIGN_FLAGS
+    from app.flags import CAMPAIGN_FLAGS
 
     values = non_default_flags()
     args = [
@@ -134,7 +134,7 @@ def test_a_resume_continues_its_recorded_campaign_and_says_or_refuses_each_chang
     from dataclasses import asdict
 
     from app.cli import main
-    from app.config import resumed_flags
+    from app.resume import resumed_flags
 
     recorded = asdict(CampaignConfig(dataset="/d", run="r", epochs=3, batch_size=32, producers=2, seed=7))
     flags, notes = resumed_flags("r", recorded, {})
