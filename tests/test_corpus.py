@@ -341,7 +341,7 @@ def test_cellfeed_local_trains_a_corpus_as_planned_per_source_in_every_epoch(cor
 
 
 def test_inspect_a_corpus_shows_each_source(corpus):
-    from app.cli import describe_corpus
+    from app.describe import describe_corpus
 
     text = describe_corpus(corpus[0])
     assert "3 sources, 2,400 cells per epoch" in text
