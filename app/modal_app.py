@@ -9,9 +9,10 @@ A campaign, from the laptop's side (`main`, at the bottom): validate the flags, 
 (producer image: opens the dataset, publishes every epoch's plan into the run's modal.Dict,
 produces the held-out set), then `train` (GPU image) until the campaign ends.
 
-Inside `train`: find the run's producer calls still running (a re-run of this input reuses
-them) or spawn them, start one process per GPU (rank 0 also drives the epochs), and watch. How a
-call ends decides what happens to the campaign:
+Inside `train` (`train_body`; its work around the ranks: `app/modal_train.py`): find the run's
+producer calls still running (a re-run of this input reuses them) or spawn them, start one process
+per GPU (rank 0 also drives the epochs), and watch. How a call ends decides what happens to the
+campaign:
 
 - the campaign is complete: the producers are told to stop, the run's queue and dicts deleted;
 - Modal preempts the container (SIGINT, ~30 s, then it is gone; Modal runs the same input
@@ -38,7 +39,6 @@ run has been made from this repository.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import sys
@@ -63,6 +63,7 @@ from app.modal_calls import (
     spawn,
 )
 from app.modal_nodes import cluster, meet, node_body
+from app.modal_train import end_campaign, ranks_config, started_monitor, stop_campaign, stopped, watch
 from app.pins import pinned
 from app.resume import CAMPAIGN_RECORD, read_record, resume_command, resumed_flags, write_record
 from coordination.modal_backend import RETRY_S, ModalUnreachable, retrying
@@ -75,14 +76,7 @@ PACKAGES = ("producers", "coordination", "trainer", "app")
 DAY = 24 * 3600  # Modal's longest timeout for a call
 MAX_GPUS = 8  # Modal's largest GPU count for one container ("H100:8")
 PRODUCER_HOURS = 23.0  # a producer call returns after this long (Modal ends it at 24 h) and is replaced
-STOP_GRACE_S = 60.0  # at the end: how long all producers together get to stop before being cancelled
 PREEMPT_SAVE_S = 20.0  # of Modal's ~30 s grace after a preemption's SIGINT: the ranks' time to checkpoint
-NO_DATA_S = 600.0  # a rank with no data this long (past --modal-retry-s of retries) fails: are producers running?
-FAILURE_SAVE_S = 10.0  # after a real failure: ranks still stepping checkpoint; starved ones (no step to end) are killed
-FLEET_CHECK_S = 15.0  # how often `train` looks at its producer calls (soon after the start, then less often)
-FIRST_FLEET_CHECK_S = 1.0  # a producer that cannot start (settings, credentials) is found within seconds
-STATUS_EVERY_S = 5.0  # how often `train` publishes its status (2 Dict calls, a len per rank)
-STOP_LOOK_S = 1.0  # how often `train` looks for a stop request (a Dict get): a stop lands within about this long
 
 PRODUCER_PIP = pinned(
     "pylance", "pyarrow", "polars", "numpy", "zstandard", "boto3", "anndata", "h5py", "scipy", "tqdm", "pandas"
@@ -155,10 +149,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     import tempfile
     from pathlib import Path
 
-    from app.journal import DictJournal
-    from app.monitor import Monitor
     from coordination.backends import connect
-    from coordination.routing import stop_key
     from coordination.summary import SetupFacts
     from trainer import checkpoint
     from trainer.launch import checkpoint_and_stop, launch, rank_server
@@ -184,37 +175,12 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         cfg.resume = True
     fleet = Fleet(cfg, config, store, produce)
     workdir = Path(tempfile.gettempdir()) / "cellfeed" / cfg.run
-    # the step log on the Volume, as a local run's in its folder: a resumed call appends to it, so the
-    # status and the report (the snapshot's audits) keep every epoch, not only this call's
-    log, tb = Path(cfg.run_checkpoint_dir) / "steps.jsonl", f"{cfg.run_checkpoint_dir}/tb"
-    if not cfg.resume:  # (a new campaign: no earlier run's steps)
-        log.unlink(missing_ok=True)
-    cells_log = {}
-    if cfg.audit_cells:  # one file set per train call (a preempted call's steps past its checkpoint are re-trained)
-        (Path(cfg.run_checkpoint_dir) / "cells").mkdir(parents=True, exist_ok=True)
-        cells_log = {"cells_log": f"{cfg.run_checkpoint_dir}/cells/{time.time_ns()}"}
-    # a rank (or the driver) waits out an outage inside the calls' retries: its no-data wait outlasts them
-    no_data = {"no_data_timeout_s": max(NO_DATA_S, cfg.modal_retry_s + NO_DATA_S)}
-    train_cfg = cfg.train_config(
-        cfg.backend_spec("modal"),
-        facts,
-        log_path=str(log),
-        tb_dir=tb,  # (on the Volume: TensorBoard and `cellfeed report` read it there)
-        **cells_log,
-        **no_data,
-    )
-    journal = DictJournal(store, cfg.run, folder=cfg.run_checkpoint_dir)  # (the Dict now, the Volume at the end)
+    train_cfg, log = ranks_config(cfg, facts)  # (the step log and TensorBoard files on the Volume)
     if latest is not None:  # (before the record: a resume onto other data is refused, not recorded)
         checkpoint.check_same_data(latest.step, latest.data_id, facts.data_id)
     write_record(cfg.run_checkpoint_dir, {k: v for k, v in config.items() if k != "carried"})  # (the laptop's paths)
     resume = resume_command(CampaignConfig(**config))  # (the laptop's file paths, not this container's)
-    monitor = Monitor(
-        cfg, facts, queue, store, journal, log, list(fleet.calls), resume, tb, STATUS_EVERY_S, stop_every_s=STOP_LOOK_S
-    )
-    monitor.journal.event(
-        "resumed" if cfg.resume else "started", step=latest.step if latest else 0, ranks=cfg.world_size
-    )
-    monitor.look()  # the status is published before any rank starts (`cellfeed status` answers from step 1)
+    monitor = started_monitor(cfg, facts, queue, store, fleet, train_cfg, log, resume, latest.step if latest else 0)
     ranks = []
 
     def commit():  # a commit reloads the Volume, which fails while a file on it is open (modal/volume.py:889-917)
@@ -234,29 +200,15 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         commit()
         raise
     except BaseException as exc:  # a real failure stops the campaign; its state stays for --resume
-        checkpoint_and_stop(ranks, timeout=FAILURE_SAVE_S)  # healthy ranks save a checkpoint; a broken DDP is killed
-        if not isinstance(exc, ModalUnreachable):  # (Modal's network may be what failed)
-            monitor.final("failed")
-        stop_campaign(cfg, config, fleet, store, exc)
-        with contextlib.suppress(Exception):  # (Modal's network may be what failed: the claim then goes stale)
-            release_claim(store, cfg.run, me)
+        stop_campaign(cfg, config, ranks, fleet, store, monitor, me, exc)
         raise
     commit()
     summary = json.loads((workdir / "summary.rank0").read_text())
     if summary["stopped"] == "asked" and monitor.asked:  # `cellfeed stop`: the campaign stops, its state kept
-        monitor.final("stopped")
-        store.put(stop_key(cfg.run), "stop")  # (the producers)
-        fleet.stop(STOP_GRACE_S, cfg.modal_retry_s)
-        commit()
-        release_claim(store, cfg.run, me)
+        stopped(cfg, fleet, store, monitor, me, commit)
         return {**summary, "resume_command": resume}
     if summary["stopped"] == "asked":  # this call's time is up: a new call continues from the checkpoint
-        release_claim(store, cfg.run, me)  # (the new call claims the run)
-        after = spawn(trainer_of(cfg), config, asdict(facts), retry=cfg.modal_retry_s)
-        print(
-            f"train ran {cfg.attempt_hours:g} h: a new call {after.object_id} continues from the checkpoint", flush=True
-        )
-        return {**summary, "continued_as": after.object_id}
+        return hand_over(cfg, config, facts, store, me, summary)
     monitor.final("complete" if summary.get("complete") else "incomplete")  # (to the Volume: the Dict goes now)
     commit()
     end_campaign(cfg, fleet, facts, store)
@@ -302,66 +254,13 @@ def ensure_setup(cfg: CampaignConfig, config: dict, facts, queue, store) -> None
         result(spawn(setup, config, retry=cfg.modal_retry_s), cfg.modal_retry_s)
 
 
-def watch(ranks, fleet: "Fleet", deadline: float, monitor) -> None:
-    """Until the ranks exit: a failed rank or producer raises; at `deadline`, or when a stop is asked
-    (`monitor`), the ranks are asked to checkpoint and stop (at the deadline the call then hands
-    over to a new one). The producer calls are looked at after 1 s, then at doubling gaps up to
-    FLEET_CHECK_S: most failures come at the start."""
-    from trainer.launch import ask_to_stop
-
-    asked, gap = False, FIRST_FLEET_CHECK_S
-    next_look = time.monotonic() + gap
-    while True:
-        codes = [p.poll() for p in ranks]
-        if any(c not in (None, 0) for c in codes):
-            raise RuntimeError(f"trainer ranks exited {codes}; their output is in the function's logs")
-        if all(c == 0 for c in codes):
-            return
-        monitor.look()  # (its status every STATUS_EVERY_S, and whether a stop was asked)
-        if monitor.asked and not asked:
-            print("a stop was asked (cellfeed stop): the ranks checkpoint and the campaign stops", flush=True)
-            ask_to_stop(ranks)
-            asked = True
-        if not asked and time.monotonic() > deadline:
-            print("this call's time is nearly up: the ranks checkpoint and a new call continues", flush=True)
-            ask_to_stop(ranks)
-            asked = True
-        if time.monotonic() >= next_look:
-            fleet.check()
-            gap = min(2 * gap, FLEET_CHECK_S)
-            next_look = time.monotonic() + gap
-        time.sleep(0.5)
-
-
-def end_campaign(cfg: CampaignConfig, fleet: Fleet, facts, store) -> None:
-    """Only at the campaign's real end: stop the producers, delete the run's queue and dicts."""
-    from coordination.modal_backend import delete_run_backends
-    from coordination.routing import stop_key
-
-    store.put(stop_key(cfg.run), "stop")
-    fleet.stop(STOP_GRACE_S, cfg.modal_retry_s)
-    delete_run_backends(cfg.run, facts.epochs, retry_s=cfg.modal_retry_s)
-
-
-def stop_campaign(cfg: CampaignConfig, config: dict, fleet: "Fleet | None", store, error: BaseException) -> None:
-    """After a real failure: stop the producers (best effort: Modal's network may be what failed),
-    keep the queue, plans and checkpoints, and say how to resume."""
-    from coordination.modal_backend import ModalUnreachable
-    from coordination.routing import stop_key
-
-    if fleet is not None and not isinstance(error, ModalUnreachable):
-        try:
-            store.put(stop_key(cfg.run), "stop")  # (a resume's setup clears it)
-            fleet.stop(STOP_GRACE_S, retry=60.0)
-        except Exception as exc:  # noqa: BLE001 - the failure being reported matters more
-            print(
-                f"could not stop the producers ({type(exc).__name__}: {exc}); each stops after an idle hour", flush=True
-            )
-    print(
-        f"the campaign stopped; its queue, plans and checkpoints are kept. Resume it with:\n  "
-        f"{resume_command(CampaignConfig(**config))}",
-        flush=True,
-    )  # (the laptop's file paths, not this container's)
+def hand_over(cfg: CampaignConfig, config: dict, facts, store, call_id: str, summary: dict) -> dict:
+    """This call's `--attempt-hours` are up and the ranks have checkpointed: a new `train` call
+    continues the campaign from the checkpoint (it claims the run)."""
+    release_claim(store, cfg.run, call_id)  # (the new call claims the run)
+    after = spawn(trainer_of(cfg), config, asdict(facts), retry=cfg.modal_retry_s)
+    print(f"train ran {cfg.attempt_hours:g} h: a new call {after.object_id} continues from the checkpoint", flush=True)
+    return {**summary, "continued_as": after.object_id}
 
 
 # ---- the functions
