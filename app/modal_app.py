@@ -5,9 +5,10 @@
     modal run app/modal_app.py --help            # every flag (works offline)
     cellfeed status RUN --modal; cellfeed stop RUN --modal   # from the laptop (app/ops.py); --nodes: modal_nodes.py
 
-A campaign, from the laptop's side (`main`, at the bottom): validate the flags, call `setup`
-(producer image: opens the dataset, publishes every epoch's plan into the run's modal.Dict,
-produces the held-out set), then `train` (GPU image) until the campaign ends.
+A campaign, from the laptop's side (`main`, at the bottom; what it reads and says:
+`app/modal_laptop.py`): validate the flags, call `setup` (producer image: opens the dataset,
+publishes every epoch's plan into the run's modal.Dict, produces the held-out set), then `train`
+(GPU image) until the campaign ends.
 
 Inside `train` (`train_body`; its work around the ranks: `app/modal_train.py`): find the run's
 producer calls still running (a re-run of this input reuses them) or spawn them, start one process
@@ -38,7 +39,6 @@ run has been made from this repository.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import sys
@@ -52,7 +52,6 @@ from app.costs import PRODUCER_CPU, PRODUCER_MEMORY_MB, SETUP_CPU, SETUP_MEMORY_
 from app.flags import MODAL_FLAGS, flags_signature
 from app.modal_calls import (
     PRODUCER_RETRIES,
-    CallFailed,
     Fleet,
     call_by_id,
     claim_run,
@@ -62,11 +61,12 @@ from app.modal_calls import (
     running_trainer,
     spawn,
 )
+from app.modal_laptop import resumed, said_failure, say_last
 from app.modal_nodes import cluster, meet, node_body
 from app.modal_train import end_campaign, ranks_config, started_monitor, stop_campaign, stopped, watch
 from app.pins import pinned
-from app.resume import CAMPAIGN_RECORD, read_record, resume_command, resumed_flags, write_record
-from coordination.modal_backend import RETRY_S, ModalUnreachable, retrying
+from app.resume import resume_command, write_record
+from coordination.modal_backend import retrying
 
 APP_NAME = "cellfeed"
 SECRET_NAME = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")
@@ -215,20 +215,6 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     return summary
 
 
-def recorded_campaign(run: str, retry_s: float) -> dict | None:
-    """(the laptop) The run's campaign record on the checkpoints Volume (`train` writes it), or None."""
-    path = f"{run}/{CAMPAIGN_RECORD}"
-
-    def read():
-        try:
-            data = b"".join(modal.Volume.from_name(VOLUME_NAME).read_file(path))
-        except FileNotFoundError:
-            return None
-        return read_record(data.decode(errors="replace"), f"{path} on the {VOLUME_NAME} Volume")
-
-    return retrying(read, f"reading {path} from the {VOLUME_NAME} Volume", retry_s)
-
-
 def checkpoint_mount() -> str:
     """The Volume's folder in this container: CHECKPOINTS on Modal. A Modal emulator's container is
     told a host folder standing for it ($CELLFEED_CHECKPOINT_MOUNT), read here, at call time: read at
@@ -339,14 +325,7 @@ def campaign_of(flags: dict) -> CampaignConfig:
 
     given = {name: value for name, value in flags.items() if value is not None}
     if given.get("resume") and given.get("run"):
-        recorded = recorded_campaign(given["run"], given.get("modal_retry_s", RETRY_S))
-        if recorded is None:
-            print(f"run {given['run']} has no campaign on the {VOLUME_NAME} Volume yet: resuming with the flags given")
-        else:
-            given, notes = resumed_flags(given["run"], recorded, given)
-            given.update(run=flags["run"], resume=True)
-            for note in notes:
-                print(f"resume: {note}", flush=True)
+        given = resumed(given, VOLUME_NAME)
     cfg = CampaignConfig.from_flags(given)
     if cfg.gpus > MAX_GPUS:
         raise CellfeedError(f"--gpus {cfg.gpus}: a Modal container has at most {MAX_GPUS} GPUs")
@@ -426,53 +405,17 @@ def main(**flags) -> dict:
         else:
             summary = start(cfg, config, store)
     except (Exception, KeyboardInterrupt) as exc:  # one line, and the command that continues the campaign
-        expected = isinstance(exc, (CallFailed, CellfeedError, modal.exception.Error, OSError, KeyboardInterrupt))
-        if isinstance(exc, KeyboardInterrupt):  # modal/runner.py:503-514: an app not detached is stopped now
-            print(
-                "interrupted: without `modal run --detach`, Modal stops this campaign's calls as `modal run` ends "
-                "(its last checkpoint stays); with --detach the train call goes on: "
-                f"`cellfeed status {cfg.run} --modal` shows it, `cellfeed stop {cfg.run} --modal` stops it",
-                file=sys.stderr,
-            )
-        elif isinstance(exc, ModalUnreachable):  # this laptop lost Modal: a train call may still be running there
-            print(
-                f"cellfeed: error: {exc}. A train call already started may still be running in Modal: look at "
-                "the app in Modal's dashboard before resuming (two trainers on one run must not run at once)",
-                file=sys.stderr,
-            )
-        elif isinstance(exc, CallFailed):  # a call's end (its function's error, or Modal's): said by the call
-            print(f"cellfeed: error: {exc}", file=sys.stderr)
-        elif expected:
-            last = (str(exc).strip().splitlines() or [""])[-1]
-            print(f"cellfeed: error: {type(exc).__name__}: {last}", file=sys.stderr)
-        print(
-            f"the campaign's queue, plans and checkpoints are kept. Resume it with:\n  {resume_command(cfg)}",
-            file=sys.stderr,
-            flush=True,
-        )
-        if not expected:  # a fault of this code, not of the input, Modal or a call: its traceback follows
+        if not said_failure(exc, cfg):  # a fault of this code, not of the input, Modal or a call: its traceback follows
             raise
         raise SystemExit(1) from None
     print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "audits") if k in summary}), flush=True)
     ok, line = verdict(summary["epochs"], summary.get("stopped"), summary.get("last_step"))
     if summary.get("resume_command"):  # stopped by `cellfeed stop`: where, and how to go on
         line += f"; checkpoint at step {summary['last_step']:,}; resume: {summary['resume_command']}"
-    # the last line tells the truth (an epoch short or unaudited exits non-zero). Under `modal run` it is
-    # said as the process ends, after what modal prints once the entrypoint returns (the containers'
-    # last logs, its "App completed" line: modal/runner.py:539-551)
-    if under_modal_cli():
-        atexit.register(print, line, flush=True)
-    else:  # (a script calling the entrypoint, deploy/first_run: its own last line comes after)
-        print(line, flush=True)
+    say_last(line)  # the last line tells the truth (an epoch short or unaudited exits non-zero)
     if not ok:
         raise SystemExit(1)
     return summary
-
-
-def under_modal_cli() -> bool:
-    """Whether this process is modal's CLI (`modal run`, or `python -m modal run`)."""
-    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return os.path.basename(sys.argv[0]) == "modal" or getattr(main_spec, "name", "") == "modal.__main__"
 
 
 # `modal run` builds its options from the entrypoint's signature: here, one per campaign flag, with
