@@ -38,8 +38,8 @@ from producers.dataset import open_dataset  # noqa: E402
 from producers.gene_stats import compute_gene_medians, load_gene_medians, store_gene_stats  # noqa: E402
 from producers.items import CHUNK_CELLS  # noqa: E402
 from producers.producer import Producer  # noqa: E402
-from producers.ranking import rank_order  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
+from producers.tokenizers import rank_order  # noqa: E402
 
 # units as large as on a Tahoe-scale atlas (min_units=1: a small benchmark atlas must not shrink them)
 STRATEGIES = {

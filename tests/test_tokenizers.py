@@ -8,8 +8,7 @@ import pytest
 from coordination.arrays import CellRows
 from coordination.errors import CellfeedError
 from coordination.vocab import CLS, EOS, GeneVocab
-from producers.ranking import gene_order, rank_order, truncate
-from producers.tokenizers import layout, make_tokenizer
+from producers.tokenizers import gene_order, layout, make_tokenizer, rank_order, truncate
 
 VOCAB = GeneVocab.build([[f"G{g}" for g in range(3000)]])  # gene g -> token g + 4, as a one-dataset run's
 
