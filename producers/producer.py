@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections import defaultdict, deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -221,7 +221,7 @@ class Producer:
                 )
             )
             self.stats.cells += unit.n_cells
-        for cell, whole in self._stitch(unit, pieces):
+        for cell, whole in self._stitch(unit, pieces) if pieces is not None else ():  # (a scanner unit's pieces)
             one = Unit(epoch, cell, [UnitPart(0, whole.cell_ids, NO_ROWS)])  # a unit of one cell, keyed by its id
             rng = cell_rng(cfg.seed, epoch, cell)
             made.append(
@@ -241,11 +241,9 @@ class Producer:
         self.stats.add_time("put", t)
         self.stats.units += 1
 
-    def _stitch(self, unit: Unit, pieces: CellRows | None):
+    def _stitch(self, unit: Unit, pieces: CellRows):
         """The boundary cells this unit completes, each whole (`CellRows` of one cell): each piece
         it holds is offered to the epoch's map; the last piece to arrive gets the cell."""
-        if pieces is None:
-            return
         for p, (cell, index, count) in enumerate(
             zip(pieces.cell_ids.tolist(), unit.piece_index.tolist(), unit.piece_count.tolist())
         ):
@@ -313,7 +311,13 @@ class Producer:
                 if not ahead:
                     break
                 t = time.perf_counter()
-                taken = self._first_done(ahead).result()
+                # the oldest finished take (waiting for one if none is): never wait on a take still
+                # looking for a task while a later one holds a unit's rows
+                if not any(f.done() for f in ahead):
+                    wait(ahead, return_when=FIRST_COMPLETED)
+                done = next(f for f in ahead if f.done())
+                ahead.remove(done)
+                taken = done.result()
                 self.stats.add_time("read", t)
                 if taken is None:  # the task list stayed empty (or a stop): finish what was taken
                     idle = True
@@ -377,17 +381,6 @@ class Producer:
         """Ask a running loop to stop: `run` returns soon; units taken and not done are produced
         again elsewhere (the driver re-issues them when their lease runs out)."""
         self._stopping.set()
-
-    @staticmethod
-    def _first_done(ahead: deque) -> Future:
-        """Remove and return the oldest finished take-and-read (waiting for one if none is):
-        never wait on a take still looking for a task while a later one holds a unit's rows."""
-        done = next((f for f in ahead if f.done()), None)
-        if done is None:
-            wait(ahead, return_when=FIRST_COMPLETED)
-            done = next(f for f in ahead if f.done())
-        ahead.remove(done)
-        return done
 
     def read_ahead(self) -> int:
         """Units to have taken and in reading while one is worked on: enough that a unit's read
