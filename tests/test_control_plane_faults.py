@@ -223,11 +223,20 @@ def test_a_lost_spawn_reply_makes_a_second_call_when_the_client_retries(plane, p
     got = run_client(
         plane,
         f"""
-        import json
+        import json, time
+        import modal
         from fp_probe.app import app, notes
         with app.run():
             call = notes.spawn({str(path)!r}, "once")
-            print(json.dumps({{"id": call.object_id, "result": call.get(timeout=60)}}))
+            result = call.get(timeout=60)
+            # the call whose reply was lost runs too: its output is waited for (it names itself in the
+            # file) before the app stops with this client, which would cancel it
+            deadline = time.monotonic() + 120
+            while len(open({str(path)!r}).read().split()) < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            other = [w for w in open({str(path)!r}).read().split() if w.startswith("fc-") and w != call.object_id]
+            modal.FunctionCall.from_id(other[0]).get(timeout=60)
+            print(json.dumps({{"id": call.object_id, "result": result}}))
         """,
         cwd=probe,
     )
