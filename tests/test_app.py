@@ -211,7 +211,7 @@ def test_modal_functions_declare_their_resources():
 def test_gpu_side_code_never_imports_lance_or_polars():
     code = (
         "import sys, trainer.train, trainer.stream, trainer.model, trainer.launch, coordination.driver, "
-        "coordination.backends, coordination.modal_backend, app.config; "
+        "coordination.backends, coordination.modal_backend, app.config, app.flags, app.resume, app.modal_train; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('lance', 'polars')]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
