@@ -1,7 +1,8 @@
 """The layers a newcomer would draw hold (issue 42): `coordination/` at the bottom; `producers/` and
 `trainer/` above it, neither importing the other; `app/` above them; `deploy/`, `benchmarks/` and the
 test tooling (`cellfeed_testing/`) on top. Each package's imports are read (ast, every import in
-every function too), and an import of a higher layer, or of a peer, fails with the file and line."""
+every function too), and an import of a higher layer, or of a peer, fails with the file and line.
+Inside `coordination/` its concerns stack the same way (`COORDINATION`)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,40 @@ def violations(root: Path) -> list[str]:
 
 def test_no_package_imports_a_higher_layer_or_a_peer():
     assert violations(ROOT) == []
+
+
+# coordination/'s concerns stack, each on the ones above it here (docs/DESIGN.md, "Why coordination/ is
+# one package"): a module imports from its own level or a lower one
+COORDINATION = [
+    "arrays errors feistel net seeds",  # helpers every concern uses
+    "queues wire routing backends local_backend local_client modal_backend latency",  # the transport
+    "summary audit vocab",  # a run's facts and its audit
+    "plan corpus corpus_file balance driver",  # epochs: their plans, and the driver that issues their units
+]
+
+
+def coordination_violations(root: Path) -> list[str]:
+    level = {name: k for k, names in enumerate(COORDINATION) for name in names.split()}
+    bad = []
+    for path in sorted((root / "coordination").glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        if path.stem not in level:
+            bad.append(f"coordination/{path.name}: in no level of COORDINATION (which concern does it serve?)")
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "coordination" and len(parts) > 1 and level.get(parts[1], -1) > level[path.stem]:
+                    bad.append(f"coordination/{path.name}:{node.lineno}: imports {name} (a later concern)")
+    return bad
+
+
+def test_coordination_concerns_stack():
+    assert coordination_violations(ROOT) == []
 
 
 def test_the_layer_check_finds_an_import_up(tmp_path):
