@@ -54,7 +54,7 @@ def flags(atlas, **changes) -> list[str]:
     base = dict(
         dataset=atlas.uri,
         run=RUN,
-        producers=2,
+        producers=1,  # one producer keeps two ranks fed here; tests of the fleet ask for 2
         gpus=2,
         batch_size=16,
         max_genes=32,
@@ -260,7 +260,7 @@ def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_in_its_sec
     in the last status on the Volume that the report plots."""
     audited_0 = re.compile(r"epoch 0: [\d,]+ cells trained, 0 missing, 0 duplicated")
     with control_plane(tmp_path) as plane:
-        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, batch_size=32), tmp_path)  # 2 epochs of 21 steps
+        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, batch_size=32, producers=2), tmp_path)  # 2 x 21 steps
         call = train_started(plane, proc)
         wait_for(lambda: len(calls(plane, "produce")) == 2, "the fleet to be spawned", timeout=180)
         plane.preempt(call["id"])  # in its first minute
@@ -307,7 +307,7 @@ def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed
     with control_plane(tmp_path) as plane:
         plane.fail("produce", times=8)  # every attempt of both producers (1 + retries=3 each): then mended
         # (one rank is enough here; batches of 64: the resumed epoch is 21 steps, not 84)
-        code, out, err = finish(modal_run(plane, flags(atlas, epochs=1, gpus=1, batch_size=64), tmp_path))
+        code, out, err = finish(modal_run(plane, flags(atlas, epochs=1, gpus=1, batch_size=64, producers=2), tmp_path))
         assert code != 0
         lines = [line for line in err.splitlines() if "Modal's retries spent" in line]
         assert lines and re.search(
@@ -346,7 +346,7 @@ def test_a_train_spawn_whose_reply_was_lost_trains_the_run_once(atlas, tmp_path)
         assert rule["hits"] == 1 and rule["calls_made"] == [trains[0]["id"]], rule
         logs = [logs_of(plane, c) for c in trains]
         assert sum(f"run {RUN} is already being trained by call" in log for log in logs) == 1, logs
-        check_campaign(plane, out, epochs=1, producers=2)
+        check_campaign(plane, out, epochs=1, producers=1)
 
 
 def test_a_campaign_longer_than_a_call_continues_in_new_calls(atlas, tmp_path):
@@ -372,7 +372,7 @@ def test_a_campaign_longer_than_a_call_continues_in_new_calls(atlas, tmp_path):
         }
         assert out.count("train continues in call") == len(trains) - 1
         assert not [a for c in calls(plane) for a in c["attempts"] if a["outcome"] == "timeout"]
-        check_campaign(plane, out, epochs=1, producers=2)
+        check_campaign(plane, out, epochs=1, producers=1)
 
 
 EXPIRY_CLIENT = """
@@ -469,7 +469,7 @@ def test_modal_run_trains_a_corpus_with_its_files_carried_into_the_containers(co
     identifiers = [s.identifiers for s in open_sources(CorpusSpec.read(path))]
     vocab = GeneVocab.build(identifiers + [[f"EXTRA{i}" for i in range(10)]])  # 10 genes no source has
     (tmp_path / "vocab.json").write_text(json.dumps(vocab.ids))
-    args = ["--corpus", path, "--vocabulary", str(tmp_path / "vocab.json"), "--run", RUN, "--producers", "2",
+    args = ["--corpus", path, "--vocabulary", str(tmp_path / "vocab.json"), "--run", RUN, "--producers", "1",
             "--gpus", "1", "--batch-size", "16", "--max-genes", "32", "--preset", "tiny", "--epochs", "1",
             "--warmup-steps", "2", "--checkpoint-every", "50"]  # fmt: skip
     with control_plane(tmp_path) as plane:
@@ -477,7 +477,7 @@ def test_modal_run_trains_a_corpus_with_its_files_carried_into_the_containers(co
         assert code == 0, out[-2000:] + err[-3000:]
         assert f"vocabulary of {vocab.n_genes:,} genes" in out  # the file's (the sources hold 10 fewer)
         assert "1,440 cells per epoch from atlas_a" in out and "240 cells per epoch from pbmc" in out
-        check_campaign(plane, out, epochs=1, producers=2)
+        check_campaign(plane, out, epochs=1, producers=1)
         logs = "".join(logs_of(plane, c) for c in calls(plane, "train"))
         assert "epoch 0: 2,400 cells trained, 0 missing, 0 duplicated" in logs
 
@@ -555,7 +555,7 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
             during=held_in_epoch_1,
         )  # fmt: skip
         assert snap["state"] == "running" and snap["epochs"] == 3 and snap["cells_per_epoch"] == 1344
-        assert snap["loss"] > 0 and len(snap["producers"]) == 2 and len(snap["queue"]["ranks"]) == 2
+        assert snap["loss"] > 0 and len(snap["producers"]) == 1 and len(snap["queue"]["ranks"]) == 2
         stop_out, stop_err = stopper.communicate(timeout=120)
         assert stopper.returncode == 0, stop_out[-2000:] + stop_err[-2000:]
         assert re.search(rf"run {RUN} stopped at step \d+ \(checkpoint at step \d+\)", stop_out), stop_out
@@ -590,7 +590,7 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
 # --nodes 2: modal.clustered's docs ask each container of a cluster for all GPUs of its host, and the
 # product refuses fewer (app/modal_app.py: --gpus 8). Here a "GPU" is a CPU rank: 2 nodes x 8 ranks on
 # this machine's cores, with batches of 4 a rank (64 cells a step: an epoch of 1,344 cells is 21 steps).
-NODES = dict(gpus=8, nodes=2, epochs=1, batch_size=4)
+NODES = dict(gpus=8, nodes=2, epochs=1, batch_size=4, producers=2)
 
 
 def views_committed(plane: ControlPlane, tasks: list[str]) -> bool:
@@ -694,4 +694,4 @@ def test_a_balanced_campaign_preempted_on_modal_trains_every_tissue_at_its_quota
         (train,) = calls(plane, "train")
         assert [a["outcome"] for a in train["attempts"]] == ["preempted", "success"]
         assert f"{len(names)} classes at their quotas" in logs_of(plane, train)
-        check_campaign(plane, out, epochs=1, producers=2)
+        check_campaign(plane, out, epochs=1, producers=1)
