@@ -212,7 +212,6 @@ SLOW_FIRST = [
     "test_benchmarks.py::test_object_store",
     "test_benchmarks.py::test_corpus",
     "test_modal_campaign.py::test_a_balanced_campaign_preempted_on_modal_trains_every_tissue_at_its_quota",
-    "test_modal_campaign.py::test_a_train_spawn_whose_reply_was_lost_trains_the_run_once",
     "test_ops.py::test_wandb_gets_the_trainers_scalars_offline_and_a_missing_key_is_one_line",
     "test_modal_control_plane.py::test_a_campaign_through_modal_run_on_the_control_plane_trains_every_cell_once",
     "test_readme.py::test_the_corpus_example_trains",

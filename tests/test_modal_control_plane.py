@@ -686,7 +686,8 @@ def test_with_options_variants_keep_what_they_do_not_set_and_more_than_8_gpus_is
 
 def test_a_campaign_through_modal_run_on_the_control_plane_trains_every_cell_once(tmp_path):
     """The product's own `modal run app/modal_app.py`, modal's CLI and client, containers running
-    modal's entrypoint: setup, 2 producers, a 2-rank train, Queue, Dict and the checkpoints Volume."""
+    modal's entrypoint: setup, a producer, a train, Queue, Dict and the checkpoints Volume, served by
+    the plane's own `run -- CMD` (as a user runs it)."""
     from producers.synth import SynthSpec, synthesize
 
     atlas = synthesize(
@@ -695,7 +696,7 @@ def test_a_campaign_through_modal_run_on_the_control_plane_trains_every_cell_onc
         rows_per_fragment=200_000,
         progress=False,
     )
-    args = ["--dataset", atlas.uri, "--run", "cp", "--producers", "2", "--gpus", "2", "--batch-size", "16",
+    args = ["--dataset", atlas.uri, "--run", "cp", "--producers", "1", "--gpus", "1", "--batch-size", "64",
             "--max-genes", "32", "--preset", "tiny", "--epochs", "1", "--warmup-steps", "2", "--checkpoint-every", "4",
             "--eval-filter", "plate = 'plate14'", "--eval-cells", "64", "--eval-every", "10", "--strategy", "block",
             "--block-size", "16", "--fetch-factor", "2"]  # fmt: skip
