@@ -4,11 +4,12 @@ and containers running modal's own entrypoint: the entrypoint → setup → trai
 spawned producers → the end, each function with its own definition. Preempted in its first minute
 and again mid-epoch (SIGINT to every process of the container), with a producer that keeps failing
 (the run stops, keeps its state, and its printed command resumes it), a campaign longer than a call
-(each call hands over after one step, under Modal's 24 h timeout compressed 480 times), expired setup state, a corpus with its files carried, a rerun on another GPU
-count, status/stop from the laptop, two nodes (a clustered function), a node lost, and a balanced
-campaign preempted. Faults and preemptions fire on events (a step logged, a call started), never on
-elapsed seconds; every wait has a timeout. (A train spawn whose reply was lost, so that two train
-calls are made and one trains: benchmarks/modal_chaos.py's tiny run, tests/test_benchmarks.py.)"""
+(each call hands over after one step, under Modal's 24 h timeout compressed 480 times), expired
+setup state, a corpus with its files carried, a rerun on another GPU count, status/stop from the
+laptop, two nodes (a clustered function), a node lost, and a balanced campaign preempted. Faults and
+preemptions fire on events (a step logged, a call started), never on elapsed seconds; every wait has
+a timeout. (A train spawn whose reply was lost, so that two train calls are made and one trains:
+benchmarks/modal_chaos.py's tiny run, tests/test_benchmarks.py.)"""
 
 from __future__ import annotations
 
