@@ -164,14 +164,14 @@ class CampaignScalars:
 
         self.tb_dir, self.writer = str(tb_dir), None  # (made at the first `add`)
         self.before: dict[str, tuple[float, int]] = {}  # producer -> (when, cells) at the last snapshot
-        # TensorBoard's import takes seconds (tens under load): begun now, beside the campaign's start
-        threading.Thread(target=lambda: __import__("torch.utils.tensorboard"), daemon=True).start()
+        # TensorBoard's import takes a while (seconds under load): begun now, beside the campaign's start
+        threading.Thread(target=lambda: __import__("coordination.scalars"), daemon=True).start()
 
     def add(self, snap: dict) -> None:
         if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
+            from coordination.scalars import ScalarWriter
 
-            self.writer = SummaryWriter(self.tb_dir, filename_suffix=".campaign")
+            self.writer = ScalarWriter(self.tb_dir, filename_suffix=".campaign")
         step = snap["step"]
         self.writer.add_scalar("queue/tasks", snap["queue"]["tasks"], step)
         for r, depth in enumerate(snap["queue"]["ranks"]):

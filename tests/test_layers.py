@@ -49,7 +49,7 @@ def test_no_package_imports_a_higher_layer_or_a_peer():
 COORDINATION = [
     "arrays errors feistel net seeds",  # helpers every concern uses
     "queues wire routing backends local_backend local_client modal_backend latency",  # the transport
-    "summary audit vocab",  # a run's facts and its audit
+    "summary audit vocab scalars",  # a run's facts, its audit and its scalars (TensorBoard)
     "plan corpus corpus_file balance driver",  # epochs: their plans, and the driver that issues their units
 ]
 
