@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -56,6 +57,7 @@ def cmd_convert(args) -> int:
         allow_negative=args.allow_negative,
         overwrite=args.overwrite,
         progress=not args.quiet,
+        workers=args.workers,
     )
     print(
         f"wrote {ds.uri}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros "
@@ -255,7 +257,17 @@ def add_dataset_commands(command) -> None:
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="IN.h5ad [IN2.h5ad ...] OUT (local path or s3://)")
     p.add_argument("--layer", default="X", help="matrix to store: X, raw.X, or a layer name")
-    p.add_argument("--chunk-cells", type=_positive_int, default=8192, help="cells read per chunk")
+    p.add_argument(
+        "--chunk-cells", type=_positive_int, default=8192, help="cells a worker holds at once (default 8192)"
+    )
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=len(os.sched_getaffinity(0)),
+        help="local processes converting slices (~128 MB of output each) side by side; default: this machine's "
+        f"cores ({len(os.sched_getaffinity(0))}). Each holds one chunk of cells. For a corpus one machine "
+        "takes more than minutes on, fan out over Modal: modal run app/modal_app.py::convert",
+    )
     p.add_argument(
         "--allow-negative",
         action="store_true",

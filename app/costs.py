@@ -14,6 +14,10 @@ MEMORY_PER_GIB_HOUR = 0.008  # $ per GiB of memory per hour
 # what each function's decorator asks for (app/modal_app.py)
 SETUP_CPU, SETUP_MEMORY_MB = 2.0, 8192  # many epochs' plans
 PRODUCER_CPU, PRODUCER_MEMORY_MB = 4.0, 16_384
+# a conversion's slice is one process (one core, measured) holding one chunk of cells; the coordinator
+# holds every cell's obs row (~100 bytes a cell: ~10 GB at 100M cells)
+CONVERT_CPU, CONVERT_MEMORY_MB = 1.0, 4096
+CONVERT_COORDINATOR_CPU, CONVERT_COORDINATOR_MEMORY_MB = 2.0, 32_768
 # 8 ranks pop, verify and decompress items and collate batches on the CPU (Modal's default is 0.125 core)
 TRAINER_CPU, TRAINER_MEMORY_MB = 32.0, 131_072
 

@@ -26,15 +26,12 @@ campaign:
   and the error is raised in one line with the command that resumes the campaign. The run's queue
   and dicts are kept: they are deleted only when the campaign is complete.
 
-Every call to Modal (queue, dict, spawn, a call's result, the Volume) retries Modal's transient
-errors with backoff for `--modal-retry-s` (15 minutes by default): a network blip or an outage of
-minutes costs time, not the campaign (`coordination.modal_backend.retrying`).
-
-Checkpoints go to the `cellfeed-checkpoints` Volume. S3 credentials come from a Modal Secret
-(name: $CELLFEED_SECRET, default "cellfeed-s3") holding AWS_ACCESS_KEY_ID,
-AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL and AWS_REGION. Tests run all of this with modal's own client
-against a local control plane speaking Modal's API (cellfeed_testing/modal_control_plane): no Modal
-run has been made from this repository.
+Every call to Modal (queue, dict, spawn, a call's result, the Volume) retries Modal's transient errors
+with backoff for `--modal-retry-s` (15 minutes by default; `coordination.modal_backend.retrying`).
+Checkpoints go to the `cellfeed-checkpoints` Volume; S3 credentials come from a Modal Secret ($CELLFEED_SECRET,
+default "cellfeed-s3": AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION). `convert`
+makes a dataset from h5ad files, a container per slice (`app/modal_convert.py`). Tests run all of this with modal's
+client against a local control plane speaking Modal's API (cellfeed_testing/modal_control_plane), never Modal.
 """
 
 from __future__ import annotations
@@ -48,7 +45,18 @@ from dataclasses import asdict
 import modal
 
 from app.config import CampaignConfig
-from app.costs import PRODUCER_CPU, PRODUCER_MEMORY_MB, SETUP_CPU, SETUP_MEMORY_MB, TRAINER_CPU, TRAINER_MEMORY_MB
+from app.costs import (
+    CONVERT_COORDINATOR_CPU,
+    CONVERT_COORDINATOR_MEMORY_MB,
+    CONVERT_CPU,
+    CONVERT_MEMORY_MB,
+    PRODUCER_CPU,
+    PRODUCER_MEMORY_MB,
+    SETUP_CPU,
+    SETUP_MEMORY_MB,
+    TRAINER_CPU,
+    TRAINER_MEMORY_MB,
+)
 from app.flags import MODAL_FLAGS, flags_signature
 from app.modal_calls import (
     PRODUCER_RETRIES,
@@ -61,6 +69,7 @@ from app.modal_calls import (
     running_trainer,
     spawn,
 )
+from app.modal_convert import INPUTS, INPUTS_VOLUME, SLICE_RETRIES, convert_body, slice_body
 from app.modal_laptop import resumed, said_failure, say_last
 from app.modal_nodes import cluster, meet, node_body
 from app.modal_train import end_campaign, ranks_config, started_monitor, stop_campaign, stopped, watch
@@ -93,6 +102,7 @@ trainer_image = (
 app = modal.App(APP_NAME)
 secret = modal.Secret.from_name(SECRET_NAME)
 checkpoints = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True)
+inputs_volume = modal.Volume.from_name(INPUTS_VOLUME, create_if_missing=True)  # h5ad files to convert
 
 
 # ---- the bodies (plain functions: tests run them on the Modal emulator, and against local backends)
@@ -307,6 +317,20 @@ def train_8_nodes(config: dict, facts: dict) -> dict:
 
 
 TRAIN_ON = {1: train, 2: train_2_nodes, 4: train_4_nodes, 8: train_8_nodes}
+# `modal run app/modal_app.py::convert --inputs a.h5ad,b.h5ad --out s3://b/atlas`: app/modal_convert.py
+_convert_on = dict(image=producer_image, secrets=[secret], volumes={INPUTS: inputs_volume}, timeout=DAY)
+
+
+@app.function(**_convert_on, cpu=CONVERT_COORDINATOR_CPU, memory=CONVERT_COORDINATOR_MEMORY_MB)
+def convert(
+    inputs: str, out: str, layer: str = "X", overwrite: bool = False, slice_cells: int = 0, block_cells: int = 0
+):
+    return convert_body(inputs, out, layer, overwrite, convert_slice, slice_cells or None, block_cells or None)
+
+
+@app.function(**_convert_on, cpu=CONVERT_CPU, memory=CONVERT_MEMORY_MB, retries=SLICE_RETRIES)
+def convert_slice(task: str, plan_json: str, index: int, args: list, root: str):
+    return slice_body(task, plan_json, index, args, root)
 
 
 def trainer_of(cfg: CampaignConfig):

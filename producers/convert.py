@@ -1,149 +1,152 @@
-"""h5ad → dataset conversion, in row chunks with bounded memory (AnnData backed mode).
+"""h5ad → dataset conversion as units of work: planned once, converted slice by slice, committed once.
 
-Two passes over the matrix: the first validates values (finite, non-negative) and decides the
-stored type (uint16 when every value is an integer count that fits, float32 otherwise, never
-clipped); the second writes. For sparse inputs the first pass reads only the `data` array.
+    plan     (one process)  open every input, check its structure and genes (a bad input is refused
+                            here, in one line, before any work), cut the cells into slices of whole
+                            content-hash blocks (about SLICE_BYTES of output each)
+    scan     (per slice)    its values' range and kind; then, for the whole dataset: refuse NaN,
+                            negatives, counts float32 cannot hold, and choose uint16 or float32
+    write    (per slice)    its rows as uncommitted fragments of the expression table
+                            (`lance.fragment.write_fragments`), its cells' row counts and its
+                            content-hash blocks: a record in the staging area
+    commit   (one process)  every slice's fragments, in slice order, in one
+                            `LanceDataset.commit(..., LanceOperation.Overwrite(schema, fragments))`
+                            (which numbers them afresh); the cells table (obs, each cell's first
+                            row); genes; config.json last (`producers/writer.py:finish_dataset`)
+
+A slice's work is `scan_slice` and `write_slice`, functions of the plan (JSON) and the slice's
+number: they run in this process (`workers=1`), in local worker processes, or in Modal containers
+(`app/modal_convert.py`). A slice never splits a cell, and every slice but the last holds whole
+content-hash blocks, so 1 worker or 64, in any order of completion, write the same tables and the
+same `content_sha256`. Nothing is readable at the output until the commit: locally the staging
+folder (`.OUT.partial-<plan>`) is renamed into place; on S3 config.json, written last, makes it a
+dataset. An interrupted conversion keeps its staging area: the same command again reuses every
+slice that finished.
 """
 
 from __future__ import annotations
 
+import io
+import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
-import warnings
-from dataclasses import dataclass
+import sys
+import time
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
-import h5py
+import lance
 import numpy as np
-import pandas as pd
 import pyarrow as pa
-import scipy.sparse as sp
+from lance.fragment import FragmentMetadata
 from tqdm import tqdm
 
 from coordination.errors import CellfeedError
-from producers.dataset import Dataset
-from producers.writer import DatasetWriter
+from coordination.net import die_with_parent
+from producers.dataset import LANCE_FILE_VERSION, TABLES, Dataset, expression_schema
+from producers.h5ad import align_genes, arrow_frame, obs_frame, open_source
+from producers.slices import RECORDS, ConvertPlan, scan_slice, slice_record, write_slice
+from producers.storage import LocalLocation, Location, S3Settings, location
+from producers.writer import CONTENT_BLOCK_CELLS, ContentHash, finish_dataset
 
 FLOAT32_EXACT_INT = 1 << 24
-RESERVED_OBS = ("cell_integer_id", "cell_start_index")
+SLICE_BYTES = 128 << 20  # output per slice (~8 bytes a non-zero as stored: cell id, gene, value)
 
 
-@dataclass
-class _Source:
-    path: str
-    adata: object
-    matrix: object  # backed: h5py.Dataset (dense) or anndata's sparse dataset
-    var: pd.DataFrame
-    gene_order: np.ndarray | None = None  # maps this file's gene index -> output gene index
-
-    @property
-    def n_obs(self) -> int:
-        return self.matrix.shape[0]
-
-    def rows(self, start: int, stop: int) -> sp.csr_matrix:
-        """Rows [start, stop) as canonical CSR in output gene order (sorted, no explicit zeros)."""
-        block = self.matrix[start:stop]
-        x = sp.csr_matrix(block) if not sp.issparse(block) else block.tocsr()
-        x.eliminate_zeros()
-        if self.gene_order is not None:
-            x = sp.csr_matrix((x.data, self.gene_order[x.indices], x.indptr), shape=x.shape)
-        x.sort_indices()
-        return x
-
-    def data_chunks(self, chunk_rows: int):
-        """The stored values, chunk by chunk (only `data` for sparse matrices)."""
-        group = getattr(self.matrix, "group", None)
-        if group is not None and "data" in group:
-            data = group["data"]
-            step = 1 << 23
-            for i in range(0, data.shape[0], step):
-                yield data[i : i + step], i
-        else:
-            for start in range(0, self.n_obs, chunk_rows):
-                yield np.asarray(self.matrix[start : start + chunk_rows]), start
+# --- plan -------------------------------------------------------------------------------------------
 
 
-def _open_source(path: str, layer: str) -> _Source:
-    import anndata as ad
+def plan_conversion(
+    inputs: list[str],
+    out: str,
+    *,
+    layer: str = "X",
+    rows_per_fragment: int = 1 << 22,
+    chunk_cells: int = 8192,
+    slice_cells: int | None = None,
+    block_cells: int = CONTENT_BLOCK_CELLS,
+    overwrite: bool = False,
+    settings: S3Settings | None = None,
+):
+    """The plan, the opened inputs (for obs and var) and the output's `Location`; every check that
+    needs no matrix values is made here."""
+    import hashlib
 
-    if not os.path.exists(path):
-        raise CellfeedError(f"input {path} does not exist")
-    if os.path.isdir(path) or not h5py.is_hdf5(path):
-        raise CellfeedError(f"input {path} is not an h5ad file (not HDF5); convert .h5ad files only")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            adata = ad.read_h5ad(path, backed="r")
-    except Exception as exc:  # noqa: BLE001
-        raise CellfeedError(f"cannot read {path} as AnnData ({type(exc).__name__}: {str(exc)[:200]})") from None
-    layers = list(adata.layers.keys()) if adata.layers is not None else []
-    available = ["X"] + (["raw.X"] if adata.raw is not None else []) + layers
-    if layer == "X":
-        matrix, var = adata.X, adata.var
-    elif layer == "raw.X":
-        if adata.raw is None:
-            raise CellfeedError(f"{path} has no raw.X; available matrices: {', '.join(available)}")
-        matrix, var = adata.raw.X, adata.raw.var
-    elif layer in layers:
-        matrix, var = adata.layers[layer], adata.var
-    else:
-        raise CellfeedError(f"{path} has no layer {layer!r}; available matrices: {', '.join(available)}")
-    if matrix is None or len(getattr(matrix, "shape", ())) != 2:
-        raise CellfeedError(f"{path}: matrix {layer} is missing or not 2-D")
-    if matrix.shape[1] == 0 or len(var) != matrix.shape[1]:
-        raise CellfeedError(f"{path}: matrix {layer} has no genes (var has {len(var)} rows)")
-    names = var.index.astype(str)
-    if names.has_duplicates:
-        dup = names[names.duplicated()][0]
-        raise CellfeedError(
-            f"{path}: gene id {dup!r} appears more than once; make gene ids unique (anndata's var_names_make_unique)"
-        )
-    return _Source(path, adata, matrix, var)
-
-
-def _align_genes(sources: list[_Source]) -> None:
-    """All inputs must have the same genes; a different order is mapped to the first file's."""
-    ref = sources[0].var.index.astype(str)
-    for src in sources[1:]:
-        names = src.var.index.astype(str)
-        if names.equals(ref):
-            continue
-        missing, extra = ref.difference(names), names.difference(ref)
-        if len(missing) or len(extra):
-            example = list(missing[:3]) or list(extra[:3])
-            raise CellfeedError(
-                f"genes of {src.path} do not match {sources[0].path}: {len(missing)} missing, {len(extra)} extra "
-                f"(e.g. {example}); convert them separately or subset them to the same genes"
-            )
-        src.gene_order = ref.get_indexer(names).astype(np.int64)
-
-
-def _choose_value_type(sources: list[_Source], chunk_rows: int, allow_negative: bool, progress: bool) -> pa.DataType:
-    integral, vmax = True, 0.0
+    if not inputs:
+        raise CellfeedError("give at least one .h5ad input")
+    for name, value in (("chunk size", chunk_cells), ("rows per fragment", rows_per_fragment)):
+        if value < 1:
+            raise CellfeedError(f"{name} must be >= 1, got {value}")
+    sources = [open_source(str(p), layer) for p in inputs]
+    align_genes(sources)
     total = sum(s.n_obs for s in sources)
-    # disable=None: a bar on a terminal only, quiet in logs (tqdm's own test)
-    with tqdm(
-        total=len(sources), desc="check values", unit="file", disable=None if progress and total >= 1 else True
-    ) as bar:
-        for src in sources:
-            for values, where in src.data_chunks(chunk_rows):
-                if values.size == 0:
-                    continue
-                if np.issubdtype(values.dtype, np.floating):
-                    if not np.isfinite(values).all():
-                        raise CellfeedError(
-                            f"{src.path}: matrix holds NaN or infinite values (near entry {where}); "
-                            "clean the input first"
-                        )
-                    if integral:
-                        integral = bool(np.all(values == np.floor(values)))
-                lo = values.min()
-                if lo < 0 and not allow_negative:
-                    raise CellfeedError(
-                        f"{src.path}: matrix holds negative values (min {float(lo):.3g}), so it is not counts; "
-                        "choose the counts matrix (--layer raw.X or a layer name) or pass --allow-negative to "
-                        "store floats"
-                    )
-                vmax = max(vmax, float(values.max()))
-            bar.update(1)
+    if total == 0:
+        raise CellfeedError("no cells were written; the input holds no cells")
+    if slice_cells is None:
+        bytes_per_cell = 8 * sum(s.nnz() for s in sources) / total
+        slice_cells = block_cells * max(1, int(SLICE_BYTES // max(1.0, block_cells * bytes_per_cell)))
+    if slice_cells < 1 or slice_cells % block_cells:
+        raise CellfeedError(f"cells per slice must be a positive multiple of {block_cells:,}, got {slice_cells:,}")
+    final = location(out, settings)
+    final.check_reachable(for_write=True)
+    paths = [os.path.abspath(s.path) for s in sources]
+    facts = [layer, rows_per_fragment, slice_cells, block_cells, final.uri]
+    for p in paths:
+        st = os.stat(p)
+        facts.append([p, st.st_size, st.st_mtime_ns])
+    key = hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
+    staging = _staging_for(final, key, overwrite)
+    plan = ConvertPlan(
+        inputs=paths,
+        layer=layer,
+        out=final.uri,
+        staging=staging.uri,
+        file_cells=[s.n_obs for s in sources],
+        n_genes=int(sources[0].matrix.shape[1]),
+        slice_cells=slice_cells,
+        block_cells=block_cells,
+        rows_per_fragment=rows_per_fragment,
+        chunk_cells=chunk_cells,
+        key=key,
+        gene_orders={str(i): s.gene_order.tolist() for i, s in enumerate(sources) if s.gene_order is not None},
+    )
+    return plan, sources, final
+
+
+def _staging_for(final: Location, key: str, overwrite: bool) -> Location:
+    """Where the slices go until the commit. Locally a hidden sibling named by the plan, renamed
+    into place at the end; on S3 (no rename) the output itself, a dataset only once config.json is
+    written, with the plan's key recorded so a rerun knows its own unfinished work."""
+    if isinstance(final, LocalLocation):
+        if final.exists() and not overwrite:
+            raise CellfeedError(f"{final.uri} already exists; choose another path or pass --overwrite")
+        return LocalLocation(final.path.parent / f".{final.path.name}.partial-{key}")
+    ours = final.exists(f"{RECORDS}/{key}")
+    if final.exists("config.json") and not overwrite:
+        raise CellfeedError(f"{final.uri} already exists; choose another path or pass --overwrite")
+    if final.exists() and not ours and not overwrite:
+        raise CellfeedError(
+            f"{final.uri} holds files but no dataset (another conversion's unfinished work?); "
+            "choose another path or pass --overwrite to replace them"
+        )
+    return final
+
+
+def choose_value_type(plan: ConvertPlan, scans: list[list[dict]], allow_negative: bool) -> pa.DataType:
+    """uint16 when every value is an integer count that fits, float32 otherwise, never clipped."""
+    pieces = [p for scan in scans for p in scan]
+    for p in pieces:
+        if p["nonfinite_row"] is not None:
+            raise CellfeedError(
+                f"{plan.inputs[p['file']]}: matrix holds NaN or infinite values (near cell {p['nonfinite_row']}); "
+                "clean the input first"
+            )
+    low = min(pieces, key=lambda p: p["min"])
+    if low["min"] < 0 and not allow_negative:
+        raise CellfeedError(
+            f"{plan.inputs[low['file']]}: matrix holds negative values (min {low['min']:.3g}), so it is not counts; "
+            "choose the counts matrix (--layer raw.X or a layer name) or pass --allow-negative to store floats"
+        )
+    integral, vmax = all(p["integral"] for p in pieces), max(p["max"] for p in pieces)
     if integral and vmax <= np.iinfo(np.uint16).max:
         return pa.uint16()
     if integral and vmax > FLOAT32_EXACT_INT:
@@ -154,33 +157,113 @@ def _choose_value_type(sources: list[_Source], chunk_rows: int, allow_negative: 
     return pa.float32()
 
 
-def _arrow_frame(df: pd.DataFrame, id_column: str, ids) -> tuple[pa.Table, dict[str, list[str]]]:
-    """A pandas obs/var frame as Arrow with its id column first (categoricals as strings), plus
-    the categories in order. An `id_column` already in the frame is kept (as SLAF does)."""
-    if id_column not in df.columns:
-        df = df.assign(**{id_column: np.asarray(ids).astype(str)})
-    df = df[[id_column] + [c for c in df.columns if c != id_column]]
-    columns, categories = {}, {}
-    for name in df.columns:
-        col = df[name]
-        if isinstance(col.dtype, pd.CategoricalDtype):
-            categories[str(name)] = [str(c) for c in col.cat.categories]
-            columns[str(name)] = pa.array(col.astype(object).where(col.notna(), None).astype(object), type=pa.string())
-        else:
-            try:
-                columns[str(name)] = pa.array(col.to_numpy())
-            except (pa.ArrowInvalid, pa.ArrowTypeError):
-                columns[str(name)] = pa.array(col.astype(str).to_numpy(), type=pa.string())
-    return pa.table(columns), categories
+# --- commit: every slice in one operation ------------------------------------------------------------
 
 
-def _obs_frame(sources: list[_Source]) -> tuple[pa.Table, dict[str, list[str]]]:
-    frames = []
-    for src in sources:
-        obs = src.adata.obs.drop(columns=[c for c in RESERVED_OBS if c in src.adata.obs.columns])
-        frames.append(obs if "cell_id" in obs.columns else obs.assign(cell_id=src.adata.obs_names.astype(str)))
-    obs = pd.concat(frames, axis=0, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
-    return _arrow_frame(obs, "cell_id", obs["cell_id"])
+def commit(plan: ConvertPlan, sources, final: Location, value_type: pa.DataType, layer: str) -> Dataset:
+    """Commit every slice's fragments and the cells table, then finish the dataset (config.json last)."""
+    staging = plan.staging_area(getattr(final, "settings", None))
+    records = [slice_record(plan, staging, s.index) for s in plan.slices()]
+    if any(r is None for r in records):
+        raise CellfeedError(f"{sum(r is None for r in records)} slices have no record; run the conversion again")
+    schema = expression_schema(plan.n_genes, value_type)
+    fragments = [FragmentMetadata.from_json(json.dumps(f)) for r in records for f in r["fragments"]]
+    expression = lance.LanceDataset.commit(
+        staging.join(TABLES["expression"]),
+        lance.LanceOperation.Overwrite(schema, fragments),
+        storage_options=staging.lance_options(),
+    )
+    counts = np.concatenate(
+        [
+            np.load(io.BytesIO(staging.read_bytes(f"{RECORDS}/counts-{i:06d}.npy")), allow_pickle=False)
+            for i in range(len(records))
+        ]
+    ).astype(np.int64)
+    obs, obs_categories = obs_frame(sources)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    cells = obs.append_column("cell_integer_id", pa.array(np.arange(len(counts), dtype=np.uint32))).append_column(
+        "cell_start_index", pa.array(starts, type=pa.int64())
+    )
+    lance.write_dataset(
+        cells,
+        staging.join(TABLES["cells"]),
+        mode="overwrite" if staging.exists(TABLES["cells"]) else "create",  # (a rerun's commit may find it)
+        max_rows_per_file=1 << 24,
+        storage_options=staging.lance_options(),
+        data_storage_version=LANCE_FILE_VERSION,
+    )
+    _remove_unreferenced(staging, expression)
+    location(staging.join(RECORDS), getattr(final, "settings", None)).delete()
+    var, var_categories = arrow_frame(sources[0].var, "gene_id", sources[0].var.index)
+    content = ContentHash(plan.block_cells)
+    content.blocks = [d for r in records for d in r["blocks"]]
+    return finish_dataset(
+        final,
+        staging,
+        var,
+        value_type=value_type,
+        n_cells=int(len(counts)),
+        n_rows=int(counts.sum()),
+        rows_per_fragment=plan.rows_per_fragment,
+        content=content,
+        metadata={
+            "source": {"files": [os.path.basename(p) for p in plan.inputs], "layer": layer},
+            "categories": {"obs": obs_categories, "var": var_categories},
+        },
+    )
+
+
+def _remove_unreferenced(staging: Location, expression) -> None:
+    """Fragment files of slices an interrupted run left half-written (local staging; on S3 they stay,
+    unreferenced, until the prefix is deleted)."""
+    if not isinstance(staging, LocalLocation):
+        return
+    keep = {d.path for f in expression.get_fragments() for d in f.metadata.files}
+    folder = staging.path / TABLES["expression"] / "data"
+    for name in os.listdir(folder) if folder.is_dir() else ():
+        if name not in keep:
+            os.remove(folder / name)
+
+
+# --- running slices: here, or in worker processes -----------------------------------------------------
+
+
+def run_slices(task, plan: ConvertPlan, indexes: list[int], args: tuple, workers: int, on_done) -> dict[int, object]:
+    """`task(plan_json, index, *args)` for each slice index, in this process (one worker) or in
+    `workers` processes; `on_done(index, result)` as each finishes. The first failure stops the
+    rest; an interrupt kills the workers at once (their results so far stay in the staging area)."""
+    plan_json, results = plan.to_json(), {}
+    if workers <= 1 or len(indexes) <= 1:
+        for i in indexes:
+            results[i] = task(plan_json, i, *args)
+            on_done(i, results[i])
+        return results
+    pool = ProcessPoolExecutor(min(workers, len(indexes)), mp_context=_forkserver(), initializer=die_with_parent)
+    try:
+        pending = {pool.submit(task, plan_json, i, *args): i for i in indexes}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_EXCEPTION)
+            for future in done:
+                i = pending.pop(future)
+                results[i] = future.result()  # a worker's error, raised here
+                on_done(i, results[i])
+        pool.shutdown()
+        return results
+    except BaseException:
+        for process in list(getattr(pool, "_processes", {}).values()):  # (no public way before Python 3.14)
+            process.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+
+
+def _forkserver():
+    """Workers fork from a clean process (no threads, no open files) that imported the heavy modules
+    once; started by the first call, so its imports overlap the planning. Not lance: its import hook
+    warns at a fork, and it is cheap to import in each worker."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["numpy", "pyarrow", "h5py", "scipy.sparse", "anndata", "tqdm"])
+    multiprocessing.forkserver.ensure_running()
+    return ctx
 
 
 def convert(
@@ -193,43 +276,101 @@ def convert(
     allow_negative: bool = False,
     overwrite: bool = False,
     progress: bool = True,
-    settings=None,
+    settings: S3Settings | None = None,
+    workers: int = 1,
+    slice_cells: int | None = None,
+    block_cells: int = CONTENT_BLOCK_CELLS,
+    on_slice=None,
+    runner=None,
 ) -> Dataset:
-    """Convert one or more h5ad files (same genes) into one dataset at `out`."""
-    if not inputs:
-        raise CellfeedError("give at least one .h5ad input")
-    if chunk_cells < 1:
-        raise CellfeedError(f"chunk size must be >= 1, got {chunk_cells}")
-    sources = [_open_source(str(p), layer) for p in inputs]
-    _align_genes(sources)
-    value_type = _choose_value_type(sources, chunk_cells, allow_negative, progress)
-    obs, obs_categories = _obs_frame(sources)
-    var, var_categories = _arrow_frame(sources[0].var, "gene_id", sources[0].var.index)
-    n_genes = sources[0].matrix.shape[1]
-    total = sum(s.n_obs for s in sources)
-    writer = DatasetWriter(
+    """Convert one or more h5ad files (same genes) into one dataset at `out`, `workers` slices at a
+    time; `on_slice(result)` as each slice is written (its cells, bytes and worker's peak RSS).
+    `runner` runs the slices elsewhere (`run_slices`' signature; Modal's: app/modal_convert.py);
+    `progress`: a bar on a terminal (True), none (False), or a line per slice ("lines")."""
+    run = runner or run_slices
+    if workers > 1 and runner is None:
+        _forkserver()
+    plan, sources, final = plan_conversion(
+        inputs,
         out,
-        n_genes=n_genes,
-        value_type=value_type,
+        layer=layer,
         rows_per_fragment=rows_per_fragment,
+        chunk_cells=chunk_cells,
+        slice_cells=slice_cells,
+        block_cells=block_cells,
         overwrite=overwrite,
         settings=settings,
     )
-    np_type = value_type.to_pandas_dtype()
-    with (
-        writer,
-        tqdm(total=total, desc="convert", unit="cell", unit_scale=True, disable=None if progress else True) as bar,
-    ):
-        offset = 0
-        for src in sources:
-            for start in range(0, src.n_obs, chunk_cells):
-                stop = min(start + chunk_cells, src.n_obs)
-                x = src.rows(start, stop)
-                writer.append(obs.slice(offset + start, stop - start), x.indptr, x.indices, x.data.astype(np_type))
-                bar.update(stop - start)
-            offset += src.n_obs
-        meta = {
-            "source": {"files": [os.path.basename(s.path) for s in sources], "layer": layer},
-            "categories": {"obs": obs_categories, "var": var_categories},
-        }
-        return writer.commit(var, meta)
+    slices = plan.slices()
+    total = sum(plan.file_cells)
+    bar = _bar(progress, total, "check values")
+    with bar:
+        scans = run(
+            scan_slice, plan, [s.index for s in slices], (), workers, lambda i, r: bar.update(slices[i].n_cells)
+        )
+    value_type = choose_value_type(plan, [scans[s.index] for s in slices], allow_negative)
+    staging = _open_staging(plan, final, overwrite)
+    todo = [s.index for s in slices if slice_record(plan, staging, s.index) is None]
+    bar, written = _bar(progress, total, "convert"), [0]
+
+    def done(i, result):
+        if on_slice is not None:
+            on_slice(result)
+        written[0] += result["bytes"]
+        bar.set_postfix_str(f"{written[0] / 2**20:,.1f} MiB written", refresh=False)
+        bar.update(result["cells"])
+
+    try:
+        with bar:
+            if len(todo) < len(slices):  # finished by an earlier run
+                bar.update(total - sum(slices[i].n_cells for i in todo))
+            run(write_slice, plan, todo, (str(value_type), getattr(final, "settings", None)), workers, done)
+    except KeyboardInterrupt:
+        left = sum(slice_record(plan, staging, i) is None for i in todo)
+        print(
+            f"convert: interrupted with {left} of {len(slices)} slices to write; the finished ones are kept in "
+            f"{staging.uri}: run the same command again to finish (or delete it)",
+            file=sys.stderr,
+        )
+        raise
+    return commit(plan, sources, final, value_type, layer)
+
+
+def _open_staging(plan: ConvertPlan, final: Location, overwrite: bool) -> Location:
+    staging = plan.staging_area(getattr(final, "settings", None))
+    if isinstance(staging, LocalLocation):
+        (staging.path / RECORDS).mkdir(parents=True, exist_ok=True)
+    else:
+        if overwrite and not staging.exists(f"{RECORDS}/{plan.key}"):
+            staging.delete()  # an older dataset or another conversion's unfinished work
+        staging.write_bytes(f"{RECORDS}/{plan.key}", b"")  # marks the prefix as this plan's work
+    return staging
+
+
+def _bar(progress: bool | str, total: int, desc: str):
+    if progress == "lines":
+        return _Lines(total, desc)
+    # disable=None: a bar on a terminal only, quiet in logs (tqdm's own test)
+    return tqdm(total=total, desc=desc, unit="cell", unit_scale=True, disable=None if progress else True)
+
+
+class _Lines:
+    """The bar for a log (a Modal container has no terminal): a line, in tqdm's words, per slice done."""
+
+    def __init__(self, total: int, desc: str):
+        self.n, self.total, self.desc, self.postfix, self.start = 0, total, desc, None, time.monotonic()
+
+    def update(self, n: int) -> None:
+        self.n += n
+        elapsed = time.monotonic() - self.start
+        line = tqdm.format_meter(self.n, self.total, elapsed, prefix=self.desc, unit="cell", unit_scale=True)
+        print(line + (f", {self.postfix}" if self.postfix else ""), flush=True)
+
+    def set_postfix_str(self, text: str, refresh: bool = False) -> None:
+        self.postfix = text
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass

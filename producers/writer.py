@@ -1,4 +1,5 @@
-"""Writing a SLAF-layout dataset chunk by chunk, visible only once whole (`convert` and `synth` use it).
+"""Writing a SLAF-layout dataset chunk by chunk, visible only once whole (`synth` streams through
+`DatasetWriter`; `convert` writes slices apart and commits them with `finish_dataset`).
 
 The layout's names (tables, schema, format version) live with the reader, `producers/dataset.py`.
 """
@@ -28,6 +29,54 @@ from producers.dataset import (
     open_dataset,
 )
 from producers.storage import LocalLocation, Location, S3Settings, location
+
+CONTENT_BLOCK_CELLS = 4096  # cells per block of the content hash (recorded with it: `content_block_cells`)
+
+
+class ContentHash:
+    """`metadata.content_sha256`, what a checkpoint ties itself to: of every cell's row count, genes
+    and values as stored, in blocks of `block_cells` cells (a block's digest hashes one sha256 of
+    each of the three), and the dataset's hash is the sha256 of its blocks' digests in order. The
+    same cells give the same hash however they were cut: into appends, or into slices converted
+    apart (a slice starts at a block boundary, so it hashes its own blocks)."""
+
+    def __init__(self, block_cells: int = CONTENT_BLOCK_CELLS):
+        if block_cells < 1:
+            raise ValueError(f"block_cells must be >= 1, got {block_cells}")
+        self.block_cells = block_cells
+        self.blocks: list[str] = []
+        self._parts = [hashlib.sha256() for _ in range(3)]
+        self._in_block = 0
+
+    def update(self, counts: np.ndarray, genes: np.ndarray, values: np.ndarray) -> None:
+        """Add cells: their row counts, and their genes and values as stored, in order."""
+        counts = np.asarray(counts, dtype=np.int64)
+        ends = np.concatenate([[0], np.cumsum(counts)])
+        first = 0
+        while first < len(counts):
+            take = min(len(counts) - first, self.block_cells - self._in_block)
+            lo, hi = ends[first], ends[first + take]
+            for h, part in zip(self._parts, (counts[first : first + take], genes[lo:hi], values[lo:hi])):
+                h.update(np.ascontiguousarray(part))  # (the buffer itself: no copy)
+            self._in_block += take
+            first += take
+            if self._in_block == self.block_cells:
+                self._close_block()
+
+    def _close_block(self) -> None:
+        self.blocks.append(hashlib.sha256("".join(h.hexdigest() for h in self._parts).encode()).hexdigest())
+        self._parts = [hashlib.sha256() for _ in range(3)]
+        self._in_block = 0
+
+    def digests(self) -> list[str]:
+        """Every block's digest; a last, partial block is closed (only a dataset's last cells end one)."""
+        if self._in_block:
+            self._close_block()
+        return list(self.blocks)
+
+    @staticmethod
+    def combine(digests: list[str]) -> str:
+        return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
 class _LanceStream:
@@ -121,9 +170,7 @@ class DatasetWriter:
         self.rows_per_fragment = rows_per_fragment
         self.n_cells = 0
         self.n_rows = 0
-        # of every cell's row count, genes and values, each in order and as stored (`Dataset.identity`):
-        # the same data gives the same hash however it is cut into appends
-        self._content = [hashlib.sha256() for _ in range(3)]
+        self._content = ContentHash()
         self._expression: _LanceStream | None = None
         self._cells: _LanceStream | None = None
         self._done = False
@@ -166,13 +213,11 @@ class DatasetWriter:
                 schema=schema,
             )
         )
-        stored = (
-            counts.astype(np.int64),
+        self._content.update(
+            counts,
             np.asarray(genes).astype(schema.field(1).type.to_pandas_dtype(), copy=False),
             np.asarray(values).astype(schema.field(2).type.to_pandas_dtype(), copy=False),
         )
-        for h, part in zip(self._content, stored):
-            h.update(np.ascontiguousarray(part).tobytes())
         self.n_cells += n
         self.n_rows += int(counts.sum())
 
@@ -184,44 +229,19 @@ class DatasetWriter:
             raise ValueError(f"var has {var.num_rows} rows, expected {self.n_genes}")
         self._expression.close()
         self._cells.close()
-        var = var.append_column("gene_integer_id", pa.array(np.arange(self.n_genes), type=gene_id_type(self.n_genes)))
-        lance.write_dataset(
+        dataset = finish_dataset(
+            self.final,
+            self.staging,
             var,
-            self.staging.join(TABLES["genes"]),
-            storage_options=self.staging.lance_options(),
-            data_storage_version=LANCE_FILE_VERSION,
+            value_type=self.value_type,
+            n_cells=self.n_cells,
+            n_rows=self.n_rows,
+            rows_per_fragment=self.rows_per_fragment,
+            content=self._content,
+            metadata=metadata,
         )
-        config = {
-            "format_version": FORMAT_VERSION,
-            "array_shape": [self.n_cells, self.n_genes],
-            "n_cells": self.n_cells,
-            "n_genes": self.n_genes,
-            "tables": dict(TABLES),
-            "metadata": {
-                "expression_count": self.n_rows,
-                "density": self.n_rows / max(1, self.n_cells * self.n_genes),
-                "value_type": str(self.value_type),
-                "rows_per_fragment": self.rows_per_fragment,
-                "writer": "cellfeed",
-                "content_sha256": hashlib.sha256("".join(h.hexdigest() for h in self._content).encode()).hexdigest(),
-                **(metadata or {}),
-            },
-        }
-        self.staging.write_bytes("config.json", json.dumps(config, indent=2).encode())
-        if isinstance(self.final, LocalLocation):
-            self._move_into_place()
         self._done = True
-        return open_dataset(self.final.uri, getattr(self.final, "settings", None))
-
-    def _move_into_place(self) -> None:
-        final = self.final.path
-        trash = None
-        if final.exists():
-            trash = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(final, trash)
-        os.rename(self.staging.path, final)
-        if trash is not None:
-            LocalLocation(trash).delete()
+        return dataset
 
     def abort(self) -> None:
         """Remove everything written so far; never leaves a dataset that looks valid."""
@@ -235,3 +255,61 @@ class DatasetWriter:
                     pass
         self.staging.delete()
         self._done = True
+
+
+def finish_dataset(
+    final: Location,
+    staging: Location,
+    var: pa.Table,
+    *,
+    value_type: pa.DataType,
+    n_cells: int,
+    n_rows: int,
+    rows_per_fragment: int,
+    content: ContentHash,
+    metadata: dict | None = None,
+) -> Dataset:
+    """With the cells and expression tables committed in `staging`: write genes.lance and, last,
+    config.json, and move the dataset into place (locally a rename; on S3 `staging` is `final`,
+    and config.json, written last, is what makes it a dataset)."""
+    n_genes = var.num_rows
+    var = var.append_column("gene_integer_id", pa.array(np.arange(n_genes), type=gene_id_type(n_genes)))
+    lance.write_dataset(
+        var,
+        staging.join(TABLES["genes"]),
+        storage_options=staging.lance_options(),
+        data_storage_version=LANCE_FILE_VERSION,
+        mode="overwrite" if staging.exists(TABLES["genes"]) else "create",  # (a rerun's commit may find it)
+    )
+    digests = content.digests()
+    config = {
+        "format_version": FORMAT_VERSION,
+        "array_shape": [n_cells, n_genes],
+        "n_cells": n_cells,
+        "n_genes": n_genes,
+        "tables": dict(TABLES),
+        "metadata": {
+            "expression_count": n_rows,
+            "density": n_rows / max(1, n_cells * n_genes),
+            "value_type": str(value_type),
+            "rows_per_fragment": rows_per_fragment,
+            "writer": "cellfeed",
+            "content_sha256": ContentHash.combine(digests),
+            "content_block_cells": content.block_cells,
+            **(metadata or {}),
+        },
+    }
+    staging.write_bytes("config.json", json.dumps(config, indent=2).encode())
+    if isinstance(final, LocalLocation) and staging.uri != final.uri:
+        _move_into_place(staging, final)
+    return open_dataset(final.uri, getattr(final, "settings", None))
+
+
+def _move_into_place(staging: LocalLocation, final: LocalLocation) -> None:
+    trash = None
+    if final.path.exists():
+        trash = final.path.with_name(f".{final.path.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(final.path, trash)
+    os.rename(staging.path, final.path)
+    if trash is not None:
+        LocalLocation(trash).delete()

@@ -7,6 +7,7 @@ import json
 import os
 import warnings
 
+import lance
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -15,8 +16,8 @@ import scipy.sparse as sp
 from app.cli import main as cli
 from coordination.errors import CellfeedError
 from producers.convert import convert
-from producers.dataset import RowBlock, open_dataset
-from producers.writer import DatasetWriter
+from producers.dataset import TABLES, RowBlock, open_dataset
+from producers.writer import ContentHash, DatasetWriter
 from tests.conftest import PBMC, random_counts, write_h5ad
 
 
@@ -280,3 +281,111 @@ def test_the_content_hash_is_the_datas_however_it_was_appended(tmp_path):
     with DatasetWriter(tmp_path / "other", n_genes=5, value_type=pa.uint16(), rows_per_fragment=3) as w:
         w.append(obs, indptr, genes, values + 1)
         assert w.commit(var).identity != one.identity
+
+
+def _three_inputs(tmp_path):
+    """Three files, the second with its genes in another order and an explicit zero, so slices
+    cross file boundaries, reorder genes and drop zeros."""
+    genes = [f"g{j}" for j in range(40)]
+    a, b, c = random_counts(150, 40, seed=21), random_counts(90, 40, seed=22), random_counts(200, 40, seed=23)
+    perm = np.random.default_rng(3).permutation(40)
+    b_perm = b[:, perm].tocsr()
+    b_perm.data[0] = 0  # stored, but not a non-zero: not a row
+    write_h5ad(tmp_path / "a.h5ad", a, genes=genes)
+    write_h5ad(tmp_path / "b.h5ad", b_perm, genes=[genes[p] for p in perm])
+    write_h5ad(tmp_path / "c.h5ad", sp.csc_matrix(c), genes=genes)
+    b_kept = b.copy()
+    b_kept[0, perm[b_perm.indices[0]]] = 0
+    b_kept.eliminate_zeros()
+    return [str(tmp_path / f"{n}.h5ad") for n in "abc"], sp.vstack([a, b_kept, c]).tocsr()
+
+
+def _tables(ds):
+    return [lance.dataset(ds.location.join(TABLES[t])).to_table() for t in ("cells", "expression", "genes")]
+
+
+def test_any_number_of_workers_in_any_order_writes_the_same_dataset(tmp_path, monkeypatch):
+    """1 worker, 3 workers, and slices written in a shuffled order give equal tables and the same
+    content hash, which is also the one a single stream of the same cells gets (DatasetWriter)."""
+    import producers.convert as conv
+
+    inputs, x = _three_inputs(tmp_path)
+    kw = dict(rows_per_fragment=97, chunk_cells=13, slice_cells=64, block_cells=32, progress=False)
+    one = convert(inputs, str(tmp_path / "one"), workers=1, **kw)
+    three = convert(inputs, str(tmp_path / "three"), workers=3, **kw)
+    order = []
+    real_run = conv.run_slices
+
+    def shuffled(task, plan, indexes, args, workers, on_done):
+        indexes = list(np.random.default_rng(5).permutation(indexes))
+        order.append(indexes)
+        return real_run(task, plan, indexes, args, 1, on_done)
+
+    monkeypatch.setattr(conv, "run_slices", shuffled)
+    mixed = convert(inputs, str(tmp_path / "mixed"), **kw)
+    assert order[1] != sorted(order[1]) and len(order[1]) == 7  # 440 cells in slices of 64
+    assert_same_cells(one, x)
+    for ds in (three, mixed):
+        assert all(a.equals(b) for a, b in zip(_tables(one), _tables(ds)))
+        assert ds.config["metadata"]["content_sha256"] == one.config["metadata"]["content_sha256"]
+    with DatasetWriter(tmp_path / "stream", n_genes=40, value_type=pa.uint16(), rows_per_fragment=97) as w:
+        w._content = ContentHash(32)
+        w.append(pa.table({"cell_id": [str(i) for i in range(x.shape[0])]}), x.indptr, x.indices, x.data)
+        assert w.commit(pa.table({"gene_id": [f"g{j}" for j in range(40)]})).identity == one.identity
+    other = convert(inputs, str(tmp_path / "other"), workers=2, **{**kw, "block_cells": 64})
+    assert other.config["metadata"]["content_block_cells"] == 64 and other.identity != one.identity
+
+
+def test_an_interrupted_conversion_leaves_nothing_and_its_rerun_reuses_its_slices(tmp_path):
+    """SIGINT to `convert --workers 2` once its first slice is recorded: the output does not exist,
+    the staging folder keeps the finished slices, and the same command again writes only the rest
+    and gives the dataset an uninterrupted run gives."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    x = random_counts(3000, 60, seed=31, density=0.3)
+    h5 = str(write_h5ad(tmp_path / "in.h5ad", x))
+    out = tmp_path / "out"
+    script = (
+        "import sys; from producers.convert import convert; "
+        f"convert([{h5!r}], {str(out)!r}, workers=2, slice_cells=32, block_cells=32, chunk_cells=8, progress=False)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    records = []
+    while not records and proc.poll() is None and time.monotonic() < deadline:  # the event: a slice recorded
+        records = list(tmp_path.glob(".out.partial-*/_convert/slice-*.json"))
+        time.sleep(0.01)
+    assert records, "no slice was recorded"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "run the same command again" in err, err
+    assert not out.exists()
+    with pytest.raises(CellfeedError):
+        open_dataset(out)
+    (staging,) = tmp_path.glob(".out.partial-*")
+    kept = len(list((staging / "_convert").glob("slice-*.json")))
+    assert 1 <= kept < 94  # 3,000 cells in slices of 32
+    import producers.convert as conv
+
+    calls = []
+    real = conv.write_slice
+
+    def counted(plan_json, index, *args):
+        calls.append(index)
+        return real(plan_json, index, *args)
+
+    conv.write_slice, restore = counted, conv.write_slice
+    try:
+        ds = convert([h5], str(out), workers=1, slice_cells=32, block_cells=32, chunk_cells=8, progress=False)
+    finally:
+        conv.write_slice = restore
+    assert len(calls) == 94 - kept and not staging.exists()
+    fresh = convert([h5], str(tmp_path / "fresh"), slice_cells=32, block_cells=32, progress=False)
+    assert ds.identity == fresh.identity and all(a.equals(b) for a, b in zip(_tables(ds), _tables(fresh)))
+    referenced = {
+        d.path for f in lance.dataset(ds.location.join("expression.lance")).get_fragments() for d in f.metadata.files
+    }
+    assert set(os.listdir(out / "expression.lance" / "data")) == referenced  # the half-written slices' files are gone

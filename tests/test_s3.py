@@ -246,3 +246,19 @@ def test_producers_ride_out_an_s3_server_restart(tmp_path):
         ]
         assert sorted(cells) == list(range(1200))  # every cell once (no driver here: no unit re-issued)
         assert sum(p.stats.units for p in producers) == plan.n_units
+
+
+def test_convert_in_slices_by_two_workers_to_s3_commits_once(s3, tmp_path):
+    """Slices written by two worker processes straight to the bucket are a dataset only once
+    committed, equal to a local conversion; a prefix holding another plan's unfinished slices is
+    refused, not mixed in."""
+    h5 = write_h5ad(tmp_path / "in.h5ad", random_counts(100, 80, seed=3))
+    kw = dict(rows_per_fragment=50, slice_cells=16, block_cells=16, progress=False)
+    local = convert([str(h5)], str(tmp_path / "ds"), **kw)
+    remote = convert([str(h5)], f"s3://{s3}/sliced", workers=2, **kw)
+    assert remote.identity == local.identity
+    assert_same_dataset(local, remote)
+    assert not S3Location(f"s3://{s3}/sliced").exists("_convert")  # the records go at the commit
+    S3Location(f"s3://{s3}/other").write_bytes("_convert/slice-000000.json", b"{}")  # someone's unfinished work
+    with pytest.raises(CellfeedError, match="holds files but no dataset"):
+        convert([str(h5)], f"s3://{s3}/other", **kw)

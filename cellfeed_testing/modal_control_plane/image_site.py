@@ -77,6 +77,14 @@ class _Guarded:
         if hasattr(self.inner, "invalidate_caches"):
             self.inner.invalidate_caches()
 
+    def find_distributions(self, *args, **kwargs):
+        """Installed distributions' metadata (`importlib.metadata.version`, which anndata calls as it
+        imports), as the inner finder gives it: without this, the wrapped finders gave none, and an
+        image's own packages had no version. (Metadata of a distribution outside the image stays
+        visible: the guard is on imports, what a body uses.)"""
+        find = getattr(self.inner, "find_distributions", None)
+        return find(*args, **kwargs) if find is not None else iter(())
+
 
 def local_sources(folder):
     """The top-level modules the image adds: what is in /root (packages and modules), this file aside."""
