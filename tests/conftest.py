@@ -210,7 +210,7 @@ SLOW_FIRST = [
     "test_benchmarks.py::test_modal_chaos",
     "test_ops.py::test_the_readmes_stop_and_resume_then_status_report_and_tensorboard",
     "test_benchmarks.py::test_object_store",
-    "test_modal_convert.py::test_modal_fan_out_converts_eight_slices_with_a_retry_and_commits_once",
+    "test_benchmarks.py::test_convert",
     "test_benchmarks.py::test_corpus",
     "test_modal_campaign.py::test_a_balanced_campaign_preempted_on_modal_trains_every_tissue_at_its_quota",
     "test_ops.py::test_wandb_gets_the_trainers_scalars_offline_and_a_missing_key_is_one_line",
