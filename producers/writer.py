@@ -300,9 +300,12 @@ def finish_dataset(
         },
     }
     staging.write_bytes("config.json", json.dumps(config, indent=2).encode())
-    if isinstance(final, LocalLocation) and staging.uri != final.uri:
-        _move_into_place(staging, final)
-    return open_dataset(final.uri, getattr(final, "settings", None))
+    settings = getattr(final, "settings", None)
+    if not (isinstance(final, LocalLocation) and staging.uri != final.uri):
+        return open_dataset(final.uri, settings)
+    open_dataset(staging.uri)  # checked before it is published, and the rename is the last step
+    _move_into_place(staging, final)
+    return open_dataset(final.uri, settings, verify=False)
 
 
 def _move_into_place(staging: LocalLocation, final: LocalLocation) -> None:
