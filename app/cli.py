@@ -42,6 +42,11 @@ def cmd_synth(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    if args.workers > 1:  # the workers' forkserver imports their modules while this process imports its own
+        from coordination.net import forkserver
+        from producers import CONVERT_WORKER_MODULES
+
+        forkserver(CONVERT_WORKER_MODULES)
     from app.status import plural
     from producers.convert import convert
 

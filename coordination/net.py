@@ -20,6 +20,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def forkserver(preload: list[str] | tuple[str, ...]):
+    """A multiprocessing context whose workers fork from a clean process (no threads, no open files)
+    that imported `preload` once; started now (idempotent), so its imports run beside the caller's."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    multiprocessing.forkserver.ensure_running()
+    return ctx
+
+
 def die_with_parent() -> None:
     """(in a child, Linux) Be SIGKILLed when the parent dies (`PR_SET_PDEATHSIG`), so a parent
     killed outright leaves nothing behind. The caller checks `os.getppid()` afterwards if the

@@ -25,10 +25,9 @@ slice that finished.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import sys
 import time
@@ -41,7 +40,8 @@ from lance.fragment import FragmentMetadata
 from tqdm import tqdm
 
 from coordination.errors import CellfeedError
-from coordination.net import die_with_parent
+from coordination.net import die_with_parent, forkserver
+from producers import CONVERT_WORKER_MODULES
 from producers.dataset import LANCE_FILE_VERSION, TABLES, Dataset, expression_schema
 from producers.h5ad import align_genes, arrow_frame, obs_frame, open_source
 from producers.slices import RECORDS, ConvertPlan, scan_slice, slice_record, write_slice
@@ -69,8 +69,6 @@ def plan_conversion(
 ):
     """The plan, the opened inputs (for obs and var) and the output's `Location`; every check that
     needs no matrix values is made here."""
-    import hashlib
-
     if not inputs:
         raise CellfeedError("give at least one .h5ad input")
     for name, value in (("chunk size", chunk_cells), ("rows per fragment", rows_per_fragment)):
@@ -238,7 +236,8 @@ def run_slices(task, plan: ConvertPlan, indexes: list[int], args: tuple, workers
             results[i] = task(plan_json, i, *args)
             on_done(i, results[i])
         return results
-    pool = ProcessPoolExecutor(min(workers, len(indexes)), mp_context=_forkserver(), initializer=die_with_parent)
+    context = forkserver(CONVERT_WORKER_MODULES)  # (started already by `convert`)
+    pool = ProcessPoolExecutor(min(workers, len(indexes)), mp_context=context, initializer=die_with_parent)
     try:
         pending = {pool.submit(task, plan_json, i, *args): i for i in indexes}
         while pending:
@@ -254,16 +253,6 @@ def run_slices(task, plan: ConvertPlan, indexes: list[int], args: tuple, workers
             process.kill()
         pool.shutdown(wait=False, cancel_futures=True)
         raise
-
-
-def _forkserver():
-    """Workers fork from a clean process (no threads, no open files) that imported the heavy modules
-    once; started by the first call, so its imports overlap the planning. Not lance: its import hook
-    warns at a fork, and it is cheap to import in each worker."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["numpy", "pyarrow", "h5py", "scipy.sparse", "anndata", "tqdm"])
-    multiprocessing.forkserver.ensure_running()
-    return ctx
 
 
 def convert(
@@ -288,8 +277,8 @@ def convert(
     `runner` runs the slices elsewhere (`run_slices`' signature; Modal's: app/modal_convert.py);
     `progress`: a bar on a terminal (True), none (False), or a line per slice ("lines")."""
     run = runner or run_slices
-    if workers > 1 and runner is None:
-        _forkserver()
+    if workers > 1 and runner is None:  # its imports run beside the planning (the CLI starts it sooner still)
+        forkserver(CONVERT_WORKER_MODULES)
     plan, sources, final = plan_conversion(
         inputs,
         out,
