@@ -31,7 +31,7 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, ThreadPoolExecutor, wait
 
 import lance
 import numpy as np
@@ -49,6 +49,7 @@ from producers.storage import LocalLocation, Location, S3Settings, location
 from producers.writer import CONTENT_BLOCK_CELLS, ContentHash, finish_dataset
 
 FLOAT32_EXACT_INT = 1 << 24
+RECORD_READS = 16  # slice records read at once (the commit; a rerun's look for finished slices)
 SLICE_BYTES = 128 << 20  # output per slice (~8 bytes a non-zero as stored: cell id, gene, value)
 
 
@@ -161,7 +162,7 @@ def choose_value_type(plan: ConvertPlan, scans: list[list[dict]], allow_negative
 def commit(plan: ConvertPlan, sources, final: Location, value_type: pa.DataType, layer: str) -> Dataset:
     """Commit every slice's fragments and the cells table, then finish the dataset (config.json last)."""
     staging = plan.staging_area(getattr(final, "settings", None))
-    records = [slice_record(plan, staging, s.index) for s in plan.slices()]
+    records = records_of(plan, staging)
     if any(r is None for r in records):
         raise CellfeedError(f"{sum(r is None for r in records)} slices have no record; run the conversion again")
     schema = expression_schema(plan.n_genes, value_type)
@@ -171,31 +172,28 @@ def commit(plan: ConvertPlan, sources, final: Location, value_type: pa.DataType,
         lance.LanceOperation.Overwrite(schema, fragments),
         storage_options=staging.lance_options(),
     )
-    counts = np.concatenate(
-        [
-            np.load(io.BytesIO(staging.read_bytes(f"{RECORDS}/counts-{i:06d}.npy")), allow_pickle=False)
-            for i in range(len(records))
-        ]
-    ).astype(np.int64)
+    with ThreadPoolExecutor(RECORD_READS) as pool:
+        load = lambda i: np.load(io.BytesIO(staging.read_bytes(f"{RECORDS}/counts-{i:06d}.npy")), allow_pickle=False)  # noqa: E731
+        counts = np.concatenate(list(pool.map(load, range(len(records))))).astype(np.int64)
     obs, obs_categories = obs_frame(sources)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     cells = obs.append_column("cell_integer_id", pa.array(np.arange(len(counts), dtype=np.uint32))).append_column(
         "cell_start_index", pa.array(starts, type=pa.int64())
     )
+    settings = getattr(final, "settings", None)
+    location(staging.join(TABLES["cells"]), settings).delete()  # (what an interrupted commit began)
     lance.write_dataset(
         cells,
         staging.join(TABLES["cells"]),
-        mode="overwrite" if staging.exists(TABLES["cells"]) else "create",  # (a rerun's commit may find it)
         max_rows_per_file=1 << 24,
         storage_options=staging.lance_options(),
         data_storage_version=LANCE_FILE_VERSION,
     )
     _remove_unreferenced(staging, expression)
-    location(staging.join(RECORDS), getattr(final, "settings", None)).delete()
     var, var_categories = arrow_frame(sources[0].var, "gene_id", sources[0].var.index)
     content = ContentHash(plan.block_cells)
     content.blocks = [d for r in records for d in r["blocks"]]
-    return finish_dataset(
+    dataset = finish_dataset(
         final,
         staging,
         var,
@@ -209,6 +207,17 @@ def commit(plan: ConvertPlan, sources, final: Location, value_type: pa.DataType,
             "categories": {"obs": obs_categories, "var": var_categories},
         },
     )
+    location(final.join(RECORDS), settings).delete()  # last: until the dataset is out, a rerun needs them
+    return dataset
+
+
+def records_of(plan: ConvertPlan, staging: Location) -> list[dict | None]:
+    """Every slice's record (None: not written yet): one look when there are none (a first run), else
+    read side by side (on S3 a read is a round trip: thousands of slices, one at a time, take minutes)."""
+    if not staging.exists(RECORDS):
+        return [None] * len(plan.slices())
+    with ThreadPoolExecutor(RECORD_READS) as pool:
+        return list(pool.map(lambda s: slice_record(plan, staging, s.index), plan.slices()))
 
 
 def _remove_unreferenced(staging: Location, expression) -> None:
@@ -299,7 +308,7 @@ def convert(
         )
     value_type = choose_value_type(plan, [scans[s.index] for s in slices], allow_negative)
     staging = _open_staging(plan, final, overwrite)
-    todo = [s.index for s in slices if slice_record(plan, staging, s.index) is None]
+    todo = [i for i, record in enumerate(records_of(plan, staging)) if record is None]
     bar, written = _bar(progress, total, "convert"), [0]
 
     def done(i, result):
@@ -315,7 +324,7 @@ def convert(
                 bar.update(total - sum(slices[i].n_cells for i in todo))
             run(write_slice, plan, todo, (str(value_type), getattr(final, "settings", None)), workers, done)
     except KeyboardInterrupt:
-        left = sum(slice_record(plan, staging, i) is None for i in todo)
+        left = sum(r is None for r in records_of(plan, staging))
         print(
             f"convert: interrupted with {left} of {len(slices)} slices to write; the finished ones are kept in "
             f"{staging.uri}: run the same command again to finish (or delete it)",
@@ -327,6 +336,10 @@ def convert(
 
 def _open_staging(plan: ConvertPlan, final: Location, overwrite: bool) -> Location:
     staging = plan.staging_area(getattr(final, "settings", None))
+    if any(r is None for r in records_of(plan, staging)):
+        # a commit that was cut short left the expression table's manifest: its slices are redone, so
+        # their fragments must not be written into a committed table (the files stay, for the records)
+        location(staging.join(f"{TABLES['expression']}/_versions"), getattr(final, "settings", None)).delete()
     if isinstance(staging, LocalLocation):
         (staging.path / RECORDS).mkdir(parents=True, exist_ok=True)
     else:

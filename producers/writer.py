@@ -274,12 +274,12 @@ def finish_dataset(
     and config.json, written last, is what makes it a dataset)."""
     n_genes = var.num_rows
     var = var.append_column("gene_integer_id", pa.array(np.arange(n_genes), type=gene_id_type(n_genes)))
+    location(staging.join(TABLES["genes"]), getattr(staging, "settings", None)).delete()  # (an interrupted commit's)
     lance.write_dataset(
         var,
         staging.join(TABLES["genes"]),
         storage_options=staging.lance_options(),
         data_storage_version=LANCE_FILE_VERSION,
-        mode="overwrite" if staging.exists(TABLES["genes"]) else "create",  # (a rerun's commit may find it)
     )
     digests = content.digests()
     config = {

@@ -389,3 +389,29 @@ def test_an_interrupted_conversion_leaves_nothing_and_its_rerun_reuses_its_slice
         d.path for f in lance.dataset(ds.location.join("expression.lance")).get_fragments() for d in f.metadata.files
     }
     assert set(os.listdir(out / "expression.lance" / "data")) == referenced  # the half-written slices' files are gone
+
+
+def test_a_commit_cut_short_is_finished_by_the_rerun(tmp_path, monkeypatch):
+    """Interrupted in its commit (the expression table committed, the cells table written, config.json
+    not): nothing is readable at the output; the rerun commits again, and one slice whose record was
+    lost is written again into the table (its half-commit's manifest put aside)."""
+    import producers.convert as conv
+
+    h5 = str(write_h5ad(tmp_path / "in.h5ad", random_counts(200, 30, seed=51)))
+    kw = dict(slice_cells=32, block_cells=32, rows_per_fragment=40, progress=False)
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(conv, "finish_dataset", cut)
+        with pytest.raises(KeyboardInterrupt):
+            convert([h5], str(tmp_path / "out"), **kw)
+    assert not (tmp_path / "out").exists()
+    (staging,) = tmp_path.glob(".out.partial-*")
+    assert (staging / "expression.lance" / "_versions").is_dir()  # the commit got that far
+    (staging / "_convert" / "slice-000003.json").unlink()  # and one slice's record is gone
+    ds = convert([h5], str(tmp_path / "out"), **kw)
+    fresh = convert([h5], str(tmp_path / "fresh"), **kw)
+    assert ds.identity == fresh.identity and all(a.equals(b) for a, b in zip(_tables(ds), _tables(fresh)))
+    assert not staging.exists() and not (tmp_path / "out" / "_convert").exists()
