@@ -106,8 +106,10 @@ def convert_child(inp: str, out: str, workers: int) -> None:
                 "coordinator_rss_mb": peak_rss_mb(),
                 "worker_rss_mb": max(peaks),
             }
-        )
+        ),
+        flush=True,
     )
+    os._exit(0)  # as `cellfeed convert` ends (app/cli.py:console): not timing anndata's teardown
 
 
 def warm(path: Path) -> None:
