@@ -258,7 +258,9 @@ def add_dataset_commands(command) -> None:
         "convert",
         "convert h5ad file(s) with the same genes into one dataset",
         description="Convert h5ad file(s) with the same genes into one dataset (concatenated in order). "
-        "Counts are stored as uint16 when they fit, else float32.",
+        "Counts are stored as uint16 when they fit, else float32. Slices are converted by --workers processes "
+        "and the dataset appears in one commit: nothing is readable at OUT before every slice is written, and "
+        "after a Ctrl-C the same command again reuses the slices already written.",
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="IN.h5ad [IN2.h5ad ...] OUT (local path or s3://)")
     p.add_argument("--layer", default="X", help="matrix to store: X, raw.X, or a layer name")
