@@ -123,7 +123,8 @@ def warm(path: Path) -> None:
 def converted(inp: Path, out: str, workers: int, env: dict | None = None) -> dict:
     """A conversion in a process of its own, timed end to end (interpreter start and imports
     included: what a user waits for): its figures."""
-    shutil.rmtree(out, ignore_errors=True)
+    if "://" not in out:  # (an S3 output goes to a fresh bucket prefix)
+        shutil.rmtree(out, ignore_errors=True)
     warm(inp)
     cmd = [sys.executable, __file__, "--convert-child", str(inp), out, "--workers", str(workers)]
     t = time.perf_counter()

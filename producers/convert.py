@@ -307,8 +307,8 @@ def convert(
             scan_slice, plan, [s.index for s in slices], (), workers, lambda i, r: bar.update(slices[i].n_cells)
         )
     value_type = choose_value_type(plan, [scans[s.index] for s in slices], allow_negative)
-    staging = _open_staging(plan, final, overwrite)
-    todo = [i for i, record in enumerate(records_of(plan, staging)) if record is None]
+    staging, records = _open_staging(plan, final, overwrite)
+    todo = [i for i, record in enumerate(records) if record is None]
     bar, written = _bar(progress, total, "convert"), [0]
 
     def done(i, result):
@@ -334,9 +334,11 @@ def convert(
     return commit(plan, sources, final, value_type, layer)
 
 
-def _open_staging(plan: ConvertPlan, final: Location, overwrite: bool) -> Location:
+def _open_staging(plan: ConvertPlan, final: Location, overwrite: bool) -> tuple[Location, list[dict | None]]:
+    """The staging area, ready for slices, and the records of the slices an earlier run finished."""
     staging = plan.staging_area(getattr(final, "settings", None))
-    if any(r is None for r in records_of(plan, staging)):
+    records = records_of(plan, staging)
+    if any(r is None for r in records):
         # a commit that was cut short left the expression table's manifest: its slices are redone, so
         # their fragments must not be written into a committed table (the files stay, for the records)
         location(staging.join(f"{TABLES['expression']}/_versions"), getattr(final, "settings", None)).delete()
@@ -346,7 +348,7 @@ def _open_staging(plan: ConvertPlan, final: Location, overwrite: bool) -> Locati
         if overwrite and not staging.exists(f"{RECORDS}/{plan.key}"):
             staging.delete()  # an older dataset or another conversion's unfinished work
         staging.write_bytes(f"{RECORDS}/{plan.key}", b"")  # marks the prefix as this plan's work
-    return staging
+    return staging, records
 
 
 def _bar(progress: bool | str, total: int, desc: str):
