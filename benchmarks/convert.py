@@ -203,7 +203,7 @@ def main() -> None:
         if written.returncode != 0:
             fail(f"writing the object-storage input failed (exit {written.returncode}): {written.stderr[-500:]}")
         s3 = s3_runs(small, args.latency_ms)
-        fan_out = modal_fan_out(small, n_s3, work / "plane")
+        fan_out = modal_fan_out(small, n_s3, work / "plane", slices=2 if args.tiny else 8)  # (a container a call)
         synth_s, synth_rss = timed(
             cli + ["synth", str(work / "synth"), "--cells", str(n_synth), "--genes", str(args.genes), "--quiet"]
         )
