@@ -202,7 +202,6 @@ SLOW_FIRST = [
     "test_modal_campaign.py::test_two_nodes_preempted_then_a_node_lost_then_resumed_on_one_node_train_every_cell_once",
     "test_modal_campaign.py::test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_campaign",
     "test_modal_campaign.py::test_modal_run_whole_path_preempted_in_its_first_minute_and_again_in_its_second_epoch",
-    "test_modal_campaign.py::test_a_rerun_with_another_gpus_count_resumes_the_epoch_on_it",
     "test_first_run.py::test_a_first_run_trains_every_cell_once_and_deletes_what_it_made",
     "test_modal_campaign.py::test_a_campaign_longer_than_a_call_continues_in_new_calls",
     "test_modal_campaign.py::test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed_command_resumes_it",
