@@ -7,6 +7,7 @@ client returned. Waits poll the plane's state for an event, with a timeout; noth
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -1142,3 +1143,50 @@ def importlib_site(path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_gets_cancelled_at_any_point_leave_their_queue_answering():
+    """Blocked gets whose handlers are cancelled (grpclib cancels one when its client's connection is
+    lost: a container killed mid-get) at any point of their wait, timeouts expiring around them and a
+    put waking them all, leave the queue's later puts and gets answering at once. With an
+    `asyncio.Condition` under them (Python 3.11) this hung: a wait cancelled twice kept the lock for
+    good, and a queue of the two-node campaign stopped answering for 7 minutes (store.Changed). The
+    scenario runs on a thread of its own: a loop that hangs cannot time itself out."""
+    import asyncio
+    import random
+    import threading
+
+    from modal_proto import api_pb2
+
+    from cellfeed_testing.modal_control_plane.store import Store
+
+    async def scenario(rng: random.Random) -> list[bytes]:
+        store = Store()
+        oid = store.get_or_create("queue", "q", "main", api_pb2.OBJECT_CREATION_TYPE_CREATE_IF_MISSING)
+        for _ in range(5):
+            timeouts = [rng.choice([0.0005, 0.001, 0.002, 5.0]) for _ in range(12)]
+            gets = [asyncio.ensure_future(store.queue_get(oid, b"p%d" % i, 1, t)) for i, t in enumerate(timeouts)]
+            await asyncio.sleep(rng.choice([0, 0.0005, 0.001]))
+            await store.queue_put(oid, b"other", [b"y"], 0)  # wakes every get (none is for it)
+            for _ in range(rng.randrange(6)):
+                await asyncio.sleep(0)
+            await asyncio.sleep(rng.choice([0, 0.0005, 0.001, 0.002]))
+            for g in gets:  # most cancelled now, on whatever turn of their wait they are
+                if rng.random() < 0.7:
+                    g.cancel()
+            for _ in range(rng.randrange(4)):
+                await asyncio.sleep(0)
+            for g in gets:
+                g.cancel()
+            for g in gets:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await g
+        await store.queue_put(oid, b"", [b"x"], 0)
+        return await store.queue_get(oid, b"", 1, 5)
+
+    got = []
+    worker = threading.Thread(target=lambda: got.append(asyncio.run(scenario(random.Random(0)))), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the queue stopped answering after its gets were cancelled"
+    assert got == [[b"x"]]

@@ -25,6 +25,7 @@ from grpclib.exceptions import GRPCError
 from modal_proto import api_pb2
 
 from cellfeed_testing.modal_control_plane.limits import MAX_GPUS
+from cellfeed_testing.modal_control_plane.store import Changed
 
 # D7: inline payload sizes advertised in every function's handle metadata. Modal's client uploads an
 # argument or result larger than this as a blob (BlobCreate, then an HTTP PUT to a signed URL:
@@ -75,7 +76,7 @@ class App:
     functions: dict[str, str] = field(default_factory=dict)  # tag -> function id (AppPublish)
     stopped: bool = False
     logs: list[api_pb2.TaskLogsBatch] = field(default_factory=list)  # entry_id = index + 1
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    changed: Changed = field(default_factory=Changed)  # a new log or the app stopped
     heard_at: float = field(default_factory=time.monotonic)  # its client's last AppCreate or AppHeartbeat (D12)
     client_gone: bool = False
     client_calls: list[str] = field(default_factory=list)  # the calls its client made (not its containers), in order
@@ -175,8 +176,7 @@ class AppRPCs:
             return
         app.stopped = True
         await self.containers.stop_app(app.app_id, why)
-        async with app.changed:
-            app.changed.notify_all()
+        app.changed.notify_all()
 
     async def add_log(self, app_id: str, batch: api_pb2.TaskLogsBatch) -> None:
         app = self.apps.get(app_id)
@@ -184,8 +184,7 @@ class AppRPCs:
             return
         batch.entry_id = str(len(app.logs) + 1)
         app.logs.append(batch)
-        async with app.changed:
-            app.changed.notify_all()
+        app.changed.notify_all()
 
     async def AppGetLogs(self, stream) -> None:
         """D6: the app's container output after `last_entry_id`, waiting up to `timeout` for some; then
@@ -194,17 +193,12 @@ class AppRPCs:
         app = self._app(req.app_id)
         start = int(req.last_entry_id) if req.last_entry_id.isdigit() else 0
         deadline = time.monotonic() + (req.timeout or 55.0)
-        async with app.changed:
-            while len(app.logs) <= start and not app.stopped:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    await asyncio.wait_for(app.changed.wait(), left)
-                except asyncio.TimeoutError:
-                    break
-            batches = app.logs[start:]
-            done = app.stopped
+        while len(app.logs) <= start and not app.stopped:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await app.changed.wait(left):
+                break
+        batches = app.logs[start:]
+        done = app.stopped
         for batch in batches:
             if not req.task_id or batch.task_id == req.task_id:
                 await stream.send_message(batch)

@@ -6,7 +6,7 @@ Every refusal is a gRPC status, the one Modal's server answers (the client maps 
 Each rule names its row in README.md (C1, C2, ...).
 
 Everything here runs on the server's one event loop: no locks, and a blocking `get` is a coroutine
-waiting on an `asyncio.Condition`, never a thread.
+waiting on its queue's `Changed`, never a thread.
 """
 
 from __future__ import annotations
@@ -55,13 +55,45 @@ class Partition:
     expires_at: float = float("inf")  # C7: the TTL runs from the last put
 
 
+class Changed:
+    """Wakes every coroutine waiting on it (a put or a delete; an app's new log). What an
+    `asyncio.Condition` would do on one event loop, without its lock: on Python 3.11, a
+    `Condition.wait()` inside `wait_for` whose handler is cancelled while the timeout cancels the wait
+    (grpclib cancels a handler when its client's connection is lost: a container killed mid-get) leaves
+    the wait re-acquiring the lock in a task of its own, which then holds it for good, and every later
+    `async with` on it waits for ever. Seen in the suite: one queue's gets and puts hung 7 minutes after
+    a lost node, the handler's log saying "Lock is not acquired". A waiter here checks its condition and
+    registers with no `await` between (one loop: nothing runs in between), so no wake-up is missed."""
+
+    def __init__(self) -> None:
+        self._waiters: set[asyncio.Future] = set()
+
+    def notify_all(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Until the next `notify_all` (True) or `timeout_s` (False)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self._waiters.discard(waiter)
+
+
 @dataclass
 class QueueState:
     name: str | None
     created_at: float
     partitions: dict[bytes, Partition] = field(default_factory=dict)
     deleted: bool = False
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)  # a put or a delete wakes blocked gets
+    changed: Changed = field(default_factory=Changed)  # a put or a delete wakes blocked gets
 
 
 @dataclass
@@ -131,8 +163,7 @@ class Store:
             if value == oid:
                 del self.names[key]
         if kind == "queue":  # blocked gets answer NOT_FOUND at once
-            async with obj.changed:
-                obj.changed.notify_all()
+            obj.changed.notify_all()
 
     # ---- queues: C4 (sizes), C5 (FIFO), C6 (partition keys), C7 (TTL), C8 (blocking get)
 
@@ -164,32 +195,29 @@ class Store:
         p.items.extend(values)
         p.nbytes += size
         p.expires_at = self.clock.now() + (ttl_s or 24 * 3600)  # C7
-        async with q.changed:
-            q.changed.notify_all()
+        q.changed.notify_all()
 
     async def queue_get(self, oid: str, key: bytes, n: int, timeout_s: float) -> list[bytes]:
         """C8: up to `n` items at once, else wait up to `timeout_s` (the client asks 50 s at most a
         request and loops: queue.py:506-526); an empty answer is how a wait ends."""
         q: QueueState = self.by_id("queue", oid)
         deadline = time.monotonic() + max(0.0, timeout_s)
-        async with q.changed:
-            while True:
-                q = self.by_id("queue", oid)  # C2: deleted while waiting
-                p = self._partition(q, key, create=False)
-                if p is not None and p.items:
-                    out = [p.items.popleft() for _ in range(min(max(n, 1), len(p.items)))]
-                    p.nbytes -= sum(len(v) for v in out)
-                    return out
-                left = deadline - time.monotonic()
-                if left <= 0:
+        while True:
+            q = self.by_id("queue", oid)  # C2: deleted while waiting
+            p = self._partition(q, key, create=False)
+            if p is not None and p.items:
+                out = [p.items.popleft() for _ in range(min(max(n, 1), len(p.items)))]
+                p.nbytes -= sum(len(v) for v in out)
+                return out
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            self.waiting_gets[oid, key] += 1
+            try:
+                if not await q.changed.wait(left):
                     return []
-                self.waiting_gets[oid, key] += 1
-                try:
-                    await asyncio.wait_for(q.changed.wait(), left)
-                except asyncio.TimeoutError:
-                    return []
-                finally:
-                    self.waiting_gets[oid, key] -= 1
+            finally:
+                self.waiting_gets[oid, key] -= 1
 
     def queue_len(self, oid: str, key: bytes, total: bool) -> int:
         q: QueueState = self.by_id("queue", oid)
