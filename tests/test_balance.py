@@ -49,13 +49,14 @@ def quotas_by_hand(counts, alpha: float, size: int) -> np.ndarray:
 
 @pytest.fixture(scope="session")
 def atlas(tmp_path_factory):
-    """3,000 cells whose `tissue` has 50 Zipf-sized classes (13..667 cells), stored in runs."""
+    """3,000 cells whose `tissue` has 50 Zipf-sized classes (13..667 cells), stored in runs, in 18
+    fragments. ~150 genes a cell, not a real cell's ~1,500: what is checked here is which cells each
+    class gets, and every row read and ranked is suite time."""
     from producers.synth import SynthSpec, synthesize
 
     out = tmp_path_factory.mktemp("balance-atlas") / "atlas"
-    return synthesize(
-        str(out), SynthSpec(n_cells=3000, n_genes=2000, seed=5), rows_per_fragment=250_000, progress=False
-    )
+    spec = SynthSpec(n_cells=3000, n_genes=2000, seed=5, median_nnz=150, min_nnz=50, max_nnz=300)
+    return synthesize(str(out), spec, rows_per_fragment=25_000, progress=False)
 
 
 def tissues(ds) -> np.ndarray:
@@ -175,7 +176,8 @@ def test_a_corpus_keeps_its_weights_and_balances_each_source(tmp_path, atlas):
     from coordination.corpus_file import quotas
     from producers.synth import SynthSpec, synthesize
 
-    other = synthesize(str(tmp_path / "other"), SynthSpec(n_cells=1200, n_genes=2000, seed=9), progress=False)
+    spec = SynthSpec(n_cells=1200, n_genes=2000, seed=9, median_nnz=150, min_nnz=50, max_nnz=300)
+    other = synthesize(str(tmp_path / "other"), spec, progress=False)
     corpus = tmp_path / "corpus.toml"
     corpus.write_text(
         "epoch_cells = 4000\n"
