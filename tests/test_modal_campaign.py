@@ -613,6 +613,9 @@ def test_two_nodes_preempted_then_a_node_lost_then_resumed_on_one_node_train_eve
         # both containers interrupted, each with its rank server and 8 ranks
         assert all(k["interrupted_processes"] >= 10 for k in call["attempts"][0]["containers"])
         assert "resumed from step" in logs_of(plane, call, 1)
+        # each clustered container's processes ran both sitecustomizes (the i6pn resolver's, the image
+        # guard's) once: the two chaining each other ran until Python's recursion limit, in every rank server
+        assert "Error in sitecustomize" not in logs_of(plane, call), logs_of(plane, call)[-3000:]
         assert [k["killed"] for k in call["attempts"][1]["containers"]] == ["its cluster failed", "lost"]
         ranks = {p.name.split(".")[1] for p in (plane.volume_dir / RUN / "cells").glob("*.rank*.jsonl")}
         assert ranks == {f"rank{r}" for r in range(16)}  # node 1's ranks wrote from its own container

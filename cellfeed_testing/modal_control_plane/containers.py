@@ -69,8 +69,11 @@ import importlib.util as _util
 import os as _os
 import sys as _sys
 
-_here = _os.path.dirname(_os.path.abspath(__file__))
-_rest = [p for p in _sys.path if p and _os.path.abspath(p) != _here]
+# the folders whose sitecustomize has run are skipped, this one's and the image guard's (which chains the
+# same way): two that each skipped only their own folder ran each other until Python's recursion limit
+_seen = _sys.__dict__.setdefault("_cellfeed_site_dirs", set())
+_seen.add(_os.path.dirname(_os.path.abspath(__file__)))
+_rest = [p for p in _sys.path if p and _os.path.abspath(p) not in _seen]
 _spec = _machinery.PathFinder.find_spec("sitecustomize", _rest)
 if _spec is not None and _spec.loader is not None:
     _module = _util.module_from_spec(_spec)

@@ -108,11 +108,15 @@ def install():
 
 
 def _chain():
-    """Run the next `sitecustomize` on the path, as if this one were not there."""
+    """Run the next `sitecustomize` on the path whose folder's has not run yet (the i6pn resolver's
+    chains the same way, through the same set: two that each skipped only their own folder ran each
+    other until Python's recursion limit)."""
     import importlib.machinery
     import importlib.util
 
-    rest = [p for p in sys.path if p and os.path.abspath(p) != _HERE]
+    seen = sys.__dict__.setdefault("_cellfeed_site_dirs", set())
+    seen.add(_HERE)
+    rest = [p for p in sys.path if p and os.path.abspath(p) not in seen]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is not None and spec.loader is not None:
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
