@@ -172,8 +172,11 @@ def commit(plan: ConvertPlan, sources, final: Location, value_type: pa.DataType,
         lance.LanceOperation.Overwrite(schema, fragments),
         storage_options=staging.lance_options(),
     )
+
+    def load(i: int) -> np.ndarray:  # slice i's cell row counts
+        return np.load(io.BytesIO(staging.read_bytes(f"{RECORDS}/counts-{i:06d}.npy")), allow_pickle=False)
+
     with ThreadPoolExecutor(RECORD_READS) as pool:
-        load = lambda i: np.load(io.BytesIO(staging.read_bytes(f"{RECORDS}/counts-{i:06d}.npy")), allow_pickle=False)  # noqa: E731
         counts = np.concatenate(list(pool.map(load, range(len(records))))).astype(np.int64)
     obs, obs_categories = obs_frame(sources)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
