@@ -46,10 +46,11 @@ from producers.dataset import LANCE_FILE_VERSION, TABLES, Dataset, expression_sc
 from producers.h5ad import align_genes, arrow_frame, obs_frame, open_source
 from producers.slices import RECORDS, ConvertPlan, scan_slice, slice_record, write_slice
 from producers.storage import LocalLocation, Location, S3Settings, location
-from producers.writer import CONTENT_BLOCK_CELLS, ContentHash, finish_dataset
+from producers.writer import CONTENT_BLOCK_CELLS, ROWS_PER_FRAGMENT, ContentHash, finish_dataset
 
 FLOAT32_EXACT_INT = 1 << 24
 RECORD_READS = 16  # slice records read at once (the commit; a rerun's look for finished slices)
+CHUNK_CELLS = 8192  # cells a worker holds at once (`--chunk-cells`)
 SLICE_BYTES = 128 << 20  # output per slice (~8 bytes a non-zero as stored: cell id, gene, value)
 
 
@@ -61,8 +62,8 @@ def plan_conversion(
     out: str,
     *,
     layer: str = "X",
-    rows_per_fragment: int = 1 << 22,
-    chunk_cells: int = 8192,
+    rows_per_fragment: int = ROWS_PER_FRAGMENT,
+    chunk_cells: int = CHUNK_CELLS,
     slice_cells: int | None = None,
     block_cells: int = CONTENT_BLOCK_CELLS,
     overwrite: bool = False,
@@ -272,8 +273,8 @@ def convert(
     out: str,
     *,
     layer: str = "X",
-    rows_per_fragment: int = 1 << 22,
-    chunk_cells: int = 8192,
+    rows_per_fragment: int = ROWS_PER_FRAGMENT,
+    chunk_cells: int = CHUNK_CELLS,
     allow_negative: bool = False,
     overwrite: bool = False,
     progress: bool = True,

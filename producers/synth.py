@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from coordination.errors import CellfeedError
 from producers.dataset import Dataset
-from producers.writer import DatasetWriter
+from producers.writer import ROWS_PER_FRAGMENT, DatasetWriter
 
 VERSION = 3  # raised whenever a spec yields other data than before (2: cell-line and dose signal; 3: tissue)
 CHUNK_CELLS = 4096
@@ -273,7 +273,7 @@ def synthesize(
     out: str,
     spec: SynthSpec,
     *,
-    rows_per_fragment: int = 1 << 22,
+    rows_per_fragment: int = ROWS_PER_FRAGMENT,
     overwrite: bool = False,
     progress: bool = True,
     settings=None,

@@ -30,6 +30,7 @@ from producers.dataset import (
 )
 from producers.storage import LocalLocation, Location, S3Settings, location
 
+ROWS_PER_FRAGMENT = 1 << 22  # expression rows per Lance fragment, unless asked otherwise
 CONTENT_BLOCK_CELLS = 4096  # cells per block of the content hash (recorded with it: `content_block_cells`)
 
 
@@ -141,7 +142,7 @@ class DatasetWriter:
         *,
         n_genes: int,
         value_type: pa.DataType,
-        rows_per_fragment: int = 1 << 22,
+        rows_per_fragment: int = ROWS_PER_FRAGMENT,
         overwrite: bool = False,
         settings: S3Settings | None = None,
     ):
