@@ -200,10 +200,9 @@ class Store:
     async def queue_get(self, oid: str, key: bytes, n: int, timeout_s: float) -> list[bytes]:
         """C8: up to `n` items at once, else wait up to `timeout_s` (the client asks 50 s at most a
         request and loops: queue.py:506-526); an empty answer is how a wait ends."""
-        q: QueueState = self.by_id("queue", oid)
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
-            q = self.by_id("queue", oid)  # C2: deleted while waiting
+            q: QueueState = self.by_id("queue", oid)  # C2: deleted (also while waiting): NOT_FOUND
             p = self._partition(q, key, create=False)
             if p is not None and p.items:
                 out = [p.items.popleft() for _ in range(min(max(n, 1), len(p.items)))]
