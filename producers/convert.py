@@ -46,7 +46,7 @@ from producers.dataset import LANCE_FILE_VERSION, TABLES, Dataset, expression_sc
 from producers.h5ad import align_genes, arrow_frame, obs_frame, open_source
 from producers.slices import RECORDS, ConvertPlan, scan_slice, slice_record, write_slice
 from producers.storage import LocalLocation, Location, S3Settings, location
-from producers.writer import CONTENT_BLOCK_CELLS, ROWS_PER_FRAGMENT, ContentHash, finish_dataset
+from producers.writer import CONTENT_BLOCK_CELLS, ROWS_PER_FRAGMENT, ContentHash, finish_dataset, output_exists
 
 FLOAT32_EXACT_INT = 1 << 24
 RECORD_READS = 16  # slice records read at once (the commit; a rerun's look for finished slices)
@@ -118,11 +118,11 @@ def _staging_for(final: Location, key: str, overwrite: bool) -> Location:
     written, with the plan's key recorded so a rerun knows its own unfinished work."""
     if isinstance(final, LocalLocation):
         if final.exists() and not overwrite:
-            raise CellfeedError(f"{final.uri} already exists; choose another path or pass --overwrite")
+            raise output_exists(final.uri)
         return LocalLocation(final.path.parent / f".{final.path.name}.partial-{key}")
     ours = final.exists(f"{RECORDS}/{key}")
     if final.exists("config.json") and not overwrite:
-        raise CellfeedError(f"{final.uri} already exists; choose another path or pass --overwrite")
+        raise output_exists(final.uri)
     if final.exists() and not ours and not overwrite:
         raise CellfeedError(
             f"{final.uri} holds files but no dataset (another conversion's unfinished work?); "

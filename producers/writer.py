@@ -128,6 +128,11 @@ class _LanceStream:
             raise CellfeedError(f"writing a Lance table failed: {error_text(self._error)}")
 
 
+def output_exists(uri: str) -> CellfeedError:
+    """The one refusal of an output already there (the writer's and the converter's)."""
+    return CellfeedError(f"{uri} already exists; choose another path or pass --overwrite")
+
+
 class DatasetWriter:
     """Writes a dataset chunk by chunk and makes it visible only on `commit`.
 
@@ -151,7 +156,7 @@ class DatasetWriter:
         self.final = location(uri, settings)
         self.final.check_reachable(for_write=True)
         if self.final.exists() and not overwrite:
-            raise CellfeedError(f"{self.final.uri} already exists; choose another path or pass --overwrite")
+            raise output_exists(self.final.uri)
         if isinstance(self.final, LocalLocation):
             parent, name = self.final.path.parent, self.final.path.name
             self.staging: Location = LocalLocation(parent / f".{name}.partial-{uuid.uuid4().hex[:8]}")
