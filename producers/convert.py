@@ -162,7 +162,8 @@ def choose_value_type(plan: ConvertPlan, scans: list[list[dict]], allow_negative
 
 def commit(plan: ConvertPlan, sources, final: Location, value_type: pa.DataType, layer: str) -> Dataset:
     """Commit every slice's fragments and the cells table, then finish the dataset (config.json last)."""
-    staging = plan.staging_area(getattr(final, "settings", None))
+    settings = getattr(final, "settings", None)
+    staging = plan.staging_area(settings)
     records = records_of(plan, staging)
     if any(r is None for r in records):
         raise CellfeedError(f"{sum(r is None for r in records)} slices have no record; run the conversion again")
@@ -184,7 +185,6 @@ def commit(plan: ConvertPlan, sources, final: Location, value_type: pa.DataType,
     cells = obs.append_column("cell_integer_id", pa.array(np.arange(len(counts), dtype=np.uint32))).append_column(
         "cell_start_index", pa.array(starts, type=pa.int64())
     )
-    settings = getattr(final, "settings", None)
     location(staging.join(TABLES["cells"]), settings).delete()  # (what an interrupted commit began)
     lance.write_dataset(
         cells,
@@ -340,7 +340,8 @@ def convert(
 
 def _open_staging(plan: ConvertPlan, final: Location, overwrite: bool) -> tuple[Location, list[dict | None]]:
     """The staging area, ready for slices, and the records of the slices an earlier run finished."""
-    staging = plan.staging_area(getattr(final, "settings", None))
+    settings = getattr(final, "settings", None)
+    staging = plan.staging_area(settings)
     records = records_of(plan, staging)
     if any(r is None for r in records):
         # a commit that was cut short left the expression table's manifest: its slices are redone, so
