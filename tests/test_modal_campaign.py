@@ -3,13 +3,14 @@ not a Modal run): modal's own CLI and client, `modal run app/modal_app.py` in a 
 and containers running modal's own entrypoint: the entrypoint → setup → train (CPU ranks, gloo) →
 spawned producers → the end, each function with its own definition. Preempted in its first minute
 and again mid-epoch (SIGINT to every process of the container), with a producer that keeps failing
-(the run stops, keeps its state, and its printed command resumes it), a campaign longer than a call
-(each call hands over after one step, under Modal's 24 h timeout compressed 480 times), expired
-setup state, a corpus with its files carried, a rerun on another GPU count, status/stop from the
-laptop, two nodes (a clustered function), a node lost, and a balanced campaign preempted. Faults and
+(the run stops, keeps its state, and its printed command resumes it), expired setup state, a corpus
+with its files carried, a rerun on another GPU count, status/stop from the laptop, two nodes (a
+clustered function), a node lost; the preempted campaign is balanced. Faults and
 preemptions fire on events (a step logged, a call started), never on elapsed seconds; every wait has
 a timeout. (A train spawn whose reply was lost, so that two train calls are made and one trains:
-benchmarks/modal_chaos.py's tiny run, tests/test_benchmarks.py.)"""
+benchmarks/modal_chaos.py's tiny run, tests/test_benchmarks.py. A campaign longer than a call, each
+call handing over after one step under Modal's 24 h timeout compressed 480 times, detached from a
+laptop that goes away: tests/test_modal_laptop.py.)"""
 
 from __future__ import annotations
 
@@ -253,15 +254,33 @@ def training_cells(atlas) -> Counter:
     return Counter(c for c in range(atlas.n_cells) if c not in held_out)
 
 
-def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_in_its_second_epoch(atlas, tmp_path):
+def tissue_quotas(atlas) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each cell's tissue, the training cells' tissues (sorted), their counts, and the quota of each
+    per epoch under `--balance-power 1`: equal shares of the training cells, by largest remainder
+    (the remainder to the first by name)."""
+    tissue = np.asarray(atlas.obs(["tissue"]).column(0).to_pylist())
+    training = np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) != "plate14"
+    names, counts = np.unique(tissue[training], return_counts=True)
+    quotas = np.full(len(names), len(tissue[training]) // len(names))
+    quotas[: len(tissue[training]) - int(quotas.sum())] += 1
+    return tissue, names, counts, quotas
+
+
+def test_modal_run_whole_path_balanced_preempted_in_its_first_minute_and_again_in_its_second_epoch(atlas, tmp_path):
     """`train` is preempted as soon as its fleet is spawned (nothing to checkpoint yet), and its
     re-run is preempted again in epoch 1 of 2, once epoch 0 is audited and training is past a
     checkpoint. Each re-run resumes with the same queue, plans and producers. The call that resumes
     (a new container) reports every epoch's audit, not only its own: in `cellfeed status --json` and
-    in the last status on the Volume that the report plots."""
+    in the last status on the Volume that the report plots. The campaign is balanced
+    (`--balance-by tissue --balance-power 1`): the cell logs of the three attempts hold every tissue
+    at its quota in each epoch, and the audit says so. (One campaign for both: each check is the
+    same as in a campaign of its own, and each campaign here costs ~25 CPU-s.)"""
     audited_0 = re.compile(r"epoch 0: [\d,]+ cells trained, 0 missing, 0 duplicated")
+    tissue, names, counts, quotas = tissue_quotas(atlas)
     with control_plane(tmp_path) as plane:
-        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, batch_size=32, producers=2), tmp_path)  # 2 x 21 steps
+        balanced = dict(balance_by="tissue", balance_power=1)
+        args = flags(atlas, rpc_latency_ms=25, batch_size=32, producers=2, **balanced) + ["--audit-cells"]
+        proc = modal_run(plane, args, tmp_path)  # 2 epochs x 21 steps
         call = train_started(plane, proc)
         wait_for(lambda: len(calls(plane, "produce")) == 2, "the fleet to be spawned", timeout=180)
         plane.preempt(call["id"])  # in its first minute
@@ -298,6 +317,12 @@ def test_modal_run_whole_path_preempted_in_its_first_minute_and_again_in_its_sec
         assert all(a["missing"] == 0 and a["duplicated"] == 0 for a in snap["audits"])
         plotted = json.loads((plane.volume_dir / RUN / "state.json").read_text())["audits"]  # (the audit plot's bars)
         assert [a["epoch"] for a in plotted] == [0, 1]
+        trained = trained_cells(plane)
+        for epoch in (0, 1):
+            got = Counter(tissue[list(trained[epoch].elements())].tolist())
+            assert [got[n] for n in names] == quotas.tolist(), epoch
+        assert counts.min() < quotas.min()  # small tissues repeat
+        assert all(f"{len(names)} classes at their quotas" in log for log in logs[1:])
 
 
 def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed_command_resumes_it(atlas, tmp_path):
@@ -329,32 +354,6 @@ def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed
         logs = "".join(logs_of(plane, c) for c in train_calls(plane))
         assert re.search(r"epoch 0: [\d,]+ cells trained, 0 missing, 0 duplicated", logs), logs[-3000:]
         assert plane.describe()["queues"] == [] and plane.describe()["dicts"] == []  # complete: now deleted
-
-
-def test_a_campaign_longer_than_a_call_continues_in_new_calls(atlas, tmp_path):
-    """Each train call hands over to a new one when its --attempt-hours are up (Modal ends a call
-    at 24 h). Here the hours are up at once, so every call trains one step (the event), saves and
-    hands over: an epoch of 3 steps spans 3 calls and is still trained exactly once, each call
-    spawned from inside the one before and followed by `modal run` (FunctionCall.from_id). Modal's
-    24 h is the plane's, server-side: the functions ask for it (timeout=86400, as modal's client
-    sent it) and the plane runs it 480 times faster (K5: a day is three minutes), so a call that did
-    not hand over in time would end as a TIMEOUT; none does."""
-    with control_plane(tmp_path) as plane:
-        plane.scale_timeouts(24 * 20)
-        # one rank, batches of 512: the epoch's 1,344 cells are 3 steps
-        args = flags(atlas, epochs=1, gpus=1, batch_size=512, attempt_hours=1e-6)
-        code, out, err = finish(modal_run(plane, args, tmp_path))
-        assert code == 0, err[-3000:]
-        trains = calls(plane, "train")
-        assert len(trains) >= 3 and all(c["status"] == "success" for c in trains)
-        # train.with_options(gpu=...) changes the GPUs only: every call keeps the function's 32 cores,
-        # 128 GiB and Modal's longest timeout (D9: the server merges what the variant does not set)
-        assert {(c["gpu"], c["cpu"], c["memory"], c["timeout_s"]) for c in trains} == {
-            ("H100:1", 32.0, 131_072, 86_400)
-        }
-        assert out.count("train continues in call") == len(trains) - 1
-        assert not [a for c in calls(plane) for a in c["attempts"] if a["outcome"] == "timeout"]
-        check_campaign(plane, out, epochs=1, producers=1)
 
 
 EXPIRY_CLIENT = """
@@ -631,32 +630,3 @@ def test_two_nodes_preempted_then_a_node_lost_then_resumed_on_one_node_train_eve
         assert "written by 16 ranks, its" in logs and "re-planned over 8" in logs, logs[-3000:]
         assert re.search(r"epoch 0: [\d,]+ cells trained, 0 missing, 0 duplicated .*across the resume", logs)
         assert trained_cells(plane).get(0) == training_cells(atlas)
-
-
-def test_a_balanced_campaign_preempted_on_modal_trains_every_tissue_at_its_quota(atlas, tmp_path):
-    """`--balance-by tissue --balance-power 1` through `modal run`, preempted mid-epoch: the cell
-    logs of both attempts hold every tissue at its quota (equal shares of the training cells, by
-    largest remainder), and the audit says so."""
-    tissue = np.asarray(atlas.obs(["tissue"]).column(0).to_pylist())
-    training = np.asarray(atlas.obs(["plate"]).column(0).to_pylist()) != "plate14"
-    names, counts = np.unique(tissue[training], return_counts=True)
-    share = len(tissue[training]) / len(names)  # ALPHA 1: every tissue the same, the remainder to the first
-    quotas = np.full(len(names), int(share))
-    quotas[: len(tissue[training]) - int(quotas.sum())] += 1
-    with control_plane(tmp_path) as plane:
-        args = flags(atlas, epochs=1, balance_by="tissue", balance_power=1) + ["--audit-cells"]
-        proc = modal_run(plane, args, tmp_path)
-        call = train_started(plane, proc)
-        task = rank0_task(call)
-        wait_for(lambda: steps_logged(plane, task) >= 6 or proc.poll() is not None, "six steps", timeout=300)
-        assert proc.poll() is None, "the campaign ended before its preemption"
-        plane.preempt(call["id"])
-        code, out, err = finish(proc)
-        assert code == 0, err[-3000:]
-        trained = trained_cells(plane)[0]
-        got = Counter(tissue[list(trained.elements())].tolist())
-        assert [got[n] for n in names] == quotas.tolist() and counts.min() < quotas.min()  # small tissues repeat
-        (train,) = calls(plane, "train")
-        assert [a["outcome"] for a in train["attempts"]] == ["preempted", "success"]
-        assert f"{len(names)} classes at their quotas" in logs_of(plane, train)
-        check_campaign(plane, out, epochs=1, producers=1)

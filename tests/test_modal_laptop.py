@@ -2,7 +2,8 @@
 Ctrl-C on `modal run` stops the app (modal/runner.py: an app not detached is stopped when its client
 disconnects) and the laptop says so, with the command that resumes; with `modal run --detach`, the
 laptop can go away (killed: no goodbye reaches Modal) and the campaign goes on, handing over from call
-to call (each `train` spawns the next from inside its container) to its audited end."""
+to call (each `train` spawns the next from inside its container, under Modal's 24 h timeout compressed
+480 times) to its audited end."""
 
 from __future__ import annotations
 
@@ -48,18 +49,30 @@ def test_ctrl_c_on_modal_run_stops_the_campaigns_calls_and_says_how_to_resume(at
         assert f"cellfeed-{RUN}" in now["queues"] and f"cellfeed-{RUN}" in now["dicts"]
 
 
-def test_a_detached_campaign_hands_over_to_its_end_after_the_laptop_is_gone(atlas, tmp_path):  # noqa: F811
-    """`modal run --detach`: once train runs, the laptop is killed (SIGKILL: no disconnect reaches the
-    plane; it takes the client as gone when its heartbeats stop, D12). Every call trains one step and
-    hands over (--attempt-hours at once; the 24 h timeout is the plane's, 480 times faster: K5): the
-    calls after the first are spawned by train itself, so they are not "triggered" by the laptop, and
-    the campaign completes: every train call succeeds, the epoch is audited exactly once, the run's
-    queue and dicts are deleted."""
+def test_a_detached_campaign_longer_than_a_call_continues_in_new_calls_after_the_laptop_is_gone(
+    atlas,  # noqa: F811
+    tmp_path,
+):
+    """Each train call hands over to a new one when its --attempt-hours are up (Modal ends a call at
+    24 h). Here the hours are up at once, so every call trains one step (the event), saves and hands
+    over: an epoch of 3 steps spans 3 calls and is still trained exactly once. Modal's 24 h is the
+    plane's, server-side: the functions ask for it (timeout=86400, as modal's client sent it) and the
+    plane runs it 480 times faster (K5: a day is three minutes), so a call that did not hand over in
+    time would end as a TIMEOUT; none does.
+
+    The campaign runs with `modal run --detach`: the laptop follows the first hand-over (the next call
+    by FunctionCall.from_id) and is then killed (SIGKILL: no disconnect reaches the plane; it takes the
+    client as gone when its heartbeats stop, D12). The calls after the first are spawned by train
+    itself, not "triggered" by the laptop, and the campaign completes without it: every train call
+    succeeds, the epoch is audited exactly once, the run's queue and dicts are deleted."""
     with plane_of(tmp_path, client_gone_s=2.0) as plane:
         plane.scale_timeouts(24 * 20)
-        args = flags(atlas, epochs=1, gpus=1, batch_size=512, attempt_hours=1e-6)  # 3 steps: 3 calls
+        # one rank, batches of 512: the epoch's 1,344 cells are 3 steps, so 3 calls
+        args = flags(atlas, epochs=1, gpus=1, batch_size=512, attempt_hours=1e-6)
         run = modal_run(plane, args, tmp_path, detach=True)
-        train_started(plane, run)
+        followed = lambda: "train continues in call" in run.out_path.read_text() or run.poll() is not None  # noqa: E731
+        wait_for(followed, "the laptop to follow train's first hand-over", timeout=300)
+        assert run.poll() is None, "modal run ended before the laptop was gone: " + run.err_path.read_text()[-3000:]
         run.proc.kill()  # the laptop is gone
         run.proc.wait(timeout=30)
 
@@ -69,9 +82,17 @@ def test_a_detached_campaign_hands_over_to_its_end_after_the_laptop_is_gone(atla
 
         trains = wait_for(ended, "the campaign's train calls to end without the laptop", timeout=300)
         assert all(c["status"] == "success" for c in trains), [c["status"] for c in trains]
+        # train.with_options(gpu=...) changes the GPUs only: every call keeps the function's 32 cores,
+        # 128 GiB and Modal's longest timeout (D9: the server merges what the variant does not set)
+        assert {(c["gpu"], c["cpu"], c["memory"], c["timeout_s"]) for c in trains} == {
+            ("H100:1", 32.0, 131_072, 86_400)
+        }
+        assert not [a for c in calls(plane) for a in c["attempts"] if a["outcome"] == "timeout"]
         logs = "".join(logs_of(plane, c) for c in trains)
         assert logs.count("a new call") >= 2 and logs.count("cells trained, 0 missing, 0 duplicated") == 1, logs[-3000:]
+        assert "failed its exactly-once audit" not in logs
         wait_for(lambda: plane.describe()["queues"] == [], "the run's queue to be deleted", timeout=60)
         assert plane.describe()["dicts"] == []
+        assert len(calls(plane, "produce")) == 1 and len(calls(plane, "setup")) == 1  # reused, never doubled
         # the plane took the laptop as gone (its heartbeats stopped) and the detached app went on
         assert [a.client_gone for a in plane.servicer.apps.values()] == [True]
