@@ -219,7 +219,6 @@ SLOW_FIRST = [
     "test_local_campaign.py::test_a_trainer_killed_on_three_ranks_resumes_on_one_from_the_default_workdir",
     "test_benchmarks.py::test_chaos",
     "test_modal_laptop.py::test_ctrl_c_on_modal_run_stops_the_campaigns_calls_and_says_how_to_resume",
-    "test_modal_campaign.py::test_modal_run_trains_a_corpus_with_its_files_carried_into_the_containers",
     "test_local_campaign.py::test_a_killed_producer_is_restarted_and_every_epoch_is_still_exact",
     "test_corpus.py::test_cellfeed_local_trains_a_corpus_as_planned_per_source_in_every_epoch",
     "test_app.py::test_cellfeed_local_end_to_end",

@@ -3,9 +3,9 @@ not a Modal run): modal's own CLI and client, `modal run app/modal_app.py` in a 
 and containers running modal's own entrypoint: the entrypoint → setup → train (CPU ranks, gloo) →
 spawned producers → the end, each function with its own definition. Preempted in its first minute
 and again mid-epoch (SIGINT to every process of the container), with a producer that keeps failing
-(the run stops, keeps its state, and its printed command resumes it), expired setup state, a corpus
-with its files carried, a rerun on another GPU count, status/stop from the laptop, two nodes (a
-clustered function), a node lost; the preempted campaign is balanced. Faults and
+(the run stops, keeps its state, and its printed command resumes it: a corpus, its files carried
+into the containers), expired setup state, a rerun on another GPU count, status/stop from the
+laptop, two nodes (a clustered function), a node lost; the preempted campaign is balanced. Faults and
 preemptions fire on events (a step logged, a call started), never on elapsed seconds; every wait has
 a timeout. (A train spawn whose reply was lost, so that two train calls are made and one trains:
 benchmarks/modal_chaos.py's tiny run, tests/test_benchmarks.py. A campaign longer than a call, each
@@ -325,16 +325,33 @@ def test_modal_run_whole_path_balanced_preempted_in_its_first_minute_and_again_i
         assert all(f"{len(names)} classes at their quotas" in log for log in logs[1:])
 
 
-def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed_command_resumes_it(atlas, tmp_path):
+def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed_command_resumes_it(corpus, tmp_path):
     """A real failure stops the campaign but deletes nothing: the run's queue and dicts stay, the
     last lines say how to resume, and that very command (the fault mended) completes the campaign,
     every epoch exactly once. Each failing attempt is a container whose import fails before the
-    body (the plane's K6): modal's own client reports it, retries it (retries=3) and raises it."""
+    body (the plane's K6): modal's own client reports it, retries it (retries=3) and raises it.
+    The campaign is a corpus (`--corpus FILE --vocabulary FILE`): the containers cannot read the
+    laptop's files, so the entrypoint carries them, on the first run and again on the resume; every
+    source trains its quota, the vocabulary is the file's. (One campaign for both: each campaign
+    here costs ~15-25 CPU-s.)"""
+    from coordination.corpus_file import CorpusSpec
+    from coordination.vocab import GeneVocab
+    from producers.sources import open_sources
+
+    path, offsets, quotas = corpus
+    identifiers = [s.identifiers for s in open_sources(CorpusSpec.read(path))]
+    vocab = GeneVocab.build(identifiers + [[f"EXTRA{i}" for i in range(10)]])  # 10 genes no source has
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab.ids))
+    # (one rank is enough here; batches of 64: the epoch's 2,400 cells are 38 steps)
+    args = ["--corpus", path, "--vocabulary", str(tmp_path / "vocab.json"), "--run", RUN, "--producers", "2",
+            "--gpus", "1", "--batch-size", "64", "--max-genes", "32", "--preset", "tiny", "--epochs", "1",
+            "--warmup-steps", "2", "--checkpoint-every", "50"]  # fmt: skip
     with control_plane(tmp_path) as plane:
         plane.fail("produce", times=8)  # every attempt of both producers (1 + retries=3 each): then mended
-        # (one rank is enough here; batches of 64: the resumed epoch is 21 steps, not 84)
-        code, out, err = finish(modal_run(plane, flags(atlas, epochs=1, gpus=1, batch_size=64, producers=2), tmp_path))
+        code, out, err = finish(modal_run(plane, args, tmp_path))
         assert code != 0
+        assert f"vocabulary of {vocab.n_genes:,} genes" in out  # the file's (the sources hold 10 fewer)
+        assert "1,440 cells per epoch from atlas_a" in out and "240 cells per epoch from pbmc" in out
         lines = [line for line in err.splitlines() if "Modal's retries spent" in line]
         assert lines and re.search(
             r"producer-\d failed 4 times, Modal's retries spent \(RuntimeError: injected "
@@ -351,8 +368,10 @@ def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed
         assert command[:3] == ["modal", "run", "app/modal_app.py"] and command[-3:] == ["--run", RUN, "--resume"]
         code, out, err = finish(modal_run(plane, command[3:], tmp_path))  # (after `modal run app/modal_app.py`)
         assert code == 0, err[-3000:]
+        assert verdict_line(out).startswith("complete: 1 epoch, ")
         logs = "".join(logs_of(plane, c) for c in train_calls(plane))
-        assert re.search(r"epoch 0: [\d,]+ cells trained, 0 missing, 0 duplicated", logs), logs[-3000:]
+        assert "epoch 0: 2,400 cells trained, 0 missing, 0 duplicated" in logs, logs[-3000:]
+        assert "failed its exactly-once audit" not in logs
         assert plane.describe()["queues"] == [] and plane.describe()["dicts"] == []  # complete: now deleted
 
 
@@ -437,30 +456,6 @@ def test_an_expired_setup_is_done_again(atlas, tmp_path):
             if client.poll() is None:
                 client.kill()
                 client.communicate()
-
-
-def test_modal_run_trains_a_corpus_with_its_files_carried_into_the_containers(corpus, tmp_path):
-    """`modal run --corpus FILE --vocabulary FILE`: the containers cannot read the laptop's files,
-    so the entrypoint carries them; every source trains its quota, the vocabulary is the file's."""
-    from coordination.corpus_file import CorpusSpec
-    from coordination.vocab import GeneVocab
-    from producers.sources import open_sources
-
-    path, offsets, quotas = corpus
-    identifiers = [s.identifiers for s in open_sources(CorpusSpec.read(path))]
-    vocab = GeneVocab.build(identifiers + [[f"EXTRA{i}" for i in range(10)]])  # 10 genes no source has
-    (tmp_path / "vocab.json").write_text(json.dumps(vocab.ids))
-    args = ["--corpus", path, "--vocabulary", str(tmp_path / "vocab.json"), "--run", RUN, "--producers", "1",
-            "--gpus", "1", "--batch-size", "16", "--max-genes", "32", "--preset", "tiny", "--epochs", "1",
-            "--warmup-steps", "2", "--checkpoint-every", "50"]  # fmt: skip
-    with control_plane(tmp_path) as plane:
-        code, out, err = finish(modal_run(plane, args, tmp_path))
-        assert code == 0, out[-2000:] + err[-3000:]
-        assert f"vocabulary of {vocab.n_genes:,} genes" in out  # the file's (the sources hold 10 fewer)
-        assert "1,440 cells per epoch from atlas_a" in out and "240 cells per epoch from pbmc" in out
-        check_campaign(plane, out, epochs=1, producers=1)
-        logs = "".join(logs_of(plane, c) for c in calls(plane, "train"))
-        assert "epoch 0: 2,400 cells trained, 0 missing, 0 duplicated" in logs
 
 
 def cellfeed(plane: ControlPlane, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
