@@ -81,7 +81,14 @@ def state(pid: int) -> str | None:
 def ranks_held(pid: int, expect: int | None = None):
     """SIGSTOP every trainer rank below `pid` (`expect`: how many there must be), yield their pids,
     SIGCONT them on leaving, whatever happened inside."""
+    # /proc's children lists are read while the tree may change (a process of the container starting or
+    # ending beside the ranks): the kernel can then skip an entry, so a count short of `expect` is looked
+    # at again for a while before it is taken as the campaign's
+    deadline = time.monotonic() + 10
     ranks = trainer_ranks(pid)
+    while expect is not None and len(ranks) != expect and time.monotonic() < deadline:
+        time.sleep(0.05)
+        ranks = trainer_ranks(pid)
     if not ranks or (expect is not None and len(ranks) != expect):
         raise AssertionError(f"found trainer ranks {ranks} below process {pid}, expected {expect or 'some'}")
     try:

@@ -569,8 +569,8 @@ def test_two_nodes_preempted_then_a_node_lost_then_resumed_on_one_node_train_eve
        attempt fails with its cluster, the run stops with the command that resumes it, state kept.
        The campaign runs with `modal run --detach`, so its producers outlive the failed train and the
        laptop's exit (without it Modal stops the app's calls as `modal run` ends: D5);
-    3. that command with `--nodes 1` replaces the producers started for 16 ranks and finishes the
-       epoch on one node.
+    3. that command with `--nodes 1 --gpus 2` replaces the producers started for 16 ranks and
+       finishes the epoch on one node of 2 ranks (the cells left re-planned over them).
     Every cell once across the three, from the cell logs of every container. (A container killed
     without a grace loses what it wrote since its Volume's last background commit, V8, as on Modal:
     the ranks are held while both containers' writes are committed, so the cell logs are whole.)"""
@@ -615,13 +615,13 @@ def test_two_nodes_preempted_then_a_node_lost_then_resumed_on_one_node_train_eve
         assert ranks == {f"rank{r}" for r in range(16)}  # node 1's ranks wrote from its own container
         command = resume_command(err)
         assert command[:3] == ["modal", "run", "app/modal_app.py"] and command[-1] == "--resume"
-        code, out, err = finish(modal_run(plane, command[3:] + ["--nodes", "1"], tmp_path))
+        code, out, err = finish(modal_run(plane, command[3:] + ["--nodes", "1", "--gpus", "2"], tmp_path))
         assert code == 0, err[-3000:]
         assert verdict_line(out).startswith("complete: 1 epoch, ")
         logs = "".join(logs_of(plane, c) for c in calls(plane, "train"))
         assert "were started for 16 ranks: cancelling them" in logs and "resumed from step" in logs
-        # another world on Modal (16 ranks -> 8): the epoch's cells left are re-planned over the new
-        # ranks and the audit spans the resume (a rerun with another --gpus is the same re-plan)
-        assert "written by 16 ranks, its" in logs and "re-planned over 8" in logs, logs[-3000:]
+        # another world on Modal (16 ranks -> 2, one node of 2 GPUs): the epoch's cells left are
+        # re-planned over the new ranks and the audit spans the resume
+        assert "written by 16 ranks, its" in logs and "re-planned over 2" in logs, logs[-3000:]
         assert re.search(r"epoch 0: [\d,]+ cells trained, 0 missing, 0 duplicated .*across the resume", logs)
         assert trained_cells(plane).get(0) == training_cells(atlas)
