@@ -238,42 +238,24 @@ def campaign_config(ds, **changes) -> CampaignConfig:
     return CampaignConfig(**{**base, **changes}).validate()
 
 
-def test_cellfeed_local_end_to_end(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "local",
-            "--workdir",
-            str(tmp_path),
-            "--cells",
-            "1200",
-            "--producers",
-            "2",
-            "--gpus",
-            "2",
-            "--steps",
-            "8",
-            "--max-genes",
-            "64",
-            "--batch-size",
-            "16",
-            "--checkpoint-every",
-            "4",
-            "--eval-filter",
-            "plate = 'plate14'",
-            "--eval-every",
-            "4",
-            "--run",
-            "ci",
-            "--quiet",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+def test_cellfeed_local_end_to_end_logging_to_wandb_offline(tmp_path):
+    """`cellfeed local` end to end: 2 producers, 2 ranks, held-out evaluation and checkpoints, and
+    `--wandb PROJECT`: rank 0 logs the same scalars to W&B (here in wandb's offline mode: a run file on
+    disk, no network). Without a W&B key or offline mode it is refused before anything starts, in one
+    line. (One campaign for both: a campaign here costs ~12 CPU-s.)"""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"HOME": str(tmp_path)}  # no netrc
+    flags = ["local", "--workdir", str(tmp_path), "--cells", "1200", "--producers", "2", "--gpus", "2",
+             "--steps", "8", "--max-genes", "64", "--batch-size", "16", "--checkpoint-every", "4",
+             "--eval-filter", "plate = 'plate14'", "--eval-every", "4", "--run", "ci", "--quiet",
+             "--wandb", "cellfeed-test"]  # fmt: skip
+    cli = [sys.executable, "-m", "app.cli", *flags]
+    refused = subprocess.run(cli, cwd=ROOT, env=base, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        "cellfeed: error: --wandb: no W&B key: set WANDB_API_KEY, run `wandb login`, or set WANDB_MODE=offline"
     )
+    assert not (tmp_path / "ci").exists()
+    env = base | {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    out = subprocess.run(cli, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "cells/s" in out.stdout and "dataloader wait" in out.stdout and "held-out at step 8" in out.stdout
     rows = [json.loads(line) for line in (tmp_path / "ci" / "steps.jsonl").read_text().splitlines()]
@@ -282,6 +264,9 @@ def test_cellfeed_local_end_to_end(tmp_path):
     assert all(r["wait_ms"] >= 0 and r["cells_per_s"] > 0 for r in rows if "loss" in r)
     assert (tmp_path / "checkpoints" / "ci" / "latest").read_text().strip() == "step-00000008"
     assert (tmp_path / "checkpoints" / "ci" / "step-00000004" / "state.pt").exists()
+    (record,) = (tmp_path / "ci" / "wandb").glob("offline-run-*/run-*.wandb")
+    data = record.read_bytes()  # wandb's own record log: its history rows name each scalar
+    assert all(tag in data for tag in (b"train/loss", b"train/cells_per_s", b"data_wait_ms/rank0", b"cellfeed-test"))
 
 
 @pytest.mark.parametrize(
