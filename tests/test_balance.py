@@ -267,7 +267,7 @@ def test_the_cell_logs_of_every_strategy_hold_each_class_at_its_quota(atlas, tmp
         run="logs",
         backend={"kind": "memory"},
         vocab_size=producer.vocab.size,
-        batch_size=64,
+        batch_size=512,  # (which cells, not learning: 12 steps, not 94)
         epochs=2,
         run_driver=False,
         progress_bar=False,
