@@ -127,6 +127,7 @@ def main() -> None:
         "median_step_ms": round(summary["median_step_s"] * 1e3, 2),
         "cells_per_s": round(summary["cells_per_s"], 1),
         "tokens_per_s": round(summary["tokens_per_s"]),
+        "padding": summary["padding"],  # of the positions computed (these items: every cell full length)
         "mfu": None if mfu is None else round(mfu, 4),
         "dataloader_wait_ms_median": summary["median_wait_ms"],
         "peak_mem_mb": summary["peak_mem_mb"],

@@ -59,6 +59,7 @@ def test_train_step():
     figures = figures_of(run_benchmark("train_step", "--tiny"))
     assert figures["steps"] == 6 and figures["preset"] == "tiny" and figures["batch"] == 8
     assert finite(figures["cells_per_s"], figures["median_step_ms"], figures["tokens_per_s"])
+    assert figures["padding"] == 0.0  # every cell of its items is max_genes + 1 tokens long
     assert figures["cells_per_s"] > 0
     assert figures["mfu"] is None or finite(figures["mfu"])  # n/a on a CPU
 

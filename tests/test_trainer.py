@@ -481,6 +481,85 @@ def test_model_presets_masking_and_flops():
     assert train_flops(c, lengths, 800) == pytest.approx(expected)
 
 
+def hidden_batch(objective: str, empty_cell: bool = False) -> tuple[ModelConfig, Batch]:
+    """A padded batch of 3 cells for the tiny preset: scGPT's layout (CLS, bins) or Geneformer V1's
+    (genes only), optionally with an empty cell (V1 has no token at all for one)."""
+    c = ModelConfig.preset("tiny", 100, n_bins=11, objective=objective)
+    lengths = torch.tensor([16, 11, 0 if empty_cell else 5])
+    mask = torch.arange(16)[None, :] < lengths[:, None]
+    tokens = torch.randint(4, 100, (3, 16)).masked_fill(~mask, 0)
+    values = None
+    if objective == "bins":
+        tokens[:, 0] = CLS
+        values = torch.randint(1, 11, (3, 16)).masked_fill(~mask, 0)
+        values[:, 0] = 0
+    return c, Batch(tokens, mask, values, None, torch.arange(3), lengths=lengths)
+
+
+@pytest.mark.parametrize("objective", ["bins", "genes"])
+def test_the_loss_is_the_cross_entropy_at_the_hidden_positions_only(objective):
+    """`masked_loss` predicts at a fixed number of positions per cell (hidden first, then filler
+    weighed 0): its sum equals the cross-entropy over exactly the hidden positions, computed apart
+    from the model's logits at every position; an empty cell changes nothing and nothing is NaN."""
+    torch.manual_seed(0)
+    for empty in (False, True):
+        c, batch = hidden_batch(objective, empty_cell=empty and objective == "genes")
+        model = CellTransformer(c)
+        loss_sum, n, correct = masked_loss(model, batch, 0.4, torch.Generator().manual_seed(3), 11, c)
+        masked = mask_positions(batch.tokens, batch.attention_mask, 0.4, torch.Generator().manual_seed(3))
+        every = torch.arange(16).expand(3, 16)
+        if objective == "bins":
+            logits = model(batch.tokens, batch.values.masked_fill(masked, 11), batch.attention_mask, every)
+            truth = batch.values
+        else:
+            logits = model(batch.tokens.masked_fill(masked, c.mask_token), None, batch.attention_mask, every)
+            truth = batch.tokens
+        expected = torch.nn.functional.cross_entropy(logits[masked], truth[masked], reduction="sum")
+        assert int(n) == int(masked.sum()) > 0 and torch.isfinite(loss_sum)
+        assert loss_sum.item() == pytest.approx(expected.item(), rel=1e-5)
+        assert int(correct) == int((logits[masked].argmax(-1) == truth[masked]).sum())
+        loss_sum.backward()  # every parameter gets a gradient (DDP requires it)
+        assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_forward_compiles_to_one_graph_with_or_without_padding():
+    """No graph break: the padding decision is the host's (`Batch.padded`, from the collate's
+    lengths), and the head runs at a fixed number of positions, so no shape depends on the data.
+    (Before: 3 graphs, 2 breaks: `bool(attention_mask.all())`, a `.item()`, and the boolean gather
+    of the hidden positions, a `nonzero`.)"""
+    c, batch = hidden_batch("bins")
+    model = CellTransformer(c)
+    positions = torch.arange(7).expand(3, 7)
+    for padded in (True, False):
+        explained = torch._dynamo.explain(model)(batch.tokens, batch.values, batch.attention_mask, positions, padded)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    assert batch.padded and not Batch(batch.tokens, batch.attention_mask, None, None, batch.cell_ids,
+                                      lengths=torch.full((3,), 16)).padded  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", ["tiny", "scgpt", "base", "large"])
+def test_the_flop_formula_is_what_torch_counts_and_leaves_padding_out(preset):
+    """`train_flops` against torch's own FLOP counter (`torch.utils.flop_counter`) over a forward
+    and backward of each preset and objective, on the meta device (shapes only: the large preset
+    needs no memory; there attention decomposes into the matmuls the counter counts, where CPU's
+    fused attention kernel is not counted at all). Unpadded, they are equal; padded, torch counts
+    the padding's work too and the formula, over real lengths, does not."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for objective in ("bins", "genes"):
+        c = ModelConfig.preset(preset, 200, n_bins=11, objective=objective)
+        with torch.device("meta"):
+            model = CellTransformer(c)
+            tokens = torch.randint(4, 200, (2, 24))
+            bins = torch.randint(1, 11, (2, 24)) if objective == "bins" else None
+            positions = torch.arange(10).expand(2, 10)
+            mask = torch.ones(2, 24, dtype=torch.bool)
+        with FlopCounterMode(display=False) as counted:
+            model(tokens, bins, mask, positions, False).float().sum().backward()
+        assert train_flops(c, torch.full((2,), 24.0), 20) == counted.get_total_flops(), (preset, objective)
+        assert train_flops(c, torch.tensor([24.0, 9.0]), 20) < counted.get_total_flops()  # 15 padded slots
+
+
 @pytest.fixture
 def single_rank(monkeypatch):
     """This process as rank 0 of a world of 1 (torch.distributed reads these)."""

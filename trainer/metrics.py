@@ -48,10 +48,11 @@ class StepMetrics:
     seconds: float  # this rank's step, waiting included
     wait_s: float  # time this rank waited for its batch
     cells: int
-    tokens: int
+    tokens: int  # real tokens (no padding)
     flops: float
     device: torch.device
     ready_cells: int = 0  # decoded cells waiting in this rank's consumer after the step (its prefetch)
+    slots: int = 0  # the batches' positions, padding included (tokens / slots: the work that was real)
 
 
 class Tracker:
@@ -90,9 +91,9 @@ class Tracker:
     def record(self, m: StepMetrics) -> dict:
         world = dist.get_world_size()
         # on the step's device: NCCL reduces CUDA tensors only. Each rank's wait in its own slot: the sum is all of them
-        summed = torch.zeros(4 + world, dtype=torch.float64, device=m.device)
-        summed[:4] = torch.tensor([m.cells, m.tokens, m.flops, m.ready_cells], dtype=torch.float64)
-        summed[4 + self.rank] = m.wait_s
+        summed = torch.zeros(5 + world, dtype=torch.float64, device=m.device)
+        summed[:5] = torch.tensor([m.cells, m.tokens, m.flops, m.ready_cells, m.slots], dtype=torch.float64)
+        summed[5 + self.rank] = m.wait_s
         maxed = torch.tensor([m.seconds, m.wait_s], dtype=torch.float64, device=m.device)
         dist.all_reduce(summed)
         dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
@@ -109,10 +110,11 @@ class Tracker:
             "cells": int(summed[0]),
             "cells_per_s": round(float(summed[0]) / seconds, 1),
             "tokens_per_s": round(float(summed[1]) / seconds, 1),
+            "padding": round(1.0 - float(summed[1]) / float(summed[4]), 4) if float(summed[4]) else 0.0,
             "mfu": round(float(summed[2]) / (seconds * world * self.peak), 4) if self.peak else None,
             "peak_mem_mb": round(peak_memory_mb(m.device), 1),
             "ready_cells": int(summed[3]),
-            "wait_ms_ranks": [round(float(w) * 1000, 3) for w in summed[4:]],
+            "wait_ms_ranks": [round(float(w) * 1000, 3) for w in summed[5:]],
         }
         self.rows.append(row)
         if self.log:
@@ -127,6 +129,7 @@ class Tracker:
             "wait_ms",
             "cells_per_s",
             "tokens_per_s",
+            "padding",
             "ready_cells",
         )
         scalars = {f"train/{k}": row[k] for k in keys + (("mfu",) if row["mfu"] is not None else ())}
@@ -193,6 +196,7 @@ class Tracker:
             "cells_per_s": sum(r["cells"] for r in rows) / total_s,
             "median_mfu": med("mfu"),
             "tokens_per_s": med("tokens_per_s"),
+            "padding": med("padding"),  # the fraction of positions computed that were padding
             "peak_mem_mb": max(r["peak_mem_mb"] for r in self.rows),
             "eval": self.evals,
         }
@@ -219,6 +223,7 @@ class StepTotals:
     waited: float = 0.0
     cells: int = 0
     masked: int = 0
+    slots: int = 0
     lengths: list = field(default_factory=list)
 
     def add(self, batch, counts: tuple[torch.Tensor, int]) -> None:
@@ -229,7 +234,9 @@ class StepTotals:
             self.cells + batch.size,
             self.masked + n_masked,
         )
-        self.lengths.append(batch.attention_mask.sum(dim=1).cpu())
+        self.slots += batch.tokens.numel()
+        # the collate's host-side lengths: reading the mask back from the GPU would wait for the step
+        self.lengths.append(batch.lengths if batch.lengths is not None else batch.attention_mask.sum(dim=1).cpu())
 
     def metrics(self, step: int, epoch: int, lr: float, grad_norm, model_config, device, ready_cells) -> "StepMetrics":
         """The step's metrics as the tracker records them (flops of real tokens: `train_flops`)."""
@@ -250,4 +257,5 @@ class StepTotals:
             flops=train_flops(model_config, lengths, self.masked),
             device=device,
             ready_cells=ready_cells,
+            slots=self.slots,
         )

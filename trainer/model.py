@@ -10,6 +10,7 @@ no bin embedding at all (DDP requires every parameter to receive a gradient).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -79,24 +80,31 @@ class CellTransformer(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(
-        self, tokens: torch.Tensor, bins: torch.Tensor | None, attention_mask: torch.Tensor, masked: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        bins: torch.Tensor | None,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor,
+        padded: bool = True,
     ) -> torch.Tensor:
-        """Logits at the `masked` positions; inputs there are already hidden by the caller."""
+        """Logits [B, K, classes] at `positions` ([B, K] indices into each cell: `masked_loss` puts
+        the hidden ones first, then filler it weighs 0); inputs there are already hidden by the
+        caller. A fixed K keeps every shape independent of the data, so the forward compiles to one
+        graph. `padded`: whether any position is padding, decided on the host (`Batch.padded`)."""
         x = self.gene(tokens)
         if bins is not None:  # None: a model of gene ids, or an empty batch (a rank that ran out of cells)
             x = x + self.bin(bins)
         # every query may attend to every real token; with no padding at all, no mask (flash kernels).
         # A cell with no token at all (an empty cell in a layout without specials) attends to its
         # first (padding) slot, so softmax sees one key instead of none (which would be NaN).
-        if bool(attention_mask.all()):
-            mask = None
-        else:
+        mask = None
+        if padded:
             keys = attention_mask.clone()
             keys[:, 0] |= ~attention_mask.any(dim=1)
             mask = keys[:, None, None, :]
         for block in self.blocks:
             x = block(x, mask)
-        return self.head(self.ln(x)[masked])
+        return self.head(self.ln(x.gather(1, positions[..., None].expand(-1, -1, x.shape[-1]))))
 
     def n_params(self, embeddings: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -125,17 +133,25 @@ def masked_loss(
     model: nn.Module, batch, ratio: float, generator: torch.Generator, n_bins: int, config: ModelConfig | None = None
 ):
     """(sum of cross-entropy over masked positions, their count, correct predictions); `config`
-    names the special tokens (default: the built vocabulary's)."""
+    names the special tokens (default: the built vocabulary's). The model predicts at K positions
+    per cell, K = ceil(ratio x width) (no cell has more hidden: `mask_positions` hides round(ratio x
+    its genes) <= that): the hidden ones first, then filler whose loss is set to 0. No shape here
+    depends on the data (a boolean gather's would, which breaks torch.compile's graph)."""
     config = config or getattr(getattr(model, "module", model), "config", None) or ModelConfig(0)
     masked = mask_positions(batch.tokens, batch.attention_mask, ratio, generator, config.special_tokens)
+    width = masked.shape[1]
+    k = min(width, max(1, math.ceil(width * ratio)))
+    positions = masked.to(torch.uint8).argsort(dim=1, descending=True, stable=True)[:, :k]  # hidden first
+    hidden = masked.gather(1, positions)
     if batch.values is not None:  # hide the bin, predict it
-        logits = model(batch.tokens, batch.values.masked_fill(masked, n_bins), batch.attention_mask, masked)
-        target = batch.values[masked]
+        tokens, bins, truth = batch.tokens, batch.values.masked_fill(masked, n_bins), batch.values
     else:  # hide the gene, predict it
-        logits = model(batch.tokens.masked_fill(masked, config.mask_token), None, batch.attention_mask, masked)
-        target = batch.tokens[masked]
-    loss_sum = F.cross_entropy(logits.float(), target, reduction="sum")
-    correct = (logits.argmax(dim=-1) == target).sum()
+        tokens, bins, truth = batch.tokens.masked_fill(masked, config.mask_token), None, batch.tokens
+    target = truth.gather(1, positions)
+    logits = model(tokens, bins, batch.attention_mask, positions, getattr(batch, "padded", True))
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="none")
+    loss_sum = losses.masked_fill(~hidden.flatten(), 0.0).sum()  # (masked_fill: a filler's NaN would not spread)
+    correct = ((logits.argmax(dim=-1) == target) & hidden).sum()
     return loss_sum, masked.sum(), correct
 
 

@@ -52,10 +52,18 @@ class Batch:
     unit_items: dict = field(default_factory=dict)  # unit -> its item count, for units with an item completed here
     wait_s: float = 0.0  # time the caller waited for this batch
     unit_cells: dict = field(default_factory=dict)  # unit -> its cells in this batch (stitched cells apart)
+    lengths: torch.Tensor | None = None  # int64 [B] on the host: each cell's real tokens (None: read the mask)
 
     @property
     def size(self) -> int:
         return int(self.cell_ids.shape[0])
+
+    @property
+    def padded(self) -> bool:
+        """Whether any position is padding, known on the host from the collate (reading the mask back
+        from the GPU would wait for it, and under torch.compile break the graph). Unknown: True (the
+        mask is then applied, which is right either way)."""
+        return self.lengths is None or bool((self.lengths < self.tokens.shape[1]).any())
 
     def to(self, device: torch.device) -> "Batch":
         if device.type == "cpu":
@@ -72,6 +80,7 @@ class Batch:
             self.unit_items,
             self.wait_s,
             self.unit_cells,
+            self.lengths,
         )
 
 
@@ -392,11 +401,12 @@ def _collate(chosen: list[tuple[Item, int]], pad_to: int | None, pin: bool, pad_
         if labels is not None:
             labels[row] = item.labels[i]
         cell_ids[row] = item.cell_ids[i]
-    mask = np.arange(width)[None, :] < np.minimum(np.asarray(lengths, dtype=np.int64), width)[:, None]
+    real = np.minimum(np.asarray(lengths, dtype=np.int64), width)
+    mask = np.arange(width)[None, :] < real[:, None]
     tensors = [torch.from_numpy(x) if x is not None else None for x in (tokens, mask, values, labels, cell_ids)]
     if pin:
         tensors = [t.pin_memory() if t is not None else None for t in tensors]
-    return Batch(*tensors)
+    return Batch(*tensors, lengths=torch.from_numpy(real))
 
 
 def collate_items(items: list[Item], batch_size: int, pad_to: int | None = None, pad_token: int = PAD) -> list[Batch]:
