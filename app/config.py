@@ -47,6 +47,7 @@ class CampaignConfig:
     gpus: int = 8  # trainer ranks per node
     nodes: int = 1  # trainer nodes: the DDP world is nodes x gpus ranks (`world_size`)
     batch_size: int = 240
+    tokens_per_row: int | None = None  # pack each batch's cells into rows of this many tokens (None: a row per cell)
     grad_accum: int = 1
     steps: int | None = None  # None: train the epochs through
     epochs: int | None = None  # None: 1, or as many as `steps` needs
@@ -111,6 +112,12 @@ class CampaignConfig:
         for name in ("max_genes", "steps", "epochs"):  # optional
             if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise CellfeedError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        longest = layout(self.tokenizer).sequence_length(self.genes_per_cell)
+        if self.tokens_per_row is not None and int(self.tokens_per_row) < longest:
+            raise CellfeedError(
+                f"--tokens-per-row {self.tokens_per_row}: a row must hold the longest cell, {longest} tokens "
+                f"({self.tokenizer} with {self.genes_per_cell} genes); give at least {longest}, e.g. {2 * longest}"
+            )
         if not 1 <= self.lease_s <= 3600:
             raise CellfeedError(f"--lease-s must be within 1..3600 seconds, got {self.lease_s}")
         if not 0 <= self.rpc_latency_ms <= 10_000:
@@ -269,6 +276,7 @@ class CampaignConfig:
             seed=self.seed,
             compile=self.compile,
             pad_to=spec.sequence_length(self.genes_per_cell),
+            tokens_per_row=self.tokens_per_row,
             checkpoint_dir=self.run_checkpoint_dir,
             checkpoint_every=self.checkpoint_every,
             keep_checkpoints=self.keep_checkpoints,

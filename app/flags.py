@@ -51,6 +51,9 @@ FLAG_HELP = {
     "nodes": "trainer nodes: --nodes x --gpus ranks in one DDP world (on Modal a clustered train of --nodes "
     "containers of 8 GPUs; locally, groups of CPU ranks rendezvousing as nodes do)",
     "batch_size": "cells per rank per step",
+    "tokens_per_row": "pack each batch's cells end to end into rows of this many tokens (at least the longest "
+    "cell's), attention kept within each cell, so no padding is computed; the cells of a step are the same "
+    "(default: a row per cell, padded to the longest)",
     "grad_accum": "batches accumulated per optimizer step",
     "steps": "optimizer steps; alone, as many epochs as they need (default: --epochs through)",
     "epochs": "epochs (default: 1, or as many as --steps needs)",
@@ -100,6 +103,7 @@ CAMPAIGN_FLAGS = (
     "gpus",
     "nodes",
     "batch_size",
+    "tokens_per_row",
     "grad_accum",
     "steps",
     "epochs",

@@ -4,6 +4,8 @@ queue that a feeder thread keeps full of scGPT items (random genes, 1024 per cel
 
     python benchmarks/train_step.py --quick                      # CPU: tiny preset, batch 16
     python benchmarks/train_step.py --preset scgpt --batch 240   # on an H100/H200: the goal is MFU >= 40%
+    python benchmarks/train_step.py --preset scgpt --batch 240 --ragged                     # cells of varied length,
+    python benchmarks/train_step.py --preset scgpt --batch 240 --ragged --tokens-per-row 2050  # padded, then packed
     python benchmarks/train_step.py --tiny                       # the test suite's: 6 steps, batch 8, 256 genes
 
 Ends with one JSON line: device, preset, cells_per_s, mfu, dataloader_wait_ms_median, ... Exits 1
@@ -41,15 +43,18 @@ from trainer.train import train  # noqa: E402
 N_GENES = 62_710
 
 
-def random_items(n_cells: int, max_genes: int, epoch: int, seed: int) -> list[bytes]:
+def random_items(n_cells: int, max_genes: int, epoch: int, seed: int, ragged: bool = False) -> list[bytes]:
+    """scGPT items of random genes: every cell max_genes + 1 tokens (CLS first), or with `ragged`
+    each cell's length drawn uniformly from a quarter of that to all of it (real cells vary: a
+    Tahoe cell's median is ~1,100 expressed genes, so at 2,048 about half of a padded batch is padding)."""
     rng = np.random.default_rng(seed)
     length = max_genes + 1
-    tokens = rng.integers(4, N_GENES + 4, size=(n_cells, length)).astype(np.uint16)
-    tokens[:, 0] = 1
-    bins = rng.integers(1, 51, size=(n_cells, length)).astype(np.uint8)
-    bins[:, 0] = 0
-    offsets = np.arange(0, (n_cells + 1) * length, length, dtype=np.int64)
-    cells = CellRows(np.arange(n_cells, dtype=np.int64), offsets, tokens.ravel(), bins.ravel())
+    lengths = rng.integers(length // 4, length + 1, size=n_cells) if ragged else np.full(n_cells, length)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = rng.integers(4, N_GENES + 4, size=int(offsets[-1])).astype(np.uint16)
+    bins = rng.integers(1, 51, size=int(offsets[-1])).astype(np.uint8)
+    tokens[offsets[:-1]], bins[offsets[:-1]] = 1, 0  # CLS, bin 0 under it
+    cells = CellRows(np.arange(n_cells, dtype=np.int64), offsets, tokens, bins)
     return pack_items(cells, epoch=epoch, key_id=seed, run_tag=run_tag("bench"), cells_per_item=64)
 
 
@@ -70,12 +75,20 @@ def main() -> None:
     parser.add_argument("--max-genes", type=int, default=None, help="genes per cell (default 1024; 256 tiny)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument(
+        "--ragged", action="store_true", help="cells of max-genes/4 .. max-genes tokens (default: all full length)"
+    )
+    parser.add_argument(
+        "--tokens-per-row", type=int, default=None, help="pack each batch's cells into rows of N tokens (default: off)"
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     preset = args.preset or ("tiny" if args.tiny or not cuda else "scgpt")
     batch = args.batch or (8 if args.tiny else 240 if cuda else 16)
     steps = args.steps or (6 if args.tiny else 12 if args.quick else 40)
     args.max_genes = args.max_genes or (256 if args.tiny else 1024)
+    if args.tokens_per_row is not None and args.tokens_per_row < args.max_genes + 1:
+        parser.error(f"--tokens-per-row {args.tokens_per_row} must hold a whole cell: at least {args.max_genes + 1}")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))  # (a fixed port collides with another run's)
     queue, store = remote(MemoryQueue(), MemoryMap(), args.rpc_latency_ms)
@@ -86,7 +99,7 @@ def main() -> None:
     def feed():  # keeps the partition topped up, like a producer fleet that keeps up
         seed = 0
         while not stop.is_set() and seed * 64 < n_cells:
-            for item in random_items(min(256, n_cells - seed * 64), args.max_genes, 0, seed):
+            for item in random_items(min(256, n_cells - seed * 64), args.max_genes, 0, seed, args.ragged):
                 while not stop.is_set():
                     try:
                         queue.put_many([item], timeout=0.5, partition=rank_partition(0))
@@ -108,6 +121,7 @@ def main() -> None:
         run_driver=False,
         compile=args.compile,
         pad_to=args.max_genes + 1,
+        tokens_per_row=args.tokens_per_row,
         buffer_cells=4 * batch,
         progress_bar=not (args.quick or args.tiny),
     )
@@ -127,7 +141,9 @@ def main() -> None:
         "median_step_ms": round(summary["median_step_s"] * 1e3, 2),
         "cells_per_s": round(summary["cells_per_s"], 1),
         "tokens_per_s": round(summary["tokens_per_s"]),
-        "padding": summary["padding"],  # of the positions computed (these items: every cell full length)
+        "padding": summary["padding"],  # of the positions computed (0 when every cell is full length)
+        "ragged": args.ragged,
+        "tokens_per_row": args.tokens_per_row or 0,  # 0: a row per cell
         "mfu": None if mfu is None else round(mfu, 4),
         "dataloader_wait_ms_median": summary["median_wait_ms"],
         "peak_mem_mb": summary["peak_mem_mb"],

@@ -78,15 +78,15 @@ def training_began(proc: subprocess.Popen, steps: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "tokenizer, gpus",
-    [  # each tokenizer once (the alias for V2), one and two ranks
-        ("geneformer-v1", 1),
-        ("geneformer", 2),
-        ("scgpt", 1),
+    "tokenizer, gpus, packed",
+    [  # each tokenizer once (the alias for V2), one and two ranks; V2's cells packed 2 to a row of 52 tokens
+        ("geneformer-v1", 1, False),
+        ("geneformer", 2, True),
+        ("scgpt", 1, False),
     ],
 )
 def test_every_tokenizer_trains_with_a_held_out_split_and_steps_beyond_an_epoch(
-    counts_atlas, tmp_path, tokenizer, gpus
+    counts_atlas, tmp_path, tokenizer, gpus, packed
 ):
     plates = np.asarray(counts_atlas.obs(["plate"]).column(0).to_pylist())
     held_out = set(np.flatnonzero(plates == "plate14").tolist())
@@ -121,12 +121,14 @@ def test_every_tokenizer_trains_with_a_held_out_split_and_steps_beyond_an_epoch(
             "--audit-cells",
             "--quiet",
         ]
+        + (["--tokens-per-row", "52"] if packed else [])
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"{steps} steps of 16 cells per rank over 2 epochs" in out.stdout
     rows = [json.loads(line) for line in (tmp_path / "t" / "steps.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == steps and all(math.isfinite(x) for x in losses)
+    assert all(0 <= r["padding"] < 1 for r in rows if "loss" in r)
     epochs = trained_per_epoch(tmp_path / "t")
     assert set(epochs) == {0, 1}
     assert epochs[0] == Counter(train)  # the whole training split once, no held-out cell

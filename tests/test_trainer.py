@@ -543,7 +543,8 @@ def test_the_flop_formula_is_what_torch_counts_and_leaves_padding_out(preset):
     and backward of each preset and objective, on the meta device (shapes only: the large preset
     needs no memory; there attention decomposes into the matmuls the counter counts, where CPU's
     fused attention kernel is not counted at all). Unpadded, they are equal; padded, torch counts
-    the padding's work too and the formula, over real lengths, does not."""
+    the padding's work too and the formula, over real lengths, does not; packed, likewise for the
+    attention between cells that the mask discards."""
     from torch.utils.flop_counter import FlopCounterMode
 
     for objective in ("bins", "genes"):
@@ -558,6 +559,93 @@ def test_the_flop_formula_is_what_torch_counts_and_leaves_padding_out(preset):
             model(tokens, bins, mask, positions, False).float().sum().backward()
         assert train_flops(c, torch.full((2,), 24.0), 20) == counted.get_total_flops(), (preset, objective)
         assert train_flops(c, torch.tensor([24.0, 9.0]), 20) < counted.get_total_flops()  # 15 padded slots
+        # packed (cells of 10, 8 and 6 tokens in row 0, 24 in row 1): torch counts each row's whole
+        # width and all its pairs (a dense mask); the formula only each cell's own tokens and pairs
+        with torch.device("meta"):
+            segments = torch.tensor([[0] * 10 + [1] * 8 + [2] * 6, [3] * 24])
+        with FlopCounterMode(display=False) as counted:
+            model(tokens, bins, mask, positions, False, segments).float().sum().backward()
+        assert train_flops(c, torch.full((2,), 24.0), 20) == counted.get_total_flops()
+        assert train_flops(c, torch.tensor([10.0, 8.0, 6.0, 24.0]), 20) < counted.get_total_flops()
+
+
+def test_packing_places_every_cell_whole_best_fit_within_its_row():
+    from trainer.packing import MAX_CELLS_PER_ROW, pack_rows, segments_of
+
+    lengths = np.array([6, 5, 4, 3, 2, 0])
+    row, start, n_rows = pack_rows(lengths, 10)
+    assert n_rows == 2 and row.tolist() == [0, 1, 0, 1, 1, 0]  # 6+4 and 5+3+2 (longest first, fullest row)
+    segments = segments_of(lengths, row, start, n_rows, 10)
+    assert [int((segments == c).sum()) for c in range(6)] == lengths.tolist()  # each cell whole, nowhere else
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lengths = rng.integers(0, 65, size=rng.integers(1, 200))
+        row, start, n_rows = pack_rows(lengths, 64)
+        segments = segments_of(lengths, row, start, n_rows, 64)
+        assert [int((segments == c).sum()) for c in range(len(lengths))] == lengths.tolist()
+        assert ((start + lengths) <= 64).all() and np.bincount(row).max() <= MAX_CELLS_PER_ROW
+        assert n_rows <= 11 / 9 * np.ceil(lengths.sum() / 64) + 1  # first fit decreasing's bound on the optimum
+    assert pack_rows(np.zeros(3, np.int64), 64)[2] == 1  # every cell empty: one row, all padding
+    with pytest.raises(ValueError, match="a cell of 65 tokens does not fit a row of 64"):
+        pack_rows(np.array([65]), 64)
+
+
+@pytest.mark.parametrize("objective", ["bins", "genes"])
+def test_a_packed_batch_gives_each_cell_the_logits_and_loss_it_has_unpacked(objective):
+    """The same cells collated padded (a row each) and packed (rows of 48 tokens): every real
+    position's logits agree (fp32, 1e-5), and so do the loss, the hidden count and the correct
+    predictions at the same hidden positions, for scGPT's layout (CLS, bins) and Geneformer V1's
+    (genes only, an empty cell among them). Masking a packed batch hides round(0.4 x genes), at
+    least 1, of each cell, as unpacked."""
+    from types import SimpleNamespace
+
+    from trainer.model import loss_at
+    from trainer.stream import _collate
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(1)
+    bins = objective == "bins"
+    lengths = [17, 3, 30, 9, 1, 24, 12] + ([] if bins else [0])
+    cells = []
+    for c, n in enumerate(lengths):
+        tokens = rng.integers(4, 100, size=n)
+        values = rng.integers(1, 11, size=n)
+        if bins and n:
+            tokens[0], values[0] = CLS, 0
+        cells.append(SimpleNamespace(offsets=np.array([0, n]), tokens=tokens, values=values if bins else None,
+                                     labels=None, cell_ids=np.array([c])))  # fmt: skip
+    chosen = [(cell, 0) for cell in cells]
+    flat, packed = _collate(chosen, None, False), _collate(chosen, None, False, tokens_per_row=48)
+    assert packed.tokens.shape[0] < flat.tokens.shape[0] and packed.tokens.shape[1] == 48 and packed.size == len(cells)
+    c = ModelConfig.preset("tiny", 100, n_bins=11, objective=objective)
+    model = CellTransformer(c)
+    hidden = mask_positions(flat.tokens, flat.attention_mask, 0.4, torch.Generator().manual_seed(2), c.special_tokens)
+    where = [(packed.segments == i).nonzero() for i in range(len(cells))]  # (row, column) of each cell's tokens
+    moved = torch.zeros_like(packed.attention_mask)
+    for i, at in enumerate(where):
+        moved[at[:, 0], at[:, 1]] = hidden[i, : len(at)]
+
+    def logits(batch, masked):
+        every = torch.arange(batch.tokens.shape[1]).expand(batch.tokens.shape[0], -1)
+        tokens = batch.tokens if bins else batch.tokens.masked_fill(masked, c.mask_token)
+        values = batch.values.masked_fill(masked, 11) if bins else None
+        return model(tokens, values, batch.attention_mask, every, True, batch.segments)
+
+    flat_logits, packed_logits = logits(flat, hidden), logits(packed, moved)
+    for i, at in enumerate(where):
+        torch.testing.assert_close(packed_logits[at[:, 0], at[:, 1]], flat_logits[i, : len(at)], rtol=1e-5, atol=1e-5)
+    a, b = loss_at(model, flat, hidden, 11, c, 0.4), loss_at(model, packed, moved, 11, c, 0.4)
+    assert b[0].item() == pytest.approx(a[0].item(), rel=1e-5) and (int(b[1]), int(b[2])) == (int(a[1]), int(a[2]))
+    chosen_packed = mask_positions(packed.tokens, packed.attention_mask, 0.4, torch.Generator().manual_seed(5),
+                                   c.special_tokens, packed.segments)  # fmt: skip
+    for i, (n, at) in enumerate(zip(lengths, where)):
+        genes = n - (1 if bins and n else 0)
+        expected = min(genes, max(1, round(genes * 0.4)))
+        assert int(chosen_packed[at[:, 0], at[:, 1]].sum()) == expected, i
+    positions = torch.arange(9).expand(packed.tokens.shape[0], 9)
+    explained = torch._dynamo.explain(model)(packed.tokens, packed.values, packed.attention_mask, positions, True,
+                                             packed.segments)  # fmt: skip
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
 @pytest.fixture

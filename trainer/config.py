@@ -31,6 +31,7 @@ class TrainConfig:
     seed: int = 0
     compile: bool = False
     pad_to: int | None = None
+    tokens_per_row: int | None = None  # packed rows of this many tokens (`trainer.packing`); None: a row per cell
     buffer_cells: int = 4096
     run_driver: bool = True  # rank 0 drives the producers (so a detached campaign needs no laptop)
     checkpoint_dir: str | None = None

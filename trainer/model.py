@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from coordination.vocab import CLS, EOS, MASK, PAD
+from trainer.packing import MAX_CELLS_PER_ROW
 from trainer.presets import preset_shape
 
 
@@ -86,11 +87,14 @@ class CellTransformer(nn.Module):
         attention_mask: torch.Tensor,
         positions: torch.Tensor,
         padded: bool = True,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, K, classes] at `positions` ([B, K] indices into each cell: `masked_loss` puts
         the hidden ones first, then filler it weighs 0); inputs there are already hidden by the
         caller. A fixed K keeps every shape independent of the data, so the forward compiles to one
-        graph. `padded`: whether any position is padding, decided on the host (`Batch.padded`)."""
+        graph. `padded`: whether any position is padding, decided on the host (`Batch.padded`).
+        `segments` (packed rows, `trainer.packing`): each position's cell; a position attends only
+        to its own cell's, so each cell is computed as it would be alone."""
         x = self.gene(tokens)
         if bins is not None:  # None: a model of gene ids, or an empty batch (a rank that ran out of cells)
             x = x + self.bin(bins)
@@ -98,7 +102,9 @@ class CellTransformer(nn.Module):
         # A cell with no token at all (an empty cell in a layout without specials) attends to its
         # first (padding) slot, so softmax sees one key instead of none (which would be NaN).
         mask = None
-        if padded:
+        if segments is not None:  # (padding attends to padding: softmax needs a key, and nothing reads it)
+            mask = (segments[:, :, None] == segments[:, None, :])[:, None]
+        elif padded:
             keys = attention_mask.clone()
             keys[:, 0] |= ~attention_mask.any(dim=1)
             mask = keys[:, None, None, :]
@@ -117,16 +123,28 @@ def mask_positions(
     ratio: float,
     generator: torch.Generator,
     special_tokens=(PAD, CLS, EOS, MASK),
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A `ratio` of each cell's gene positions (never a special token, never padding), at random."""
+    """A `ratio` of each cell's gene positions (never a special token, never padding), at random:
+    round(ratio x its genes), at least 1. A cell is a row, or with `segments` (packed rows) the
+    positions of one segment."""
     scores = torch.rand(attention_mask.shape, generator=generator, device="cpu").to(attention_mask.device)
     specials = torch.tensor(special_tokens, dtype=tokens.dtype, device=tokens.device)
     candidates = attention_mask & ~torch.isin(tokens, specials)
-    n = candidates.sum(dim=1, keepdim=True)
-    k = (n.float() * ratio).round().clamp(min=1).minimum(n)
     scores = scores.masked_fill(~candidates, 2.0)
-    rank = scores.argsort(dim=1).argsort(dim=1)
-    return candidates & (rank < k)
+    if segments is None:
+        n = candidates.sum(dim=1, keepdim=True)
+        k = (n.float() * ratio).round().clamp(min=1).minimum(n)
+        return candidates & (scores.argsort(dim=1).argsort(dim=1) < k)
+    # packed: rank each position within its cell, candidates first by score (one sort of cell + score)
+    cell = segments.clamp(min=0).flatten()  # (padding is no candidate: its cell does not matter)
+    order = (cell.double() * 4 + scores.flatten().double()).argsort()
+    in_order = cell[order]
+    rank = torch.empty_like(cell)
+    rank[order] = torch.arange(len(cell), device=cell.device) - torch.searchsorted(in_order, in_order)
+    n = torch.zeros(len(cell), dtype=torch.long, device=cell.device).scatter_add_(0, cell, candidates.flatten().long())
+    k = (n.float() * ratio).round().clamp(min=1).minimum(n)
+    return candidates & (rank < k[cell]).view(candidates.shape)
 
 
 def masked_loss(
@@ -138,9 +156,17 @@ def masked_loss(
     its genes) <= that): the hidden ones first, then filler whose loss is set to 0. No shape here
     depends on the data (a boolean gather's would, which breaks torch.compile's graph)."""
     config = config or getattr(getattr(model, "module", model), "config", None) or ModelConfig(0)
-    masked = mask_positions(batch.tokens, batch.attention_mask, ratio, generator, config.special_tokens)
+    segments = getattr(batch, "segments", None)
+    masked = mask_positions(batch.tokens, batch.attention_mask, ratio, generator, config.special_tokens, segments)
+    return loss_at(model, batch, masked, n_bins, config, ratio)
+
+
+def loss_at(model: nn.Module, batch, masked: torch.Tensor, n_bins: int, config: ModelConfig, ratio: float):
+    """`masked_loss` at given hidden positions (`masked`, [rows, width])."""
+    segments = getattr(batch, "segments", None)
     width = masked.shape[1]
-    k = min(width, max(1, math.ceil(width * ratio)))
+    # a packed row's cells each hide at most ratio x their genes + 1 (the "at least 1")
+    k = min(width, max(1, math.ceil(width * ratio)) + (MAX_CELLS_PER_ROW if segments is not None else 0))
     positions = masked.to(torch.uint8).argsort(dim=1, descending=True, stable=True)[:, :k]  # hidden first
     hidden = masked.gather(1, positions)
     if batch.values is not None:  # hide the bin, predict it
@@ -148,7 +174,7 @@ def masked_loss(
     else:  # hide the gene, predict it
         tokens, bins, truth = batch.tokens.masked_fill(masked, config.mask_token), None, batch.tokens
     target = truth.gather(1, positions)
-    logits = model(tokens, bins, batch.attention_mask, positions, getattr(batch, "padded", True))
+    logits = model(tokens, bins, batch.attention_mask, positions, getattr(batch, "padded", True), segments)
     losses = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="none")
     loss_sum = losses.masked_fill(~hidden.flatten(), 0.0).sum()  # (masked_fill: a filler's NaN would not spread)
     correct = ((logits.argmax(dim=-1) == target) & hidden).sum()

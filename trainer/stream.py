@@ -36,6 +36,7 @@ from coordination.seeds import batch_rng
 from coordination.summary import steps_per_epoch
 from coordination.vocab import PAD
 from coordination.wire import Item, ItemError, unpack_item
+from trainer.packing import pack_rows, segments_of
 
 STARVED_AFTER_S = 2.0  # a rank with cells still to come and no item for this long asks for the missing units
 
@@ -52,7 +53,8 @@ class Batch:
     unit_items: dict = field(default_factory=dict)  # unit -> its item count, for units with an item completed here
     wait_s: float = 0.0  # time the caller waited for this batch
     unit_cells: dict = field(default_factory=dict)  # unit -> its cells in this batch (stitched cells apart)
-    lengths: torch.Tensor | None = None  # int64 [B] on the host: each cell's real tokens (None: read the mask)
+    lengths: torch.Tensor | None = None  # int64 [cells] on the host: each cell's real tokens (None: read the mask)
+    segments: torch.Tensor | None = None  # packed (`trainer.packing`): int64 [rows, width], each position's cell
 
     @property
     def size(self) -> int:
@@ -63,7 +65,7 @@ class Batch:
         """Whether any position is padding, known on the host from the collate (reading the mask back
         from the GPU would wait for it, and under torch.compile break the graph). Unknown: True (the
         mask is then applied, which is right either way)."""
-        return self.lengths is None or bool((self.lengths < self.tokens.shape[1]).any())
+        return self.lengths is None or int(self.lengths.sum()) < self.tokens.numel()
 
     def to(self, device: torch.device) -> "Batch":
         if device.type == "cpu":
@@ -81,6 +83,7 @@ class Batch:
             self.wait_s,
             self.unit_cells,
             self.lengths,
+            move(self.segments),
         )
 
 
@@ -105,6 +108,7 @@ class ConsumerStream:
         batch_size: int,
         pad_to: int | None = None,
         pad_token: int = PAD,
+        tokens_per_row: int | None = None,
         buffer_cells: int = 4096,
         seed: int = 0,
         no_data_timeout_s: float = 600.0,
@@ -124,7 +128,7 @@ class ConsumerStream:
         self.partition = rank_partition(rank)
         self.tag = run_tag(run)
         self.batch_size, self.pad_to, self.buffer_cells = batch_size, pad_to, buffer_cells
-        self.pad_token = pad_token
+        self.pad_token, self.tokens_per_row = pad_token, tokens_per_row
         self.seed, self.no_data_timeout_s, self.poll_s, self.fetch_items = seed, no_data_timeout_s, poll_s, fetch_items
         self.consumed = set(consumed or ())  # keys fully trained on (from a checkpoint)
         self.trained_cells = {k: set(v) for k, v in (trained_cells or {}).items()}  # partially trained items
@@ -359,7 +363,7 @@ class EpochIterator:
         for i in sorted(picks.tolist(), reverse=True):  # swap-remove
             self.buffer[i] = self.buffer[-1]
             self.buffer.pop()
-        batch = _collate(chosen, s.pad_to, s.pin_memory, s.pad_token)
+        batch = _collate(chosen, s.pad_to, s.pin_memory, s.pad_token, s.tokens_per_row)
         for item, i in chosen:
             if not item.stitched:
                 batch.unit_cells[item.key_id] = batch.unit_cells.get(item.key_id, 0) + 1
@@ -378,35 +382,40 @@ class EpochIterator:
         return batch
 
 
-def _collate(chosen: list[tuple[Item, int]], pad_to: int | None, pin: bool, pad_token: int = PAD) -> Batch:
-    lengths = [int(item.offsets[i + 1] - item.offsets[i]) for item, i in chosen]
-    width = pad_to or max(lengths, default=1)
+def _collate(chosen: list, pad_to: int | None, pin: bool, pad_token: int = PAD, tokens_per_row: int | None = None):
+    """The drawn cells ((item, index) pairs) as a `Batch`: a row per cell padded to the longest (or
+    `pad_to`), or, with `tokens_per_row`, packed end to end in rows of that many tokens
+    (`trainer.packing`)."""
+    lengths = np.array([int(item.offsets[i + 1] - item.offsets[i]) for item, i in chosen], dtype=np.int64)
     n = len(chosen)
-    tokens = np.full((n, width), pad_token, dtype=np.int64)
+    if tokens_per_row:
+        row, start, n_rows = pack_rows(lengths, tokens_per_row)
+        width, segments = tokens_per_row, segments_of(lengths, row, start, n_rows, tokens_per_row)
+    else:
+        width = pad_to or int(lengths.max(initial=1))
+        lengths = np.minimum(lengths, width)
+        row, start, n_rows, segments = np.arange(n), np.zeros(n, np.int64), n, None
+    tokens = np.full((n_rows, width), pad_token, dtype=np.int64)
     has_values = bool(chosen) and chosen[0][0].values is not None
-    values = (
-        np.zeros((n, width), dtype=np.float32 if has_values and chosen[0][0].values.dtype == np.float32 else np.int64)
-        if has_values
-        else None
-    )
+    float_values = has_values and chosen[0][0].values.dtype == np.float32
+    values = np.zeros((n_rows, width), dtype=np.float32 if float_values else np.int64) if has_values else None
     has_labels = bool(chosen) and chosen[0][0].labels is not None
     labels = np.zeros(n, dtype=np.int64) if has_labels else None
     cell_ids = np.zeros(n, dtype=np.int64)
-    for row, ((item, i), length) in enumerate(zip(chosen, lengths)):
-        a = int(item.offsets[i])
-        length = min(length, width)
-        tokens[row, :length] = item.tokens[a : a + length]
+    for c, ((item, i), r, a, length) in enumerate(zip(chosen, row.tolist(), start.tolist(), lengths.tolist())):
+        at = int(item.offsets[i])
+        tokens[r, a : a + length] = item.tokens[at : at + length]
         if values is not None:
-            values[row, :length] = item.values[a : a + length]
+            values[r, a : a + length] = item.values[at : at + length]
         if labels is not None:
-            labels[row] = item.labels[i]
-        cell_ids[row] = item.cell_ids[i]
-    real = np.minimum(np.asarray(lengths, dtype=np.int64), width)
-    mask = np.arange(width)[None, :] < real[:, None]
+            labels[c] = item.labels[i]
+        cell_ids[c] = item.cell_ids[i]
+    mask = segments >= 0 if segments is not None else np.arange(width)[None, :] < lengths[:, None]
     tensors = [torch.from_numpy(x) if x is not None else None for x in (tokens, mask, values, labels, cell_ids)]
     if pin:
         tensors = [t.pin_memory() if t is not None else None for t in tensors]
-    return Batch(*tensors, lengths=torch.from_numpy(real))
+    packed = None if segments is None else torch.from_numpy(segments)
+    return Batch(*tensors, lengths=torch.from_numpy(lengths), segments=packed)
 
 
 def collate_items(items: list[Item], batch_size: int, pad_to: int | None = None, pad_token: int = PAD) -> list[Batch]:

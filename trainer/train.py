@@ -237,6 +237,7 @@ def open_stream(cfg, queue, store, rank, world, progress, saved, epoch, summarie
         batch_size=cfg.batch_size,
         pad_to=cfg.pad_to,
         pad_token=cfg.pad_token,
+        tokens_per_row=cfg.tokens_per_row,
         buffer_cells=cfg.buffer_cells,
         seed=cfg.seed,
         no_data_timeout_s=cfg.no_data_timeout_s,
