@@ -64,6 +64,18 @@ def test_train_step():
     assert figures["mfu"] is None or finite(figures["mfu"])  # n/a on a CPU
 
 
+def test_gpu_campaign():
+    """A whole local campaign (producer processes, the queue server, one rank) against the step
+    alone; on this CPU, MFU is n/a and the run is the tiny preset's."""
+    figures = figures_of(run_benchmark("gpu_campaign", "--tiny"))
+    assert (figures["preset"], figures["steps"], figures["batch"]) == ("tiny", 12, 16)
+    assert finite(figures["campaign_cells_per_s"], figures["step_cells_per_s"], figures["campaign_vs_step"])
+    assert figures["campaign_cells_per_s"] > 0 and figures["step_cells_per_s"] > 0
+    assert 0 <= figures["campaign_wait_ms_median"] <= figures["campaign_wait_ms_max"]
+    assert 0 <= figures["campaign_padding"] < 1
+    assert figures["campaign_mfu"] is None and figures["step_mfu"] is None  # n/a on a CPU
+
+
 def test_a_consumer_benchmark_whose_feeder_dies_ends_at_once_with_its_error():
     """The feeder thread's death (a put the queue refuses) ends the measurement within a poll,
     naming the error, instead of leaving the stream to wait out its 600 s for data."""

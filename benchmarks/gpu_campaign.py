@@ -1,0 +1,133 @@
+"""A whole campaign on this machine's accelerator against the training step alone, in one run: is
+the GPU ever left waiting for data?
+
+1. `cellfeed local` on a synthetic atlas: real producer processes read, tokenize and pack it, the
+   local queue server carries the items, and one trainer rank trains on CUDA when there is one
+   (`trainer/train.py:init_distributed`); its step log gives cells/s, the data wait of each step,
+   MFU and the padding computed.
+2. `benchmarks/train_step.py` with the same preset, batch and cell length: the same training loop
+   fed from an in-memory queue that is always full, the ceiling for (1).
+
+    python benchmarks/gpu_campaign.py                # a GPU: scgpt, batch 240, 200k cells, 8 producers
+    python benchmarks/gpu_campaign.py --compile      # the same with torch.compile in both
+    python benchmarks/gpu_campaign.py --tiny         # CPU: tiny preset, 3k cells, 12 steps (the tests')
+
+Ends with one JSON line: the device, each run's cells/s, median data wait (ms), MFU and padding,
+and `campaign_vs_step` (the campaign's cells/s over the step's alone: 1.0 means the data never held
+the trainer back). Exits 1 (one line on stderr) when a run trained fewer steps than asked or a
+figure is missing. MFU is n/a on a CPU (no bf16 peak: `trainer/metrics.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._checks import check_figures, fail  # noqa: E402
+
+WARMUP_STEPS = 3  # the first steps (allocation, compilation, producers filling the queue) are not counted
+
+
+def campaign(args, atlas: str, workdir: Path) -> dict:
+    """`cellfeed local` on `atlas`: its step rows' medians past the warm-up."""
+    command = [sys.executable, "-m", "app.cli", "local", "--dataset", atlas, "--workdir", str(workdir),
+               "--run", "gpu", "--preset", args.preset, "--batch-size", str(args.batch),
+               "--max-genes", str(args.max_genes), "--producers", str(args.producers), "--gpus", "1",
+               "--steps", str(args.steps), "--warmup-steps", "2", "--checkpoint-every", str(10 * args.steps),
+               "--quiet"]  # fmt: skip
+    command += ["--compile"] if args.compile else []
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
+    if done.returncode != 0:
+        fail(f"the campaign exited {done.returncode}: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    rows = [json.loads(line) for line in (workdir / "gpu" / "steps.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    if len(rows) < args.steps:
+        fail(f"the campaign trained {len(rows)} of {args.steps} steps")
+    counted = rows[WARMUP_STEPS:]
+    mfu = [r["mfu"] for r in counted if r["mfu"] is not None]
+    return {
+        "cells_per_s": round(sum(r["cells"] for r in counted) / sum(r["step_s"] for r in counted), 1),
+        "wait_ms_median": statistics.median(r["wait_ms"] for r in counted),
+        "wait_ms_max": max(r["wait_ms"] for r in counted),
+        "mfu": statistics.median(mfu) if mfu else None,
+        "padding": statistics.median(r["padding"] for r in counted),
+    }
+
+
+def step_alone(args) -> dict:
+    """`benchmarks/train_step.py` with the campaign's preset, batch and length."""
+    command = [sys.executable, "benchmarks/train_step.py", "--quick", "--preset", args.preset,
+               "--batch", str(args.batch), "--max-genes", str(args.max_genes), "--steps", str(args.steps)]  # fmt: skip
+    command += ["--compile"] if args.compile else []
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        fail(f"train_step.py exited {done.returncode}: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CPU: tiny preset, 3k cells, 12 steps (the test suite's)")
+    parser.add_argument("--cells", type=int, default=None, help="atlas cells (default 200,000; 3,000 tiny)")
+    parser.add_argument("--preset", default=None, help="model preset (default scgpt; tiny with --tiny)")
+    parser.add_argument("--batch", type=int, default=None, help="cells per step (default 240; 16 tiny)")
+    parser.add_argument("--max-genes", type=int, default=None, help="genes per cell (default 1024; 64 tiny)")
+    parser.add_argument("--producers", type=int, default=None, help="producer processes (default 8; 1 tiny)")
+    parser.add_argument("--steps", type=int, default=None, help="steps of each run (default 60; 12 tiny)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model in both runs")
+    parser.add_argument("--workdir", default=None, help="where the campaign writes (default: a temp dir)")
+    args = parser.parse_args()
+    args.cells = args.cells or (3_000 if args.tiny else 200_000)
+    args.preset = args.preset or ("tiny" if args.tiny else "scgpt")
+    args.batch = args.batch or (16 if args.tiny else 240)
+    args.max_genes = args.max_genes or (64 if args.tiny else 1024)
+    args.producers = args.producers or (1 if args.tiny else 8)
+    args.steps = args.steps or (12 if args.tiny else 60)
+    args.timeout_s = 600 if args.tiny else 3600
+    if args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps, which are not counted")
+
+    from producers.synth import cached_atlas
+
+    atlas = cached_atlas(args.cells)
+    with tempfile.TemporaryDirectory(prefix="cellfeed-gpu-campaign-") as tmp:
+        ran = campaign(args, atlas, Path(args.workdir or tmp))
+    alone = step_alone(args)
+    figures = {
+        "device": alone["device"],
+        "preset": args.preset,
+        "batch": args.batch,
+        "max_genes": args.max_genes,
+        "producers": args.producers,
+        "steps": args.steps,
+        "compile": args.compile,
+        "campaign_cells_per_s": ran["cells_per_s"],
+        "campaign_wait_ms_median": ran["wait_ms_median"],
+        "campaign_wait_ms_max": ran["wait_ms_max"],
+        "campaign_mfu": ran["mfu"],
+        "campaign_padding": ran["padding"],
+        "step_cells_per_s": alone["cells_per_s"],
+        "step_mfu": alone["mfu"],
+        "campaign_vs_step": round(ran["cells_per_s"] / alone["cells_per_s"], 3),
+    }
+    print(
+        f"{figures['device']}: campaign {ran['cells_per_s']:,.0f} cells/s (data wait median "
+        f"{ran['wait_ms_median']} ms, max {ran['wait_ms_max']} ms), the step alone {alone['cells_per_s']:,.0f}: "
+        f"{figures['campaign_vs_step']:.2f}x"
+    )
+    print(json.dumps(figures), flush=True)
+    on_cpu = alone["mfu"] is None  # (no bf16 peak for a CPU: MFU is n/a by design)
+    check_figures(figures, allow_none=("campaign_mfu", "step_mfu") if on_cpu else ())
+
+
+if __name__ == "__main__":
+    main()
