@@ -472,7 +472,7 @@ def cellfeed(plane: ControlPlane, *args: str, timeout: float = 120) -> subproces
 
 def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_campaign(atlas, tmp_path):
     """`cellfeed status RUN --modal` reads a running campaign's Dict (no GPU started); `cellfeed stop
-    RUN --modal` in epoch 1 of 2 has its ranks checkpoint and its producers stop, the state kept; the
+    RUN --modal` in epoch 1 of 3 has its ranks checkpoint and its producers stop, the state kept; the
     run's last line says where it stopped and exits 0; then exactly the README's `modal run
     app/modal_app.py --run RUN --resume` (the campaign from the run's record on the Volume) completes
     it, every epoch's cells once across the stop. The stop is asked of held ranks and they are let go
@@ -480,8 +480,8 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
     from cellfeed_testing.procs import stop_asked_while_held
 
     with control_plane(tmp_path) as plane:
-        # 2 epochs of 21 steps (batches of 32 on 2 ranks), at Modal's 25 ms a call
-        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, epochs=2, batch_size=32) + ["--audit-cells"], tmp_path)
+        # 3 epochs of 21 steps (batches of 32 on 2 ranks), at Modal's 25 ms a call
+        proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, epochs=3, batch_size=32) + ["--audit-cells"], tmp_path)
         call = train_started(plane, proc)
         task = rank0_task(call)
         wait_for(lambda: epoch_logged(plane, task) >= 1 or proc.poll() is not None, "a step of epoch 1", timeout=300)
@@ -506,7 +506,7 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
             wait_for,
             during=held_in_epoch_1,
         )  # fmt: skip
-        assert snap["state"] == "running" and snap["epochs"] == 2 and snap["cells_per_epoch"] == 1344
+        assert snap["state"] == "running" and snap["epochs"] == 3 and snap["cells_per_epoch"] == 1344
         assert snap["loss"] > 0 and len(snap["producers"]) == 1 and len(snap["queue"]["ranks"]) == 2
         stop_out, stop_err = stopper.communicate(timeout=120)
         assert stopper.returncode == 0, stop_out[-2000:] + stop_err[-2000:]
@@ -515,7 +515,7 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
         assert code == 0, err[-3000:]
         assert f"watch it from another terminal: cellfeed status {RUN} --modal | cellfeed stop {RUN} --modal" in out
         last = verdict_line(out)
-        stopped = re.match(r"stopped at step (\d+) as asked: 1 of 2 epochs complete; .*; resume: (modal run .*)$", last)
+        stopped = re.match(r"stopped at step (\d+) as asked: 1 of 3 epochs complete; .*; resume: (modal run .*)$", last)
         assert stopped, last
         assert f"cellfeed-{RUN}" in plane.describe()["dicts"]  # kept for the resume
         assert json.loads(cellfeed(plane, "status", RUN, "--modal", "--json").stdout)["state"] == "stopped"
@@ -524,12 +524,12 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
         assert f"cellfeed: error: --batch-size 64: run {RUN} was started with " in err, err[-2000:]
         code, out, err = finish(modal_run(plane, ["--run", RUN, "--resume"], tmp_path))  # the README's, as written
         assert code == 0, err[-3000:]
-        assert verdict_line(out).startswith("complete: 2 epochs, ")
-        assert [trained_cells(plane).get(e) for e in (0, 1)] == [training_cells(atlas)] * 2
+        assert verdict_line(out).startswith("complete: 3 epochs, ")
+        assert [trained_cells(plane).get(e) for e in (0, 1, 2)] == [training_cells(atlas)] * 3
         # the Dict is gone with the campaign; its last status stayed on the Volume
         after = json.loads(cellfeed(plane, "status", RUN, "--modal", "--json").stdout)
         assert after["state"] == "complete" and after["cells_per_epoch"] == 1344
-        assert [a["epoch"] for a in after["audits"]] == [0, 1]  # every epoch, across the new call
+        assert [a["epoch"] for a in after["audits"]] == [0, 1, 2]  # every epoch, across the new call
         # the report from the Volume's copy of the run (`modal volume get cellfeed-checkpoints RUN ...`)
         page = tmp_path / "report.html"
         made = cellfeed(plane, "report", RUN, "--workdir", str(plane.volume_dir), "--out", str(page))
