@@ -52,8 +52,8 @@ FLAG_HELP = {
     "containers of 8 GPUs; locally, groups of CPU ranks rendezvousing as nodes do)",
     "batch_size": "cells per rank per step",
     "tokens_per_row": "pack each batch's cells end to end into rows of this many tokens (at least the longest "
-    "cell's), attention kept within each cell, so no padding is computed; the cells of a step are the same "
-    "(default: a row per cell, padded to the longest)",
+    "cell's), attention kept within each cell, so short cells' padding is not computed (a row's tail still is); "
+    "the cells of a step are the same (default: a row per cell, padded to the longest)",
     "grad_accum": "batches accumulated per optimizer step",
     "steps": "optimizer steps; alone, as many epochs as they need (default: --epochs through)",
     "epochs": "epochs (default: 1, or as many as --steps needs)",

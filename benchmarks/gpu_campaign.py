@@ -12,10 +12,13 @@ the GPU ever left waiting for data?
     python benchmarks/gpu_campaign.py --compile      # the same with torch.compile in both
     python benchmarks/gpu_campaign.py --tiny         # CPU: tiny preset, 3k cells, 12 steps (the tests')
 
-Ends with one JSON line: the device, each run's cells/s, median data wait (ms), MFU and padding,
-and `campaign_vs_step` (the campaign's cells/s over the step's alone: 1.0 means the data never held
-the trainer back). Exits 1 (one line on stderr) when a run trained fewer steps than asked or a
-figure is missing. MFU is n/a on a CPU (no bf16 peak: `trainer/metrics.py`).
+Ends with one JSON line: the device, each run's cells/s, the campaign's data wait per step (median,
+max), MFU and padding, and `campaign_vs_step` (the campaign's cells/s over the step's alone). The
+data wait answers whether the GPU waited; the ratio also holds what else differs: the atlas's cells
+are of varied length (padding, and a padding mask that takes attention off the flash kernel) where
+the step alone trains full-length cells, and on a small machine the producers share the trainer's
+cores. Exits 1 (one line on stderr) when a run trained fewer steps than asked or a figure is
+missing. MFU is n/a on a CPU (no bf16 peak: `trainer/metrics.py`).
 """
 
 from __future__ import annotations

@@ -94,5 +94,6 @@ def test_a_detached_campaign_longer_than_a_call_continues_in_new_calls_after_the
         wait_for(lambda: plane.describe()["queues"] == [], "the run's queue to be deleted", timeout=60)
         assert plane.describe()["dicts"] == []
         assert len(calls(plane, "produce")) == 1 and len(calls(plane, "setup")) == 1  # reused, never doubled
+        wait_for(lambda: all(c["status"] != "running" for c in calls(plane)), "every call to end", timeout=60)
         # the plane took the laptop as gone (its heartbeats stopped) and the detached app went on
         assert [a.client_gone for a in plane.servicer.apps.values()] == [True]

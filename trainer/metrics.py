@@ -235,7 +235,7 @@ class StepTotals:
             self.masked + n_masked,
         )
         self.slots += batch.tokens.numel()
-        # the collate's host-side lengths: reading the mask back from the GPU would wait for the step
+        # the collate's host-side lengths: reading the mask back from the GPU is one more wait for the step
         self.lengths.append(batch.lengths if batch.lengths is not None else batch.attention_mask.sum(dim=1).cpu())
 
     def metrics(self, step: int, epoch: int, lr: float, grad_norm, model_config, device, ready_cells) -> "StepMetrics":

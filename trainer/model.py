@@ -124,10 +124,12 @@ def mask_positions(
     generator: torch.Generator,
     special_tokens=(PAD, CLS, EOS, MASK),
     segments: torch.Tensor | None = None,
+    n_cells: int = 0,
 ) -> torch.Tensor:
     """A `ratio` of each cell's gene positions (never a special token, never padding), at random:
     round(ratio x its genes), at least 1. A cell is a row, or with `segments` (packed rows) the
-    positions of one segment."""
+    positions of one segment; `n_cells`: the batch's cells (an empty cell has a number but no
+    position, so there may be more cells than positions)."""
     scores = torch.rand(attention_mask.shape, generator=generator, device="cpu").to(attention_mask.device)
     specials = torch.tensor(special_tokens, dtype=tokens.dtype, device=tokens.device)
     candidates = attention_mask & ~torch.isin(tokens, specials)
@@ -142,7 +144,8 @@ def mask_positions(
     in_order = cell[order]
     rank = torch.empty_like(cell)
     rank[order] = torch.arange(len(cell), device=cell.device) - torch.searchsorted(in_order, in_order)
-    n = torch.zeros(len(cell), dtype=torch.long, device=cell.device).scatter_add_(0, cell, candidates.flatten().long())
+    n = torch.zeros(max(len(cell), n_cells), dtype=torch.long, device=cell.device)
+    n.scatter_add_(0, cell, candidates.flatten().long())
     k = (n.float() * ratio).round().clamp(min=1).minimum(n)
     return candidates & (rank < k[cell]).view(candidates.shape)
 
@@ -157,7 +160,9 @@ def masked_loss(
     depends on the data (a boolean gather's would, which breaks torch.compile's graph)."""
     config = config or getattr(getattr(model, "module", model), "config", None) or ModelConfig(0)
     segments = getattr(batch, "segments", None)
-    masked = mask_positions(batch.tokens, batch.attention_mask, ratio, generator, config.special_tokens, segments)
+    masked = mask_positions(
+        batch.tokens, batch.attention_mask, ratio, generator, config.special_tokens, segments, batch.size
+    )
     return loss_at(model, batch, masked, n_bins, config, ratio)
 
 

@@ -1,5 +1,8 @@
 """Packing: a batch's cells laid end to end in rows of at most `tokens_per_row` tokens, so the
-model computes no padding (`--tokens-per-row`; unset, each cell is a row padded to the longest).
+model does not compute each short cell's padding (`--tokens-per-row`; unset, each cell is a row
+padded to the longest). What is left is each row's tail; and the attention, through a dense
+per-cell mask, still computes every pair of a row (a block-sparse kernel, FlexAttention, is not
+implemented: it is for a GPU session to measure).
 
 Where: in the trainer's collate, on the host, over the cells the mixing buffer drew for one
 batch. The producers cannot do it: which cells share a batch is decided by each rank's random
@@ -19,6 +22,8 @@ import bisect
 
 import numpy as np
 
+from coordination.errors import CellfeedError
+
 MAX_CELLS_PER_ROW = 32  # bounds a row's hidden positions (`model.masked_loss` sizes the head's by it)
 
 
@@ -28,7 +33,10 @@ def pack_rows(lengths: np.ndarray, tokens_per_row: int) -> tuple[np.ndarray, np.
     --tokens-per-row against the longest sequence before it starts)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) and int(lengths.max()) > tokens_per_row:
-        raise ValueError(f"a cell of {int(lengths.max())} tokens does not fit a row of {tokens_per_row}")
+        raise CellfeedError(
+            f"a cell of {int(lengths.max())} tokens does not fit a row of {tokens_per_row}: give --tokens-per-row "
+            "at least the longest cell's tokens"
+        )
     row, start = np.zeros(len(lengths), np.int64), np.zeros(len(lengths), np.int64)
     free: list[tuple[int, int]] = []  # (room left, row) of rows that can take another cell, by room
     used, cells = [], []  # per row: tokens placed, cells placed

@@ -411,11 +411,11 @@ def _collate(chosen: list, pad_to: int | None, pin: bool, pad_token: int = PAD, 
             labels[c] = item.labels[i]
         cell_ids[c] = item.cell_ids[i]
     mask = segments >= 0 if segments is not None else np.arange(width)[None, :] < lengths[:, None]
-    tensors = [torch.from_numpy(x) if x is not None else None for x in (tokens, mask, values, labels, cell_ids)]
+    arrays = (tokens, mask, values, labels, cell_ids, segments)
+    tensors = [torch.from_numpy(x) if x is not None else None for x in arrays]
     if pin:
         tensors = [t.pin_memory() if t is not None else None for t in tensors]
-    packed = None if segments is None else torch.from_numpy(segments)
-    return Batch(*tensors, lengths=torch.from_numpy(lengths), segments=packed)
+    return Batch(*tensors[:5], lengths=torch.from_numpy(lengths), segments=tensors[5])
 
 
 def collate_items(items: list[Item], batch_size: int, pad_to: int | None = None, pad_token: int = PAD) -> list[Batch]:
