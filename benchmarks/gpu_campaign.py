@@ -12,13 +12,13 @@ the GPU ever left waiting for data?
     python benchmarks/gpu_campaign.py --compile      # the same with torch.compile in both
     python benchmarks/gpu_campaign.py --tiny         # CPU: tiny preset, 3k cells, 12 steps (the tests')
 
-Ends with one JSON line: the device, each run's cells/s, the campaign's data wait per step (median,
-max), MFU and padding, and `campaign_vs_step` (the campaign's cells/s over the step's alone). The
-data wait answers whether the GPU waited; the ratio also holds what else differs: the atlas's cells
-are of varied length (padding, and a padding mask that takes attention off the flash kernel) where
-the step alone trains full-length cells, and on a small machine the producers share the trainer's
-cores. Exits 1 (one line on stderr) when a run trained fewer steps than asked or a figure is
-missing. MFU is n/a on a CPU (no bf16 peak: `trainer/metrics.py`).
+Ends with one JSON line: the device, the campaign's cells/s, median step (ms), data wait per step
+(median and max, ms), MFU and padding fraction, the same of the step alone (`step_alone_*`), and
+`campaign_vs_step` (the campaign's cells/s over the step's alone). The data wait answers whether the
+GPU waited; the ratio also holds what else differs: the atlas's cell lengths against the step
+benchmark's (a quarter to all of max-genes + 1; see each run's padding fraction), and on a small
+machine the producers sharing the trainer's cores. Exits 1 (one line on stderr) when a run trained
+fewer steps than asked or a figure is missing. MFU is n/a on a CPU (no bf16 peak: `trainer/metrics.py`).
 """
 
 from __future__ import annotations
@@ -58,10 +58,11 @@ def campaign(args, atlas: str, workdir: Path) -> dict:
     mfu = [r["mfu"] for r in counted if r["mfu"] is not None]
     return {
         "cells_per_s": round(sum(r["cells"] for r in counted) / sum(r["step_s"] for r in counted), 1),
-        "wait_ms_median": statistics.median(r["wait_ms"] for r in counted),
-        "wait_ms_max": max(r["wait_ms"] for r in counted),
+        "data_wait_median_ms": statistics.median(r["wait_ms"] for r in counted),
+        "data_wait_max_ms": max(r["wait_ms"] for r in counted),
+        "step_median_ms": round(statistics.median(r["step_s"] for r in counted) * 1000, 2),
         "mfu": statistics.median(mfu) if mfu else None,
-        "padding": statistics.median(r["padding"] for r in counted),
+        "padding_fraction": statistics.median(r["padding"] for r in counted),
     }
 
 
@@ -105,7 +106,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cellfeed-gpu-campaign-") as tmp:
         ran = campaign(args, atlas, Path(args.workdir or tmp))
     alone = step_alone(args)
-    figures = {
+    figures = {  # the campaign's figures, then the step alone's (step_alone_*)
         "device": alone["device"],
         "preset": args.preset,
         "batch": args.batch,
@@ -113,23 +114,21 @@ def main() -> None:
         "producers": args.producers,
         "steps": args.steps,
         "compile": args.compile,
-        "campaign_cells_per_s": ran["cells_per_s"],
-        "campaign_wait_ms_median": ran["wait_ms_median"],
-        "campaign_wait_ms_max": ran["wait_ms_max"],
-        "campaign_mfu": ran["mfu"],
-        "campaign_padding": ran["padding"],
-        "step_cells_per_s": alone["cells_per_s"],
-        "step_mfu": alone["mfu"],
+        **ran,
+        "step_alone_cells_per_s": alone["cells_per_s"],
+        "step_alone_median_ms": alone["median_step_ms"],
+        "step_alone_mfu": alone["mfu"],
+        "step_alone_padding_fraction": alone["padding_fraction"],
         "campaign_vs_step": round(ran["cells_per_s"] / alone["cells_per_s"], 3),
     }
     print(
-        f"{figures['device']}: campaign {ran['cells_per_s']:,.0f} cells/s (data wait median "
-        f"{ran['wait_ms_median']} ms, max {ran['wait_ms_max']} ms), the step alone {alone['cells_per_s']:,.0f}: "
-        f"{figures['campaign_vs_step']:.2f}x"
+        f"{figures['device']}: campaign {ran['cells_per_s']:,.0f} cells/s, step {ran['step_median_ms']} ms (data wait "
+        f"median {ran['data_wait_median_ms']} ms, max {ran['data_wait_max_ms']} ms); the step alone "
+        f"{alone['cells_per_s']:,.0f} cells/s, {alone['median_step_ms']} ms: {figures['campaign_vs_step']:.2f}x"
     )
     print(json.dumps(figures), flush=True)
     on_cpu = alone["mfu"] is None  # (no bf16 peak for a CPU: MFU is n/a by design)
-    check_figures(figures, allow_none=("campaign_mfu", "step_mfu") if on_cpu else ())
+    check_figures(figures, allow_none=("mfu", "step_alone_mfu") if on_cpu else ())
 
 
 if __name__ == "__main__":

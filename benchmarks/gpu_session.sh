@@ -14,10 +14,10 @@ step() {  # NAME LIMIT_S ARGS...: one benchmark run, its output kept, its JSON l
   echo "{\"run\": \"$name\", \"rc\": $rc, \"figures\": ${line:-null}}" >> "$out/figures.jsonl"
 }
 s="benchmarks/train_step.py --preset scgpt --batch 240 --steps 30"
-step eager 60 $s
-step compiled 150 $s --compile
-step ragged_padded 60 $s --ragged
-step ragged_packed 60 $s --ragged --tokens-per-row 2050
+step eager 60 $s --full-length
+step compiled 150 $s --full-length --compile
+step ragged_padded 60 $s
+step ragged_packed 60 $s --packed
 # 20k cells: a bare machine synthesizes the atlas first, and 40 steps of 240 cells read 9,600 of them
 step campaign 240 benchmarks/gpu_campaign.py --steps 40 --cells 20000   # (the limits add up to 570 s)
 cat "$out/device.txt" "$out/figures.jsonl"

@@ -4,11 +4,14 @@ queue that a feeder thread keeps full of scGPT items (random genes, 1024 per cel
 
     python benchmarks/train_step.py --quick                      # CPU: tiny preset, batch 16
     python benchmarks/train_step.py --preset scgpt --batch 240   # on an H100/H200: the goal is MFU >= 40%
-    python benchmarks/train_step.py --preset scgpt --batch 240 --ragged                     # cells of varied length,
-    python benchmarks/train_step.py --preset scgpt --batch 240 --ragged --tokens-per-row 2050  # padded, then packed
+    python benchmarks/train_step.py --preset scgpt --batch 240 --full-length   # every cell 1,025 tokens (H200 table)
+    python benchmarks/train_step.py --preset scgpt --batch 240 --packed        # cells of varied length, packed
     python benchmarks/train_step.py --tiny                       # the test suite's: 6 steps, batch 8, 256 genes
 
-Ends with one JSON line: device, preset, cells_per_s, mfu, dataloader_wait_ms_median, ... Exits 1
+Cells are of varied length by default (a quarter to all of max-genes + 1 tokens, as real cells vary),
+so a padded batch computes padding (`padding_fraction`); `--packed` lays them in rows instead.
+Ends with one JSON line: device, preset, cells_per_s, mfu, padding_fraction, graph_breaks (of the
+model's forward, `torch._dynamo.explain`), dataloader_wait_ms_median, ... Exits 1
 (one line on stderr) when it trained fewer steps than asked or a figure is missing (MFU on a GPU
 with no bf16 peak in trainer/metrics.py: on a CPU it is n/a by design).
 """
@@ -58,6 +61,25 @@ def random_items(n_cells: int, max_genes: int, epoch: int, seed: int, ragged: bo
     return pack_items(cells, epoch=epoch, key_id=seed, run_tag=run_tag("bench"), cells_per_item=64)
 
 
+def graph_breaks(preset: str, args) -> int:
+    """torch.compile's graph breaks in the model's forward, on a batch of 2 cells collated as the run's
+    (padded or packed), on the CPU (`torch._dynamo.explain`: the count does not depend on the device
+    or the batch's size)."""
+    from coordination.wire import unpack_item
+    from trainer.model import CellTransformer, ModelConfig, mask_positions
+    from trainer.stream import _collate
+
+    item = unpack_item(random_items(4, args.max_genes, 0, 0, args.ragged)[0])
+    batch = _collate([(item, 0), (item, 1)], args.max_genes + 1, False, tokens_per_row=args.tokens_per_row)
+    model = CellTransformer(ModelConfig.preset(preset, N_GENES + 4))
+    masked = mask_positions(batch.tokens, batch.attention_mask, 0.4, torch.Generator(), segments=batch.segments)
+    positions = masked.to(torch.uint8).argsort(dim=1, descending=True, stable=True)[:, : int(masked.sum(1).max())]
+    explained = torch._dynamo.explain(model)(
+        batch.tokens, batch.values, batch.attention_mask, positions, batch.padded, batch.segments
+    )
+    return explained.graph_break_count
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -76,17 +98,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument(
-        "--ragged", action="store_true", help="cells of max-genes/4 .. max-genes tokens (default: all full length)"
+        "--full-length",
+        action="store_true",
+        help="every cell max-genes + 1 tokens (the H200 figures' items); default: cells of a quarter to all of it",
     )
+    parser.add_argument("--packed", action="store_true", help="pack each batch's cells into rows (--tokens-per-row)")
     parser.add_argument(
-        "--tokens-per-row", type=int, default=None, help="pack each batch's cells into rows of N tokens (default: off)"
+        "--tokens-per-row", type=int, default=None, help="packed rows of N tokens (default with --packed: 2 cells)"
     )
     args = parser.parse_args()
+    args.ragged = not args.full_length
     cuda = torch.cuda.is_available()
     preset = args.preset or ("tiny" if args.tiny or not cuda else "scgpt")
     batch = args.batch or (8 if args.tiny else 240 if cuda else 16)
     steps = args.steps or (6 if args.tiny else 12 if args.quick else 40)
     args.max_genes = args.max_genes or (256 if args.tiny else 1024)
+    if args.packed or args.tokens_per_row:
+        args.tokens_per_row = args.tokens_per_row or 2 * (args.max_genes + 1)
     if args.tokens_per_row is not None and args.tokens_per_row < args.max_genes + 1:
         parser.error(f"--tokens-per-row {args.tokens_per_row} must hold a whole cell: at least {args.max_genes + 1}")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -141,9 +169,10 @@ def main() -> None:
         "median_step_ms": round(summary["median_step_s"] * 1e3, 2),
         "cells_per_s": round(summary["cells_per_s"], 1),
         "tokens_per_s": round(summary["tokens_per_s"]),
-        "padding": summary["padding"],  # of the positions computed (0 when every cell is full length)
+        "padding_fraction": round(summary["padding"], 4),  # of the positions computed (0: every cell full length)
         "ragged": args.ragged,
         "tokens_per_row": args.tokens_per_row or 0,  # 0: a row per cell
+        "graph_breaks": graph_breaks(preset, args),
         "mfu": None if mfu is None else round(mfu, 4),
         "dataloader_wait_ms_median": summary["median_wait_ms"],
         "peak_mem_mb": summary["peak_mem_mb"],
