@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures in one call of a lent device (at most 570 s of runs): each benchmark's JSON line to
+# The GPU figures in one call of a lent device (at most 590 s of runs): each benchmark's JSON line to
 # $OUT (or ./runs/gpu), and the device named. Run from the repository root, in a venv with this project
 # and a CUDA torch. Each run has its own time limit, so one that hangs cannot take the others' time.
 #   bash benchmarks/gpu_session.sh
@@ -14,10 +14,11 @@ step() {  # NAME LIMIT_S ARGS...: one benchmark run, its output kept, its JSON l
   echo "{\"run\": \"$name\", \"rc\": $rc, \"figures\": ${line:-null}}" >> "$out/figures.jsonl"
 }
 s="benchmarks/train_step.py --preset scgpt --batch 240 --steps 30"
-step eager 60 $s --full-length
+step eager 50 $s --full-length
 step compiled 150 $s --full-length --compile
-step ragged_padded 60 $s
-step ragged_packed 60 $s --packed
+step ragged_padded 50 $s
+step ragged_packed 50 $s --packed
+step ragged_packed_flex 90 $s --flex   # (FlexAttention's block mask, compiled: the dense mask's rival)
 # 20k cells: a bare machine synthesizes the atlas first, and 40 steps of 240 cells read 9,600 of them
-step campaign 240 benchmarks/gpu_campaign.py --steps 40 --cells 20000   # (the limits add up to 570 s)
+step campaign 200 benchmarks/gpu_campaign.py --steps 40 --cells 20000   # (the limits add up to 590 s)
 cat "$out/device.txt" "$out/figures.jsonl"

@@ -71,7 +71,7 @@ def graph_breaks(preset: str, args) -> int:
 
     item = unpack_item(random_items(4, args.max_genes, 0, 0, args.ragged)[0])
     batch = _collate([(item, 0), (item, 1)], args.max_genes + 1, False, tokens_per_row=args.tokens_per_row)
-    model = CellTransformer(ModelConfig.preset(preset, N_GENES + 4))
+    model = CellTransformer(ModelConfig.preset(preset, N_GENES + 4))  # (the dense mask: flex needs CUDA)
     masked = mask_positions(batch.tokens, batch.attention_mask, 0.4, torch.Generator(), segments=batch.segments)
     positions = masked.to(torch.uint8).argsort(dim=1, descending=True, stable=True)[:, : int(masked.sum(1).max())]
     explained = torch._dynamo.explain(model)(
@@ -106,6 +106,9 @@ def main() -> None:
     parser.add_argument(
         "--tokens-per-row", type=int, default=None, help="packed rows of N tokens (default with --packed: 2 cells)"
     )
+    parser.add_argument(
+        "--flex", action="store_true", help="packed rows' attention by FlexAttention's block mask (CUDA only)"
+    )
     args = parser.parse_args()
     args.ragged = not args.full_length
     cuda = torch.cuda.is_available()
@@ -113,6 +116,9 @@ def main() -> None:
     batch = args.batch or (8 if args.tiny else 240 if cuda else 16)
     steps = args.steps or (6 if args.tiny else 12 if args.quick else 40)
     args.max_genes = args.max_genes or (256 if args.tiny else 1024)
+    if args.flex and not cuda:
+        parser.error("--flex: FlexAttention trains on CUDA only (it has no backward on CPU)")
+    args.packed = args.packed or args.flex
     if args.packed or args.tokens_per_row:
         args.tokens_per_row = args.tokens_per_row or 2 * (args.max_genes + 1)
     if args.tokens_per_row is not None and args.tokens_per_row < args.max_genes + 1:
@@ -150,6 +156,7 @@ def main() -> None:
         compile=args.compile,
         pad_to=args.max_genes + 1,
         tokens_per_row=args.tokens_per_row,
+        packed_attention="flex" if args.flex else "dense",
         buffer_cells=4 * batch,
         progress_bar=not (args.quick or args.tiny),
     )
@@ -172,6 +179,7 @@ def main() -> None:
         "padding_fraction": round(summary["padding"], 4),  # of the positions computed (0: every cell full length)
         "ragged": args.ragged,
         "tokens_per_row": args.tokens_per_row or 0,  # 0: a row per cell
+        "packed_attention": "flex" if args.flex else "dense",
         "graph_breaks": graph_breaks(preset, args),
         "mfu": None if mfu is None else round(mfu, 4),
         "dataloader_wait_ms_median": summary["median_wait_ms"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -593,13 +594,14 @@ def test_packing_places_every_cell_whole_best_fit_within_its_row():
         pack_rows(np.array([65]), 64)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # (CPU: the reference form)
 @pytest.mark.parametrize("objective", ["bins", "genes"])
 def test_a_packed_batch_gives_each_cell_the_logits_and_loss_it_has_unpacked(objective):
     """The same cells collated padded (a row each) and packed (rows of 48 tokens): every real
     position's logits agree (fp32, 1e-5), and so do the loss, the hidden count and the correct
     predictions at the same hidden positions, for scGPT's layout (CLS, bins) and Geneformer V1's
-    (genes only, an empty cell among them). Masking a packed batch hides round(0.4 x genes), at
-    least 1, of each cell, as unpacked."""
+    (genes only, an empty cell among them); FlexAttention's block mask gives the dense mask's logits.
+    Masking a packed batch hides round(0.4 x genes), at least 1, of each cell, as unpacked."""
     from types import SimpleNamespace
 
     from trainer.model import loss_at
@@ -637,6 +639,12 @@ def test_a_packed_batch_gives_each_cell_the_logits_and_loss_it_has_unpacked(obje
     flat_logits, packed_logits = logits(flat, hidden), logits(packed, moved)
     for i, at in enumerate(where):
         torch.testing.assert_close(packed_logits[at[:, 0], at[:, 1]], flat_logits[i, : len(at)], rtol=1e-5, atol=1e-5)
+    dense = model
+    model = CellTransformer(replace(c, packed_attention="flex"))  # FlexAttention's block mask: the same logits
+    model.load_state_dict(dense.state_dict())
+    with torch.no_grad():  # (FlexAttention has no backward on CPU: forward only here)
+        torch.testing.assert_close(logits(packed, moved)[packed.attention_mask], packed_logits[packed.attention_mask])
+    model = dense
     a, b = loss_at(model, flat, hidden, 11, c, 0.4), loss_at(model, packed, moved, 11, c, 0.4)
     assert b[0].item() == pytest.approx(a[0].item(), rel=1e-5) and (int(b[1]), int(b[2])) == (int(a[1]), int(a[2]))
     chosen_packed = mask_positions(packed.tokens, packed.attention_mask, 0.4, torch.Generator().manual_seed(5),

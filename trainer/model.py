@@ -10,12 +10,14 @@ no bin embedding at all (DDP requires every parameter to receive a gradient).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from coordination.vocab import CLS, EOS, MASK, PAD
 from trainer.packing import MAX_CELLS_PER_ROW
@@ -35,10 +37,35 @@ class ModelConfig:
     pad_token: int = PAD  # the vocabulary's special tokens (a vocabulary file has its own ids)
     mask_token: int = MASK
     special_tokens: tuple[int, ...] = (PAD, CLS, EOS, MASK)
+    # packed rows' attention: "dense" (a per-cell mask through scaled_dot_product_attention: every pair
+    # of a row computed) or "flex" (FlexAttention's block mask: only blocks holding a cell's own pairs)
+    packed_attention: str = "dense"
 
     @classmethod
     def preset(cls, name: str, vocab_size: int, n_bins: int = 51, objective: str = "bins", **tokens) -> "ModelConfig":
         return cls(vocab_size=vocab_size, n_bins=n_bins, objective=objective, **preset_shape(name), **tokens)
+
+
+def cell_blocks(segments: torch.Tensor) -> BlockMask:
+    """FlexAttention's block mask of packed rows: a position attends to its own cell's positions
+    (padding to padding), and blocks that hold no such pair are skipped."""
+
+    def same_cell(b, h, q, kv):
+        return segments[b, q] == segments[b, kv]
+
+    rows, width = segments.shape
+    return create_block_mask(same_cell, rows, None, width, width, device=segments.device, _compile=segments.is_cuda)
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    """flex_attention, compiled on CUDA (its eager form computes every score: a reference, as on CPU)."""
+    kernel = compiled_flex() if q.is_cuda else flex_attention
+    return kernel(q, k, v, block_mask=block_mask)
+
+
+@functools.cache
+def compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
 
 
 class Block(nn.Module):
@@ -51,12 +78,15 @@ class Block(nn.Module):
         self.ff = nn.Sequential(nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model))
         self.dropout = c.dropout
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask) -> torch.Tensor:
         b, n, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
-        )
+        if isinstance(attn_mask, BlockMask):  # (packed rows, FlexAttention: no dropout there)
+            y = flex(q, k, v, attn_mask)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
+            )
         x = x + self.proj(y.transpose(1, 2).reshape(b, n, d))
         return x + self.ff(self.ln2(x))
 
@@ -102,7 +132,9 @@ class CellTransformer(nn.Module):
         # A cell with no token at all (an empty cell in a layout without specials) attends to its
         # first (padding) slot, so softmax sees one key instead of none (which would be NaN).
         mask = None
-        if segments is not None:  # (padding attends to padding: softmax needs a key, and nothing reads it)
+        if segments is not None and self.config.packed_attention == "flex":
+            mask = cell_blocks(segments)
+        elif segments is not None:  # (padding attends to padding: softmax needs a key, and nothing reads it)
             mask = (segments[:, :, None] == segments[:, None, :])[:, None]
         elif padded:
             keys = attention_mask.clone()

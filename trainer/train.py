@@ -180,7 +180,10 @@ def start(cfg: TrainConfig, queue, store, rank: int, world: int, device, stop_as
         pad_token=cfg.pad_token,
         mask_token=cfg.mask_token,
         special_tokens=special,
+        packed_attention=cfg.packed_attention,
     )
+    if cfg.packed_attention == "flex" and device.type != "cuda":
+        raise CellfeedError("packed_attention 'flex': FlexAttention trains on CUDA only (no backward on CPU)")
     model = CellTransformer(model_cfg).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # fused on CUDA: one kernel for every parameter's update instead of a few per tensor (same state dict)
