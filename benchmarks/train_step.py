@@ -66,14 +66,14 @@ def graph_breaks(preset: str, args) -> int:
     (padded or packed), on the CPU (`torch._dynamo.explain`: the count does not depend on the device
     or the batch's size)."""
     from coordination.wire import unpack_item
-    from trainer.model import CellTransformer, ModelConfig, mask_positions
+    from trainer.model import CellTransformer, ModelConfig, mask_positions, predicted_positions
     from trainer.stream import _collate
 
     item = unpack_item(random_items(4, args.max_genes, 0, 0, args.ragged)[0])
     batch = _collate([(item, 0), (item, 1)], args.max_genes + 1, False, tokens_per_row=args.tokens_per_row)
     model = CellTransformer(ModelConfig.preset(preset, N_GENES + 4))  # (the dense mask: flex needs CUDA)
     masked = mask_positions(batch.tokens, batch.attention_mask, 0.4, torch.Generator(), segments=batch.segments)
-    positions = masked.to(torch.uint8).argsort(dim=1, descending=True, stable=True)[:, : int(masked.sum(1).max())]
+    positions, _ = predicted_positions(masked, 0.4, batch.segments is not None)  # (as the trainer's loss has it)
     explained = torch._dynamo.explain(model)(
         batch.tokens, batch.values, batch.attention_mask, positions, batch.padded, batch.segments
     )
@@ -111,6 +111,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.ragged = not args.full_length
+    attention = "flex" if args.flex else "dense"
     cuda = torch.cuda.is_available()
     preset = args.preset or ("tiny" if args.tiny or not cuda else "scgpt")
     batch = args.batch or (8 if args.tiny else 240 if cuda else 16)
@@ -156,7 +157,7 @@ def main() -> None:
         compile=args.compile,
         pad_to=args.max_genes + 1,
         tokens_per_row=args.tokens_per_row,
-        packed_attention="flex" if args.flex else "dense",
+        packed_attention=attention,
         buffer_cells=4 * batch,
         progress_bar=not (args.quick or args.tiny),
     )
@@ -179,7 +180,7 @@ def main() -> None:
         "padding_fraction": round(summary["padding"], 4),  # of the positions computed (0: every cell full length)
         "ragged": args.ragged,
         "tokens_per_row": args.tokens_per_row or 0,  # 0: a row per cell
-        "packed_attention": "flex" if args.flex else "dense",
+        "packed_attention": attention,
         "graph_breaks": graph_breaks(preset, args),
         "mfu": None if mfu is None else round(mfu, 4),
         "dataloader_wait_ms_median": summary["median_wait_ms"],

@@ -198,14 +198,21 @@ def masked_loss(
     return loss_at(model, batch, masked, n_bins, config, ratio)
 
 
+def predicted_positions(masked: torch.Tensor, ratio: float, packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K positions of each row the model predicts at ([rows, K]: the hidden ones first, then
+    filler) and which of them are hidden. K depends on the width and `ratio` alone, never on the data:
+    ceil(ratio x width), and for a packed row + MAX_CELLS_PER_ROW (each cell hides at most ratio x its
+    genes + 1, the "at least 1")."""
+    width = masked.shape[1]
+    k = min(width, max(1, math.ceil(width * ratio)) + (MAX_CELLS_PER_ROW if packed else 0))
+    positions = masked.to(torch.uint8).argsort(dim=1, descending=True, stable=True)[:, :k]
+    return positions, masked.gather(1, positions)
+
+
 def loss_at(model: nn.Module, batch, masked: torch.Tensor, n_bins: int, config: ModelConfig, ratio: float):
     """`masked_loss` at given hidden positions (`masked`, [rows, width])."""
     segments = getattr(batch, "segments", None)
-    width = masked.shape[1]
-    # a packed row's cells each hide at most ratio x their genes + 1 (the "at least 1")
-    k = min(width, max(1, math.ceil(width * ratio)) + (MAX_CELLS_PER_ROW if segments is not None else 0))
-    positions = masked.to(torch.uint8).argsort(dim=1, descending=True, stable=True)[:, :k]  # hidden first
-    hidden = masked.gather(1, positions)
+    positions, hidden = predicted_positions(masked, ratio, segments is not None)
     if batch.values is not None:  # hide the bin, predict it
         tokens, bins, truth = batch.tokens, batch.values.masked_fill(masked, n_bins), batch.values
     else:  # hide the gene, predict it
