@@ -512,7 +512,8 @@ def test_an_incomplete_run_ends_with_its_numbers_and_a_non_zero_exit(tmp_path, m
 def test_a_trainer_killed_on_three_ranks_resumes_on_one_from_the_default_workdir(counts_atlas, tmp_path):
     """As the README says it, from a user's own folder and the default (relative) `runs`: a
     3-rank campaign whose whole trainer is SIGKILLed mid-epoch after a checkpoint, then `--resume
-    --gpus 1` from the same folder. From the cell logs (the first run's up to its checkpoint, the
+    --gpus 1` from the same folder, its batches packed from there on (`--tokens-per-row`: a resume may
+    change how a batch is laid out). From the cell logs (the first run's up to its checkpoint, the
     resumed run's whole): every epoch trains every cell exactly once, across 3 -> 1 ranks."""
     import re
     import shutil
@@ -568,7 +569,7 @@ def test_a_trainer_killed_on_three_ranks_resumes_on_one_from_the_default_workdir
     for log in run_dir.glob("cells.rank*.jsonl"):
         shutil.copy(log, first / log.name)
     out = subprocess.run(
-        [sys.executable, "-m", "app.cli", "local", *common, "--gpus", "1", "--resume"],
+        [sys.executable, "-m", "app.cli", "local", *common, "--gpus", "1", "--tokens-per-row", "52", "--resume"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -576,6 +577,7 @@ def test_a_trainer_killed_on_three_ranks_resumes_on_one_from_the_default_workdir
         timeout=400,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "--tokens-per-row 52 from this resume on (the campaign had none)" in out.stdout + out.stderr
     resumed_at = int(re.search(r"checkpoint at step ([\d,]+)", out.stdout).group(1).replace(",", ""))
     assert 0 < resumed_at < 13  # inside epoch 0
     epochs: dict = {}
