@@ -88,7 +88,7 @@ PRODUCER_HOURS = 23.0  # a producer call returns after this long (Modal ends it 
 PREEMPT_SAVE_S = 20.0  # of Modal's ~30 s grace after a preemption's SIGINT: the ranks' time to checkpoint
 
 PRODUCER_PIP = pinned(
-    "pylance", "pyarrow", "polars", "numpy", "zstandard", "boto3", "anndata", "h5py", "scipy", "tqdm", "pandas"
+    "pylance", "pyarrow", "polars", "numpy", "numba", "zstandard", "boto3", "anndata", "h5py", "scipy", "tqdm", "pandas"
 )
 TRAINER_PIP = pinned("torch", "numpy", "zstandard", "tqdm", "tensorboard")  # no Lance, no Polars
 

@@ -29,6 +29,7 @@ PINS: dict[str, str] = {
     "boto3": "1.44.8",
     "h5py": "3.16.0",
     "matplotlib": "3.11.2",
+    "numba": "0.68.1",
     "numpy": "2.4.6",
     "pandas": "2.3.3",
     "polars": "2.1.0",

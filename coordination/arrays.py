@@ -63,9 +63,9 @@ def bridge_gaps(ranges: np.ndarray, max_gap: int) -> np.ndarray:
 class CellRows:
     """Cells as ragged rows: cell i owns rows offsets[i]:offsets[i+1] (any order within). The one
     container of a unit's cells from the read to the wire: `producers.dataset.Dataset.read_cells`
-    gives a unit's cells in it (`ids`: gene ids as read), `producers.items.to_tokens` maps their
-    genes to token ids, a tokenizer (`producers.tokenizers`) turns each cell's rows into its token
-    sequence, special tokens included, and `coordination.wire.pack_cells` packs that into items."""
+    gives a unit's cells in it (`ids`: gene ids as read), a tokenizer (`producers.tokenizers`)
+    maps their genes to token ids and turns each cell's rows into its token sequence, special
+    tokens included, and `coordination.wire.pack_cells` packs that into items."""
 
     cell_ids: np.ndarray  # int64[n]
     offsets: np.ndarray  # int64[n + 1]

@@ -18,9 +18,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from coordination.arrays import CellRows, offsets_of
+from coordination.arrays import CellRows
 from coordination.plan import Unit
-from coordination.vocab import inside
 from coordination.wire import number_items, pack_cells
 
 CHUNK_CELLS = 256  # cells tokenized at once: their rows (~0.4M at 1,600 genes per cell) fit in cache
@@ -69,9 +68,8 @@ def unit_items(
 
         def chunk(i: int) -> tuple[list[bytearray], float, float]:
             t0 = time.perf_counter()
-            chosen = rows.select(order[bounds[i] : bounds[i] + size])
-            mapped = chosen if src.gene_tokens is None else to_tokens(chosen, src.gene_tokens)
-            tokens = tokenizer(mapped, chunk_rngs[i])
+            # the chunk's cells in their shuffled order, their genes mapped to tokens on the way
+            tokens = tokenizer(rows, chunk_rngs[i], src.gene_tokens, cells=order[bounds[i] : bounds[i] + size])
             t1 = time.perf_counter()
             packed = pack_cells(
                 tokens,
@@ -79,7 +77,7 @@ def unit_items(
                 key_id=unit.id,
                 run_tag=settings.run_tag,
                 stitched=stitched,
-                labels=None if settings.labels is None else settings.labels[chosen.cell_ids],
+                labels=None if settings.labels is None else settings.labels[tokens.cell_ids],
                 cells_per_item=settings.cells_per_item,
             )
             return packed, t1 - t0, time.perf_counter() - t1
@@ -91,22 +89,6 @@ def unit_items(
             tokenize_s, pack_s = tokenize_s + t, pack_s + p
         groups.append(packed)
     return number_items(interleave(groups) if len(groups) > 1 else groups[0]), tokenize_s, pack_s
-
-
-def to_tokens(rows: CellRows, gene_tokens: np.ndarray) -> CellRows:
-    """Cells' rows with gene ids replaced by token ids (`gene_tokens`: `GeneVocab.lookup_array`)
-    and the rows of genes outside dropped, as scGPT and Geneformer drop them before ranking and
-    binning; where some were dropped, `totals` keeps each cell's whole total
-    (Geneformer divides by the cell's whole count, its n_counts). Per chunk of a few hundred
-    cells, in cache."""
-    tokens = gene_tokens[rows.ids]
-    keep = inside(tokens)
-    if keep.all():
-        return CellRows(rows.cell_ids, rows.offsets, tokens, rows.values)
-    cell = rows.cell_of_row()
-    totals = np.bincount(cell, weights=rows.values, minlength=rows.n_cells)
-    counts = np.bincount(cell[keep], minlength=rows.n_cells)
-    return CellRows(rows.cell_ids, offsets_of(counts), tokens[keep], rows.values[keep], totals)
 
 
 def interleave(groups: list[list]) -> list:

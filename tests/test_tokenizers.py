@@ -8,14 +8,15 @@ import pytest
 from coordination.arrays import CellRows
 from coordination.errors import CellfeedError
 from coordination.vocab import CLS, EOS, GeneVocab
-from producers.tokenizers import gene_order, layout, make_tokenizer, rank_order, truncate
+from producers.ranking import gene_order, rank_order, truncate
+from producers.tokenizers import layout, make_tokenizer
 
 VOCAB = GeneVocab.build([[f"G{g}" for g in range(3000)]])  # gene g -> token g + 4, as a one-dataset run's
 
 
 def tokenizer(name, medians=None, **params):
     """A tokenizer over `VOCAB`, fed rows of raw gene ids (mapped to tokens as the producer maps
-    them first: `producers.items.to_tokens`); `medians` per gene, as `cellfeed stats` stores them."""
+    them first: `producers.ranking.to_tokens`); `medians` per gene, as `cellfeed stats` stores them."""
     per_token = None if medians is None else np.concatenate([np.ones(4), medians])
     tok = make_tokenizer(name, VOCAB, gene_medians=per_token, **params)
     return lambda rows, rng=None: tok(

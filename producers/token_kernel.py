@@ -1,0 +1,321 @@
+"""The token stage in one compiled pass (numba): a chunk's cells, as read, to their token rows.
+
+For each cell, one loop over its rows: map genes to tokens (dropping those outside the vocabulary,
+summing the cell's whole total on the way), put the rows in token order if they are not already,
+rank them with a stable LSD radix sort of one integer key (value or score, descending; equal keys
+keep token order, so ties go to the lower token, as `producers.ranking.rank_order` breaks them),
+then write the cell's token row: its specials, its top `max_genes` tokens, and beside them scGPT's
+expression bins (from the cell's quantiles, walked once down the sorted values) or raw values.
+
+Why numba: the vectorised path (`producers/tokenizers.py`, kept as the reference the tests compare
+with) makes a pass and a temporary per step (key build, one sort of a whole chunk, gathers,
+searchsorted over every cell's edges, the specials' scatter), and NumPy's sort here is a
+comparison sort of ~1,600-row cells packed into one array. A per-cell radix sort over the one or
+two key bytes that differ in a cell, with everything else done while the cell is in cache, is
+what a compiled loop gives, and numba compiles it from Python without a build step, releasing
+the GIL (`nogil`), so the producer's tokenizing threads run chunks side by side. Compiled code is
+cached on disk (`cache=True`): a producer pays the compile once per machine, not per unit.
+
+`kernel_tokens` returns None where the kernel does not apply (float values that are negative or
+NaN, which only `--allow-negative` datasets hold): the caller then takes the vectorised path.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from coordination.arrays import CellRows
+
+_JIT = dict(nogil=True, cache=True)
+MODES = {"scgpt": 0, "geneformer": 1, "raw": 2}
+_MAX63 = np.int64(0x7FFFFFFFFFFFFFFF)
+
+
+@numba.njit(**_JIT)
+def _radix_sort(keys, order, tmp_keys, tmp_order, n, hist):
+    """keys[:n] (non-negative int64) sorted ascending, stably, with `order` carried along: LSD
+    radix over 8-bit digits, skipping each digit every key shares (a cell's keys differ in one or
+    two of their eight bytes)."""
+    if n < 2:
+        return
+    hist[:, :] = 0
+    for i in range(n):
+        k = keys[i]
+        for d in range(8):
+            hist[d, (k >> (8 * d)) & 255] += 1
+    src_k, src_o, dst_k, dst_o = keys, order, tmp_keys, tmp_order
+    moved = False
+    for d in range(8):
+        if hist[d, (src_k[0] >> (8 * d)) & 255] == n:
+            continue
+        total = 0
+        for b in range(256):
+            c = hist[d, b]
+            hist[d, b] = total
+            total += c
+        for i in range(n):
+            k = src_k[i]
+            b = (k >> (8 * d)) & 255
+            p = hist[d, b]
+            hist[d, b] = p + 1
+            dst_k[p] = k
+            dst_o[p] = src_o[i]
+        src_k, src_o, dst_k, dst_o = dst_k, dst_o, src_k, src_o
+        moved = not moved
+    if moved:
+        keys[:n] = src_k[:n]
+        order[:n] = src_o[:n]
+
+
+@numba.njit(**_JIT)
+def _bins_of_cell(vals, m, q, n_bins, is_float, edges, out_bins):
+    """scGPT's bin of each of a cell's m values (`vals`, sorted descending) into `out_bins[:m]`:
+    edges at the cell's quantiles (NumPy's linear method, in the value type as NumPy's _lerp),
+    bin = ceil((#edges <= v + #edges < v) / 2), as `producers.ranking.quantile_bins`."""
+    levels = n_bins - 1
+    top = m - 1
+    for j in range(levels):
+        virtual = (max(m, 1) - 1) * q[j]
+        prev = np.floor(virtual)
+        if virtual >= top:
+            lo, hi = top, top
+        else:
+            lo, hi = np.int64(prev), np.int64(prev) + 1
+        gamma = virtual - prev
+        a, b = vals[top - lo], vals[top - hi]  # ascending position p is descending index m-1-p
+        if is_float:
+            diff = np.float64(np.float32(np.float32(b) - np.float32(a)))
+        else:
+            diff = np.float64(np.int64(b) - np.int64(a))
+        if gamma >= 0.5:
+            edges[j] = np.float64(b) - diff * (1 - gamma)
+        else:
+            edges[j] = np.float64(a) + diff * gamma
+    # values descend, so both counts only fall: walk them down once
+    left, right = levels, levels
+    i = 0
+    while i < m:
+        v = np.float64(vals[i])
+        while left > 0 and edges[left - 1] > v:
+            left -= 1
+        while right > 0 and edges[right - 1] >= v:
+            right -= 1
+        bin_ = (left + right + 1) // 2
+        while i < m and np.float64(vals[i]) == v:
+            out_bins[i] = bin_
+            i += 1
+
+
+@numba.njit(**_JIT)
+def _gather(lo, hi, genes, values, lookup, mapped, outside, is_float, tok, val, f32, bits):
+    """Rows lo..hi of a cell, those in the vocabulary, into tok/val: (how many, the cell's whole
+    total, whether their tokens ascend); -1 rows for a float value that is negative, -0.0 or NaN
+    (the vectorised path's lexsort orders those)."""
+    k, total, ascending = 0, 0.0, True
+    for r in range(lo, hi):
+        v = values[r]
+        if is_float:
+            f32[0] = v
+            if not (v >= 0) or bits[0] < 0:
+                return -1, total, ascending
+        total += np.float64(v)
+        t = lookup[genes[r]] if mapped else genes[r]
+        if mapped and t == outside:
+            continue
+        tok[k] = t
+        val[k] = v
+        if k and tok[k - 1] > t:
+            ascending = False
+        k += 1
+    return k, total, ascending
+
+
+@numba.njit(**_JIT)
+def _reorder(keys, k, tok, val, scratch):
+    """tok/val[:k] put in the ascending order of keys[:k], stably."""
+    order, tmp_keys, tmp_order, tok2, val2, hist = scratch
+    for i in range(k):
+        order[i] = i
+    _radix_sort(keys, order, tmp_keys, tmp_order, k, hist)
+    for i in range(k):
+        tok2[i] = tok[order[i]]
+        val2[i] = val[order[i]]
+    tok[:k] = tok2[:k]
+    val[:k] = val2[:k]
+
+
+@numba.njit(**_JIT)
+def _rank_keys(mode, is_float, tok, val, k, total, medians, scores, keys, f32, bits):
+    """keys[:k]: non-negative, ascending as the rank goes down: the count, or the float's bits
+    (a non-negative float orders like them), or Geneformer's score (counts / total * 10,000 /
+    the gene's median, in float64 as the vectorised path computes it), inverted."""
+    if mode == 1:
+        norm = total if total > 0 else 1.0
+        for i in range(k):
+            scores[i] = np.float64(val[i]) / norm * 10_000.0 / medians[np.int64(tok[i])]
+        score_bits = scores.view(np.int64)
+        for i in range(k):
+            keys[i] = _MAX63 - score_bits[i]
+    elif is_float:
+        for i in range(k):
+            f32[0] = val[i]
+            keys[i] = np.int64(0x7FFFFFFF) - np.int64(bits[0])
+    else:
+        for i in range(k):
+            keys[i] = np.int64(65535) - np.int64(val[i])
+
+
+@numba.njit(**_JIT)
+def _write_cell(at, tok, val, bins, keep, mode, head, tail, out_tokens, out_values):
+    """The cell's token row from `at`: head, its first `keep` tokens (bins or raw values beside
+    them, 0 under the head), tail. Returns where the next cell starts."""
+    if head >= 0:
+        out_tokens[at] = head
+        if mode != 1:
+            out_values[at] = 0
+        at += 1
+    for i in range(keep):
+        out_tokens[at + i] = tok[i]
+        if mode == 0:
+            out_values[at + i] = bins[i]
+        elif mode == 2:
+            out_values[at + i] = val[i]
+    at += keep
+    if tail >= 0:
+        out_tokens[at] = tail
+        at += 1
+    return at
+
+
+@numba.njit(**_JIT)
+def _tokenize(
+    offsets,
+    genes,
+    values,
+    cells,
+    lookup,
+    mapped,
+    outside,
+    totals,
+    is_float,
+    mode,
+    max_genes,
+    head,
+    tail,
+    truncate,
+    medians,
+    q,
+    n_bins,
+    out_offsets,
+    out_tokens,
+    out_values,
+):
+    """The kernel (see the module's docstring). Writes cells `cells` (positions into `offsets`)
+    into out_offsets/out_tokens/out_values and returns True, or False (nothing usable written)
+    when a float value is negative, -0.0 or NaN. `totals`: each cell's whole total, where the
+    rows were mapped already (empty: the sum of its rows here)."""
+    longest = 1
+    for c in cells:
+        longest = max(longest, offsets[c + 1] - offsets[c])
+    tok, val = np.empty(longest, out_tokens.dtype), np.empty(longest, values.dtype)
+    keys, scores, bins = np.empty(longest, np.int64), np.empty(longest, np.float64), np.zeros(longest, np.int64)
+    scratch = (
+        np.empty(longest, np.int64),  # order
+        np.empty(longest, np.int64),  # the sort's other key buffer
+        np.empty(longest, np.int64),  # and order buffer
+        np.empty(longest, out_tokens.dtype),
+        np.empty(longest, values.dtype),
+        np.zeros((8, 256), np.int64),  # a histogram per key byte
+    )
+    edges = np.empty(max(1, n_bins - 1), np.float64)
+    f32 = np.empty(1, np.float32)  # a float32 and its bits
+    bits = f32.view(np.int32)
+    at = 0
+    out_offsets[0] = 0
+    for ci in range(len(cells)):
+        c = cells[ci]
+        # 1. the cell's rows in the vocabulary, their tokens, and its whole total
+        k, total, ascending = _gather(
+            offsets[c], offsets[c + 1], genes, values, lookup, mapped, outside, is_float, tok, val, f32, bits
+        )
+        if k < 0:
+            return False
+        # 2. token order (ties in the ranking go to the lower token)
+        if not ascending:
+            for i in range(k):
+                keys[i] = np.int64(tok[i])
+            _reorder(keys, k, tok, val, scratch)
+        # 3. rank: a stable sort by one key that ascends as the value (or score) descends
+        if mode != 2:
+            total = totals[c] if len(totals) else total
+            _rank_keys(mode, is_float, tok, val, k, total, medians, scores, keys, f32, bits)
+            _reorder(keys, k, tok, val, scratch)
+        if mode == 0:
+            _bins_of_cell(val, k, q, n_bins, is_float, edges, bins)
+        # 4. the cell's row: specials around its first max_genes tokens
+        keep = min(k, max_genes) if truncate else k
+        at = _write_cell(at, tok, val, bins, keep, mode, head, tail, out_tokens, out_values)
+        out_offsets[ci + 1] = at
+    return True
+
+
+def kernel_tokens(
+    rows: CellRows,
+    lookup: np.ndarray | None,
+    *,
+    mode: str,
+    max_genes: int,
+    token_dtype,
+    cells: np.ndarray | None = None,
+    head: int | None = None,
+    tail: int | None = None,
+    truncate: bool = True,
+    medians: np.ndarray | None = None,
+    n_bins: int = 51,
+    value_dtype=None,
+) -> CellRows | None:
+    """The token rows of the cells at positions `cells` of `rows` (None: all, in order), their
+    genes as read mapped through `lookup` (None: they are tokens already), or None where the
+    kernel does not apply. Their values: scGPT's bins (`value_dtype`), raw values (float32), or
+    None (Geneformer). `rows.totals`, where a caller dropped genes itself: each cell's whole total."""
+    if rows.values is None or rows.values.dtype not in (np.uint16, np.float32):
+        return None
+    cells = np.arange(rows.n_cells) if cells is None else np.ascontiguousarray(cells, dtype=np.int64)
+    counts = rows.offsets[cells + 1] - rows.offsets[cells]
+    extra = (head is not None) + (tail is not None)
+    room = int((np.minimum(counts, max_genes) if truncate else counts).sum()) + extra * len(cells)
+    out_offsets = np.empty(len(cells) + 1, np.int64)
+    out_tokens = np.empty(room, token_dtype)
+    vdt = {"scgpt": value_dtype, "raw": np.float32, "geneformer": np.uint8}[mode]
+    out_values = np.empty(room if mode != "geneformer" else 0, vdt)
+    mapped = lookup is not None
+    if lookup is None:
+        lookup = np.zeros(1, rows.ids.dtype)
+    ok = _tokenize(
+        rows.offsets,
+        rows.ids,
+        rows.values,
+        cells,
+        lookup,
+        mapped,
+        np.iinfo(np.uint16).max if lookup.dtype == np.uint16 else -1,  # `coordination.vocab.inside`'s marks
+        np.zeros(0) if rows.totals is None else np.asarray(rows.totals, dtype=np.float64),
+        rows.values.dtype == np.float32,
+        MODES[mode],
+        max_genes,
+        -1 if head is None else head,
+        -1 if tail is None else tail,
+        truncate,
+        np.ones(1) if medians is None else medians,
+        np.linspace(0, 1, max(1, n_bins - 1)),
+        n_bins,
+        out_offsets,
+        out_tokens,
+        out_values,
+    )
+    if not ok:
+        return None
+    end = int(out_offsets[-1])
+    values = None if mode == "geneformer" else out_values[:end]
+    return CellRows(rows.cell_ids[cells], out_offsets, out_tokens[:end], values)

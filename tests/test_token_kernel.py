@@ -1,0 +1,132 @@
+"""The compiled token pass (`producers/token_kernel.py`) against the vectorised path it replaced
+(`producers/tokenizers.py` with `kernel = False`), token for token, over random ragged inputs:
+empty cells, heavy ties, cells longer and shorter than `max_genes`, genes outside the vocabulary,
+gene -> token maps that are not monotone, a vocabulary past 65,536 tokens, float values, and the
+inputs the kernel hands back (negative floats). `tests/test_tokenizers.py` checks both paths'
+tokens against an independent per-cell computation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from coordination.arrays import CellRows
+from coordination.vocab import OUTSIDE_16, GeneVocab
+from producers.token_kernel import kernel_tokens
+from producers.tokenizers import make_tokenizer
+
+N_GENES = 700
+SMALL = GeneVocab.build([[f"G{g}" for g in range(N_GENES)]])
+LARGE = GeneVocab.build([[f"G{g}" for g in range(70_000)]])  # a union vocabulary: int32 lookups, uint32 tokens
+
+
+def ragged(rng: np.random.Generator, n_cells: int, longest: int, floats: bool, spread: int) -> CellRows:
+    """Cells of 0..longest rows (the first few empty or of one row), genes in stored (ascending)
+    order, counts with many ties (`spread`: how far they reach) or positive floats."""
+    counts = rng.integers(0, longest + 1, size=n_cells)
+    counts[: min(2, n_cells)] = [0, 1][: min(2, n_cells)]
+    genes = [np.sort(rng.choice(N_GENES, size=c, replace=False)) for c in counts]
+    if floats:
+        values = np.round(rng.gamma(1.0, 2.0, size=counts.sum()), 1).astype(np.float32) + np.float32(0.1)
+    else:
+        values = np.minimum(rng.geometric(1.0 / spread, size=counts.sum()), 65535).astype(np.uint16)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    ids = np.concatenate(genes).astype(np.uint16) if n_cells else np.zeros(0, np.uint16)
+    return CellRows(np.arange(n_cells, dtype=np.int64) * 7 + 3, offsets, ids, values)
+
+
+def lookup_of(rng: np.random.Generator, kind: str, vocab: GeneVocab) -> np.ndarray | None:
+    """None (genes are tokens), the dataset's own order, or shuffled with a tenth outside."""
+    if kind == "none":
+        return None
+    names = [f"G{g}" for g in (range(N_GENES) if kind == "ordered" else rng.permutation(N_GENES))]
+    lookup = vocab.lookup_array(names)
+    if kind == "shuffled":
+        lookup[rng.choice(N_GENES, size=N_GENES // 10, replace=False)] = OUTSIDE_16 if lookup.dtype == np.uint16 else -1
+    return lookup
+
+
+def both_paths(name: str, vocab: GeneVocab, rng: np.random.Generator, **params):
+    medians = None
+    if name.startswith("geneformer"):
+        medians = rng.random(vocab.size) * 3
+        medians[rng.choice(vocab.size, size=vocab.size // 20)] = 0.0  # no median: taken as 1
+    kernel = make_tokenizer(name, vocab, gene_medians=medians, **params)
+    vectorised = make_tokenizer(name, vocab, gene_medians=medians, **params)
+    vectorised.kernel = False
+    return kernel, vectorised
+
+
+def assert_same(a: CellRows, b: CellRows) -> None:
+    assert np.array_equal(a.cell_ids, b.cell_ids)
+    assert np.array_equal(a.offsets, b.offsets)
+    assert a.ids.dtype == b.ids.dtype and np.array_equal(a.ids, b.ids)
+    assert (a.values is None) == (b.values is None)
+    if a.values is not None:
+        assert a.values.dtype == b.values.dtype and np.array_equal(a.values, b.values)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    name=st.sampled_from(["scgpt", "geneformer-v1", "geneformer-v2", "raw"]),
+    n_cells=st.integers(0, 40),
+    longest=st.sampled_from([1, 5, 60, 400]),
+    max_genes=st.sampled_from([1, 3, 50, 500]),
+    floats=st.booleans(),
+    spread=st.sampled_from([2, 40, 5000]),
+    lookup=st.sampled_from(["none", "ordered", "shuffled"]),
+    large_vocab=st.booleans(),
+    some_cells=st.booleans(),
+)
+def test_kernel_equals_the_vectorised_path(
+    seed, name, n_cells, longest, max_genes, floats, spread, lookup, large_vocab, some_cells
+):
+    """`some_cells`: a shuffled subset of the cells, as a producer's chunk takes them."""
+    rng = np.random.default_rng(seed)
+    floats = floats and not name.startswith("geneformer")  # (Geneformer needs counts)
+    vocab = LARGE if large_vocab else SMALL
+    rows = ragged(rng, n_cells, longest, floats, spread)
+    table = lookup_of(rng, lookup, vocab)
+    if table is None:
+        rows = CellRows(rows.cell_ids, rows.offsets, rows.ids + np.uint16(4), rows.values)  # past the specials
+    kernel, vectorised = both_paths(name, vocab, rng, max_genes=max_genes)
+    cells = rng.permutation(n_cells)[: rng.integers(0, n_cells + 1)] if some_cells else None
+    assert_same(kernel(rows, None, table, cells=cells), vectorised(rows, None, table, cells=cells))
+
+
+@pytest.mark.parametrize("n_bins", [3, 51, 300])
+@pytest.mark.parametrize("selection", ["top", "random"])
+def test_scgpt_bins_and_random_selection_equal_the_vectorised_path(n_bins, selection):
+    """Bins of every width (uint16 past 256), and the random subset drawn from the same ranked rows."""
+    rng = np.random.default_rng(n_bins)
+    rows = ragged(rng, 50, 650, floats=False, spread=300)
+    table = lookup_of(rng, "shuffled", SMALL)
+    kernel, vectorised = both_paths("scgpt", SMALL, rng, max_genes=200, n_bins=n_bins, gene_selection=selection)
+    assert_same(kernel(rows, np.random.default_rng(5), table), vectorised(rows, np.random.default_rng(5), table))
+
+
+def test_rows_mapped_already_keep_their_totals():
+    """Rows a caller mapped itself (`to_tokens`, with `totals` of the genes it dropped): Geneformer
+    still divides by each cell's whole total."""
+    from producers.ranking import to_tokens
+
+    rng = np.random.default_rng(3)
+    rows = ragged(rng, 30, 300, floats=False, spread=20)
+    mapped = to_tokens(rows, lookup_of(rng, "shuffled", SMALL))
+    assert mapped.totals is not None
+    kernel, vectorised = both_paths("geneformer", SMALL, rng, max_genes=100)
+    assert_same(kernel(mapped), vectorised(mapped))
+
+
+def test_negative_floats_are_handed_back_to_the_vectorised_path():
+    """The kernel orders non-negative floats by their bits; negative values (an --allow-negative
+    dataset) go to the vectorised path's lexsort, with the same result."""
+    rng = np.random.default_rng(4)
+    rows = ragged(rng, 20, 100, floats=True, spread=2)
+    rows.values[::3] *= np.float32(-1)
+    assert kernel_tokens(rows, None, mode="scgpt", max_genes=10, token_dtype=np.uint16, value_dtype=np.uint8) is None
+    kernel, vectorised = both_paths("scgpt", SMALL, rng, max_genes=10)
+    assert_same(kernel(rows), vectorised(rows))
