@@ -1,8 +1,15 @@
-"""One producer process on local disk: cells/s, MB/s, per-stage times and compressed bytes per
-cell for each tokenizer x max_genes and each sampling strategy, against a cost floor measured in
-the same run (one Polars sort of the same rows by (cell, -value, gene)). Units are as large as on
-a Tahoe-scale atlas (a b=16 f=256 unit is 16,384 cells). `benchmarks/object_store.py` measures
-the same loop reading from S3.
+"""One producer process on local disk: cells/s, cells per CPU-second, MB/s, per-stage times and
+compressed bytes per cell for each tokenizer x max_genes and each sampling strategy, against a cost
+floor measured in the same run (one Polars sort of the same rows by (cell, -value, gene)). Units
+are as large as on a Tahoe-scale atlas (a b=16 f=256 unit is 16,384 cells).
+`benchmarks/object_store.py` measures the same loop reading from S3.
+
+The token stage runs two ways in the same run, on the same units: the compiled pass
+(`producers/token_kernel.py`, what a producer runs) and the vectorised path it replaced (the
+tokenizer with `kernel = False`, the previous commit's code). `speedup_*_block` is the kernel's
+cells per CPU-second of the producer (all its threads) over the vectorised path's. The kernel's
+compile (a machine's first producer: an empty numba cache) and a fresh producer's first unit are
+timed in child processes.
 
     python benchmarks/producer.py            # 200k-cell atlas, ~40k cells per configuration
     python benchmarks/producer.py --quick    # 20k-cell atlas, under a minute
@@ -38,8 +45,8 @@ from producers.dataset import open_dataset  # noqa: E402
 from producers.gene_stats import compute_gene_medians, load_gene_medians, store_gene_stats  # noqa: E402
 from producers.items import CHUNK_CELLS  # noqa: E402
 from producers.producer import Producer  # noqa: E402
+from producers.ranking import rank_order  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
-from producers.tokenizers import rank_order  # noqa: E402
 
 # units as large as on a Tahoe-scale atlas (min_units=1: a small benchmark atlas must not shrink them)
 STRATEGIES = {
@@ -61,11 +68,13 @@ def run_config(
     latency_ms: float = 0.0,
     min_units: int = 1,
     balance=None,
+    kernel: bool = True,
 ) -> dict:
     """One producer's loop (read-ahead, tokenizing threads, courier) over a random sample of at
     least `min_units` units and `cell_budget` cells: steady throughput (without the wait for the
-    first unit's rows, which a producer pays once: `fill_s`), stage times, per-unit read latency
-    and the I/O Lance did (requests and bytes, from its own counters)."""
+    first unit's rows, which a producer pays once: `fill_s`), cells per CPU-second (the process's,
+    all threads), stage times, per-unit read latency and the I/O Lance did (requests and bytes,
+    from its own counters). `kernel`: the compiled token pass (False: the vectorised path)."""
     queue, store = remote(MemoryQueue(max_items=10**9, max_bytes=1 << 62), MemoryMap(), latency_ms)
     config = ProducerConfig(
         dataset=ds.uri,
@@ -78,6 +87,7 @@ def run_config(
         balance=balance,
     )
     producer = Producer(config, queue, store, dataset=ds)
+    producer.tokenizer.kernel = kernel
     plan = producer.plan(0)
     units, cells = [], 0
     rng = np.random.default_rng(0)
@@ -88,9 +98,9 @@ def run_config(
             break
     queue.put_many([encode_task(0, u) for u in units], partition=TASKS_PARTITION)
     ds.expression.io_stats_incremental()  # reset Lance's counters
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     producer.run(max_units=len(units))  # the loop a deployed producer runs, read-ahead included
-    seconds = time.perf_counter() - start
+    seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     io = ds.expression.io_stats_incremental()
     stats = producer.stats
     if stats.cells != cells:
@@ -99,10 +109,10 @@ def run_config(
             f"{cells:,} cells of its {len(units)} units"
         )
     rows = sum(plan.unit(u).n_rows for u in units)
-    # ranking alone, on the same cells in the producer's chunks (outside the timed run): the
-    # share of "tokenize" it takes
+    # the vectorised path's ranking alone, on the same cells in the producer's chunks (outside the
+    # timed run): the share of "tokenize" it takes (the kernel ranks inside its one pass)
     rank_s = 0.0
-    if tokenizer != "raw":
+    if tokenizer != "raw" and not kernel:
         for u in units[:4]:
             unit = plan.unit(u)
             block = ds.read_row_ranges(unit.parts[0].ranges)
@@ -127,6 +137,7 @@ def run_config(
         "cells_per_s": stats.cells / max(1e-9, seconds - fill_s),
         "fill_s": fill_s,
         "cells_per_s_with_fill": stats.cells / seconds,
+        "cells_per_cpu_s": stats.cells / max(1e-9, cpu_s),
         "mb_per_s": stats.bytes / seconds / 1e6,
         "bytes_per_cell": stats.bytes / max(1, stats.cells),
         "read": stats.seconds["read"],
@@ -169,6 +180,40 @@ def floor_cells_per_s(ds, units, plan_sampling) -> tuple[float, int]:
     return n_cells / best, len(frame)
 
 
+def first_unit(path: str) -> dict:
+    """(a child process) A fresh producer's setup and first unit (scGPT-1024, block): what a new
+    producer waits before its first items, the kernel's compile or cached load included."""
+    t0 = time.perf_counter()
+    ds = open_dataset(path)
+    config = ProducerConfig(dataset=ds.uri, run="first", sampling=STRATEGIES["block"], world_size=1)
+    queue = MemoryQueue(max_items=10**9, max_bytes=1 << 62)
+    producer = Producer(config, queue, MemoryMap(), dataset=ds)
+    queue.put_many([encode_task(0, 0)], partition=TASKS_PARTITION)
+    t1 = time.perf_counter()
+    producer.run(max_units=1)
+    return {"setup_s": t1 - t0, "first_unit_s": time.perf_counter() - t1, "cells": producer.stats.cells}
+
+
+def first_units(path: str) -> dict:
+    """A fresh producer's first unit with an empty numba cache (a machine's first producer: the
+    kernel compiles) and with the cache the first left (every later producer)."""
+    import subprocess
+    import tempfile
+
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="cellfeed-numba-") as cache:
+        for name in ("cold", "warm"):  # the same cache: the cold run fills it
+            env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+            run = subprocess.run(
+                [sys.executable, __file__, "--first-unit", path], capture_output=True, text=True, env=env, timeout=600
+            )
+            if run.returncode != 0:
+                print(run.stderr[-2000:], file=sys.stderr)
+                fail(f"a fresh producer's first unit ({name} numba cache) failed (exit {run.returncode})")
+            out[name] = json.loads(run.stdout.strip().splitlines()[-1])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -186,7 +231,11 @@ def main() -> None:
     parser.add_argument(
         "--budget", type=int, default=None, help="cells per configuration (default 40k; 4k quick; 500 tiny)"
     )
+    parser.add_argument("--first-unit", metavar="DATASET", help=argparse.SUPPRESS)  # internal: child step
     args = parser.parse_args()
+    if args.first_unit:
+        print(json.dumps(first_unit(args.first_unit)))
+        return
     n_cells = args.cells or (5_000 if args.tiny else 20_000 if args.quick else 200_000)
     budget = args.budget or (500 if args.tiny else 4_000 if args.quick else 40_000)
     path = args.dataset or cached_atlas(n_cells)
@@ -194,50 +243,91 @@ def main() -> None:
     if load_gene_medians(ds) is None:
         store_gene_stats(ds, compute_gene_medians(ds, progress=False))
         ds = open_dataset(path)
+    first = first_units(path)  # (also compiles the kernel's scGPT code into the cache for this run)
 
-    configs = [("scgpt", 1024, s) for s in STRATEGIES]
-    configs += [
-        (tok, mg, "block")
-        for tok in ("scgpt", "geneformer", "raw")
-        for mg in (1024, 2048)
-        if (tok, mg) != ("scgpt", 1024)
-    ]
+    # every strategy with the kernel; each tokenizer's block units both ways (kernel, vectorised)
+    configs = [("scgpt", 1024, s, "kernel") for s in STRATEGIES]
+    configs += [(tok, mg, "block", "kernel") for tok in ("scgpt", "geneformer", "raw") for mg in (1024, 2048)]
+    configs = list(dict.fromkeys(configs))
+    configs += [(tok, mg, "block", "vectorised") for tok in ("scgpt", "geneformer", "raw") for mg in (1024, 2048)]
+    for tok in ("geneformer", "raw"):  # compile or load their kernel code outside the timed runs
+        run_config(ds, tok, 1024, STRATEGIES["block"], 1, args.rpc_latency_ms)
     results = {}
-    for tok, mg, strategy in configs:
-        results[(tok, mg, strategy)] = run_config(ds, tok, mg, STRATEGIES[strategy], budget, args.rpc_latency_ms)
-    seq_units = results[("scgpt", 1024, "sequential")]["units"]
+    for tok, mg, strategy, how in configs:
+        kernel = how == "kernel"
+        results[(tok, mg, strategy, how)] = run_config(
+            ds, tok, mg, STRATEGIES[strategy], budget, args.rpc_latency_ms, kernel=kernel
+        )
+    seq_units = results[("scgpt", 1024, "sequential", "kernel")]["units"]
     floor, floor_rows = floor_cells_per_s(ds, seq_units, STRATEGIES["sequential"])
+    report(ds, results, first, floor, floor_rows)
 
+
+def report(ds, results: dict, first: dict, floor: float, floor_rows: int) -> None:
     print(
         f"\natlas: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows / ds.n_cells:,.0f} non-zeros/cell; "
         f"machine: {platform.machine()}, {os.cpu_count()} cores; one producer, local disk"
     )
     print(
         "stage seconds per 1k cells -- wait: for rows the read-ahead had not read yet; rank/token/pack: "
-        "summed over the tokenizing threads"
+        "summed over the tokenizing threads (the kernel ranks inside its token pass)"
     )
     print(
-        f"{'tokenizer':<11}{'genes':>6} {'strategy':<11}{'cells/s':>9}{'MB/s':>7}{'B/cell':>8}"
-        f"{'wait':>7}{'rank':>7}{'token':>7}{'pack':>7}{'stitch':>7}"
+        f"{'tokenizer':<11}{'genes':>6} {'strategy':<11}{'path':<11}{'cells/s':>9}{'/CPU-s':>8}{'MB/s':>7}"
+        f"{'B/cell':>8}{'wait':>7}{'rank':>7}{'token':>7}{'pack':>7}"
     )
-    for (tok, mg, strategy), r in results.items():
+    for (tok, mg, strategy, how), r in results.items():
         per_k = 1000 / max(1, r["cells"])
+        rank = "-" if how == "kernel" else f"{r['rank'] * per_k:.3f}"
         print(
-            f"{tok:<11}{mg:>6} {strategy:<11}{r['cells_per_s']:>9,.0f}{r['mb_per_s']:>7.1f}"
-            f"{r['bytes_per_cell']:>8,.0f}{r['read'] * per_k:>7.3f}{r['rank'] * per_k:>7.3f}"
-            f"{r['tokenize'] * per_k:>7.3f}{r['pack'] * per_k:>7.3f}{r['stitch'] * per_k:>7.3f}"
+            f"{tok:<11}{mg:>6} {strategy:<11}{how:<11}{r['cells_per_s']:>9,.0f}{r['cells_per_cpu_s']:>8,.0f}"
+            f"{r['mb_per_s']:>7.1f}{r['bytes_per_cell']:>8,.0f}{r['read'] * per_k:>7.3f}{rank:>7}"
+            f"{r['tokenize'] * per_k:>7.3f}{r['pack'] * per_k:>7.3f}"
         )
-    seq = results[("scgpt", 1024, "sequential")]["cells_per_s"]
+    seq = results[("scgpt", 1024, "sequential", "kernel")]["cells_per_s"]
     print(f"\nfloor: one Polars sort of the same {floor_rows:,} rows by (cell, -value, gene): {floor:,.0f} cells/s")
     print(f"scgpt/1024/sequential pipeline = {seq / floor:.2f} x floor throughput (target >= 0.5)")
     for s in ("mixture", "block", "block16", "random"):
-        r = results[("scgpt", 1024, s)]["cells_per_s"]
+        r = results[("scgpt", 1024, s, "kernel")]["cells_per_s"]
         print(f"scgpt/1024/{s:<10} = {r / seq:.2f} x sequential throughput")
-    figures = {f"{tok}_{mg}_{s}_cells_per_s": round(r["cells_per_s"]) for (tok, mg, s), r in results.items()}
+    figures = {
+        f"{tok}_{mg}_{s}_cells_per_s": round(r["cells_per_s"])
+        for (tok, mg, s, how), r in results.items()
+        if how == "kernel"
+    }
+    for tok, mg in (("scgpt", 1024), ("scgpt", 2048), ("geneformer", 1024), ("geneformer", 2048), ("raw", 1024)):
+        new, old = results[(tok, mg, "block", "kernel")], results[(tok, mg, "block", "vectorised")]
+        per_k_new, per_k_old = 1000 / new["cells"], 1000 / old["cells"]
+        figures[f"{tok}_{mg}_block_cells_per_cpu_s"] = round(new["cells_per_cpu_s"])
+        figures[f"{tok}_{mg}_block_cells_per_cpu_s_before"] = round(old["cells_per_cpu_s"])
+        figures[f"{tok}_{mg}_block_token_rank_s_per_1k"] = round((new["tokenize"] + new["rank"]) * per_k_new, 4)
+        figures[f"{tok}_{mg}_block_token_rank_s_per_1k_before"] = round((old["tokenize"] + old["rank"]) * per_k_old, 4)
+        print(
+            f"{tok}/{mg}/block, kernel over vectorised: {new['cells_per_cpu_s'] / old['cells_per_cpu_s']:.2f}x "
+            f"cells per CPU-second; rank+token {figures[f'{tok}_{mg}_block_token_rank_s_per_1k']:.3f} s per 1k cells "
+            f"(was {figures[f'{tok}_{mg}_block_token_rank_s_per_1k_before']:.3f})"
+        )
+    speedup = {
+        tok: results[(tok, mg, "block", "kernel")]["cells_per_cpu_s"]
+        / results[(tok, mg, "block", "vectorised")]["cells_per_cpu_s"]
+        for tok, mg in (("scgpt", 1024), ("geneformer", 2048), ("raw", 1024))
+    }
+    steady = results[("scgpt", 1024, "block", "kernel")]
+    print(
+        f"a fresh producer's first unit (scGPT-1024 block, {first['cold']['cells']:,} cells): "
+        f"{first['cold']['first_unit_s']:.2f} s with an empty numba cache (the kernel compiles), "
+        f"{first['warm']['first_unit_s']:.2f} s with it filled; a unit in steady state "
+        f"{steady['seconds'] / len(steady['units']):.2f} s"
+    )
     figures.update(
         {
+            "speedup_scgpt_block": round(speedup["scgpt"], 2),
+            "speedup_geneformer_block": round(speedup["geneformer"], 2),
+            "speedup_raw_block": round(speedup["raw"], 2),
+            "first_unit_s_cold_cache": round(first["cold"]["first_unit_s"], 2),
+            "first_unit_s_warm_cache": round(first["warm"]["first_unit_s"], 2),
             "floor_cells_per_s": round(floor),
-            "scgpt_1024_block_bytes_per_cell": round(results[("scgpt", 1024, "block")]["bytes_per_cell"]),
+            "scgpt_1024_block_bytes_per_cell": round(results[("scgpt", 1024, "block", "kernel")]["bytes_per_cell"]),
             "pipeline_over_floor": round(seq / floor, 3),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         }
