@@ -289,17 +289,19 @@ def kernel_tokens(
     out_tokens = np.empty(room, token_dtype)
     vdt = {"scgpt": value_dtype, "raw": np.float32, "geneformer": np.uint8}[mode]
     out_values = np.empty(room if mode != "geneformer" else 0, vdt)
+    # one lookup type (a uint16 lookup's "outside" mark kept as its value): each distinct set of
+    # argument types is compiled apart (seconds each), so the kernel sees as few as it can
+    outside = np.iinfo(np.uint16).max if lookup is not None and lookup.dtype == np.uint16 else -1
     mapped = lookup is not None
-    if lookup is None:
-        lookup = np.zeros(1, rows.ids.dtype)
+    lookup = np.zeros(1, np.int32) if lookup is None else lookup.astype(np.int32, copy=False)
     ok = _tokenize(
-        rows.offsets,
+        np.asarray(rows.offsets, dtype=np.int64),
         rows.ids,
         rows.values,
         cells,
         lookup,
         mapped,
-        np.iinfo(np.uint16).max if lookup.dtype == np.uint16 else -1,  # `coordination.vocab.inside`'s marks
+        outside,  # `coordination.vocab.inside`'s marks
         np.zeros(0) if rows.totals is None else np.asarray(rows.totals, dtype=np.float64),
         rows.values.dtype == np.float32,
         MODES[mode],

@@ -19,9 +19,7 @@ def tokenizer(name, medians=None, **params):
     them first: `producers.ranking.to_tokens`); `medians` per gene, as `cellfeed stats` stores them."""
     per_token = None if medians is None else np.concatenate([np.ones(4), medians])
     tok = make_tokenizer(name, VOCAB, gene_medians=per_token, **params)
-    return lambda rows, rng=None: tok(
-        CellRows(rows.cell_ids, rows.offsets, rows.ids.astype(np.int64) + 4, rows.values), rng
-    )
+    return lambda rows, rng=None: tok(CellRows(rows.cell_ids, rows.offsets, rows.ids + np.uint16(4), rows.values), rng)
 
 
 def random_cells(seed: int, n_cells: int = 60, n_genes: int = 3000, floats: bool = False) -> CellRows:
