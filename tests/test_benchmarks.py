@@ -138,10 +138,11 @@ def test_producer():
 
 
 def test_object_store():
-    """Local disk, a real S3 server (SeaweedFS) and that server behind a latency proxy."""
+    """Local disk, a real S3 server (SeaweedFS) and that server behind latency proxies (30 and 100 ms)."""
     figures = figures_of(run_benchmark("object_store", "--tiny"))
     for strategy in ("sequential", "mixture", "block", "block16", "random"):
-        for store in ("local", "s3", "s3_30ms"):
+        assert finite(figures["ratio_30ms"][strategy], figures["ratio_100ms"][strategy])
+        for store in ("local", "s3", "s3_30ms", "s3_100ms"):
             assert finite(figures[f"{store}_{strategy}_cells_per_s"]) and figures[f"{store}_{strategy}_cells_per_s"] > 0
         assert finite(
             figures[f"s3_30ms_over_local_{strategy}"],
@@ -149,7 +150,7 @@ def test_object_store():
             figures[f"read_amplification_{strategy}"],
         )
     assert finite(figures["block_over_sequential_local"], figures["block16_over_sequential_local"])
-    assert set(figures["startup_s"]) == {"local", "s3", "s3_30ms"}
+    assert set(figures["startup_s"]) == {"local", "s3", "s3_30ms", "s3_100ms"}
 
 
 def test_local_scaling(tmp_path):
