@@ -146,17 +146,44 @@ def _reorder(keys, k, tok, val, scratch):
 
 
 @numba.njit(**_JIT)
+def _score(v, t, total, medians):
+    """Geneformer's rank value of a count, exactly as the vectorised path computes it."""
+    return np.float64(v) / (total if total > 0 else 1.0) * 10_000.0 / medians[np.int64(t)]
+
+
+@numba.njit(**_JIT)
+def _exact_ties(keys, k, tok, val, total, medians):
+    """Rows whose cut keys tie (sorted, so side by side, in token order) put in exact order:
+    score descending, then token (a stable insertion sort of each run; runs are short and rare)."""
+    a = 0
+    while a < k:
+        b = a + 1
+        while b < k and keys[b] == keys[a]:
+            b += 1
+        for i in range(a + 1, b):
+            t, v = tok[i], val[i]
+            s = _score(v, t, total, medians)
+            j = i - 1
+            while j >= a and _score(val[j], tok[j], total, medians) < s:
+                tok[j + 1], val[j + 1] = tok[j], val[j]
+                j -= 1
+            tok[j + 1], val[j + 1] = t, v
+        a = b
+
+
+@numba.njit(**_JIT)
 def _rank_keys(mode, is_float, tok, val, k, total, medians, scores, keys, f32, bits):
     """keys[:k]: non-negative, ascending as the rank goes down: the count, or the float's bits
     (a non-negative float orders like them), or Geneformer's score (counts / total * 10,000 /
-    the gene's median, in float64 as the vectorised path computes it), inverted."""
+    the gene's median, in float64 as the vectorised path computes it), inverted and cut to its
+    top 32 bits (exponent and 20 bits of mantissa: a radix sort of half the bytes; the scores
+    this cut makes equal are put in exact order after, by `_exact_ties`)."""
     if mode == 1:
-        norm = total if total > 0 else 1.0
         for i in range(k):
-            scores[i] = np.float64(val[i]) / norm * 10_000.0 / medians[np.int64(tok[i])]
+            scores[i] = _score(val[i], tok[i], total, medians)
         score_bits = scores.view(np.int64)
         for i in range(k):
-            keys[i] = _MAX63 - score_bits[i]
+            keys[i] = (_MAX63 - score_bits[i]) >> 31
     elif is_float:
         for i in range(k):
             f32[0] = val[i]
@@ -251,6 +278,8 @@ def _tokenize(
             total = totals[c] if len(totals) else total
             _rank_keys(mode, is_float, tok, val, k, total, medians, scores, keys, f32, bits)
             _reorder(keys, k, tok, val, scratch)
+            if mode == 1:
+                _exact_ties(keys, k, tok, val, total, medians)
         if mode == 0:
             _bins_of_cell(val, k, q, n_bins, is_float, edges, bins)
         # 4. the cell's row: specials around its first max_genes tokens

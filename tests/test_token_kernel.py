@@ -130,3 +130,18 @@ def test_negative_floats_are_handed_back_to_the_vectorised_path():
     assert kernel_tokens(rows, None, mode="scgpt", max_genes=10, token_dtype=np.uint16, value_dtype=np.uint8) is None
     kernel, vectorised = both_paths("scgpt", SMALL, rng, max_genes=10)
     assert_same(kernel(rows), vectorised(rows))
+
+
+def test_geneformer_scores_an_ulp_apart_and_equal_rank_exactly():
+    """The kernel sorts Geneformer's scores by their top 32 bits, then orders the rows that cut
+    makes equal by the exact score: medians one ulp apart, and equal ones (ties: lower token)."""
+    rng = np.random.default_rng(8)
+    rows = ragged(rng, 40, 300, floats=False, spread=3)  # counts 1..~10: many equal
+    base = np.float64(1.7)
+    near = np.array([base, np.nextafter(base, 2), np.nextafter(np.nextafter(base, 2), 2), base * 2])
+    medians = near[rng.integers(0, len(near), size=SMALL.size)]
+    kernel = make_tokenizer("geneformer-v1", SMALL, gene_medians=medians, max_genes=100)
+    vectorised = make_tokenizer("geneformer-v1", SMALL, gene_medians=medians, max_genes=100)
+    vectorised.kernel = False
+    table = lookup_of(rng, "shuffled", SMALL)
+    assert_same(kernel(rows, None, table), vectorised(rows, None, table))
