@@ -7,7 +7,7 @@ keep token order, so ties go to the lower token, as `producers.ranking.rank_orde
 then write the cell's token row: its specials, its top `max_genes` tokens, and beside them scGPT's
 expression bins (from the cell's quantiles, walked once down the sorted values) or raw values.
 
-Why numba: the vectorised path (`producers/tokenizers.py`, kept as the reference the tests compare
+Why numba: the vectorised path (`producers/ranking.py`, kept as the reference the tests compare
 with) makes a pass and a temporary per step (key build, one sort of a whole chunk, gathers,
 searchsorted over every cell's edges, the specials' scatter), and NumPy's sort here is a
 comparison sort of ~1,600-row cells packed into one array. A per-cell radix sort over the one or
@@ -92,7 +92,8 @@ def _bins_of_cell(vals, m, q, n_bins, is_float, edges, out_bins):
             edges[j] = np.float64(b) - diff * (1 - gamma)
         else:
             edges[j] = np.float64(a) + diff * gamma
-    # values descend, so both counts only fall: walk them down once
+    # values descend and edges ascend (quantiles; the vectorised path's searchsorted assumes it
+    # too), so both counts only fall: walk them down once
     left, right = levels, levels
     i = 0
     while i < m:
