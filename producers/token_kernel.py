@@ -290,6 +290,12 @@ def _tokenize(
     return True
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
 def kernel_tokens(
     rows: CellRows,
     lookup: np.ndarray | None,
@@ -319,15 +325,18 @@ def kernel_tokens(
     out_tokens = np.empty(room, token_dtype)
     vdt = {"scgpt": value_dtype, "raw": np.float32, "geneformer": np.uint8}[mode]
     out_values = np.empty(room if mode != "geneformer" else 0, vdt)
-    # one lookup type (a uint16 lookup's "outside" mark kept as its value): each distinct set of
-    # argument types is compiled apart (seconds each), so the kernel sees as few as it can
+    # each distinct set of argument types is compiled apart (seconds each), so the kernel sees as
+    # few as it can: one lookup type (a uint16 lookup's "outside" mark kept as its value), gene
+    # ids of 2 or 4 bytes, and inputs marked read-only (what Arrow's arrays are; numba types a
+    # read-only array apart from a writable one)
     outside = np.iinfo(np.uint16).max if lookup is not None and lookup.dtype == np.uint16 else -1
     mapped = lookup is not None
     lookup = np.zeros(1, np.int32) if lookup is None else lookup.astype(np.int32, copy=False)
+    genes = rows.ids if rows.ids.dtype in (np.uint16, np.uint32) else rows.ids.astype(np.uint32)
     ok = _tokenize(
         np.asarray(rows.offsets, dtype=np.int64),
-        rows.ids,
-        rows.values,
+        _read_only(genes),
+        _read_only(rows.values),
         cells,
         lookup,
         mapped,
