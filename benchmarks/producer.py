@@ -6,7 +6,8 @@ are as large as on a Tahoe-scale atlas (a b=16 f=256 unit is 16,384 cells).
 
 The token stage runs two ways in the same run, on the same units: the compiled pass
 (`producers/token_kernel.py`, what a producer runs) and the vectorised path it replaced (the
-tokenizer with `kernel = False`, the previous commit's code). `speedup_*_block` is the kernel's
+tokenizer with `kernel = False`: the code the commit before the kernel ran, moved to
+`producers/ranking.py`). `speedup_*_block` is the kernel's
 cells per CPU-second of the producer (all its threads) over the vectorised path's. The kernel's
 compile (a machine's first producer: an empty numba cache) and a fresh producer's first unit are
 timed in child processes.
@@ -243,7 +244,7 @@ def main() -> None:
     if load_gene_medians(ds) is None:
         store_gene_stats(ds, compute_gene_medians(ds, progress=False))
         ds = open_dataset(path)
-    first = first_units(path)  # (also compiles the kernel's scGPT code into the cache for this run)
+    first = first_units(path)  # (in child processes, with a numba cache of their own)
 
     # every strategy with the kernel; each tokenizer's block units both ways (kernel, vectorised)
     configs = [("scgpt", 1024, s, "kernel") for s in STRATEGIES]

@@ -5,7 +5,7 @@ packed into items; then the sources' items merged in proportion and numbered.
 The same unit gives the same items on any producer, any number of times, which is what makes a
 re-issued unit harmless (consumers drop the duplicates by key). Work is split in chunks of a few
 hundred cells on a thread pool: a chunk's rows fit in cache (one sort of a whole unit's rows is
-several times slower per row), and NumPy, the sort and zstd release the GIL. Chunks hold whole
+several times slower per row), and the compiled token pass, NumPy and zstd release the GIL. Chunks hold whole
 items, so the items are the same as if the unit were packed at once; each chunk draws from its
 own child of the unit's generator.
 """

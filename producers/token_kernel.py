@@ -16,8 +16,10 @@ what a compiled loop gives, and numba compiles it from Python without a build st
 the GIL (`nogil`), so the producer's tokenizing threads run chunks side by side. Compiled code is
 cached on disk (`cache=True`): a producer pays the compile once per machine, not per unit.
 
-`kernel_tokens` returns None where the kernel does not apply (float values that are negative or
-NaN, which only `--allow-negative` datasets hold): the caller then takes the vectorised path.
+`kernel_tokens` returns None where the kernel does not apply: a value type other than uint16
+counts or float32, or float values that are negative or -0.0 (only `--allow-negative` datasets
+hold them; conversion refuses NaN). The caller then takes the vectorised path. A gene id past the
+lookup (a dataset that is not the one the lookup was built for) is refused in one line.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ import numba
 import numpy as np
 
 from coordination.arrays import CellRows
+from coordination.errors import CellfeedError
 
 _JIT = dict(nogil=True, cache=True)
-MODES = {"scgpt": 0, "geneformer": 1, "raw": 2}
+SCGPT, GENEFORMER, RAW = 0, 1, 2  # what a cell's row holds (numba takes module constants as frozen)
+MODES = {"scgpt": SCGPT, "geneformer": GENEFORMER, "raw": RAW}
 _MAX63 = np.int64(0x7FFFFFFFFFFFFFFF)
 
 
@@ -109,21 +113,29 @@ def _bins_of_cell(vals, m, q, n_bins, is_float, edges, out_bins):
 
 
 @numba.njit(**_JIT)
-def _gather(lo, hi, genes, values, lookup, mapped, outside, is_float, tok, val, f32, bits):
-    """Rows lo..hi of a cell, those in the vocabulary, into tok/val: (how many, the cell's whole
-    total, whether their tokens ascend); -1 rows for a float value that is negative, -0.0 or NaN
-    (the vectorised path's lexsort orders those)."""
+def _gather(lo, hi, genes, values, vocab, is_float, tok, val, f32, bits):
+    """Rows lo..hi of a cell, those in the vocabulary, into tok/val. Returns (how many, the cell's
+    whole total, whether their tokens ascend), or a count of -1 where a float value is negative,
+    -0.0 or NaN (the vectorised path's lexsort orders those), -2 where a gene id is past the lookup
+    or a token past `token_limit` (numba does not check bounds: the caller refuses the data).
+    `vocab`: (lookup, mapped, outside, token_limit), as `_tokenize` takes them."""
+    lookup, mapped, outside, token_limit = vocab
     k, total, ascending = 0, 0.0, True
     for r in range(lo, hi):
         v = values[r]
         if is_float:
-            f32[0] = v
+            f32[0] = v  # (f32 and bits share their memory: a float32 and its bits)
             if not (v >= 0) or bits[0] < 0:
                 return -1, total, ascending
         total += np.float64(v)
-        t = lookup[genes[r]] if mapped else genes[r]
+        g = genes[r]
+        if mapped and g >= len(lookup):
+            return -2, total, ascending
+        t = lookup[g] if mapped else g
         if mapped and t == outside:
             continue
+        if t >= token_limit:
+            return -2, total, ascending
         tok[k] = t
         val[k] = v
         if k and tok[k - 1] > t:
@@ -177,9 +189,9 @@ def _rank_keys(mode, is_float, tok, val, k, total, medians, scores, keys, f32, b
     """keys[:k]: non-negative, ascending as the rank goes down: the count, or the float's bits
     (a non-negative float orders like them), or Geneformer's score (counts / total * 10,000 /
     the gene's median, in float64 as the vectorised path computes it), inverted and cut to its
-    top 32 bits (exponent and 20 bits of mantissa: a radix sort of half the bytes; the scores
+    top 32 bits (exponent and 21 bits of mantissa: a radix sort of half the bytes; the scores
     this cut makes equal are put in exact order after, by `_exact_ties`)."""
-    if mode == 1:
+    if mode == GENEFORMER:
         for i in range(k):
             scores[i] = _score(val[i], tok[i], total, medians)
         score_bits = scores.view(np.int64)
@@ -200,18 +212,20 @@ def _write_cell(at, tok, val, bins, keep, mode, head, tail, out_tokens, out_valu
     them, 0 under the head), tail. Returns where the next cell starts."""
     if head >= 0:
         out_tokens[at] = head
-        if mode != 1:
+        if mode != GENEFORMER:
             out_values[at] = 0
         at += 1
     for i in range(keep):
         out_tokens[at + i] = tok[i]
-        if mode == 0:
+        if mode == SCGPT:
             out_values[at + i] = bins[i]
-        elif mode == 2:
+        elif mode == RAW:
             out_values[at + i] = val[i]
     at += keep
     if tail >= 0:
         out_tokens[at] = tail
+        if mode != GENEFORMER:
+            out_values[at] = 0
         at += 1
     return at
 
@@ -225,6 +239,7 @@ def _tokenize(
     lookup,
     mapped,
     outside,
+    token_limit,
     totals,
     is_float,
     mode,
@@ -240,9 +255,9 @@ def _tokenize(
     out_values,
 ):
     """The kernel (see the module's docstring). Writes cells `cells` (positions into `offsets`)
-    into out_offsets/out_tokens/out_values and returns True, or False (nothing usable written)
-    when a float value is negative, -0.0 or NaN. `totals`: each cell's whole total, where the
-    rows were mapped already (empty: the sum of its rows here)."""
+    into out_offsets/out_tokens/out_values and returns 0, or `_gather`'s -1 (declined) or -2
+    (an id out of range), with nothing usable written. `totals`: each cell's whole total, where
+    the rows were mapped already (empty: the sum of its rows here)."""
     longest = 1
     for c in cells:
         longest = max(longest, offsets[c + 1] - offsets[c])
@@ -257,43 +272,36 @@ def _tokenize(
         np.zeros((8, 256), np.int64),  # a histogram per key byte
     )
     edges = np.empty(max(1, n_bins - 1), np.float64)
-    f32 = np.empty(1, np.float32)  # a float32 and its bits
-    bits = f32.view(np.int32)
+    f32 = np.empty(1, np.float32)  # a float32 and, the same 4 bytes, its bits: a non-negative
+    bits = f32.view(np.int32)  # float orders like its bits, which makes it a radix key
+    vocab = (lookup, mapped, outside, token_limit)
     at = 0
     out_offsets[0] = 0
     for ci in range(len(cells)):
         c = cells[ci]
         # 1. the cell's rows in the vocabulary, their tokens, and its whole total
-        k, total, ascending = _gather(
-            offsets[c], offsets[c + 1], genes, values, lookup, mapped, outside, is_float, tok, val, f32, bits
-        )
+        k, total, ascending = _gather(offsets[c], offsets[c + 1], genes, values, vocab, is_float, tok, val, f32, bits)
         if k < 0:
-            return False
+            return k
         # 2. token order (ties in the ranking go to the lower token)
         if not ascending:
             for i in range(k):
                 keys[i] = np.int64(tok[i])
             _reorder(keys, k, tok, val, scratch)
         # 3. rank: a stable sort by one key that ascends as the value (or score) descends
-        if mode != 2:
+        if mode != RAW:
             total = totals[c] if len(totals) else total
             _rank_keys(mode, is_float, tok, val, k, total, medians, scores, keys, f32, bits)
             _reorder(keys, k, tok, val, scratch)
-            if mode == 1:
+            if mode == GENEFORMER:
                 _exact_ties(keys, k, tok, val, total, medians)
-        if mode == 0:
+        if mode == SCGPT:
             _bins_of_cell(val, k, q, n_bins, is_float, edges, bins)
         # 4. the cell's row: specials around its first max_genes tokens
         keep = min(k, max_genes) if truncate else k
         at = _write_cell(at, tok, val, bins, keep, mode, head, tail, out_tokens, out_values)
         out_offsets[ci + 1] = at
-    return True
-
-
-def _read_only(a: np.ndarray) -> np.ndarray:
-    view = a.view()
-    view.flags.writeable = False
-    return view
+    return 0
 
 
 def kernel_tokens(
@@ -313,8 +321,9 @@ def kernel_tokens(
 ) -> CellRows | None:
     """The token rows of the cells at positions `cells` of `rows` (None: all, in order), their
     genes as read mapped through `lookup` (None: they are tokens already), or None where the
-    kernel does not apply. Their values: scGPT's bins (`value_dtype`), raw values (float32), or
-    None (Geneformer). `rows.totals`, where a caller dropped genes itself: each cell's whole total."""
+    kernel does not apply. Their values: scGPT's bins (`value_dtype`, default uint8 or uint16 by
+    `n_bins`, as `quantile_bins`), raw values (float32), or None (Geneformer). `rows.totals`,
+    where a caller dropped genes itself: each cell's whole total."""
     if rows.values is None or rows.values.dtype not in (np.uint16, np.float32):
         return None
     cells = np.arange(rows.n_cells) if cells is None else np.ascontiguousarray(cells, dtype=np.int64)
@@ -323,39 +332,53 @@ def kernel_tokens(
     room = int((np.minimum(counts, max_genes) if truncate else counts).sum()) + extra * len(cells)
     out_offsets = np.empty(len(cells) + 1, np.int64)
     out_tokens = np.empty(room, token_dtype)
-    vdt = {"scgpt": value_dtype, "raw": np.float32, "geneformer": np.uint8}[mode]
+    bins = value_dtype or (np.uint8 if n_bins <= 256 else np.uint16)
+    vdt = {"scgpt": bins, "raw": np.float32, "geneformer": np.uint8}[mode]
     out_values = np.empty(room if mode != "geneformer" else 0, vdt)
     # each distinct set of argument types is compiled apart (seconds each), so the kernel sees as
     # few as it can: one lookup type (a uint16 lookup's "outside" mark kept as its value), gene
     # ids of 2 or 4 bytes, and inputs marked read-only (what Arrow's arrays are; numba types a
     # read-only array apart from a writable one)
-    outside = np.iinfo(np.uint16).max if lookup is not None and lookup.dtype == np.uint16 else -1
     mapped = lookup is not None
-    lookup = np.zeros(1, np.int32) if lookup is None else lookup.astype(np.int32, copy=False)
-    genes = rows.ids if rows.ids.dtype in (np.uint16, np.uint32) else rows.ids.astype(np.uint32)
+    outside = np.iinfo(np.uint16).max if mapped and lookup.dtype == np.uint16 else -1
+    lookup = lookup.astype(np.int32, copy=False) if mapped else np.zeros(1, np.int32)
+    genes = rows.ids
+    if genes.dtype == np.int32:
+        genes = genes.view(np.uint32)  # (ids are never negative: the same values, no copy)
+    elif genes.dtype not in (np.uint16, np.uint32):
+        genes = genes.astype(np.uint32)
+    genes, values = genes.view(), rows.values.view()
+    genes.flags.writeable = values.flags.writeable = False
+    medians = np.ones(1) if medians is None else medians
     ok = _tokenize(
-        np.asarray(rows.offsets, dtype=np.int64),
-        _read_only(genes),
-        _read_only(rows.values),
-        cells,
-        lookup,
-        mapped,
-        outside,  # `coordination.vocab.inside`'s marks
-        np.zeros(0) if rows.totals is None else np.asarray(rows.totals, dtype=np.float64),
-        rows.values.dtype == np.float32,
-        MODES[mode],
-        max_genes,
-        -1 if head is None else head,
-        -1 if tail is None else tail,
-        truncate,
-        np.ones(1) if medians is None else medians,
-        np.linspace(0, 1, max(1, n_bins - 1)),
-        n_bins,
-        out_offsets,
-        out_tokens,
-        out_values,
+        offsets=np.asarray(rows.offsets, dtype=np.int64),
+        genes=genes,
+        values=values,
+        cells=cells,
+        lookup=lookup,
+        mapped=mapped,
+        outside=outside,  # `coordination.vocab.inside`'s marks
+        token_limit=len(medians) if mode == "geneformer" else np.iinfo(np.int64).max,
+        totals=np.zeros(0) if rows.totals is None else np.asarray(rows.totals, dtype=np.float64),
+        is_float=rows.values.dtype == np.float32,
+        mode=MODES[mode],
+        max_genes=max_genes,
+        head=-1 if head is None else head,
+        tail=-1 if tail is None else tail,
+        truncate=truncate,
+        medians=medians,
+        q=np.linspace(0, 1, max(1, n_bins - 1)),
+        n_bins=n_bins,
+        out_offsets=out_offsets,
+        out_tokens=out_tokens,
+        out_values=out_values,
     )
-    if not ok:
+    if ok == -2:
+        raise CellfeedError(
+            "a gene id is past the vocabulary's lookup (or a token past the gene medians): the rows are not of "
+            "the dataset the campaign's vocabulary was built for; restart the producer on the campaign's dataset"
+        )
+    if ok == -1:
         return None
     end = int(out_offsets[-1])
     values = None if mode == "geneformer" else out_values[:end]

@@ -1,7 +1,7 @@
 """Tokenizers: whole cells' rows (`CellRows`) → their token sequences (a `CellRows` too), by name, and their layouts.
 
-A tokenizer takes a chunk's rows as read, with the source's gene -> token lookup
-(`GeneVocab.lookup_array`): genes outside the vocabulary are dropped first, as scGPT and
+A tokenizer takes a part's rows as read, the positions of the chunk's cells in them, and the
+source's gene -> token lookup (`GeneVocab.lookup_array`): genes outside the vocabulary are dropped first, as scGPT and
 Geneformer do, so ranking ties ("gene ascending") go by token id, the same in every source. A
 tokenizer's `Layout` (defined once, here; the campaign config reads it too) says which special
 tokens frame a cell (by role: "cls", "eos"), how many genes it keeps by default, and what rides

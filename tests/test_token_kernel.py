@@ -1,8 +1,9 @@
 """The compiled token pass (`producers/token_kernel.py`) against the vectorised path it replaced
-(`producers/tokenizers.py` with `kernel = False`), token for token, over random ragged inputs:
-empty cells, heavy ties, cells longer and shorter than `max_genes`, genes outside the vocabulary,
-gene -> token maps that are not monotone, a vocabulary past 65,536 tokens, float values, and the
-inputs the kernel hands back (negative floats). `tests/test_tokenizers.py` checks both paths'
+(`producers/ranking.py`: a tokenizer with `kernel = False`), token for token, over random ragged
+inputs: empty cells, heavy ties, values 0 and 65,535, cells longer and shorter than `max_genes`,
+genes outside the vocabulary, gene -> token maps that are not monotone, tokens past 65,536 (a
+union vocabulary), gene ids stored as int32, float values, and the inputs the kernel hands back
+(negative floats, -0.0, NaN). `tests/test_tokenizers.py` checks both paths'
 tokens against an independent per-cell computation."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordination.arrays import CellRows
+from coordination.errors import CellfeedError
 from coordination.vocab import OUTSIDE_16, GeneVocab
 from producers.token_kernel import kernel_tokens
 from producers.tokenizers import make_tokenizer
@@ -32,16 +34,20 @@ def ragged(rng: np.random.Generator, n_cells: int, longest: int, floats: bool, s
         values = np.round(rng.gamma(1.0, 2.0, size=counts.sum()), 1).astype(np.float32) + np.float32(0.1)
     else:
         values = np.minimum(rng.geometric(1.0 / spread, size=counts.sum()), 65535).astype(np.uint16)
+        values[rng.random(len(values)) < 0.02] = 65535  # the largest count, and explicit zeros
+        values[rng.random(len(values)) < 0.01] = 0
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     ids = np.concatenate(genes).astype(np.uint16) if n_cells else np.zeros(0, np.uint16)
     return CellRows(np.arange(n_cells, dtype=np.int64) * 7 + 3, offsets, ids, values)
 
 
 def lookup_of(rng: np.random.Generator, kind: str, vocab: GeneVocab) -> np.ndarray | None:
-    """None (genes are tokens), the dataset's own order, or shuffled with a tenth outside."""
+    """None (genes are tokens), the dataset's own order, or shuffled with a tenth outside. In the
+    large vocabulary the genes are its last ones: tokens past 65,536."""
     if kind == "none":
         return None
-    names = [f"G{g}" for g in (range(N_GENES) if kind == "ordered" else rng.permutation(N_GENES))]
+    first = 69_000 if vocab is LARGE else 0
+    names = [f"G{first + g}" for g in (range(N_GENES) if kind == "ordered" else rng.permutation(N_GENES))]
     lookup = vocab.lookup_array(names)
     if kind == "shuffled":
         lookup[rng.choice(N_GENES, size=N_GENES // 10, replace=False)] = OUTSIDE_16 if lookup.dtype == np.uint16 else -1
@@ -80,11 +86,13 @@ def assert_same(a: CellRows, b: CellRows) -> None:
     lookup=st.sampled_from(["none", "ordered", "shuffled"]),
     large_vocab=st.booleans(),
     some_cells=st.booleans(),
+    int32_ids=st.booleans(),
 )
 def test_kernel_equals_the_vectorised_path(
-    seed, name, n_cells, longest, max_genes, floats, spread, lookup, large_vocab, some_cells
+    seed, name, n_cells, longest, max_genes, floats, spread, lookup, large_vocab, some_cells, int32_ids
 ):
-    """`some_cells`: a shuffled subset of the cells, as a producer's chunk takes them."""
+    """`some_cells`: a shuffled subset of the cells, as a producer's chunk takes them; `int32_ids`:
+    gene ids as a dataset of more than 65,535 genes stores them."""
     rng = np.random.default_rng(seed)
     floats = floats and not name.startswith("geneformer")  # (Geneformer needs counts)
     vocab = LARGE if large_vocab else SMALL
@@ -92,6 +100,8 @@ def test_kernel_equals_the_vectorised_path(
     table = lookup_of(rng, lookup, vocab)
     if table is None:
         rows = CellRows(rows.cell_ids, rows.offsets, rows.ids + np.uint16(4), rows.values)  # past the specials
+    if int32_ids:
+        rows = CellRows(rows.cell_ids, rows.offsets, rows.ids.astype(np.int32), rows.values)
     kernel, vectorised = both_paths(name, vocab, rng, max_genes=max_genes)
     cells = rng.permutation(n_cells)[: rng.integers(0, n_cells + 1)] if some_cells else None
     assert_same(kernel(rows, None, table, cells=cells), vectorised(rows, None, table, cells=cells))
@@ -127,9 +137,23 @@ def test_negative_floats_are_handed_back_to_the_vectorised_path():
     rng = np.random.default_rng(4)
     rows = ragged(rng, 20, 100, floats=True, spread=2)
     rows.values[::3] *= np.float32(-1)
-    assert kernel_tokens(rows, None, mode="scgpt", max_genes=10, token_dtype=np.uint16, value_dtype=np.uint8) is None
+    assert kernel_tokens(rows, None, mode="scgpt", max_genes=10, token_dtype=np.uint16) is None
     kernel, vectorised = both_paths("scgpt", SMALL, rng, max_genes=10)
     assert_same(kernel(rows), vectorised(rows))
+    for odd in (np.float32(-0.0), np.float32(np.nan)):
+        rows = ragged(rng, 5, 50, floats=True, spread=2)
+        rows.values[7] = odd
+        assert kernel_tokens(rows, None, mode="scgpt", max_genes=10, token_dtype=np.uint16) is None
+
+
+def test_a_gene_past_the_lookup_is_refused_in_one_line():
+    """numba does not check bounds: a gene id the lookup does not cover (rows of another dataset)
+    is refused, not read from past the array."""
+    rng = np.random.default_rng(5)
+    rows = ragged(rng, 10, 50, floats=False, spread=5)
+    short = lookup_of(rng, "ordered", SMALL)[: N_GENES // 2]
+    with pytest.raises(CellfeedError, match="past the vocabulary's lookup"):
+        kernel_tokens(rows, short, mode="scgpt", max_genes=10, token_dtype=np.uint16)
 
 
 def test_geneformer_scores_an_ulp_apart_and_equal_rank_exactly():

@@ -15,8 +15,8 @@ VOCAB = GeneVocab.build([[f"G{g}" for g in range(3000)]])  # gene g -> token g +
 
 
 def tokenizer(name, medians=None, **params):
-    """A tokenizer over `VOCAB`, fed rows of raw gene ids (mapped to tokens as the producer maps
-    them first: `producers.ranking.to_tokens`); `medians` per gene, as `cellfeed stats` stores them."""
+    """A tokenizer over `VOCAB`, fed rows of raw gene ids shifted past the specials (a one-dataset
+    run's lookup: gene g -> token g + 4); `medians` per gene, as `cellfeed stats` stores them."""
     per_token = None if medians is None else np.concatenate([np.ones(4), medians])
     tok = make_tokenizer(name, VOCAB, gene_medians=per_token, **params)
     return lambda rows, rng=None: tok(CellRows(rows.cell_ids, rows.offsets, rows.ids + np.uint16(4), rows.values), rng)
