@@ -8,7 +8,8 @@ The token stage runs two ways in the same run, on the same units: the compiled p
 (`producers/token_kernel.py`, what a producer runs) and the vectorised path it replaced (the
 tokenizer with `kernel = False`: the code the commit before the kernel ran, moved to
 `producers/ranking.py`). `speedup_*_block` is the kernel's
-cells per CPU-second of the producer (all its threads) over the vectorised path's. The kernel's
+cells per CPU-second of the producer (all its threads) over the vectorised path's, each the best of
+three interleaved rounds (one with --tiny). The kernel's
 compile (a machine's first producer: an empty numba cache) and a fresh producer's first unit are
 timed in child processes.
 
@@ -254,12 +255,17 @@ def main() -> None:
     for tok, mg, strategy, how in configs:  # one unit each first: the kernel compiles (or loads) untimed
         if how == "kernel":
             run_config(ds, tok, mg, STRATEGIES[strategy], 1, args.rpc_latency_ms)
+    # the block units both ways are compared: each runs 3 rounds, interleaved (kernel, vectorised,
+    # kernel, ...), and keeps its best cells per CPU-second (this VM's timings move by tens of %)
     results = {}
-    for tok, mg, strategy, how in configs:
-        kernel = how == "kernel"
-        results[(tok, mg, strategy, how)] = run_config(
-            ds, tok, mg, STRATEGIES[strategy], budget, args.rpc_latency_ms, kernel=kernel
-        )
+    for round_ in range(1 if args.tiny else 3):
+        for tok, mg, strategy, how in configs:
+            if round_ and strategy != "block":
+                continue
+            r = run_config(ds, tok, mg, STRATEGIES[strategy], budget, args.rpc_latency_ms, kernel=how == "kernel")
+            best = results.get((tok, mg, strategy, how))
+            if best is None or r["cells_per_cpu_s"] > best["cells_per_cpu_s"]:
+                results[(tok, mg, strategy, how)] = r
     seq_units = results[("scgpt", 1024, "sequential", "kernel")]["units"]
     floor, floor_rows = floor_cells_per_s(ds, seq_units, STRATEGIES["sequential"])
     report(ds, results, first, floor, floor_rows)
