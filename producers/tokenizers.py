@@ -133,8 +133,7 @@ class ScGPTTokenizer(_Tokenizer):
                 max_genes=self.max_genes,
                 head=self.cls if top else None,  # (a random subset is drawn from every ranked gene, below)
                 truncate=top,
-                n_bins=self.n_bins,
-                value_dtype=np.uint8 if self.n_bins <= 256 else np.uint16,  # (as quantile_bins gives them)
+                n_bins=self.n_bins,  # (its bins as quantile_bins types them: uint8, or uint16 past 256)
             )
             if out is not None:
                 return out if top else self._random_subset(out, rng)
