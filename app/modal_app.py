@@ -26,13 +26,11 @@ campaign:
   and the error is raised in one line with the command that resumes the campaign. The run's queue
   and dicts are kept: they are deleted only when the campaign is complete.
 
-Every call to Modal (queue, dict, spawn, a call's result, the Volume) retries Modal's transient errors
-with backoff for `--modal-retry-s` (15 minutes by default; `coordination.modal_backend.retrying`).
-Checkpoints go to the `cellfeed-checkpoints` Volume; S3 credentials come from a Modal Secret ($CELLFEED_SECRET,
-default "cellfeed-s3": AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION). `convert`
-makes a dataset from h5ad files, a container per slice (`app/modal_convert.py`). Tests run all of this with modal's
-client against a local control plane speaking Modal's API (cellfeed_testing/modal_control_plane), never Modal.
-"""
+Every call to Modal retries its transient errors with backoff for `--modal-retry-s` (15 minutes by default;
+`coordination.modal_backend.retrying`). Volumes: `cellfeed-checkpoints`, and `cellfeed-kernels` (the compiled
+token pass). S3 credentials: a Modal Secret ($CELLFEED_SECRET, default "cellfeed-s3": AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION). `convert`: h5ad to a dataset (`app/modal_convert.py`).
+Tests: modal's client against a local control plane speaking Modal's API (cellfeed_testing/), never Modal."""
 
 from __future__ import annotations
 
@@ -81,6 +79,8 @@ APP_NAME = "cellfeed"
 SECRET_NAME = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")
 VOLUME_NAME = "cellfeed-checkpoints"
 CHECKPOINTS = "/checkpoints"  # where train's container mounts the Volume (fixed: never from the laptop's environment)
+KERNELS = "/kernels"  # setup's and the producers' compiled token pass (producers/kernel_cache.py), on a Volume
+MOUNT_ENV = {CHECKPOINTS: "CELLFEED_CHECKPOINT_MOUNT", KERNELS: "CELLFEED_KERNEL_MOUNT"}  # (see `mounted`)
 PACKAGES = ("producers", "coordination", "trainer", "app")
 DAY = 24 * 3600  # Modal's longest timeout for a call
 MAX_GPUS = 8  # Modal's largest GPU count for one container ("H100:8")
@@ -102,6 +102,7 @@ trainer_image = (
 app = modal.App(APP_NAME)
 secret = modal.Secret.from_name(SECRET_NAME)
 checkpoints = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True)
+kernels = modal.Volume.from_name("cellfeed-kernels", create_if_missing=True)
 inputs_volume = modal.Volume.from_name(INPUTS_VOLUME, create_if_missing=True)  # h5ad files to convert
 
 
@@ -117,12 +118,17 @@ def unpacked(config: dict) -> CampaignConfig:
 
 
 def setup_body(config: dict) -> dict:
-    """Publish plans and the held-out set (runs in the producer image)."""
+    """Publish plans and the held-out set (runs in the producer image). Producing the held-out set
+    compiles the token pass; committed, the producers load it."""
     from app.campaign import prepare
     from coordination.backends import connect
+    from producers.kernel_cache import cache_kernels_in
 
-    cfg = unpacked(config)
-    return asdict(prepare(cfg, *connect(cfg.backend_spec("modal"))))  # a dict: it crosses to the laptop
+    cfg, cached = unpacked(config), cache_kernels_in(mounted(KERNELS))
+    facts = prepare(cfg, *connect(cfg.backend_spec("modal")))
+    if cached:
+        retrying(kernels.commit, "committing the kernels Volume", cfg.modal_retry_s)
+    return asdict(facts)  # a dict: it crosses to the laptop
 
 
 def produce_body(config: dict, name: str) -> dict:
@@ -132,9 +138,10 @@ def produce_body(config: dict, name: str) -> dict:
     import threading
 
     from coordination.backends import connect
+    from producers.kernel_cache import cache_kernels_in
     from producers.producer import Producer
 
-    cfg = unpacked(config)
+    cfg, _ = unpacked(config), cache_kernels_in(mounted(KERNELS))
     producer = Producer(cfg.producer_config(), *connect(cfg.backend_spec("modal")), name=name)
     retire = threading.Timer(PRODUCER_HOURS * 3600, producer.stop)
     retire.daemon = True
@@ -171,7 +178,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
         commit = lambda: retrying(checkpoints.commit, "committing the checkpoints Volume", 60.0)  # noqa: E731
         return node_body(config, here, config["gpus"], config["nodes"], commit, PREEMPT_SAVE_S)
     cfg, facts = unpacked(config), SetupFacts.of(facts)
-    cfg.checkpoint_dir = checkpoint_mount()
+    cfg.checkpoint_dir = mounted(CHECKPOINTS)
     queue, store = connect(cfg.backend_spec("modal"))
     me = modal.current_function_call_id()
     other = claim_run(store, cfg.run, me, cfg.modal_retry_s)
@@ -225,12 +232,11 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     return summary
 
 
-def checkpoint_mount() -> str:
-    """The Volume's folder in this container: CHECKPOINTS on Modal. A Modal emulator's container is
-    told a host folder standing for it ($CELLFEED_CHECKPOINT_MOUNT), read here, at call time: read at
-    import, a laptop's setting would move the mount in the function's definition and not in its
-    container, and checkpoints would go to the container's own disk."""
-    return os.environ.get("CELLFEED_CHECKPOINT_MOUNT", CHECKPOINTS)
+def mounted(path: str) -> str:
+    """A Volume's folder in this container: `path` on Modal. The test world's container is told a
+    host folder standing for it (MOUNT_ENV's variable), read here, at call time: read at import, a
+    laptop's setting would move the mount in the function's definition and not in its container."""
+    return os.environ.get(MOUNT_ENV[path], path)
 
 
 def ensure_setup(cfg: CampaignConfig, config: dict, facts, queue, store) -> None:
@@ -262,19 +268,15 @@ def hand_over(cfg: CampaignConfig, config: dict, facts, store, call_id: str, sum
 # ---- the functions
 
 
-@app.function(image=producer_image, secrets=[secret], cpu=SETUP_CPU, memory=SETUP_MEMORY_MB, timeout=DAY)
+_produce_on = dict(image=producer_image, secrets=[secret], volumes={KERNELS: kernels}, timeout=DAY)
+
+
+@app.function(**_produce_on, cpu=SETUP_CPU, memory=SETUP_MEMORY_MB)
 def setup(config: dict) -> dict:
     return setup_body(config)
 
 
-@app.function(
-    image=producer_image,
-    secrets=[secret],
-    cpu=PRODUCER_CPU,
-    memory=PRODUCER_MEMORY_MB,
-    retries=PRODUCER_RETRIES,
-    timeout=DAY,
-)
+@app.function(**_produce_on, cpu=PRODUCER_CPU, memory=PRODUCER_MEMORY_MB, retries=PRODUCER_RETRIES)
 def produce(config: dict, name: str) -> dict:
     return produce_body(config, name)
 
@@ -411,12 +413,9 @@ def main(**flags) -> dict:
     except CellfeedError as exc:  # bad input: one line, before any call to Modal's functions
         print(f"cellfeed: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    fleet = f"{cfg.producers} producers -> " + (f"{cfg.nodes} nodes x " if cfg.nodes > 1 else "") + f"{cfg.gpus} x H100"
     print(
-        f"campaign {cfg.run}: {cfg.producers} producers -> "
-        + (f"{cfg.nodes} nodes x " if cfg.nodes > 1 else "")
-        + f"{cfg.gpus} x H100, "
-        f"{'corpus ' + cfg.corpus if cfg.corpus else 'dataset ' + cfg.dataset}",
-        flush=True,
+        f"campaign {cfg.run}: {fleet}, {'corpus ' + cfg.corpus if cfg.corpus else 'dataset ' + cfg.dataset}", flush=True
     )
     report = f"modal volume get {VOLUME_NAME} {cfg.run} runs/{cfg.run}, then cellfeed report {cfg.run}"
     print(watch_line(cfg.run, "--modal", report), flush=True)

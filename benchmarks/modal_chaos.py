@@ -57,13 +57,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from app.modal_app import MOUNT_ENV  # noqa: E402  (where containers find the app's Volume views)
 from benchmarks._checks import check_figures, fail  # noqa: E402
 from cellfeed_testing.modal_control_plane import ControlPlane  # noqa: E402
 
 RUN = "chaos"
 PRODUCERS, GPUS, BATCH = 2, 2, 32
 SECRET = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")  # app/modal_app.py's Secret (S3 settings: none here)
-MOUNT_ENV = {"/checkpoints": "CELLFEED_CHECKPOINT_MOUNT"}  # where train's container finds its Volume view
 CLIENT_LINE = re.compile(r"^modal (\S+) from (\S+)$", re.M)  # what train and produce print as they start
 WATCH_S = 0.2
 

@@ -194,9 +194,9 @@ def test_the_volume_mount_is_fixed_whatever_the_laptops_environment(monkeypatch)
     monkeypatch.setenv("CELLFEED_CHECKPOINT_MOUNT", "/elsewhere")
     with fresh_import("app.modal_app") as m:
         assert list(m.train._spec_.volumes) == ["/checkpoints"]
-        assert m.checkpoint_mount() == "/elsewhere"  # (an emulated container's stand-in folder)
+        assert m.mounted(m.CHECKPOINTS) == "/elsewhere"  # (an emulated container's stand-in folder)
         monkeypatch.delenv("CELLFEED_CHECKPOINT_MOUNT")
-        assert m.checkpoint_mount() == "/checkpoints"
+        assert m.mounted(m.CHECKPOINTS) == "/checkpoints"
 
 
 def test_modal_functions_declare_their_resources():

@@ -20,9 +20,10 @@ SECRET = "cellfeed-s3"  # app/modal_app.py's Secret (CELLFEED_SECRET unset: the 
 
 @contextlib.contextmanager
 def control_plane(tmp_path: Path, secrets: dict):
-    """A plane with `secrets` and the checkpoints Volume told to containers (app/modal_app.py)."""
-    mounts = {"/checkpoints": "CELLFEED_CHECKPOINT_MOUNT"}
-    with ControlPlane(tmp_path / "plane", secrets=secrets, mount_env=mounts) as plane:
+    """A plane with `secrets` and the app's Volumes told to containers (app/modal_app.py: MOUNT_ENV)."""
+    from app.modal_app import MOUNT_ENV
+
+    with ControlPlane(tmp_path / "plane", secrets=secrets, mount_env=MOUNT_ENV) as plane:
         yield plane
 
 

@@ -79,10 +79,10 @@ def flags(atlas, **changes) -> list[str]:
 
 @contextlib.contextmanager
 def control_plane(tmp_path: Path):
-    """A plane with the app's Secret and its checkpoints Volume told to containers (app/modal_app.py)."""
-    with ControlPlane(
-        tmp_path / "plane", secrets={SECRET: {}}, mount_env={"/checkpoints": "CELLFEED_CHECKPOINT_MOUNT"}
-    ) as plane:
+    """A plane with the app's Secret and its Volumes told to containers (app/modal_app.py: MOUNT_ENV)."""
+    from app.modal_app import MOUNT_ENV
+
+    with ControlPlane(tmp_path / "plane", secrets={SECRET: {}}, mount_env=MOUNT_ENV) as plane:
         yield plane
 
 
@@ -310,6 +310,9 @@ def test_modal_run_whole_path_balanced_preempted_in_its_first_minute_and_again_i
         resumed = re.search(r"resumed from step (\d+) \(epoch (\d+), ([\d,]+) cells of it already trained\)", logs[2])
         assert resumed and int(resumed[1]) >= 24 and int(resumed[2]) == 1, logs[2][-2000:]  # mid-epoch 1
         check_campaign(plane, out, epochs=2, producers=2)
+        # setup compiled the token pass and committed it, for the producers to load (producers/kernel_cache.py)
+        kernels = plane.volume_folder("cellfeed-kernels") / "producers"
+        assert list(kernels.glob("token_kernel._tokenize-*.nbi")), sorted(p.name for p in kernels.glob("*"))
         after = cellfeed(plane, "status", RUN, "--modal", "--json")  # (the Dict is gone: the Volume's copy)
         assert after.returncode == 0, after.stderr[-2000:]
         snap = json.loads(after.stdout)

@@ -28,9 +28,9 @@ from tests.test_modal_campaign import (  # noqa: F401 (atlas: a fixture)
 
 
 def plane_of(tmp_path, **kw) -> ControlPlane:
-    return ControlPlane(
-        tmp_path / "plane", secrets={SECRET: {}}, mount_env={"/checkpoints": "CELLFEED_CHECKPOINT_MOUNT"}, **kw
-    )
+    from app.modal_app import MOUNT_ENV
+
+    return ControlPlane(tmp_path / "plane", secrets={SECRET: {}}, mount_env=MOUNT_ENV, **kw)
 
 
 def test_ctrl_c_on_modal_run_stops_the_campaigns_calls_and_says_how_to_resume(atlas, tmp_path):  # noqa: F811

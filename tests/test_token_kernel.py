@@ -169,3 +169,47 @@ def test_geneformer_scores_an_ulp_apart_and_equal_rank_exactly():
     vectorised.kernel = False
     table = lookup_of(rng, "shuffled", SMALL)
     assert_same(kernel(rows, None, table), vectorised(rows, None, table))
+
+
+KERNEL = """
+import numba
+
+@numba.njit(cache=True)
+def f(x):
+    return x + {add}
+"""
+LOAD = """
+import json, sys
+from producers.kernel_cache import cache_kernels_in
+assert cache_kernels_in(sys.argv[1])
+import kernel
+stats = kernel.f.stats
+print(json.dumps({"value": kernel.f(1), "hits": len(stats.cache_hits), "misses": len(stats.cache_misses)}))
+"""
+
+
+def test_a_kernel_compiled_by_one_copy_of_the_code_is_loaded_by_another(tmp_path):
+    """producers/kernel_cache.py: a Modal container gets the code at a path of its own, and so does
+    each of the test world's; a kernel compiled by one copy is loaded by another (a hit, no compile)
+    and a changed source is compiled again (numba's content stamp), never loaded."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root, cache = Path(__file__).resolve().parents[1], tmp_path / "cache"
+    cache.mkdir()
+
+    def run(copy: str, add: int) -> dict:
+        folder = tmp_path / copy / "kernels"  # (the same folder name in every copy, as /root/producers)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "kernel.py").write_text(KERNEL.format(add=add))
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{folder}{':'}{root}"}
+        out = subprocess.run([sys.executable, "-c", LOAD, str(cache)], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout)
+
+    assert run("a", 1) == {"value": 2, "hits": 0, "misses": 1}  # compiled, into the shared folder
+    assert run("b", 1) == {"value": 2, "hits": 1, "misses": 0}  # another copy: loaded
+    assert run("c", 2) == {"value": 3, "hits": 0, "misses": 1}  # a changed source: compiled again
+    assert sorted(p.name for p in cache.iterdir()) == ["kernels"]  # one folder, not one per copy

@@ -11,8 +11,8 @@ it until CMD has finished.
 
 Defaults a local campaign can use: a Secret named $CELLFEED_SECRET (default `cellfeed-s3`) holding
 whichever of AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL and AWS_REGION this
-environment has (app/modal_app.py:31-33, 54), and `/checkpoints` told to containers as
-CELLFEED_CHECKPOINT_MOUNT (app/modal_app.py:56, 249-253). `--secret` and `--mount-env` replace them.
+environment has (app/modal_app.py: SECRET_NAME), and the app's Volumes (`/checkpoints`, `/kernels`) told
+to containers as `app/modal_app.py: MOUNT_ENV` names them. `--secret` and `--mount-env` replace them.
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def _secrets(specs: list[str] | None) -> dict[str, dict[str, str]]:
 
 def _mount_env(specs: list[str] | None) -> dict[str, str]:
     if specs is None:
-        return {"/checkpoints": "CELLFEED_CHECKPOINT_MOUNT"}
+        from app.modal_app import MOUNT_ENV
+
+        return dict(MOUNT_ENV)
     out = {}
     for spec in specs:
         path, sep, var = spec.partition("=")
