@@ -12,7 +12,7 @@ from coordination.errors import CellfeedError
 from coordination.routing import EVAL_PARTITION, stop_key
 from coordination.summary import PlanSummary, SetupFacts, optimizer_steps, publish_summary
 from coordination.vocab import publish_vocab
-from producers.held_out import produce_held_out
+from producers.held_out import compile_token_pass, produce_held_out
 from producers.producer import Producer
 from producers.selection import filter_cells
 from producers.sources import check_coverage
@@ -39,12 +39,13 @@ def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
     return summaries
 
 
-def prepare(cfg, queue, store, vocab_path=None) -> SetupFacts:
+def prepare(cfg, queue, store, vocab_path=None, compile_pass=False) -> SetupFacts:
     """Publish the vocabulary, plans and the held-out set; returns what the trainer needs to know.
     Safe to run again on a run (a resume, or a campaign whose plans or held-out set expired):
     plans are the same, the held-out set is replaced, and a stop left by an earlier end is
     cleared. Every source's genes are checked against the vocabulary first (`check_coverage`);
-    `vocab_path`: where to write the vocabulary (the run folder)."""
+    `vocab_path`: where to write the vocabulary (the run folder). `compile_pass`: compile the token
+    pass here even with no held-out set (a Modal setup: the producers load what it compiled)."""
     producer = Producer(cfg.producer_config(), queue, store, verify=True)  # every source checked, once per campaign
     vocab = producer.vocab
     coverage = check_coverage(producer.sources, vocab)
@@ -61,6 +62,8 @@ def prepare(cfg, queue, store, vocab_path=None) -> SetupFacts:
     cells = held_out_cells(producer, cfg.eval_cells)
     if cells is not None:
         held_out, held_out_items = len(cells), produce_held_out(producer, cells)
+    elif compile_pass:
+        compile_token_pass(producer)
     quotas = producer.quotas if producer.quotas is not None else [summaries[0].n_cells]
     facts = SetupFacts(
         n_genes=vocab.n_genes,

@@ -118,14 +118,14 @@ def unpacked(config: dict) -> CampaignConfig:
 
 
 def setup_body(config: dict) -> dict:
-    """Publish plans and the held-out set (runs in the producer image). Producing the held-out set
-    compiles the token pass; committed, the producers load it."""
+    """Publish plans and the held-out set (runs in the producer image), and compile the token pass
+    into the kernels Volume: committed, the producers load it."""
     from app.campaign import prepare
     from coordination.backends import connect
     from producers.kernel_cache import cache_kernels_in
 
     cfg, cached = unpacked(config), cache_kernels_in(mounted(KERNELS))
-    facts = prepare(cfg, *connect(cfg.backend_spec("modal")))
+    facts = prepare(cfg, *connect(cfg.backend_spec("modal")), compile_pass=cached)
     if cached:
         retrying(kernels.commit, "committing the kernels Volume", cfg.modal_retry_s)
     return asdict(facts)  # a dict: it crosses to the laptop

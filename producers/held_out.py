@@ -27,6 +27,21 @@ def produce_held_out(producer, cell_ids: np.ndarray, partition: str = EVAL_PARTI
     """Tokenize a fixed set of cells (global ids) with `producer`'s sources and tokenizer into
     `partition`, once. It must fit one partition: a larger set is refused before anything is put.
     Returns the number of items put."""
+    items = tokenize_cells(producer, cell_ids)
+    check_fits_partition(len(cell_ids), len(items), sum(len(b) for b in items))
+    producer.courier.send(items, partition)
+    return len(items)
+
+
+def compile_token_pass(producer) -> None:
+    """Tokenize a few cells of every source and drop them: the token pass is compiled (and cached:
+    `producers/kernel_cache.py`) for each source's types, where no held-out set did it."""
+    firsts = [src.offset + np.arange(min(4, src.ds.n_cells)) for src in producer.sources]
+    tokenize_cells(producer, np.concatenate(firsts))
+
+
+def tokenize_cells(producer, cell_ids: np.ndarray) -> list[bytes]:
+    """The items of a fixed set of cells (global ids), as one unit (key (0, 0, seq))."""
     cell_ids = np.sort(np.asarray(cell_ids, dtype=np.int64))
     parts, cells = [], []
     for s, src in enumerate(producer.sources):
@@ -34,10 +49,8 @@ def produce_held_out(producer, cell_ids: np.ndarray, partition: str = EVAL_PARTI
         if len(local):
             parts.append(UnitPart(s, local, NO_ROWS))
             cells.append(src.ds.read_cells(local))
-    unit = Unit(0, 0, parts)  # the held-out set as one unit: its items' key is (0, 0, seq)
+    unit = Unit(0, 0, parts)
     items, _, _ = unit_items(
         unit, cells, producer.tokenizer, producer.item_settings, held_out_rng(producer.config.seed)
     )
-    check_fits_partition(len(cell_ids), len(items), sum(len(b) for b in items))
-    producer.courier.send(items, partition)
-    return len(items)
+    return items

@@ -10,7 +10,7 @@ stamp still decides whether a cache is valid, so a changed kernel is compiled ag
 It is numba's documented hook for this (`NUMBA_CACHE_LOCATOR_CLASSES`, read with `NUMBA_CACHE_DIR`).
 
 On Modal the folder is a Volume (`app/modal_app.py`: `cellfeed-kernels` at /kernels, mounted by
-setup and the producers): the setup compiles while it produces the held-out set and commits, so the
+setup and the producers): the setup compiles (`app/campaign.py:prepare`) and commits, so the
 producers it is followed by, and every producer started after a preemption, load.
 """
 

@@ -230,6 +230,14 @@ def check_campaign(plane: ControlPlane, out: str, *, epochs: int, producers: int
     ), line
 
 
+def compiled_by_setup(plane: ControlPlane) -> bool:
+    """Whether the first setup compiled the token pass into its view of the kernels Volume, which it
+    commits for the producers to load (producers/kernel_cache.py)."""
+    task = calls(plane, "setup")[0]["attempts"][0]["containers"][0]["task"]
+    view = plane.volume_view(task, "cellfeed-kernels")
+    return bool(view and list((view / "producers").glob("token_kernel._tokenize-*.nbi")))
+
+
 def trained_cells(plane: ControlPlane) -> dict:
     """Per epoch, the multiset of cells the ranks trained, from every train call's --audit-cells
     files on the committed Volume (one set per call, by start time): a call's rows at or past the
@@ -310,9 +318,7 @@ def test_modal_run_whole_path_balanced_preempted_in_its_first_minute_and_again_i
         resumed = re.search(r"resumed from step (\d+) \(epoch (\d+), ([\d,]+) cells of it already trained\)", logs[2])
         assert resumed and int(resumed[1]) >= 24 and int(resumed[2]) == 1, logs[2][-2000:]  # mid-epoch 1
         check_campaign(plane, out, epochs=2, producers=2)
-        # setup compiled the token pass and committed it, for the producers to load (producers/kernel_cache.py)
-        kernels = plane.volume_folder("cellfeed-kernels") / "producers"
-        assert list(kernels.glob("token_kernel._tokenize-*.nbi")), sorted(p.name for p in kernels.glob("*"))
+        assert compiled_by_setup(plane)  # (while it produced the held-out set)
         after = cellfeed(plane, "status", RUN, "--modal", "--json")  # (the Dict is gone: the Volume's copy)
         assert after.returncode == 0, after.stderr[-2000:]
         snap = json.loads(after.stdout)
@@ -376,6 +382,7 @@ def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed
         # audited once, exactly once; the queue and dicts deleted; nothing running; the verdict; the 2
         # producers that failed 4 times each, then the resume's 2; a setup for each `modal run`
         check_campaign(plane, out, epochs=1, producers=4, setups=2)
+        assert compiled_by_setup(plane)  # (no held-out set: on a few cells of each source)
 
 
 EXPIRY_CLIENT = """
