@@ -13,7 +13,14 @@ import os
 # model's step 10-40x slower on a busy 2-core machine. (The launcher already starts its ranks
 # with OMP_NUM_THREADS=1: trainer/launch.py.) A thread count changes no result a test checks.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+import signal
 import warnings
+
+# A suite started in the background of a non-interactive shell (`pytest &`) inherits SIGINT ignored (POSIX
+# shells ignore it for such jobs), and so would every process a test starts: a Ctrl-C or a preemption sent
+# to a campaign would be lost, and its test fail. Handled here, the processes started below get its default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 from pathlib import Path
 
 import numpy as np
