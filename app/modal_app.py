@@ -141,7 +141,8 @@ def produce_body(config: dict, name: str) -> dict:
     from producers.kernel_cache import cache_kernels_in
     from producers.producer import Producer
 
-    cfg, _ = unpacked(config), cache_kernels_in(mounted(KERNELS))
+    cache_kernels_in(mounted(KERNELS))  # (where setup compiled the token pass: this producer loads it)
+    cfg = unpacked(config)
     producer = Producer(cfg.producer_config(), *connect(cfg.backend_spec("modal")), name=name)
     retire = threading.Timer(PRODUCER_HOURS * 3600, producer.stop)
     retire.daemon = True

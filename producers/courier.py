@@ -152,17 +152,20 @@ class Courier:
                 jobs, end = [job], False
                 while len(jobs) < OUTBOX_JOBS and not end:
                     try:
-                        jobs.append(self._outbox.get_nowait())
+                        more = self._outbox.get_nowait()
                     except stdlib_queue.Empty:
                         break
-                    end = jobs[-1][0] is None
+                    if more[0] is None:  # the end: these go first
+                        end = True
+                    else:
+                        jobs.append(more)
                 merged: dict[str, list[bytes]] = {}
-                for sends, _ in jobs[:-1] if end else jobs:
+                for sends, _ in jobs:
                     for partition, items in sends:
                         merged.setdefault(partition, []).extend(items)
                 for partition, items in merged.items():
                     self.send(items, partition)
-                done = [d for sends, d in jobs if sends is not None and d is not None]
+                done = [d for _, d in jobs if d is not None]
                 if done:
                     with self._held_lock:
                         for unit in done:

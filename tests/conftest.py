@@ -15,17 +15,17 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import signal
 import warnings
-
-# A suite started in the background of a non-interactive shell (`pytest &`) inherits SIGINT ignored (POSIX
-# shells ignore it for such jobs), and so would every process a test starts: a Ctrl-C or a preemption sent
-# to a campaign would be lost, and its test fail. Handled here, the processes started below get its default.
-if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
+
+# A suite started in the background of a non-interactive shell (`pytest &`) inherits SIGINT ignored (POSIX
+# shells ignore it for such jobs), and so would every process a test starts: a Ctrl-C or a preemption sent
+# to a campaign would be lost, and its test fail. Handled here, the processes tests start get its default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 TEST_DATA = Path(__file__).resolve().parent / "data"
 PBMC = TEST_DATA / "pbmc68k_reduced.h5ad"  # real data, with its provenance in tests/data/README.md
