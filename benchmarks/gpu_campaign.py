@@ -15,9 +15,9 @@ the GPU ever left waiting for data?
 Ends with one JSON line: the device, the campaign's cells/s, median step (ms), data wait per step
 (median and max, ms), MFU and padding fraction, the same of the step alone (`step_alone_*`), and
 `campaign_vs_step` (the campaign's cells/s over the step's alone). The data wait answers whether the
-GPU waited; the ratio also holds what else differs: the atlas's cell lengths against the step
-benchmark's (a quarter to all of max-genes + 1; see each run's padding fraction), and on a small
-machine the producers sharing the trainer's cores. Exits 1 (one line on stderr) when a run trained
+GPU waited; the step benchmark draws its cells' lengths as the atlas does (`--lengths atlas`), so
+the ratio holds what else differs: the producers sharing the trainer's cores on a small machine, and
+the real genes' tokens against random ones. Exits 1 (one line on stderr) when a run trained
 fewer steps than asked or a figure is missing. MFU is n/a on a CPU (no bf16 peak: `trainer/metrics.py`).
 """
 
@@ -67,8 +67,9 @@ def campaign(args, atlas: str, workdir: Path) -> dict:
 
 
 def step_alone(args) -> dict:
-    """`benchmarks/train_step.py` with the campaign's preset, batch and length."""
-    command = [sys.executable, "benchmarks/train_step.py", "--quick", "--preset", args.preset,
+    """`benchmarks/train_step.py` with the campaign's preset, batch and length, its cells as long as
+    the atlas's (`--lengths atlas`), so the two compute the same work per cell."""
+    command = [sys.executable, "benchmarks/train_step.py", "--quick", "--preset", args.preset, "--lengths", "atlas",
                "--batch", str(args.batch), "--max-genes", str(args.max_genes), "--steps", str(args.steps)]  # fmt: skip
     command += ["--compile"] if args.compile else []
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)

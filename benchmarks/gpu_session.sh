@@ -1,24 +1,45 @@
 #!/usr/bin/env bash
-# The GPU figures in one call of a lent device (at most 590 s of runs): each benchmark's JSON line to
-# $OUT (or ./runs/gpu), and the device named. Run from the repository root, in a venv with this project
-# and a CUDA torch. Each run has its own time limit, so one that hangs cannot take the others' time.
-#   bash benchmarks/gpu_session.sh
+# The GPU figures of issue 43 in one call of a lent device (at most ~580 s of runs): each benchmark's
+# JSON line to $OUT/figures.jsonl (or ./runs/gpu), its log beside it, and the device named. Run from the
+# repository root with a CUDA torch and this project's dependencies importable.
+#   bash benchmarks/gpu_session.sh           # the figures: the step's variants and the campaign (~580 s)
+#   bash benchmarks/gpu_session.sh explore   # a first look (~330 s): compiled and eager (profiled), cuDNN's
+#                                            # attention, Geneformer-2048 padded and packed
+# Each run has its own time limit, so one that hangs cannot take the others' time; the most wanted
+# figures run first. The campaign's atlas is synthesized on the CPUs while the first runs use the GPU.
 set -u
+PY=${PY:-python3}
 out=${OUT:-runs/gpu}; mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/device.txt" 2>&1
-python -c "import torch; print(torch.__version__, torch.version.cuda)" >> "$out/device.txt" 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader > "$out/device.txt" 2>&1
+$PY -c "import torch, lance, numba, zstandard; print(torch.__version__, torch.version.cuda, lance.__version__, numba.__version__)" >> "$out/device.txt" 2>&1
 step() {  # NAME LIMIT_S ARGS...: one benchmark run, its output kept, its JSON line appended to figures.jsonl
   name=$1; limit=$2; shift 2
-  timeout -k 10 "$limit" python "$@" > "$out/$name.log" 2>&1; rc=$?
+  start=$(date +%s)
+  timeout -k 10 "$limit" $PY "$@" > "$out/$name.log" 2>&1; rc=$?
   line=$(grep -E '^\{' "$out/$name.log" | tail -n 1)
-  echo "{\"run\": \"$name\", \"rc\": $rc, \"figures\": ${line:-null}}" >> "$out/figures.jsonl"
+  echo "{\"run\": \"$name\", \"rc\": $rc, \"wall_s\": $(( $(date +%s) - start )), \"figures\": ${line:-null}}" >> "$out/figures.jsonl"
+  echo "$name rc=$rc $(( $(date +%s) - start ))s"
 }
-s="benchmarks/train_step.py --preset scgpt --batch 240 --steps 30"
-step eager 50 $s --full-length
-step compiled 150 $s --full-length --compile
-step ragged_padded 50 $s
-step ragged_packed 50 $s --packed
-step ragged_packed_flex 90 $s --flex   # (FlexAttention's block mask, compiled: the dense mask's rival)
-# 20k cells: a bare machine synthesizes the atlas first, and 40 steps of 240 cells read 9,600 of them
-step campaign 200 benchmarks/gpu_campaign.py --steps 40 --cells 20000   # (the limits add up to 590 s)
+s="benchmarks/train_step.py --preset scgpt --batch 240 --steps 25"
+g="benchmarks/train_step.py --preset scgpt --layout geneformer --lengths atlas --max-genes 2048 --batch 64 --steps 20"
+if [ "${1:-}" = explore ]; then
+  step scgpt_full_compiled 120 $s --full-length --compile
+  step scgpt_full_eager 45 $s --full-length --profile "$out/profile_full_eager.txt"
+  step scgpt_full_eager_cudnn 35 $s --full-length --sdpa cudnn
+  step geneformer2048_padded 50 $g
+  step geneformer2048_packed_flex 75 $g --flex
+  cat "$out/device.txt" "$out/figures.jsonl"; head -n 30 "$out/profile_full_eager.txt"
+  exit 0
+fi
+cells=${CELLS:-20000}
+$PY -c "from producers.synth import cached_atlas; cached_atlas($cells)" > "$out/atlas.log" 2>&1 &
+atlas=$!
+step scgpt_full_compiled 120 $s --full-length --compile
+step scgpt_full_eager 45 $s --full-length --profile "$out/profile_full_eager.txt"
+step scgpt_padded 40 $s
+step scgpt_packed_flex 70 $s --flex
+step geneformer2048_padded 50 $g
+step geneformer2048_packed_flex 75 $g --flex
+wait $atlas
+step campaign 150 benchmarks/gpu_campaign.py --steps 30 --cells "$cells"
 cat "$out/device.txt" "$out/figures.jsonl"

@@ -19,6 +19,7 @@ with no bf16 peak in trainer/metrics.py: on a CPU it is n/a by design).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -40,24 +41,36 @@ from coordination.queues import Full, MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import rank_partition, run_tag  # noqa: E402
 from coordination.summary import PlanSummary, publish_summary  # noqa: E402
 from coordination.wire import pack_items  # noqa: E402
+from producers.synth import SynthSpec, expressed_genes  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.train import train  # noqa: E402
 
 N_GENES = 62_710
+OBJECTIVE = {"scgpt": "bins", "geneformer": "genes"}  # what each layout's model predicts
+MASK_RATIO = {"scgpt": 0.4, "geneformer": 0.15}  # the published models' masking
 
 
-def random_items(n_cells: int, max_genes: int, epoch: int, seed: int, ragged: bool = False) -> list[bytes]:
-    """scGPT items of random genes: every cell max_genes + 1 tokens (CLS first), or with `ragged`
-    each cell's length drawn uniformly from a quarter of that to all of it (real cells vary: a
-    Tahoe cell's median is ~1,100 expressed genes, so at 2,048 about half of a padded batch is padding)."""
+def random_items(
+    n_cells: int, max_genes: int, epoch: int, seed: int, lengths: str = "full", values: bool = True
+) -> list[bytes]:
+    """Items of random genes, CLS first: scGPT's (`values`: a bin under every token) or Geneformer's
+    layout (tokens only). `lengths`: "full", every cell max_genes + 1 tokens; "uniform", each cell's
+    drawn uniformly from a quarter of that to all of it; "atlas", the synthetic atlas's expressed genes
+    per cell (`producers.synth.expressed_genes`: median 1,500) up to max_genes. Real cells vary: a
+    Tahoe cell's median is ~1,100 expressed genes, so at 2,048 about half of a padded batch is padding."""
     rng = np.random.default_rng(seed)
     length = max_genes + 1
-    lengths = rng.integers(length // 4, length + 1, size=n_cells) if ragged else np.full(n_cells, length)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    if lengths == "atlas":
+        sizes = np.minimum(expressed_genes(SynthSpec(n_cells), rng, np.ones(n_cells)), max_genes) + 1
+    elif lengths == "uniform":
+        sizes = rng.integers(length // 4, length + 1, size=n_cells)
+    else:
+        sizes = np.full(n_cells, length)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     tokens = rng.integers(4, N_GENES + 4, size=int(offsets[-1])).astype(np.uint16)
     bins = rng.integers(1, 51, size=int(offsets[-1])).astype(np.uint8)
     tokens[offsets[:-1]], bins[offsets[:-1]] = 1, 0  # CLS, bin 0 under it
-    cells = CellRows(np.arange(n_cells, dtype=np.int64), offsets, tokens, bins)
+    cells = CellRows(np.arange(n_cells, dtype=np.int64), offsets, tokens, bins if values else None)
     return pack_items(cells, epoch=epoch, key_id=seed, run_tag=run_tag("bench"), cells_per_item=64)
 
 
@@ -69,15 +82,64 @@ def graph_breaks(preset: str, args) -> int:
     from trainer.model import CellTransformer, ModelConfig, mask_positions, predicted_positions
     from trainer.stream import _collate
 
-    item = unpack_item(random_items(4, args.max_genes, 0, 0, args.ragged)[0])
+    item = unpack_item(random_items(4, args.max_genes, 0, 0, args.lengths, args.layout == "scgpt")[0])
     batch = _collate([(item, 0), (item, 1)], args.max_genes + 1, False, tokens_per_row=args.tokens_per_row)
-    model = CellTransformer(ModelConfig.preset(preset, N_GENES + 4))  # (the dense mask: flex needs CUDA)
-    masked = mask_positions(batch.tokens, batch.attention_mask, 0.4, torch.Generator(), segments=batch.segments)
-    positions, _ = predicted_positions(masked, 0.4, batch.segments is not None)  # (as the trainer's loss has it)
+    # (the dense mask: flex needs CUDA)
+    model = CellTransformer(ModelConfig.preset(preset, N_GENES + 4, objective=OBJECTIVE[args.layout]))
+    ratio = MASK_RATIO[args.layout]
+    masked = mask_positions(batch.tokens, batch.attention_mask, ratio, torch.Generator(), segments=batch.segments)
+    positions, _ = predicted_positions(masked, ratio, batch.segments is not None)  # (as the trainer's loss has it)
     explained = torch._dynamo.explain(model)(
         batch.tokens, batch.values, batch.attention_mask, positions, batch.padded, batch.segments
     )
     return explained.graph_break_count
+
+
+def attention_kernels(first: str):
+    """scaled_dot_product_attention's kernels with `first` tried first, the others after it (a mask
+    rules flash out, and cuDNN's kernel does not take every shape)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if first == "auto":
+        return contextlib.nullcontext()
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    chosen = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}.get(
+        first, SDPBackend.EFFICIENT_ATTENTION
+    )
+    return sdpa_kernel([chosen] + [b for b in order if b != chosen] + [SDPBackend.MATH], set_priority=True)
+
+
+@contextlib.contextmanager
+def profiled(path: str | None):
+    """torch.profiler over the run; to `path`, its table of kernels by device time, after the share of
+    time the device was busy over the second half of the kernels' timeline (past compilation and
+    warm-up): a GPU that waits on the host shows there."""
+    if path is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        yield
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end) for e in prof.events() if str(e.device_type).endswith("CUDA")
+    )
+    busy = "no device kernels"
+    if kernels:
+        since = (kernels[0][0] + max(end for _, end in kernels)) / 2
+        union, reach = 0.0, since
+        for start, end in kernels:
+            start = max(start, reach)
+            if end > start:
+                union, reach = union + end - start, end
+        window = reach - since
+        share = union / max(window, 1)
+        busy = f"device busy {share:.1%} of the second half of the kernels' timeline ({window / 1e6:.2f} s)"
+    with open(path, "w") as f:
+        f.write(busy + "\n")
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70))
 
 
 def main() -> None:
@@ -109,8 +171,30 @@ def main() -> None:
     parser.add_argument(
         "--flex", action="store_true", help="packed rows' attention by FlexAttention's block mask (CUDA only)"
     )
+    parser.add_argument(
+        "--layout",
+        choices=("scgpt", "geneformer"),
+        default="scgpt",
+        help="scgpt: a bin under every token, the model predicts masked bins (40%%); geneformer: tokens only, "
+        "it predicts masked gene ids (15%%) over the whole vocabulary",
+    )
+    parser.add_argument(
+        "--lengths",
+        choices=("uniform", "atlas"),
+        default="uniform",
+        help="cells' lengths when not --full-length: uniform from a quarter of max-genes + 1 to all of it, or the "
+        "synthetic atlas's (median 1,500 expressed genes, up to max-genes)",
+    )
+    parser.add_argument(
+        "--sdpa",
+        choices=("auto", "cudnn", "flash", "efficient"),
+        default="auto",
+        help="the attention kernel scaled_dot_product_attention tries first (falling back where it cannot run)",
+    )
+    parser.add_argument("--profile", metavar="FILE", help="write torch.profiler's table of the run's kernels to FILE")
     args = parser.parse_args()
-    args.ragged = not args.full_length
+    args.lengths = "full" if args.full_length else args.lengths
+    args.ragged = args.lengths != "full"
     attention = "flex" if args.flex else "dense"
     cuda = torch.cuda.is_available()
     preset = args.preset or ("tiny" if args.tiny or not cuda else "scgpt")
@@ -134,7 +218,7 @@ def main() -> None:
     def feed():  # keeps the partition topped up, like a producer fleet that keeps up
         seed = 0
         while not stop.is_set() and seed * 64 < n_cells:
-            for item in random_items(min(256, n_cells - seed * 64), args.max_genes, 0, seed, args.ragged):
+            for item in random_items(min(256, n_cells - seed * 64), args.max_genes, 0, seed, *layout):
                 while not stop.is_set():
                     try:
                         queue.put_many([item], timeout=0.5, partition=rank_partition(0))
@@ -143,6 +227,7 @@ def main() -> None:
                         continue
                 seed += 1
 
+    layout = (args.lengths, args.layout == "scgpt")
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
     cfg = TrainConfig(
@@ -150,6 +235,8 @@ def main() -> None:
         backend={"kind": "memory"},
         vocab_size=N_GENES + 4,
         preset=preset,
+        objective=OBJECTIVE[args.layout],
+        mask_ratio=MASK_RATIO[args.layout],
         batch_size=batch,
         warmup_steps=3,
         max_steps=steps,
@@ -161,7 +248,8 @@ def main() -> None:
         buffer_cells=4 * batch,
         progress_bar=not (args.quick or args.tiny),
     )
-    summary = train(cfg, queue=queue, store=store)
+    with attention_kernels(args.sdpa), profiled(args.profile):
+        summary = train(cfg, queue=queue, store=store)
     stop.set()
     if summary["steps"] < steps:
         fail(f"trained {summary['steps']} of {steps} steps")
@@ -178,6 +266,8 @@ def main() -> None:
         "cells_per_s": round(summary["cells_per_s"], 1),
         "tokens_per_s": round(summary["tokens_per_s"]),
         "padding_fraction": round(summary["padding"], 4),  # of the positions computed (0: every cell full length)
+        "layout": args.layout,
+        "lengths": args.lengths,
         "ragged": args.ragged,
         "tokens_per_row": args.tokens_per_row or 0,  # 0: a row per cell
         "packed_attention": attention,
@@ -186,6 +276,7 @@ def main() -> None:
         "dataloader_wait_ms_median": summary["median_wait_ms"],
         "peak_mem_mb": summary["peak_mem_mb"],
         "compile": args.compile,
+        "sdpa": args.sdpa,
     }
     print(f"\n{device}: {preset} ({figures['params_m']}M params), batch {batch} x {args.max_genes + 1} tokens")
     print(

@@ -161,6 +161,17 @@ def tissue_layout(spec: SynthSpec) -> np.ndarray:
     return np.repeat([runs[i][0] for i in order], [runs[i][1] for i in order]).astype(np.int16)
 
 
+def expressed_genes(spec: SynthSpec, rng: np.random.Generator, depth: np.ndarray) -> np.ndarray:
+    """Each cell's count of expressed genes, for cells of sequencing depth `depth` (a factor per
+    cell): log-normal around the median, clipped, and a few near-empty cells (as QC lets through).
+    `benchmarks/train_step.py --lengths atlas` draws its cell lengths here too."""
+    nnz = np.exp(rng.normal(np.log(spec.median_nnz), 0.38, size=len(depth))) * depth
+    nnz = np.clip(nnz, spec.min_nnz, spec.max_nnz).astype(np.int64)
+    near_empty = rng.random(len(depth)) < spec.near_empty_fraction
+    nnz[near_empty] = rng.integers(1, 20, size=int(near_empty.sum()))
+    return nnz
+
+
 def _chunk(
     spec: SynthSpec,
     model: _Model,
@@ -174,10 +185,7 @@ def _chunk(
     rng = np.random.default_rng([spec.seed, chunk_index])
     n = stop - start
     plates = plate_of[start:stop]
-    nnz = np.exp(rng.normal(np.log(spec.median_nnz), 0.38, size=n)) * model.depth[plates]
-    nnz = np.clip(nnz, spec.min_nnz, spec.max_nnz).astype(np.int64)
-    near_empty = rng.random(n) < spec.near_empty_fraction
-    nnz[near_empty] = rng.integers(1, 20, size=int(near_empty.sum()))
+    nnz = expressed_genes(spec, rng, model.depth[plates])
     # at most half the genes: a small vocabulary stays sparse, and no cell asks its urn for nearly
     # every gene (the draws that takes grow without bound: 600 cells of 800 genes took 6 s, not 0.1)
     nnz = np.minimum(nnz, max(1, spec.n_genes // 2))

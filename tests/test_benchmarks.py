@@ -55,14 +55,19 @@ def png_args(tmp_path: Path, name: str) -> list[str]:
     return ["--png", str(tmp_path / f"{name}.png")] if HAVE_MATPLOTLIB else ["--no-png"]
 
 
-def test_train_step():
+def test_train_step(tmp_path):
     figures = figures_of(run_benchmark("train_step", "--tiny"))
     assert figures["steps"] == 6 and figures["preset"] == "tiny" and figures["batch"] == 8
     assert finite(figures["cells_per_s"], figures["median_step_ms"], figures["tokens_per_s"])
     assert 0 < figures["padding_fraction"] < 1 and figures["graph_breaks"] == 0  # cells of varied length
-    packed = figures_of(run_benchmark("train_step", "--tiny", "--packed"))
-    assert packed["tokens_per_row"] == 2 * 257 and packed["graph_breaks"] == 0
+    # Geneformer's layout (tokens only, gene ids predicted), packed, profiled
+    profile = tmp_path / "profile.txt"
+    packed = figures_of(
+        run_benchmark("train_step", "--tiny", "--packed", "--layout", "geneformer", "--profile", str(profile))
+    )
+    assert packed["tokens_per_row"] == 2 * 257 and packed["graph_breaks"] == 0 and packed["layout"] == "geneformer"
     assert packed["padding_fraction"] < figures["padding_fraction"]
+    assert profile.read_text().startswith("no device kernels") and "aten::mm" in profile.read_text()
     assert figures["cells_per_s"] > 0
     assert figures["mfu"] is None or finite(figures["mfu"])  # n/a on a CPU
 

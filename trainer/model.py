@@ -65,7 +65,9 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMas
 
 @functools.cache
 def compiled_flex():
-    return torch.compile(flex_attention, dynamic=False)
+    # dynamic left to torch: a packed batch's row count varies, and the first change of it compiles a
+    # kernel for any count (dynamic=False compiled one per count, ~15 s each, then fell back to eager)
+    return torch.compile(flex_attention)
 
 
 class Block(nn.Module):
