@@ -172,6 +172,9 @@ def main() -> None:
         "--flex", action="store_true", help="packed rows' attention by FlexAttention's block mask (CUDA only)"
     )
     parser.add_argument(
+        "--varlen", action="store_true", help="packed rows' attention by flash attention's varlen kernel (CUDA only)"
+    )
+    parser.add_argument(
         "--layout",
         choices=("scgpt", "geneformer"),
         default="scgpt",
@@ -195,15 +198,15 @@ def main() -> None:
     args = parser.parse_args()
     args.lengths = "full" if args.full_length else args.lengths
     args.ragged = args.lengths != "full"
-    attention = "flex" if args.flex else "dense"
+    attention = "flex" if args.flex else "varlen" if args.varlen else "dense"
     cuda = torch.cuda.is_available()
     preset = args.preset or ("tiny" if args.tiny or not cuda else "scgpt")
     batch = args.batch or (8 if args.tiny else 240 if cuda else 16)
     steps = args.steps or (6 if args.tiny else 12 if args.quick else 40)
     args.max_genes = args.max_genes or (256 if args.tiny else 1024)
-    if args.flex and not cuda:
-        parser.error("--flex: FlexAttention trains on CUDA only (it has no backward on CPU)")
-    args.packed = args.packed or args.flex
+    if (args.flex or args.varlen) and not cuda:
+        parser.error("--flex and --varlen train on CUDA only (no backward, or no kernel, on CPU)")
+    args.packed = args.packed or args.flex or args.varlen
     if args.packed or args.tokens_per_row:
         args.tokens_per_row = args.tokens_per_row or 2 * (args.max_genes + 1)
     if args.tokens_per_row is not None and args.tokens_per_row < args.max_genes + 1:

@@ -571,7 +571,7 @@ def test_the_flop_formula_is_what_torch_counts_and_leaves_padding_out(preset):
 
 
 def test_packing_places_every_cell_whole_best_fit_within_its_row():
-    from trainer.packing import MAX_CELLS_PER_ROW, pack_rows, segments_of
+    from trainer.packing import MAX_CELLS_PER_ROW, pack_rows, segments_of, spans_of
 
     lengths = np.array([6, 5, 4, 3, 2, 0])
     row, start, n_rows = pack_rows(lengths, 10)
@@ -589,6 +589,12 @@ def test_packing_places_every_cell_whole_best_fit_within_its_row():
         # best fit never opens a row while one could take the cell: of rows that could still take a
         # cell, at most one is half full or less (a second one's first cell would have fit the first)
         assert int(((used <= 32) & (cells < MAX_CELLS_PER_ROW)).sum()) <= 1
+        # varlen's spans: the flattened rows cut wherever the cell changes, and at every row's end
+        bounds, longest = spans_of(lengths, row, start, n_rows, 64)
+        flat = segments.ravel()
+        cuts = np.flatnonzero(flat[1:] != flat[:-1]) + 1
+        expected = np.union1d(np.concatenate([[0, flat.size], cuts]), np.arange(n_rows + 1) * 64)
+        assert bounds.dtype == np.int32 and bounds.tolist() == expected.tolist() and longest == np.diff(expected).max()
     assert pack_rows(np.zeros(3, np.int64), 64)[2] == 1  # every cell empty: one row, all padding
     with pytest.raises(CellfeedError, match="a cell of 65 tokens does not fit a row of 64"):
         pack_rows(np.array([65]), 64)
@@ -634,7 +640,7 @@ def test_a_packed_batch_gives_each_cell_the_logits_and_loss_it_has_unpacked(obje
         every = torch.arange(batch.tokens.shape[1]).expand(batch.tokens.shape[0], -1)
         tokens = batch.tokens if bins else batch.tokens.masked_fill(masked, c.mask_token)
         values = batch.values.masked_fill(masked, 11) if bins else None
-        return model(tokens, values, batch.attention_mask, every, True, batch.segments)
+        return model(tokens, values, batch.attention_mask, every, True, batch.segments, batch.spans)
 
     flat_logits, packed_logits = logits(flat, hidden), logits(packed, moved)
     for i, at in enumerate(where):
@@ -644,6 +650,9 @@ def test_a_packed_batch_gives_each_cell_the_logits_and_loss_it_has_unpacked(obje
     model.load_state_dict(dense.state_dict())
     with torch.no_grad():  # (FlexAttention has no backward on CPU: forward only here)
         torch.testing.assert_close(logits(packed, moved)[packed.attention_mask], packed_logits[packed.attention_mask])
+    model = CellTransformer(replace(c, packed_attention="varlen"))  # each cell a sequence: the same logits
+    model.load_state_dict(dense.state_dict())
+    torch.testing.assert_close(logits(packed, moved)[packed.attention_mask], packed_logits[packed.attention_mask])
     model = dense
     a, b = loss_at(model, flat, hidden, 11, c, 0.4), loss_at(model, packed, moved, 11, c, 0.4)
     assert b[0].item() == pytest.approx(a[0].item(), rel=1e-5) and (int(b[1]), int(b[2])) == (int(a[1]), int(a[2]))
@@ -665,6 +674,37 @@ def test_a_packed_batch_gives_each_cell_the_logits_and_loss_it_has_unpacked(obje
         assert small.tokens.shape == (1, 4) and small.size == 21
         loss_sum, n, _ = masked_loss(model, small, 0.4, torch.Generator().manual_seed(0), 11, c)
         assert int(n) == 1 and torch.isfinite(loss_sum)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's varlen kernel runs on CUDA only")
+def test_on_cuda_varlen_attention_trains_packed_cells_as_the_dense_mask_does():
+    """On a GPU, under bf16 autocast: flash attention's varlen kernel gives packed cells the logits
+    and the gradients the dense per-cell mask gives them (bf16's tolerance)."""
+    from types import SimpleNamespace
+
+    from trainer.stream import _collate
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(3)
+    cells = [
+        SimpleNamespace(offsets=np.array([0, n]), tokens=rng.integers(4, 100, size=n),
+                        values=rng.integers(1, 11, size=n), labels=None, cell_ids=np.array([c]))
+        for c, n in enumerate(rng.integers(0, 300, 40))
+    ]  # fmt: skip
+    batch = _collate([(cell, 0) for cell in cells], None, False, tokens_per_row=512).to(torch.device("cuda"))
+    every = torch.arange(512, device="cuda").expand(batch.tokens.shape[0], -1)
+    c = ModelConfig.preset("tiny", 100, n_bins=11)
+    out = {}
+    for attention in ("dense", "varlen"):
+        torch.manual_seed(0)
+        model = CellTransformer(replace(c, packed_attention=attention)).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(batch.tokens, batch.values, batch.attention_mask, every, True, batch.segments, batch.spans)
+        logits = logits.float()[batch.attention_mask]
+        logits.square().mean().backward()
+        out[attention] = logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(out["varlen"][0], out["dense"][0], rtol=2e-2, atol=2e-2)
+    assert torch.nn.functional.cosine_similarity(out["varlen"][1], out["dense"][1], dim=0) > 0.999
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ class TrainConfig:
     compile: bool = False
     pad_to: int | None = None
     tokens_per_row: int | None = None  # packed rows of this many tokens (`trainer.packing`); None: a row per cell
-    packed_attention: str = "dense"  # packed rows' attention kernel: "dense" or "flex" (`model.ModelConfig`)
+    packed_attention: str = "dense"  # packed rows' attention: "dense", "flex" or "varlen" (`model.ModelConfig`)
     buffer_cells: int = 4096
     run_driver: bool = True  # rank 0 drives the producers (so a detached campaign needs no laptop)
     checkpoint_dir: str | None = None

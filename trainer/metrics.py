@@ -222,11 +222,11 @@ class StepTotals:
     totals: torch.Tensor  # all-reduced: masked, loss sum, correct, stop asked, cells, epoch cut
     waited: float = 0.0
     cells: int = 0
-    masked: int = 0
+    masked: torch.Tensor | int = 0  # this rank's hidden positions (on the device: read after the step)
     slots: int = 0
     lengths: list = field(default_factory=list)
 
-    def add(self, batch, counts: tuple[torch.Tensor, int]) -> None:
+    def add(self, batch, counts: tuple[torch.Tensor, torch.Tensor]) -> None:
         reduced, n_masked = counts
         self.totals += reduced
         self.waited, self.cells, self.masked = (
@@ -254,7 +254,7 @@ class StepTotals:
             wait_s=self.waited,
             cells=self.cells,
             tokens=int(lengths.sum()),
-            flops=train_flops(model_config, lengths, self.masked),
+            flops=train_flops(model_config, lengths, int(self.masked)),
             device=device,
             ready_cells=ready_cells,
             slots=self.slots,

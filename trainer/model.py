@@ -38,12 +38,38 @@ class ModelConfig:
     mask_token: int = MASK
     special_tokens: tuple[int, ...] = (PAD, CLS, EOS, MASK)
     # packed rows' attention: "dense" (a per-cell mask through scaled_dot_product_attention: every pair
-    # of a row computed) or "flex" (FlexAttention's block mask: only blocks holding a cell's own pairs)
+    # of a row computed), "flex" (FlexAttention's block mask: only blocks holding a cell's own pairs) or
+    # "varlen" (each cell a sequence of its own to flash attention's varlen kernel: only its own pairs)
     packed_attention: str = "dense"
 
     @classmethod
     def preset(cls, name: str, vocab_size: int, n_bins: int = 51, objective: str = "bins", **tokens) -> "ModelConfig":
         return cls(vocab_size=vocab_size, n_bins=n_bins, objective=objective, **preset_shape(name), **tokens)
+
+
+@dataclass(frozen=True)
+class Spans:
+    """Packed rows as sequences of their own (`trainer.packing.spans_of`): `bounds` (int32 [n + 1])
+    cut the flattened rows into each cell's positions and each row's padding tail; `longest` is the
+    longest span, known on the host."""
+
+    bounds: torch.Tensor
+    longest: int
+
+
+def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: Spans) -> torch.Tensor:
+    """Attention within each span of [positions, heads, head dim] q, k, v: flash attention's varlen
+    kernel on CUDA; on the CPU, which has none, each span through scaled_dot_product_attention (the
+    reference the tests compare with)."""
+    if q.is_cuda:
+        from torch.nn.attention.varlen import varlen_attn  # (torch >= 2.9)
+
+        return varlen_attn(q, k, v, spans.bounds, spans.bounds, spans.longest, spans.longest)
+    out = torch.empty_like(q)
+    bounds = spans.bounds.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        out[a:b] = F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+    return out
 
 
 def cell_blocks(segments: torch.Tensor) -> BlockMask:
@@ -82,14 +108,19 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, attn_mask) -> torch.Tensor:
         b, n, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        if isinstance(attn_mask, BlockMask):  # (packed rows, FlexAttention: no dropout there)
-            y = flex(q, k, v, attn_mask)
+        qkv = self.qkv(self.ln1(x)).view(b, n, 3, self.n_heads, d // self.n_heads)
+        if isinstance(attn_mask, Spans):  # (packed rows, varlen: positions of all rows in one sequence axis)
+            y = varlen(*(t.flatten(0, 1) for t in qkv.unbind(2)), attn_mask).view(b, n, d)
         else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
-            )
-        x = x + self.proj(y.transpose(1, 2).reshape(b, n, d))
+            q, k, v = qkv.permute(2, 0, 3, 1, 4)
+            if isinstance(attn_mask, BlockMask):  # (packed rows, FlexAttention: no dropout there)
+                y = flex(q, k, v, attn_mask)
+            else:
+                y = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
+                )
+            y = y.transpose(1, 2).reshape(b, n, d)
+        x = x + self.proj(y)
         return x + self.ff(self.ln2(x))
 
 
@@ -120,13 +151,15 @@ class CellTransformer(nn.Module):
         positions: torch.Tensor,
         padded: bool = True,
         segments: torch.Tensor | None = None,
+        spans: Spans | None = None,
     ) -> torch.Tensor:
         """Logits [B, K, classes] at `positions` ([B, K] indices into each cell: `masked_loss` puts
         the hidden ones first, then filler it weighs 0); inputs there are already hidden by the
         caller. A fixed K keeps every shape independent of the data, so the forward compiles to one
         graph. `padded`: whether any position is padding, decided on the host (`Batch.padded`).
         `segments` (packed rows, `trainer.packing`): each position's cell; a position attends only
-        to its own cell's, so each cell is computed as it would be alone."""
+        to its own cell's, so each cell is computed as it would be alone; `spans`: the same rows cut
+        into cells, for packed_attention "varlen"."""
         x = self.gene(tokens)
         if bins is not None:  # None: a model of gene ids, or an empty batch (a rank that ran out of cells)
             x = x + self.bin(bins)
@@ -134,7 +167,9 @@ class CellTransformer(nn.Module):
         # A cell with no token at all (an empty cell in a layout without specials) attends to its
         # first (padding) slot, so softmax sees one key instead of none (which would be NaN).
         mask = None
-        if segments is not None and self.config.packed_attention == "flex":
+        if segments is not None and self.config.packed_attention == "varlen":
+            mask = spans
+        elif segments is not None and self.config.packed_attention == "flex":
             mask = cell_blocks(segments)
         elif segments is not None:  # (padding attends to padding: softmax needs a key, and nothing reads it)
             mask = (segments[:, :, None] == segments[:, None, :])[:, None]
@@ -164,7 +199,9 @@ def mask_positions(
     round(ratio x its genes), at least 1. A cell is a row, or with `segments` (packed rows) the
     positions of one segment; `n_cells`: the batch's cells (an empty cell has a number but no
     position, so there may be more cells than positions)."""
-    scores = torch.rand(attention_mask.shape, generator=generator, device="cpu").to(attention_mask.device)
+    scores = torch.rand(attention_mask.shape, generator=generator, device="cpu")  # (the same masks on any device)
+    if attention_mask.is_cuda:  # (from pinned memory: a pageable copy would wait for the GPU's queued work)
+        scores = scores.pin_memory().to(attention_mask.device, non_blocking=True)
     specials = torch.tensor(special_tokens, dtype=tokens.dtype, device=tokens.device)
     candidates = attention_mask & ~torch.isin(tokens, specials)
     scores = scores.masked_fill(~candidates, 2.0)
@@ -220,7 +257,8 @@ def loss_at(model: nn.Module, batch, masked: torch.Tensor, n_bins: int, config: 
     else:  # hide the gene, predict it
         tokens, bins, truth = batch.tokens.masked_fill(masked, config.mask_token), None, batch.tokens
     target = truth.gather(1, positions)
-    logits = model(tokens, bins, batch.attention_mask, positions, getattr(batch, "padded", True), segments)
+    padded, spans = getattr(batch, "padded", True), getattr(batch, "spans", None)
+    logits = model(tokens, bins, batch.attention_mask, positions, padded, segments, spans)
     losses = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="none")
     loss_sum = losses.masked_fill(~hidden.flatten(), 0.0).sum()  # (masked_fill: a filler's NaN would not spread)
     correct = ((logits.argmax(dim=-1) == target) & hidden).sum()

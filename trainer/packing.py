@@ -66,3 +66,15 @@ def segments_of(lengths: np.ndarray, row: np.ndarray, start: np.ndarray, n_rows:
     for c, (r, a, n) in enumerate(zip(row.tolist(), start.tolist(), np.asarray(lengths).tolist())):
         segments[r, a : a + n] = c
     return segments
+
+
+def spans_of(
+    lengths: np.ndarray, row: np.ndarray, start: np.ndarray, n_rows: int, width: int
+) -> tuple[np.ndarray, int]:
+    """The packed rows, flattened, cut into spans: each cell's positions and each row's padding tail
+    (an empty cell has none): int32 bounds [n_spans + 1] (varlen attention's cumulative sequence
+    lengths) and the longest span."""
+    ends = row * width + start
+    cuts = np.concatenate([ends, ends + np.asarray(lengths), np.arange(n_rows + 1) * width])
+    bounds = np.unique(cuts).astype(np.int32)  # sorted, each cut once: a span ends where the next begins
+    return bounds, int(np.diff(bounds).max(initial=1))

@@ -182,8 +182,8 @@ def start(cfg: TrainConfig, queue, store, rank: int, world: int, device, stop_as
         special_tokens=special,
         packed_attention=cfg.packed_attention,
     )
-    if cfg.packed_attention == "flex" and device.type != "cuda":
-        raise CellfeedError("packed_attention 'flex': FlexAttention trains on CUDA only (no backward on CPU)")
+    if cfg.packed_attention in ("flex", "varlen") and device.type != "cuda":  # (no backward, or no kernel, on CPU)
+        raise CellfeedError(f"packed_attention {cfg.packed_attention!r} trains on CUDA only; use 'dense' here")
     model = CellTransformer(model_cfg).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # fused on CUDA: one kernel for every parameter's update instead of a few per tensor (same state dict)
@@ -252,9 +252,10 @@ def open_stream(cfg, queue, store, rank, world, progress, saved, epoch, summarie
     )
 
 
-def forward_backward(run: Run, batch, micro: int) -> tuple[torch.Tensor, int]:
+def forward_backward(run: Run, batch, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch's loss and gradients (DDP syncs them on the step's last batch). Its counts, and this
-    rank's stop request and whether its epoch was cut, ride on one all-reduce."""
+    rank's stop request and whether its epoch was cut, ride on one all-reduce. Nothing here waits for
+    the GPU: the host's values travel from pinned memory, and what is read back is read after the step."""
     cfg, device = run.cfg, run.device
     batch = batch.to(device)
     generator = torch.Generator().manual_seed(mask_seed(cfg.seed, run.rank, run.step, micro))
@@ -263,19 +264,13 @@ def forward_backward(run: Run, batch, micro: int) -> tuple[torch.Tensor, int]:
         loss_sum, n_masked, correct = masked_loss(
             run.step_model, batch, cfg.mask_ratio, generator, cfg.n_bins, run.model.config
         )
-        counts = torch.stack(
-            [
-                n_masked.float(),
-                loss_sum.detach().float(),
-                correct.float(),
-                torch.tensor(float(bool(run.stop_asked)), device=device),
-                torch.tensor(float(batch.size), device=device),
-                torch.tensor(float(run.batches.cut), device=device),  # (a rank's stop cut its epoch)
-            ]
-        )
+        # (a rank's stop cut its epoch: `cut`)
+        flags = torch.tensor([float(bool(run.stop_asked)), float(batch.size), float(run.batches.cut)])
+        flags = (flags.pin_memory() if device.type == "cuda" else flags).to(device, non_blocking=True)
+        counts = torch.cat([torch.stack([n_masked.float(), loss_sum.detach().float(), correct.float()]), flags])
         dist.all_reduce(counts)  # global masked count: every position weighs the same
         loss = loss_sum * run.world / counts[0].clamp(min=1)
-        if int(n_masked) == 0:  # an empty batch (this rank ran out first): zero gradients,
+        if batch.size == 0:  # an empty batch (this rank ran out first): zero gradients,
             loss = loss + 0.0 * sum(p.sum() for p in run.model.parameters())  # but DDP stays in step
         loss.backward()
     run.progress.record(batch)
@@ -283,7 +278,7 @@ def forward_backward(run: Run, batch, micro: int) -> tuple[torch.Tensor, int]:
         line = {"step": run.step, "epoch": run.epoch, "cells": batch.cell_ids.tolist()}
         run.cells_log.write(json.dumps(line) + "\n")
         run.cells_log.flush()
-    return counts, int(n_masked)
+    return counts, n_masked
 
 
 def optimizer_step(run: Run, step: StepTotals) -> tuple[float, torch.Tensor]:
