@@ -3,13 +3,16 @@ the training loop itself (`trainer.train.train`), fed by a consumer stream from 
 queue that a feeder thread keeps full of scGPT items (random genes, 1024 per cell).
 
     python benchmarks/train_step.py --quick                      # CPU: tiny preset, batch 16
-    python benchmarks/train_step.py --preset scgpt --batch 240   # on an H100/H200: the goal is MFU >= 40%
-    python benchmarks/train_step.py --preset scgpt --batch 240 --full-length   # every cell 1,025 tokens (H200 table)
-    python benchmarks/train_step.py --preset scgpt --batch 240 --packed        # cells of varied length, packed
+    python benchmarks/train_step.py --preset scgpt --batch 240   # on an H100/H200
+    python benchmarks/train_step.py --preset scgpt --batch 240 --full-length   # every cell 1,025 tokens
+    python benchmarks/train_step.py --preset scgpt --batch 240 --packed --tokens-per-row 8200   # packed rows
+    python benchmarks/train_step.py --layout geneformer --lengths atlas --max-genes 2048 --batch 64
     python benchmarks/train_step.py --tiny                       # the test suite's: 6 steps, batch 8, 256 genes
 
 Cells are of varied length by default (a quarter to all of max-genes + 1 tokens, as real cells vary),
-so a padded batch computes padding (`padding_fraction`); `--packed` lays them in rows instead.
+so a padded batch computes padding (`padding_fraction`); `--packed` lays them in rows instead. On
+CUDA, attention over padded or packed rows is flash attention's varlen kernel by default
+(`--attention`; `dense`: the SDPA mask it replaced).
 Ends with one JSON line: device, preset, cells_per_s, mfu, padding_fraction, graph_breaks (of the
 model's forward, `torch._dynamo.explain`), dataloader_wait_ms_median, ... Exits 1
 (one line on stderr) when it trained fewer steps than asked or a figure is missing (MFU on a GPU
@@ -84,7 +87,7 @@ def graph_breaks(preset: str, args) -> int:
 
     item = unpack_item(random_items(4, args.max_genes, 0, 0, args.lengths, args.layout == "scgpt")[0])
     batch = _collate([(item, 0), (item, 1)], args.max_genes + 1, False, tokens_per_row=args.tokens_per_row)
-    # (the dense mask: flex needs CUDA)
+    # (on the CPU: the dense mask; varlen's and flex's kernels are CUDA's)
     model = CellTransformer(ModelConfig.preset(preset, N_GENES + 4, objective=OBJECTIVE[args.layout]))
     ratio = MASK_RATIO[args.layout]
     masked = mask_positions(batch.tokens, batch.attention_mask, ratio, torch.Generator(), segments=batch.segments)
@@ -169,10 +172,12 @@ def main() -> None:
         "--tokens-per-row", type=int, default=None, help="packed rows of N tokens (default with --packed: 2 cells)"
     )
     parser.add_argument(
-        "--flex", action="store_true", help="packed rows' attention by FlexAttention's block mask (CUDA only)"
-    )
-    parser.add_argument(
-        "--varlen", action="store_true", help="packed rows' attention by flash attention's varlen kernel (CUDA only)"
+        "--attention",
+        choices=("auto", "dense", "varlen", "flex"),
+        default="auto",
+        help="attention over padded or packed rows (TrainConfig.packed_attention): a mask through SDPA (dense), "
+        "flash attention's varlen kernel (varlen, CUDA), FlexAttention's block mask (flex: packed, CUDA); "
+        "auto: varlen on CUDA, dense elsewhere",
     )
     parser.add_argument(
         "--layout",
@@ -198,15 +203,15 @@ def main() -> None:
     args = parser.parse_args()
     args.lengths = "full" if args.full_length else args.lengths
     args.ragged = args.lengths != "full"
-    attention = "flex" if args.flex else "varlen" if args.varlen else "dense"
     cuda = torch.cuda.is_available()
     preset = args.preset or ("tiny" if args.tiny or not cuda else "scgpt")
     batch = args.batch or (8 if args.tiny else 240 if cuda else 16)
     steps = args.steps or (6 if args.tiny else 12 if args.quick else 40)
     args.max_genes = args.max_genes or (256 if args.tiny else 1024)
-    if (args.flex or args.varlen) and not cuda:
-        parser.error("--flex and --varlen train on CUDA only (no backward, or no kernel, on CPU)")
-    args.packed = args.packed or args.flex or args.varlen
+    if args.attention in ("flex", "varlen") and not cuda:
+        parser.error(f"--attention {args.attention} trains on CUDA only (no backward, or no kernel, on CPU)")
+    attention = args.attention if args.attention != "auto" else "varlen" if cuda else "dense"
+    args.packed = args.packed or args.attention == "flex"
     if args.packed or args.tokens_per_row:
         args.tokens_per_row = args.tokens_per_row or 2 * (args.max_genes + 1)
     if args.tokens_per_row is not None and args.tokens_per_row < args.max_genes + 1:

@@ -650,9 +650,10 @@ def test_a_packed_batch_gives_each_cell_the_logits_and_loss_it_has_unpacked(obje
     model.load_state_dict(dense.state_dict())
     with torch.no_grad():  # (FlexAttention has no backward on CPU: forward only here)
         torch.testing.assert_close(logits(packed, moved)[packed.attention_mask], packed_logits[packed.attention_mask])
-    model = CellTransformer(replace(c, packed_attention="varlen"))  # each cell a sequence: the same logits
-    model.load_state_dict(dense.state_dict())
+    model = CellTransformer(replace(c, packed_attention="varlen"))  # each cell a sequence: the same logits,
+    model.load_state_dict(dense.state_dict())  # packed, and padded (a row's padding is a sequence of its own)
     torch.testing.assert_close(logits(packed, moved)[packed.attention_mask], packed_logits[packed.attention_mask])
+    torch.testing.assert_close(logits(flat, hidden)[flat.attention_mask], flat_logits[flat.attention_mask])
     model = dense
     a, b = loss_at(model, flat, hidden, 11, c, 0.4), loss_at(model, packed, moved, 11, c, 0.4)
     assert b[0].item() == pytest.approx(a[0].item(), rel=1e-5) and (int(b[1]), int(b[2])) == (int(a[1]), int(a[2]))

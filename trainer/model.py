@@ -37,9 +37,11 @@ class ModelConfig:
     pad_token: int = PAD  # the vocabulary's special tokens (a vocabulary file has its own ids)
     mask_token: int = MASK
     special_tokens: tuple[int, ...] = (PAD, CLS, EOS, MASK)
-    # packed rows' attention: "dense" (a per-cell mask through scaled_dot_product_attention: every pair
-    # of a row computed), "flex" (FlexAttention's block mask: only blocks holding a cell's own pairs) or
-    # "varlen" (each cell a sequence of its own to flash attention's varlen kernel: only its own pairs)
+    # attention where rows hold padding or several cells: "dense" (a mask through
+    # scaled_dot_product_attention: every pair of a row computed), "flex" (packed rows: FlexAttention's
+    # block mask, only blocks holding a cell's own pairs) or "varlen" (padded and packed rows: each cell
+    # a sequence of its own to flash attention's varlen kernel, only its own pairs). Rows of one whole
+    # cell each have no mask: flash (or cuDNN) attention. (Named before padded rows used it too.)
     packed_attention: str = "dense"
 
     @classmethod
@@ -158,8 +160,8 @@ class CellTransformer(nn.Module):
         caller. A fixed K keeps every shape independent of the data, so the forward compiles to one
         graph. `padded`: whether any position is padding, decided on the host (`Batch.padded`).
         `segments` (packed rows, `trainer.packing`): each position's cell; a position attends only
-        to its own cell's, so each cell is computed as it would be alone; `spans`: the same rows cut
-        into cells, for packed_attention "varlen"."""
+        to its own cell's, so each cell is computed as it would be alone; `spans`: the rows cut into
+        cells and padding, for packed_attention "varlen"."""
         x = self.gene(tokens)
         if bins is not None:  # None: a model of gene ids, or an empty batch (a rank that ran out of cells)
             x = x + self.bin(bins)
@@ -167,7 +169,7 @@ class CellTransformer(nn.Module):
         # A cell with no token at all (an empty cell in a layout without specials) attends to its
         # first (padding) slot, so softmax sees one key instead of none (which would be NaN).
         mask = None
-        if segments is not None and self.config.packed_attention == "varlen":
+        if spans is not None and self.config.packed_attention == "varlen" and (segments is not None or padded):
             mask = spans
         elif segments is not None and self.config.packed_attention == "flex":
             mask = cell_blocks(segments)

@@ -56,7 +56,7 @@ class Batch:
     unit_cells: dict = field(default_factory=dict)  # unit -> its cells in this batch (stitched cells apart)
     lengths: torch.Tensor | None = None  # int64 [cells] on the host: each cell's real tokens (None: read the mask)
     segments: torch.Tensor | None = None  # packed (`trainer.packing`): int64 [rows, width], each position's cell
-    spans: Spans | None = None  # packed: the rows cut into cells, for varlen attention (`model.Spans`)
+    spans: Spans | None = None  # the rows cut into cells and padding, for varlen attention (`model.Spans`)
 
     @property
     def size(self) -> int:
@@ -394,11 +394,11 @@ def _collate(chosen: list, pad_to: int | None, pin: bool, pad_token: int = PAD, 
     if tokens_per_row:
         row, start, n_rows = pack_rows(lengths, tokens_per_row)
         width, segments = tokens_per_row, segments_of(lengths, row, start, n_rows, tokens_per_row)
-        bounds, longest = spans_of(lengths, row, start, n_rows, tokens_per_row)
     else:
         width = pad_to or int(lengths.max(initial=1))
         lengths = np.minimum(lengths, width)
-        row, start, n_rows, segments, bounds = np.arange(n), np.zeros(n, np.int64), n, None, None
+        row, start, n_rows, segments = np.arange(n), np.zeros(n, np.int64), n, None
+    bounds, longest = spans_of(lengths, row, start, n_rows, width)  # (varlen attention's cells, padded or packed)
     tokens = np.full((n_rows, width), pad_token, dtype=np.int64)
     has_values = bool(chosen) and chosen[0][0].values is not None
     float_values = has_values and chosen[0][0].values.dtype == np.float32
@@ -419,8 +419,7 @@ def _collate(chosen: list, pad_to: int | None, pin: bool, pad_token: int = PAD, 
     tensors = [torch.from_numpy(x) if x is not None else None for x in arrays]
     if pin:
         tensors = [t.pin_memory() if t is not None else None for t in tensors]
-    spans = None if bounds is None else Spans(tensors[6], longest)
-    return Batch(*tensors[:5], lengths=torch.from_numpy(lengths), segments=tensors[5], spans=spans)
+    return Batch(*tensors[:5], lengths=torch.from_numpy(lengths), segments=tensors[5], spans=Spans(tensors[6], longest))
 
 
 def collate_items(items: list[Item], batch_size: int, pad_to: int | None = None, pad_token: int = PAD) -> list[Batch]:

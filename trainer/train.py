@@ -172,6 +172,9 @@ def start(cfg: TrainConfig, queue, store, rank: int, world: int, device, stop_as
     """The model, the optimizer, the place a resume starts from, the rank's stream and its metrics."""
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     special = tuple(cfg.special_tokens)
+    attention = cfg.packed_attention
+    if attention == "auto":
+        attention = "varlen" if device.type == "cuda" else "dense"
     model_cfg = ModelConfig.preset(
         cfg.preset,
         cfg.vocab_size,
@@ -180,10 +183,10 @@ def start(cfg: TrainConfig, queue, store, rank: int, world: int, device, stop_as
         pad_token=cfg.pad_token,
         mask_token=cfg.mask_token,
         special_tokens=special,
-        packed_attention=cfg.packed_attention,
+        packed_attention=attention,
     )
-    if cfg.packed_attention in ("flex", "varlen") and device.type != "cuda":  # (no backward, or no kernel, on CPU)
-        raise CellfeedError(f"packed_attention {cfg.packed_attention!r} trains on CUDA only; use 'dense' here")
+    if attention in ("flex", "varlen") and device.type != "cuda":  # (no backward, or no kernel, on CPU)
+        raise CellfeedError(f"packed_attention {attention!r} trains on CUDA only; use 'dense' or 'auto' here")
     model = CellTransformer(model_cfg).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # fused on CUDA: one kernel for every parameter's update instead of a few per tensor (same state dict)
