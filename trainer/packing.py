@@ -1,8 +1,8 @@
 """Packing: a batch's cells laid end to end in rows of at most `tokens_per_row` tokens, so the
 model does not compute each short cell's padding (`--tokens-per-row`; unset, each cell is a row
-padded to the longest). What is left is each row's tail; and the attention, through a dense
-per-cell mask, still computes every pair of a row, unless the model's `packed_attention` is
-"flex" (FlexAttention's block mask: CUDA only, unmeasured so far).
+padded to the longest). What is left is each row's tail. On CUDA the attention takes each cell as
+a sequence of its own (`spans_of`, flash attention's varlen kernel), so it computes only a cell's
+own pairs; on the CPU a dense per-cell mask still computes every pair of a row.
 
 Where: in the trainer's collate, on the host, over the cells the mixing buffer drew for one
 batch. The producers cannot do it: which cells share a batch is decided by each rank's random
