@@ -145,7 +145,11 @@ def _run(cfg: CampaignConfig, workdir: Path, quiet: bool, audit_cells: bool, ran
         watch(cfg, facts, ranks, fleet, monitor, journal, quiet)
         codes = wait_all(ranks, timeout=60)
         if codes != [0] * cfg.world_size:
-            raise CellfeedError(f"the campaign failed: trainer ranks exited {codes}; rank logs are in {workdir}")
+            # (rank 0 writes to this process's output, the others to their own files: `trainer.launch`)
+            last = cfg.world_size - 1
+            others = f"; ranks 1-{last}'s in {workdir}/rank<r>.log" if last > 1 else ""
+            others = f"; rank 1's in {workdir}/rank1.log" if last == 1 else others
+            raise CellfeedError(f"the campaign failed: trainer ranks exited {codes}; rank 0's output is above{others}")
         summary = json.loads((workdir / "summary.rank0").read_text())
         summary["classes"] = class_mix_line(facts, summary.get("audits", []))
         reports = json.loads(store.get(producers_key(cfg.run)) or "{}")

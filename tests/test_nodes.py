@@ -77,6 +77,7 @@ def test_two_nodes_train_an_epoch_once_and_a_node_lost_mid_epoch_resumes_on_one_
             proc.kill()
             proc.communicate()
     assert proc.returncode != 0 and "the campaign failed: trainer ranks exited" in err, err[-2000:]
+    assert f"rank 0's output is above; rank 1's in {run}/rank1.log" in err  # (where each rank's output is)
     assert "2 ranks (gloo, CPU; 2 nodes of 1)" in out
     assert sorted(p.name for p in run.glob("cells.rank*.jsonl")) == ["cells.rank0.jsonl", "cells.rank1.jsonl"]
     assert cells(run)[0] == Counter(range(600))  # epoch 0, on two nodes
