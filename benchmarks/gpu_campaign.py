@@ -68,7 +68,8 @@ def campaign(args, atlas: str, workdir: Path) -> dict:
 
 def step_alone(args) -> dict:
     """`benchmarks/train_step.py` with the campaign's preset, batch and length, its cells as long as
-    the atlas's (`--lengths atlas`), so the two compute the same work per cell."""
+    the atlas's (`--lengths atlas`: its plates' depth factors aside), so the two compute nearly the same
+    work per cell (padding 2.6% against the campaign's 2.9% on an H200)."""
     command = [sys.executable, "benchmarks/train_step.py", "--quick", "--preset", args.preset, "--lengths", "atlas",
                "--batch", str(args.batch), "--max-genes", str(args.max_genes), "--steps", str(args.steps)]  # fmt: skip
     command += ["--compile"] if args.compile else []

@@ -210,7 +210,11 @@ def main() -> None:
     args.max_genes = args.max_genes or (256 if args.tiny else 1024)
     if args.attention in ("flex", "varlen") and not cuda:
         parser.error(f"--attention {args.attention} trains on CUDA only (no backward, or no kernel, on CPU)")
-    attention = args.attention if args.attention != "auto" else "varlen" if cuda else "dense"
+    from trainer.model import varlen_runs_on
+
+    attention = args.attention
+    if attention == "auto":  # (as the trainer resolves it)
+        attention = "varlen" if cuda and varlen_runs_on(torch.device("cuda", 0)) else "dense"
     args.packed = args.packed or args.attention == "flex"
     if args.packed or args.tokens_per_row:
         args.tokens_per_row = args.tokens_per_row or 2 * (args.max_genes + 1)

@@ -571,7 +571,7 @@ def test_the_flop_formula_is_what_torch_counts_and_leaves_padding_out(preset):
 
 
 def test_packing_places_every_cell_whole_best_fit_within_its_row():
-    from trainer.packing import MAX_CELLS_PER_ROW, pack_rows, segments_of, spans_of
+    from trainer.packing import MAX_CELLS_PER_ROW, PADDING_SPAN, pack_rows, segments_of, spans_of
 
     lengths = np.array([6, 5, 4, 3, 2, 0])
     row, start, n_rows = pack_rows(lengths, 10)
@@ -589,12 +589,18 @@ def test_packing_places_every_cell_whole_best_fit_within_its_row():
         # best fit never opens a row while one could take the cell: of rows that could still take a
         # cell, at most one is half full or less (a second one's first cell would have fit the first)
         assert int(((used <= 32) & (cells < MAX_CELLS_PER_ROW)).sum()) <= 1
-        # varlen's spans: the flattened rows cut wherever the cell changes, and at every row's end
+        # varlen's spans: the flattened rows cut wherever the cell changes, at every row's end, and
+        # each row's padding tail in pieces of at most PADDING_SPAN
         bounds, longest = spans_of(lengths, row, start, n_rows, 64)
         flat = segments.ravel()
         cuts = np.flatnonzero(flat[1:] != flat[:-1]) + 1
-        expected = np.union1d(np.concatenate([[0, flat.size], cuts]), np.arange(n_rows + 1) * 64)
+        tails = [r * 64 + int((segments[r] >= 0).sum()) + np.arange(0, 64, PADDING_SPAN) for r in range(n_rows)]
+        expected = np.union1d(np.concatenate([[0, flat.size], cuts, *tails]), np.arange(n_rows + 1) * 64)
+        expected = expected[expected <= flat.size]
         assert bounds.dtype == np.int32 and bounds.tolist() == expected.tolist() and longest == np.diff(expected).max()
+    # padded rows of 400 (a row per cell, the longest cut to the width): tails in pieces of 128 at most
+    bounds, longest = spans_of(np.array([300, 0, 10, 400]), np.arange(4), np.zeros(4, np.int64), 4, 400)
+    assert bounds.tolist() == [0, 300, 400, 528, 656, 784, 800, 810, 938, 1066, 1194, 1200, 1600] and longest == 400
     assert pack_rows(np.zeros(3, np.int64), 64)[2] == 1  # every cell empty: one row, all padding
     with pytest.raises(CellfeedError, match="a cell of 65 tokens does not fit a row of 64"):
         pack_rows(np.array([65]), 64)

@@ -33,7 +33,7 @@ class TrainConfig:
     pad_to: int | None = None
     tokens_per_row: int | None = None  # packed rows of this many tokens (`trainer.packing`); None: a row per cell
     # attention over padded or packed rows (`model.ModelConfig`): "dense", "flex", "varlen", or "auto":
-    # varlen on CUDA (only real tokens' pairs: a padding mask sent SDPA to a kernel that took a padded
+    # varlen on a GPU with the kernel (no pair between cells: a padding mask sent SDPA to a kernel that took a padded
     # batch 290 ms against 230 ms full length on an H200), dense elsewhere
     packed_attention: str = "auto"
     buffer_cells: int = 4096

@@ -238,6 +238,11 @@ class StepTotals:
         # the collate's host-side lengths: reading the mask back from the GPU is one more wait for the step
         self.lengths.append(batch.lengths if batch.lengths is not None else batch.attention_mask.sum(dim=1).cpu())
 
+    def flags(self) -> tuple[float, float, float]:
+        """(stop asked, cells, epoch cut), every rank's, summed over the step's batches: read back at once."""
+        asked, cells, cut = self.totals[3:].tolist()
+        return asked, cells, cut
+
     def metrics(self, step: int, epoch: int, lr: float, grad_norm, model_config, device, ready_cells) -> "StepMetrics":
         """The step's metrics as the tracker records them (flops of real tokens: `train_flops`)."""
         from trainer.model import train_flops

@@ -2,7 +2,8 @@
 
 Input per position: gene-token embedding + expression-bin embedding (no positions: a cell is a
 set of genes). Pre-LayerNorm blocks with `scaled_dot_product_attention` (flash / memory-efficient
-kernels on GPU), bidirectional, with a padding mask. Objective: a fraction of gene positions
+kernels on GPU), bidirectional; padded or packed rows through flash attention's varlen kernel on
+CUDA (each cell a sequence of its own), a mask elsewhere. Objective: a fraction of gene positions
 have their bin hidden (bin id `n_bins`, "masked") and the model predicts the bins there; with
 token streams that carry no values (geneformer) it predicts the masked gene ids instead, and has
 no bin embedding at all (DDP requires every parameter to receive a gradient).
@@ -40,7 +41,7 @@ class ModelConfig:
     # attention where rows hold padding or several cells: "dense" (a mask through
     # scaled_dot_product_attention: every pair of a row computed), "flex" (packed rows: FlexAttention's
     # block mask, only blocks holding a cell's own pairs) or "varlen" (padded and packed rows: each cell
-    # a sequence of its own to flash attention's varlen kernel, only its own pairs). Rows of one whole
+    # a sequence of its own to flash attention's varlen kernel, padding in short pieces). Rows of one whole
     # cell each have no mask: flash (or cuDNN) attention. (Named before padded rows used it too.)
     packed_attention: str = "dense"
 
@@ -49,11 +50,25 @@ class ModelConfig:
         return cls(vocab_size=vocab_size, n_bins=n_bins, objective=objective, **preset_shape(name), **tokens)
 
 
+ATTENTION = ("dense", "flex", "varlen")  # ModelConfig.packed_attention's choices
+
+
+def varlen_runs_on(device: torch.device) -> bool:
+    """Whether flash attention's varlen kernel runs on `device`: torch >= 2.9, an Ampere or newer GPU."""
+    if device.type != "cuda":
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 @dataclass(frozen=True)
 class Spans:
-    """Packed rows as sequences of their own (`trainer.packing.spans_of`): `bounds` (int32 [n + 1])
-    cut the flattened rows into each cell's positions and each row's padding tail; `longest` is the
-    longest span, known on the host."""
+    """Padded or packed rows as sequences of their own (`trainer.packing.spans_of`): `bounds` (int32
+    [n + 1]) cut the flattened rows into each cell's positions and pieces of each row's padding tail;
+    `longest` is the longest span, known on the host."""
 
     bounds: torch.Tensor
     longest: int
@@ -204,8 +219,9 @@ def mask_positions(
     scores = torch.rand(attention_mask.shape, generator=generator, device="cpu")  # (the same masks on any device)
     if attention_mask.is_cuda:  # (from pinned memory: a pageable copy would wait for the GPU's queued work)
         scores = scores.pin_memory().to(attention_mask.device, non_blocking=True)
-    specials = torch.tensor(special_tokens, dtype=tokens.dtype, device=tokens.device)
-    candidates = attention_mask & ~torch.isin(tokens, specials)
+    candidates = attention_mask.clone()
+    for special in special_tokens:  # (scalars: a tensor of them made on the GPU would wait for its queued work)
+        candidates &= tokens != special
     scores = scores.masked_fill(~candidates, 2.0)
     if segments is None:
         n = candidates.sum(dim=1, keepdim=True)

@@ -1,8 +1,8 @@
 """Packing: a batch's cells laid end to end in rows of at most `tokens_per_row` tokens, so the
 model does not compute each short cell's padding (`--tokens-per-row`; unset, each cell is a row
-padded to the longest). What is left is each row's tail. On CUDA the attention takes each cell as
-a sequence of its own (`spans_of`, flash attention's varlen kernel), so it computes only a cell's
-own pairs; on the CPU a dense per-cell mask still computes every pair of a row.
+padded to the longest). What is left is each row's tail. With varlen attention (CUDA's default) each
+cell is a sequence of its own (`spans_of`), so attention computes a cell's own pairs and the tail's
+within short pieces; the dense per-cell mask (the CPU's) still computes every pair of a row.
 
 Where: in the trainer's collate, on the host, over the cells the mixing buffer drew for one
 batch. The producers cannot do it: which cells share a batch is decided by each rank's random
@@ -25,6 +25,7 @@ import numpy as np
 from coordination.errors import CellfeedError
 
 MAX_CELLS_PER_ROW = 32  # bounds a row's hidden positions (`model.masked_loss` sizes the head's by it)
+PADDING_SPAN = 128  # a row's padding tail attends within pieces this long (`spans_of`: varlen attention)
 
 
 def pack_rows(lengths: np.ndarray, tokens_per_row: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -68,13 +69,16 @@ def segments_of(lengths: np.ndarray, row: np.ndarray, start: np.ndarray, n_rows:
     return segments
 
 
-def spans_of(
-    lengths: np.ndarray, row: np.ndarray, start: np.ndarray, n_rows: int, width: int
-) -> tuple[np.ndarray, int]:
-    """The packed rows, flattened, cut into spans: each cell's positions and each row's padding tail
-    (an empty cell has none): int32 bounds [n_spans + 1] (varlen attention's cumulative sequence
-    lengths) and the longest span."""
+def spans_of(lengths: np.ndarray, row: np.ndarray, start: np.ndarray, n_rows: int, width: int) -> tuple:
+    """Rows (padded or packed), flattened, cut into spans: each cell's positions, and each row's padding
+    tail in pieces of at most PADDING_SPAN (an empty cell has none): int32 bounds [n_spans + 1] (varlen
+    attention's cumulative sequence lengths) and the longest span. Padding attends only within its
+    piece: nothing reads it, and a whole tail as one span would cost its length squared."""
+    lengths = np.asarray(lengths, dtype=np.int64)
     ends = row * width + start
-    cuts = np.concatenate([ends, ends + np.asarray(lengths), np.arange(n_rows + 1) * width])
+    used = np.zeros(n_rows, np.int64)  # each row's cells, from its start (the tail follows them)
+    np.maximum.at(used, row, start + lengths)
+    tails = [np.arange(r * width + used[r], (r + 1) * width, PADDING_SPAN) for r in range(n_rows)]
+    cuts = np.concatenate([ends, ends + lengths, np.arange(n_rows + 1) * width, *tails])
     bounds = np.unique(cuts).astype(np.int32)  # sorted, each cut once: a span ends where the next begins
     return bounds, int(np.diff(bounds).max(initial=1))

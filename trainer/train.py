@@ -35,7 +35,7 @@ from trainer.config import STOP_SIGNAL, TrainConfig
 from trainer.evaluation import evaluate, load_held_out
 from trainer.exactly_once import ask_again, audit_epoch
 from trainer.metrics import StepTotals, Tracker, peak_flops
-from trainer.model import CellTransformer, ModelConfig, masked_loss
+from trainer.model import ATTENTION, CellTransformer, ModelConfig, masked_loss, varlen_runs_on
 from trainer.resume import earlier_audits, restore, start_driver, total_steps
 from trainer.schedule import Schedule, lr_factor
 from trainer.stream import ConsumerStream
@@ -123,21 +123,22 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 if micro < cfg.grad_accum:
                     continue
                 micro = 0
-                if step.totals[5] > 0:  # a rank's epoch was cut short by the stop: every rank's is (the same
+                asked, cells, cut = step.flags()  # every rank's (the step's one wait for the GPU before its metrics)
+                if cut > 0:  # a rank's epoch was cut short by the stop: every rank's is (the same
                     batches.cut = True  # branch below on all ranks: a checkpoint now, no audit of it)
-                if step.totals[3] > 0 and step.totals[4] == 0:  # a stop met every rank starved: no step
+                if asked > 0 and cells == 0:  # a stop met every rank starved: no step
                     run.optimizer.zero_grad(set_to_none=True)
                     run.stopping = True
                     if cfg.checkpoint_dir and run.saved_at != run.step:  # (a checkpoint at this step is kept)
                         save(run)
                     break
-                lr, grad_norm = optimizer_step(run, step)
+                lr, grad_norm = optimizer_step(run, int(cells))
                 run.tracker.record(
                     step.metrics(run.step, run.epoch, lr, grad_norm, run.model.config, run.device, batches.ready_cells)
                 )
                 if run.held_out is not None and run.step % cfg.eval_every == 0:
                     run.tracker.note(run.step, evaluate(run.model, run.held_out, cfg, run.autocast))
-                run.stopping = bool(step.totals[3] > 0)  # a rank was asked to stop: all stop after this step
+                run.stopping = asked > 0  # a rank was asked to stop: all stop after this step
                 if cfg.checkpoint_dir and (run.step % cfg.checkpoint_every == 0 or run.steps_done() or run.stopping):
                     if not batches.finished:
                         save(run)
@@ -173,8 +174,10 @@ def start(cfg: TrainConfig, queue, store, rank: int, world: int, device, stop_as
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     special = tuple(cfg.special_tokens)
     attention = cfg.packed_attention
-    if attention == "auto":
-        attention = "varlen" if device.type == "cuda" else "dense"
+    if attention == "auto":  # (a GPU without the kernel: the mask)
+        attention = "varlen" if varlen_runs_on(device) else "dense"
+    if attention not in ATTENTION:
+        raise CellfeedError(f"packed_attention {attention!r}: choose auto or one of {', '.join(ATTENTION)}")
     model_cfg = ModelConfig.preset(
         cfg.preset,
         cfg.vocab_size,
@@ -284,11 +287,11 @@ def forward_backward(run: Run, batch, micro: int) -> tuple[torch.Tensor, torch.T
     return counts, n_masked
 
 
-def optimizer_step(run: Run, step: StepTotals) -> tuple[float, torch.Tensor]:
+def optimizer_step(run: Run, cells: int) -> tuple[float, torch.Tensor]:
     """Clip, set the learning rate (by cells trained, or by step with --steps), step. (lr, grad norm)."""
     cfg = run.cfg
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), 1.0)
-    run.schedule.cells_done += int(step.totals[4])  # every rank's cells of this step
+    run.schedule.cells_done += cells  # every rank's cells of this step
     lr = cfg.lr * (
         lr_factor(run.step + 1, cfg.warmup_steps, cfg.max_steps)
         if cfg.max_steps
