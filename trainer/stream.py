@@ -112,6 +112,7 @@ class ConsumerStream:
         pad_to: int | None = None,
         pad_token: int = PAD,
         tokens_per_row: int | None = None,
+        spans: bool = False,
         buffer_cells: int = 4096,
         seed: int = 0,
         no_data_timeout_s: float = 600.0,
@@ -132,6 +133,7 @@ class ConsumerStream:
         self.tag = run_tag(run)
         self.batch_size, self.pad_to, self.buffer_cells = batch_size, pad_to, buffer_cells
         self.pad_token, self.tokens_per_row = pad_token, tokens_per_row
+        self.spans = spans  # each batch cut into its cells' spans (`Batch.spans`: for varlen attention)
         self.seed, self.no_data_timeout_s, self.poll_s, self.fetch_items = seed, no_data_timeout_s, poll_s, fetch_items
         self.consumed = set(consumed or ())  # keys fully trained on (from a checkpoint)
         self.trained_cells = {k: set(v) for k, v in (trained_cells or {}).items()}  # partially trained items
@@ -366,7 +368,7 @@ class EpochIterator:
         for i in sorted(picks.tolist(), reverse=True):  # swap-remove
             self.buffer[i] = self.buffer[-1]
             self.buffer.pop()
-        batch = _collate(chosen, s.pad_to, s.pin_memory, s.pad_token, s.tokens_per_row)
+        batch = _collate(chosen, s.pad_to, s.pin_memory, s.pad_token, s.tokens_per_row, s.spans)
         for item, i in chosen:
             if not item.stitched:
                 batch.unit_cells[item.key_id] = batch.unit_cells.get(item.key_id, 0) + 1
@@ -385,10 +387,12 @@ class EpochIterator:
         return batch
 
 
-def _collate(chosen: list, pad_to: int | None, pin: bool, pad_token: int = PAD, tokens_per_row: int | None = None):
+def _collate(
+    chosen: list, pad_to: int | None, pin: bool, pad_token: int = PAD, tokens_per_row: int | None = None, spans=True
+):
     """The drawn cells ((item, index) pairs) as a `Batch`: a row per cell padded to the longest (or
     `pad_to`), or, with `tokens_per_row`, packed end to end in rows of that many tokens
-    (`trainer.packing`)."""
+    (`trainer.packing`); with `spans`, cut into its cells' spans (for varlen attention)."""
     lengths = np.array([int(item.offsets[i + 1] - item.offsets[i]) for item, i in chosen], dtype=np.int64)
     n = len(chosen)
     if tokens_per_row:
@@ -398,7 +402,7 @@ def _collate(chosen: list, pad_to: int | None, pin: bool, pad_token: int = PAD, 
         width = pad_to or int(lengths.max(initial=1))
         lengths = np.minimum(lengths, width)
         row, start, n_rows, segments = np.arange(n), np.zeros(n, np.int64), n, None
-    bounds, longest = spans_of(lengths, row, start, n_rows, width)  # (varlen attention's cells, padded or packed)
+    bounds, longest = spans_of(lengths, row, start, n_rows, width) if spans else (None, 0)
     tokens = np.full((n_rows, width), pad_token, dtype=np.int64)
     has_values = bool(chosen) and chosen[0][0].values is not None
     float_values = has_values and chosen[0][0].values.dtype == np.float32
@@ -419,7 +423,8 @@ def _collate(chosen: list, pad_to: int | None, pin: bool, pad_token: int = PAD, 
     tensors = [torch.from_numpy(x) if x is not None else None for x in arrays]
     if pin:
         tensors = [t.pin_memory() if t is not None else None for t in tensors]
-    return Batch(*tensors[:5], lengths=torch.from_numpy(lengths), segments=tensors[5], spans=Spans(tensors[6], longest))
+    cut = Spans(tensors[6], longest) if spans else None
+    return Batch(*tensors[:5], lengths=torch.from_numpy(lengths), segments=tensors[5], spans=cut)
 
 
 def collate_items(items: list[Item], batch_size: int, pad_to: int | None = None, pad_token: int = PAD) -> list[Batch]:

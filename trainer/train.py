@@ -203,6 +203,7 @@ def start(cfg: TrainConfig, queue, store, rank: int, world: int, device, stop_as
     resumed = progress if saved is not None else None  # (on rank 0: every rank's, merged)
     driver = start_driver(cfg, queue, store, resumed, epoch, summaries, world) if run_driver else None
     stream = open_stream(cfg, queue, store, rank, world, progress, saved, epoch, summaries, driver, stop_asked)
+    stream.spans = attention == "varlen"  # its batches cut into their cells' spans: for varlen attention only
     tracker = Tracker(
         rank,
         cfg.log_path,
