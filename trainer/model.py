@@ -144,6 +144,8 @@ class Block(nn.Module):
 class CellTransformer(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
+        if c.dropout and c.packed_attention != "dense":  # (their kernels are called without it)
+            raise ValueError(f"attention dropout is the dense path's only; packed_attention {c.packed_attention!r}")
         self.config = c
         self.gene = nn.Embedding(c.vocab_size, c.d_model, padding_idx=c.pad_token)
         # + the "masked" bin; only when bins are an input (a parameter without gradient breaks DDP)
