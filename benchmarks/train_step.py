@@ -210,11 +210,9 @@ def main() -> None:
     args.max_genes = args.max_genes or (256 if args.tiny else 1024)
     if args.attention in ("flex", "varlen") and not cuda:
         parser.error(f"--attention {args.attention} trains on CUDA only (no backward, or no kernel, on CPU)")
-    from trainer.model import varlen_runs_on
+    from trainer.model import attention_on
 
-    attention = args.attention
-    if attention == "auto":  # (as the trainer resolves it)
-        attention = "varlen" if cuda and varlen_runs_on(torch.device("cuda", 0)) else "dense"
+    attention = attention_on(args.attention, torch.device("cuda", 0) if cuda else torch.device("cpu"))
     args.packed = args.packed or args.attention == "flex"
     if args.packed or args.tokens_per_row:
         args.tokens_per_row = args.tokens_per_row or 2 * (args.max_genes + 1)

@@ -656,6 +656,12 @@ def test_a_packed_batch_gives_each_cell_the_logits_and_loss_it_has_unpacked(obje
     model.load_state_dict(dense.state_dict())
     with torch.no_grad():  # (FlexAttention has no backward on CPU: forward only here)
         torch.testing.assert_close(logits(packed, moved)[packed.attention_mask], packed_logits[packed.attention_mask])
+    from trainer.model import attention_on
+
+    cpu = torch.device("cpu")
+    assert attention_on("auto", cpu) == "dense" and attention_on("varlen", cpu) == "varlen"
+    with pytest.raises(ValueError, match="packed_attention 'sparse': choose auto or one of dense, flex, varlen"):
+        attention_on("sparse", cpu)
     with pytest.raises(ValueError, match="attention dropout is the dense path's only"):
         CellTransformer(replace(c, packed_attention="varlen", dropout=0.1))  # (varlen's kernel takes none)
     model = CellTransformer(replace(c, packed_attention="varlen"))  # each cell a sequence: the same logits,

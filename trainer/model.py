@@ -53,6 +53,16 @@ class ModelConfig:
 ATTENTION = ("dense", "flex", "varlen")  # ModelConfig.packed_attention's choices
 
 
+def attention_on(name: str, device: torch.device) -> str:
+    """The attention a run's `packed_attention` setting means on `device`: "auto" is varlen where its
+    kernel runs, else the dense mask; a name not in ATTENTION is refused (ValueError, the choices named)."""
+    if name == "auto":
+        return "varlen" if varlen_runs_on(device) else "dense"
+    if name not in ATTENTION:
+        raise ValueError(f"packed_attention {name!r}: choose auto or one of {', '.join(ATTENTION)}")
+    return name
+
+
 def varlen_runs_on(device: torch.device) -> bool:
     """Whether flash attention's varlen kernel runs on `device`: torch >= 2.9, an Ampere or newer GPU."""
     if device.type != "cuda":

@@ -35,7 +35,7 @@ from trainer.config import STOP_SIGNAL, TrainConfig
 from trainer.evaluation import evaluate, load_held_out
 from trainer.exactly_once import ask_again, audit_epoch
 from trainer.metrics import StepTotals, Tracker, peak_flops
-from trainer.model import ATTENTION, CellTransformer, ModelConfig, masked_loss, varlen_runs_on
+from trainer.model import CellTransformer, ModelConfig, attention_on, masked_loss
 from trainer.resume import earlier_audits, restore, start_driver, total_steps
 from trainer.schedule import Schedule, lr_factor
 from trainer.stream import ConsumerStream
@@ -173,11 +173,10 @@ def start(cfg: TrainConfig, queue, store, rank: int, world: int, device, stop_as
     """The model, the optimizer, the place a resume starts from, the rank's stream and its metrics."""
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     special = tuple(cfg.special_tokens)
-    attention = cfg.packed_attention
-    if attention == "auto":  # (a GPU without the kernel: the mask)
-        attention = "varlen" if varlen_runs_on(device) else "dense"
-    if attention not in ATTENTION:
-        raise CellfeedError(f"packed_attention {attention!r}: choose auto or one of {', '.join(ATTENTION)}")
+    try:
+        attention = attention_on(cfg.packed_attention, device)
+    except ValueError as exc:
+        raise CellfeedError(str(exc)) from None
     model_cfg = ModelConfig.preset(
         cfg.preset,
         cfg.vocab_size,
@@ -202,8 +201,9 @@ def start(cfg: TrainConfig, queue, store, rank: int, world: int, device, stop_as
     run_driver = rank == 0 and cfg.run_driver
     resumed = progress if saved is not None else None  # (on rank 0: every rank's, merged)
     driver = start_driver(cfg, queue, store, resumed, epoch, summaries, world) if run_driver else None
-    stream = open_stream(cfg, queue, store, rank, world, progress, saved, epoch, summaries, driver, stop_asked)
-    stream.spans = attention == "varlen"  # its batches cut into their cells' spans: for varlen attention only
+    stream = open_stream(
+        cfg, queue, store, rank, world, progress, saved, epoch, summaries, driver, stop_asked, attention
+    )
     tracker = Tracker(
         rank,
         cfg.log_path,
@@ -236,7 +236,7 @@ def start(cfg: TrainConfig, queue, store, rank: int, world: int, device, stop_as
     )  # fmt: skip
 
 
-def open_stream(cfg, queue, store, rank, world, progress, saved, epoch, summaries, driver, stop_asked):
+def open_stream(cfg, queue, store, rank, world, progress, saved, epoch, summaries, driver, stop_asked, attention):
     """This rank's batches (`trainer.stream`), from where the resumed checkpoint left it."""
     before = checkpoint.RankProgress.merged(saved.ranks) if saved is not None else checkpoint.RankProgress(epoch)
     return ConsumerStream(
@@ -248,6 +248,7 @@ def open_stream(cfg, queue, store, rank, world, progress, saved, epoch, summarie
         pad_to=cfg.pad_to,
         pad_token=cfg.pad_token,
         tokens_per_row=cfg.tokens_per_row,
+        spans=attention == "varlen",  # batches cut into their cells' spans for varlen attention only
         buffer_cells=cfg.buffer_cells,
         seed=cfg.seed,
         no_data_timeout_s=cfg.no_data_timeout_s,
