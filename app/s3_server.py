@@ -44,6 +44,13 @@ def _in_child(cpus: set[int] | None) -> None:
 
 
 PORT_ATTEMPTS = 3
+MIN_FREE_MIB = 512  # below this free space weed turns its volumes read-only (its -volume.minFreeSpace)
+
+
+def _probe_config():
+    from botocore.config import Config
+
+    return Config(connect_timeout=2, read_timeout=5, retries={"max_attempts": 1})
 
 
 class _PortTaken(Exception):
@@ -95,6 +102,12 @@ class SeaweedServer:
         # ports are chosen free, then bound by weed a moment later: another process's outgoing
         # connection can take one in between (ports come from the same ephemeral range). weed then
         # exits at start with "address already in use": choose again, a few times
+        free_mib = shutil.disk_usage(self.root).free / 2**20
+        if free_mib < 2 * MIN_FREE_MIB:
+            raise CellfeedError(
+                f"SeaweedFS needs at least {2 * MIN_FREE_MIB} MiB free beside {self.root}, and the disk has "
+                f"{free_mib:.0f} MiB: free some space, or point TMPDIR at a larger disk"
+            )
         for attempt in range(1, PORT_ATTEMPTS + 1):
             if not self.keep:
                 shutil.rmtree(self.root / "data", ignore_errors=True)  # no state from a failed start
@@ -115,9 +128,14 @@ class SeaweedServer:
         ports = {name: free_port() for name in names} | ({"s3": self._s3_port} if self._s3_port else {})
         grpc = [f"-{name}.port.grpc={free_port()}" for name in names]  # explicit: two servers can run at once
         self.port = ports["s3"]
+        # weed listens on unix sockets too, named by port in /tmp, and leaves them when killed: ours, removed on close
+        self._sockets = [Path(f"/tmp/seaweedfs-{name}-{ports[name]}.sock") for name in ("filer", "s3")] + [
+            Path(f"/tmp/seaweedfs-{flag[1:].split('.')[0]}-grpc-{flag.split('=')[1]}.sock") for flag in grpc
+        ]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         return [
             self._weed,
+            f"-logdir={self.root}",  # weed's own log files beside weed.log, not in /tmp for ever
             "server",
             "-ip=127.0.0.1",
             "-ip.bind=127.0.0.1",
@@ -134,6 +152,9 @@ class SeaweedServer:
             # small volumes, as many as the disk holds: every bucket is a collection with volumes of its own
             "-master.volumeSizeLimitMB=16",
             "-volume.max=0",
+            # weed's default keeps 1% of the disk free (2.5 GB of a 252 GB disk) and otherwise makes
+            # every volume read-only, so writes fail without a word: a fixed floor, checked before start
+            f"-volume.minFreeSpace={MIN_FREE_MIB}MiB",
             # one master: no peers to wait for when it restarts on its raft state (default 10 s)
             "-master.electionTimeout=1s",
             # objects stored in 1 MB chunks: a ranged GET reads the chunks it touches, and with the
@@ -170,7 +191,7 @@ class SeaweedServer:
             "AWS_REGION": REGION,
         }
 
-    def client(self, endpoint: str | None = None):
+    def client(self, endpoint: str | None = None, config=None):
         import boto3
 
         return boto3.client(
@@ -179,6 +200,7 @@ class SeaweedServer:
             aws_access_key_id=ACCESS_KEY,
             aws_secret_access_key=SECRET_KEY,
             region_name=REGION,
+            config=config,
         )
 
     def cpu_seconds(self) -> float:
@@ -197,7 +219,7 @@ class SeaweedServer:
                     log.seek(self._log_from)
                     if not restarted and b"address already in use" in log.read():
                         raise _PortTaken
-                raise CellfeedError(f"SeaweedFS exited at start ({self.proc.returncode}); see {self.root / 'weed.log'}")
+                raise CellfeedError(f"SeaweedFS exited at start ({self.proc.returncode}); {self._log_hint()}")
             try:
                 urllib.request.urlopen(self.endpoint, timeout=1).close()
             except urllib.error.HTTPError:
@@ -208,17 +230,30 @@ class SeaweedServer:
                 time.sleep(0.2)
                 continue
             try:
-                s3 = self.client()
+                # one try per call, each bounded: boto3's own retries and 60 s reads would outlast the deadline
+                s3 = self.client(config=_probe_config())
                 if restarted:
                     s3.get_object(Bucket=probe, Key="probe")["Body"].read()
                 else:
                     create_bucket(s3, probe)
                     s3.put_object(Bucket=probe, Key="probe", Body=b"x")
                 return
-            except Exception:  # noqa: BLE001 - not ready yet (no volume assigned, filer starting)
+            except Exception as e:  # noqa: BLE001 - not ready yet (no volume assigned, filer starting)
                 if time.monotonic() > deadline:
-                    raise CellfeedError(f"SeaweedFS did not accept writes within {timeout_s:.0f}s") from None
+                    raise CellfeedError(
+                        f"SeaweedFS did not accept writes within {timeout_s:.0f}s ({type(e).__name__}: {e}); "
+                        f"{self._log_hint()}"
+                    ) from None
                 time.sleep(0.3)
+
+    def _log_hint(self) -> str:
+        """weed's own word on why it takes no writes (a full disk, a volume it could not make), or
+        where its log is."""
+        with open(self.root / "weed.log", "rb") as log:
+            log.seek(self._log_from)
+            lines = log.read().decode(errors="replace").splitlines()
+        said = [line for line in lines if re.search(r"disk free|read.?only|no free volumes|No more volume", line, re.I)]
+        return (f"weed said: {said[-1].strip()}; " if said else "") + f"see {self.root / 'weed.log'}"
 
     def close(self) -> None:
         # killed, kept folder or not: weed's graceful stop (SIGTERM, SIGINT) hangs in its gRPC shutdown,
@@ -226,6 +261,8 @@ class SeaweedServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=15)
+        for socket_file in getattr(self, "_sockets", []):
+            socket_file.unlink(missing_ok=True)
         self.log.close()
         if not self.keep:
             shutil.rmtree(self.root, ignore_errors=True)

@@ -224,9 +224,13 @@ def main() -> None:
     if args.dataset:
         ds = open_dataset(args.dataset)
     elif args.tiny:
+        import atexit
+        import shutil
         import tempfile
 
-        path = Path(tempfile.mkdtemp(prefix="cellfeed-balance-")) / "atlas"
+        folder = tempfile.mkdtemp(prefix="cellfeed-balance-")
+        atexit.register(shutil.rmtree, folder, True)  # the tiny atlas is this run's only
+        path = Path(folder) / "atlas"
         ds = synthesize(str(path), SynthSpec(n_cells=n_cells, n_genes=2000, seed=3), progress=False)
     else:
         ds = open_dataset(cached_atlas(n_cells))

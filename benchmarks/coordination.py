@@ -413,7 +413,8 @@ def driver_probe(n_cells: int) -> dict:
     import tempfile
 
     root = str(Path(__file__).resolve().parents[1])
-    summary_path = Path(tempfile.mkdtemp()) / "summary.json"
+    folder = tempfile.TemporaryDirectory(prefix="cellfeed-driver-probe-")  # removed once the probe is done
+    summary_path = Path(folder.name) / "summary.json"
     make = f"""
 import sys
 sys.path.insert(0, {root!r})
@@ -450,8 +451,9 @@ stop.set()
 print(json.dumps({{"seconds": time.perf_counter() - t, "units": summary.n_units, "passes": stats.passes,
                   "rss_mb": peak_rss_mb()}}))
 """
-    run_probe(make, f"the driver probe ({n_cells:,} cells) making the plan's summary", timeout_s=600)
-    return run_probe(drive, f"the driver probe ({n_cells:,} cells) running the driver", timeout_s=600)
+    with folder:
+        run_probe(make, f"the driver probe ({n_cells:,} cells) making the plan's summary", timeout_s=600)
+        return run_probe(drive, f"the driver probe ({n_cells:,} cells) running the driver", timeout_s=600)
 
 
 def main() -> None:

@@ -27,7 +27,9 @@ the re-planned rest does not add up to the cells not trained.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -137,6 +139,7 @@ def main() -> None:
     args = parser.parse_args()
     n_cells = 200_000 if args.tiny else 10_000_000 if args.quick else 100_000_000
     folder = Path(tempfile.mkdtemp(prefix="cellfeed-elastic-"))
+    atexit.register(shutil.rmtree, folder, True)  # the checkpoint is this run's only
     t = time.perf_counter()
     made = write_checkpoint(n_cells, folder)
     setup_s = time.perf_counter() - t

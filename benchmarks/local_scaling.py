@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import threading
@@ -55,11 +56,11 @@ def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> 
     ).validate()
     server = ServerProcess()
     queue, store = connect(BackendSpec("local", **server.where, latency_ms=latency_ms))
-    procs = []
+    procs, config_path = [], None
     depth: list[tuple[float, int]] = []
     try:
         facts = prepare(cfg, queue, store)
-        config_path = Path(tempfile.mkdtemp()) / "campaign.json"
+        config_path = Path(tempfile.mkdtemp(prefix="cellfeed-scaling-")) / "campaign.json"
         config_path.write_text(json.dumps(asdict(cfg)))
         procs = [start_producer(config_path, server.where, f"producer-{i}") for i in range(n_producers)]
         driver = Driver(queue, store, cfg.run, poll_s=0.1)
@@ -103,6 +104,8 @@ def run(dataset: str, n_producers: int, batch: int, latency_ms: float = 0.0) -> 
         }
     finally:
         stop_campaign(store, cfg.run, procs, server)
+        if config_path is not None:
+            shutil.rmtree(config_path.parent, ignore_errors=True)
 
 
 def main() -> None:

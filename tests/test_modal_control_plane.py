@@ -65,13 +65,14 @@ def run_client(plane: ControlPlane, code: str, cwd: Path = REPO):
 # ---- the server itself
 
 
-def test_every_rpc_is_answered_and_an_unimplemented_one_names_itself(plane):
+def test_every_rpc_is_answered_and_an_unimplemented_one_names_itself(plane, tmp_path):
     from modal_proto.api_grpc import ModalClientBase
 
     from cellfeed_testing.modal_control_plane.server import Servicer
 
     assert not Servicer.__abstractmethods__
-    assert set(Servicer().__mapping__()) == set(ModalClientBase.__mapping__(Servicer()))
+    servicer = Servicer(tmp_path)  # its root given: a default one is a folder in /tmp the test would leave behind
+    assert set(servicer.__mapping__()) == set(ModalClientBase.__mapping__(servicer))
     got = run_client(
         plane,
         """
