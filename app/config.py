@@ -67,6 +67,7 @@ class CampaignConfig:
     attempt_hours: float = 22.0  # Modal: a train call hands over to a new one after this long (calls end at 24 h)
     modal_retry_s: float = MODAL_RETRY_S  # Modal: how long a call retries transient network errors
     audit_cells: bool = False  # Modal: each step's cell ids to the Volume (locally: `cellfeed local --audit-cells`)
+    trace_units: bool = False  # each producer prints a line as it takes a unit (which producer holds what)
     # Modal: the corpus, vocabulary and median files, carried from the laptop (setting -> [file name,
     # base64 bytes]) into containers, which cannot read the laptop's disk (`carry_files`, `unpack_files`)
     carried: dict | None = None
@@ -248,6 +249,7 @@ class CampaignConfig:
             exclude_filter=self.eval_filter,
             idle_timeout_s=idle_timeout_s,
             heartbeat_s=heartbeat_interval(self.lease_s),
+            trace_units=self.trace_units,
         )
 
     def train_config(self, backend, facts, **changes):

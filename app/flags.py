@@ -67,6 +67,8 @@ FLAG_HELP = {
     "seed": "seed of plans, shuffles, masks and weights: the same seed gives the same run",
     "lease_s": "seconds a producer may fall silent before the units it holds are issued to another (it says what "
     "it holds 4 times a lease): shorter finds a dead or stalled producer sooner, at more calls",
+    "trace_units": "each producer prints a line as it takes a unit (`producer-1: took unit 7 of epoch 0`): who "
+    "holds what, to follow a campaign or pin a fault to a unit (benchmarks/chaos.py does)",
     "rpc_latency_ms": "make every queue/map call cost this many ms (± 40%), as a round trip to Modal does: "
     "run locally under the remote world's costs",
     "modal_retry_s": "Modal: how long each call to Modal retries a failing network (with backoff) before the run "
@@ -116,6 +118,7 @@ CAMPAIGN_FLAGS = (
     "seed",
     "lease_s",
     "rpc_latency_ms",
+    "trace_units",
 )
 MODAL_FLAGS = CAMPAIGN_FLAGS + ("attempt_hours", "modal_retry_s", "audit_cells")
 

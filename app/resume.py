@@ -41,6 +41,7 @@ RESUME_CHANGES = frozenset(
         "modal_retry_s",
         "attempt_hours",
         "audit_cells",
+        "trace_units",
         "tokens_per_row",  # (how a batch's cells are laid out: the same cells, the same schedule)
     }
 )

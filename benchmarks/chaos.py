@@ -1,7 +1,9 @@
 """Faults, injected into a real local campaign (`cellfeed local`: a queue server, producer
-processes, DDP ranks), by real signals, at seeded points of its training (a fault fires once the
-ranks have logged its step: progress, not seconds, so each lands however fast the machine is, and
-only on the campaign's own processes); then every epoch's trained cells
+processes, DDP ranks), by real signals, at seeded points of its progress, never of its seconds, and
+only on the campaign's own processes: a producer fault fires as the campaign's n-th unit is taken,
+on the producer that took it (`--trace-units` says so), so it always hits a producer holding a unit
+however fast producers are; a pause fires once the ranks have logged its step. Then every epoch's
+trained cells
 (`--audit-cells`) are checked against the training set: lost, duplicated. The same campaign
 runs once without faults, for the overhead (not in the tiny run: it has no overhead figure).
 
@@ -52,18 +54,23 @@ KINDS = ("kill", "stall", "pause")
 PRODUCERS, GPUS, BATCH = 3, 2, 16  # the campaign's
 
 
+PRODUCER_FAULTS = ("kill", "stall")  # on the producer that takes the at-th unit; a pause: at a step
+TOOK = ": took unit "  # a producer's `--trace-units` line: "producer-1: took unit 7 of epoch 0"
+
+
 @dataclass
 class Fault:
-    at_step: int  # fires once the ranks have logged this many training steps
+    share: float  # where it falls within the span of the campaign the faults are spread over (0-1)
     kind: str
     seconds: float = 0.0  # how long a stall or pause lasts (a stall outlasting the lease is the fault itself)
+    at: int = 0  # on its clock, once known: a pause at this step; a kill or stall as the at-th unit is taken
 
 
 @dataclass
 class Outcome:
     returncode: int
     wall_s: float
-    faults: list = field(default_factory=list)  # what was done: (at step, kind, processes hit)
+    faults: list = field(default_factory=list)  # what was done: (at unit or step, kind, processes hit)
     stdout: str = ""
     stderr: str = ""
     timed_out: bool = False
@@ -72,23 +79,21 @@ class Outcome:
 def fault_plan(
     seed: int,
     n_faults: int,
-    span_steps: int,
     kinds=KINDS,
     pause_s: float = 4.0,
     lease_s: float = LEASE_S,
     past_lease_s: float = 4.0,
 ) -> list[Fault]:
-    """Seeded faults spread over the first `span_steps` training steps: at least one of each
+    """Seeded faults spread evenly (jittered) over a span of the campaign: at least one of each
     kind, the rest kills; a stall lasts `past_lease_s` past the lease, a pause `pause_s`."""
     rng = random.Random(seed)
     chosen = list(kinds) + ["kill"] * max(0, n_faults - len(kinds))
     rng.shuffle(chosen)
-    gap = span_steps / (len(chosen) + 1)
     plan = []
     for i, kind in enumerate(chosen[:n_faults]):
         seconds = lease_s + past_lease_s if kind == "stall" else pause_s if kind == "pause" else 0.0
-        plan.append(Fault(max(1, round(gap * (i + 1) + rng.uniform(-gap / 3, gap / 3))), kind, seconds))
-    return sorted(plan, key=lambda f: f.at_step)
+        plan.append(Fault((i + 1 + rng.uniform(-1 / 3, 1 / 3)) / (len(chosen) + 1), kind, seconds))
+    return plan
 
 
 def steps_logged(log: Path, offset: int, step: int) -> tuple[int, int]:
@@ -127,12 +132,15 @@ def run_campaign(
     producers: int = PRODUCERS,
     gpus: int = GPUS,
     faults: list[Fault] = (),
+    span: float = 0.4,
+    span_steps: int = 0,
     extra: list[str] = (),
     timeout_s: float = 600.0,
-    seed: int = 0,
 ) -> Outcome:
-    """`cellfeed local` with `--audit-cells`, each fault applied once the ranks have logged its step,
-    to this campaign's own children."""
+    """`cellfeed local` with `--audit-cells` and `--trace-units`, each fault applied at its event
+    (`Fault.at`) to this campaign's own children: the faults spread over the first `span` of the
+    campaign, its first `span_steps` training steps for a pause and that share of its units taken
+    (known from its first line) for a kill or stall."""
     args = [
         sys.executable,
         "-m",
@@ -155,6 +163,7 @@ def run_campaign(
         "--batch-size",
         str(BATCH),
         "--audit-cells",
+        "--trace-units",
         "--quiet",
         *extra,
     ]
@@ -162,20 +171,19 @@ def run_campaign(
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done: list = []
     stopped: set[int] = set()
-    rng = random.Random(seed)
+    threads: list[threading.Thread] = []
     lock = threading.Lock()
 
-    def apply(fault: Fault, at: int) -> None:
+    def apply(fault: Fault, at: int, producer: str = "") -> None:
         if proc.poll() is not None:
             return
-        with lock:  # one target at a time: a producer stalled by one fault is not picked by another
+        with lock:  # one target at a time
             mine = children(proc.pid)
             if fault.kind == "pause":
                 # the ranks: forked by the campaign's rank server (`python -m trainer.launch`)
                 targets = [rank for pid, argv in mine if "trainer.launch" in argv for rank, _ in children(pid)]
-            else:
-                found = [pid for pid, argv in mine if "--produce" in argv and pid not in stopped]
-                targets = [rng.choice(found)] if found else []
+            else:  # the producer that has just taken the unit (a killed one's zombie has no command line)
+                targets = [pid for pid, argv in mine if "--produce" in argv and argv[-1] == producer][:1]
             stopped.update(targets if fault.kind != "kill" else [])
         if not targets:
             return
@@ -189,29 +197,56 @@ def run_campaign(
         with lock:
             done.append((at, fault.kind, len(targets)))
 
-    def inject() -> None:  # each fault once its step is logged (a stall or pause runs on in its own thread)
+    def fire(fault: Fault, at: int, producer: str = "") -> None:  # a stall or pause runs on in its own thread
+        threads.append(threading.Thread(target=apply, args=(fault, at, producer), daemon=True))
+        threads[-1].start()
+
+    out_lines: list[str] = []
+
+    def read_stdout() -> None:  # the producers' "took unit" lines: each kill or stall at its unit
+        pending, taken = [f for f in faults if f.kind in PRODUCER_FAULTS], 0
+        for line in proc.stdout:
+            out_lines.append(line)
+            if "cells/epoch in " in line:  # the first line, printed before any producer starts
+                units = epochs * units_per_epoch(line)
+                for f in pending:
+                    f.at = max(1, round(f.share * span * units))
+                pending.sort(key=lambda f: f.at)
+            elif TOOK in line:
+                taken += 1
+                while pending and taken >= pending[0].at:
+                    fire(pending.pop(0), taken, line.split(TOOK)[0])
+
+    def watch_steps() -> None:  # each pause once its step is logged
         log, offset, step = workdir / run / "steps.jsonl", 0, 0
-        pending, threads = sorted(faults, key=lambda f: f.at_step), []
+        pending = [f for f in faults if f.kind not in PRODUCER_FAULTS]
+        for f in pending:
+            f.at = max(1, round(f.share * span_steps))
+        pending.sort(key=lambda f: f.at)
         while pending and proc.poll() is None:
             offset, step = steps_logged(log, offset, step)
-            while pending and step >= pending[0].at_step:
-                threads.append(threading.Thread(target=apply, args=(pending.pop(0), step), daemon=True))
-                threads[-1].start()
+            while pending and step >= pending[0].at:
+                fire(pending.pop(0), step)
             time.sleep(0.05)  # how often the step log is read
-        for t in threads:
-            t.join()
 
-    injector = threading.Thread(target=inject, daemon=True)
-    injector.start()
+    err_lines: list[str] = []
+    readers = [
+        threading.Thread(target=read_stdout, daemon=True),
+        threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True),
+        threading.Thread(target=watch_steps, daemon=True),
+    ]
+    for t in readers:
+        t.start()
     timed_out = False
     try:
-        out, err = proc.communicate(timeout=timeout_s)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
         proc.kill()
-        out, err = proc.communicate()
-    injector.join(timeout=60)
-    return Outcome(proc.returncode, time.monotonic() - start, done, out, err, timed_out)
+        proc.wait()
+    for t in readers + list(threads):
+        t.join(timeout=60)
+    return Outcome(proc.returncode, time.monotonic() - start, done, "".join(out_lines), "".join(err_lines), timed_out)
 
 
 def trained_per_epoch(run_dir: Path) -> dict[int, Counter]:
@@ -241,7 +276,11 @@ def cells_per_unit(stdout: str) -> float:
     if len(words) < 2:
         return 0.0
     cells = int(words[0].split()[-1].replace(",", ""))
-    return cells / int(words[1].split()[0].replace(",", ""))
+    return cells / units_per_epoch(stdout)
+
+
+def units_per_epoch(first_line: str) -> int:
+    return int(first_line.split("cells/epoch in ", 1)[1].split()[0].replace(",", ""))
 
 
 def training_steps(run_dir: Path) -> int:
@@ -268,8 +307,7 @@ def main() -> None:
         "--rpc-latency-ms",
         type=float,
         default=25.0,
-        help="every queue/map call costs this many ms, as on Modal (default 25): production then "
-        "spans the campaign, so faults land on producers mid-unit, not on idle ones",
+        help="every queue/map call costs this many ms, as on Modal (default 25)",
     )
     parser.add_argument(
         "--lease-s",
@@ -317,12 +355,20 @@ def main() -> None:
             print(calm.stderr[-2000:], file=sys.stderr)
             fail(f"the campaign without faults {'timed out' if calm.timed_out else 'failed'} (exit {calm.returncode})")
         steps = training_steps(work / "calm")  # the same campaign with faults trains as many steps
-    span = round((0.4 if args.tiny else 0.6) * steps)
+    span = 0.4 if args.tiny else 0.6  # the share of the campaign the faults land in
     plan = fault_plan(
-        args.seed, n_faults, span, kinds=kinds, pause_s=args.pause_s, lease_s=args.lease_s, past_lease_s=past_lease_s
+        args.seed, n_faults, kinds=kinds, pause_s=args.pause_s, lease_s=args.lease_s, past_lease_s=past_lease_s
     )
     chaos = run_campaign(
-        dataset, work, "chaos", epochs=epochs, faults=plan, seed=args.seed, extra=settings, timeout_s=timeout_s
+        dataset,
+        work,
+        "chaos",
+        epochs=epochs,
+        faults=plan,
+        span=span,
+        span_steps=round(span * steps),
+        extra=settings,
+        timeout_s=timeout_s,
     )
     checked, lost, duplicated = lost_and_duplicated(trained_per_epoch(work / "chaos"), expected, epochs)
     restarts = sum(1 for line in chaos.stdout.splitlines() if "restarting it" in line)
@@ -337,14 +383,14 @@ def main() -> None:
         f"{args.rpc_latency_ms:.0f} ms a queue/map call, a {args.lease_s:g} s lease; machine: {platform.machine()}, "
         f"{os.cpu_count()} cores"
     )
-    print(f"{'at step':>7}  fault")
-    for at, kind, n in sorted(chaos.faults):
+    print(f"{'at':>10}  fault (in the order they ended)")
+    for at, kind, n in chaos.faults:
         what = {
             "kill": "SIGKILL a producer",
             "stall": f"SIGSTOP a producer for {args.lease_s + past_lease_s:.0f}s (past its lease)",
             "pause": f"SIGSTOP {n} trainer ranks for {args.pause_s:.0f}s",
         }[kind]
-        print(f"{at:>7}  {what}")
+        print(f"{'step' if kind == 'pause' else 'unit'} {at:>5}  {what}")
     print(
         f"run finished: {'yes' if chaos.returncode == 0 else f'no (exit {chaos.returncode})'}; "
         f"producer restarts: {restarts}"
@@ -382,7 +428,7 @@ def main() -> None:
     if len(chaos.faults) < len(plan):
         fail(
             f"{len(chaos.faults)} of the {len(plan)} planned faults were injected (the campaign ended before the "
-            f"rest, or found no process to hit): {[f.kind for f in plan]} planned over {span} steps"
+            f"rest, or found no process to hit): {[f.kind for f in plan]} planned in the first {span:.0%} of it"
         )
     if lost or duplicated or checked != epochs * args.cells:
         fail(f"{lost:,} cells lost and {duplicated:,} duplicated over {epochs} epochs ({checked:,} checked)")

@@ -44,6 +44,7 @@ class ProducerConfig:
     read_retry_s: float = 180.0  # how long a unit's read is tried again while storage does not answer
     put_timeout_s: float = 600.0
     idle_timeout_s: float = 10.0
+    trace_units: bool = False  # a line on stdout as each unit is taken: "NAME: took unit U of epoch E"
 
     def corpus_mixtures(self) -> Mixtures | None:
         """The corpus over the run's epochs (None: one dataset); a vocabulary given on the command

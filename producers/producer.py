@@ -359,6 +359,8 @@ class Producer:
             if task is not None:
                 epoch, unit = decode_task(task)
                 self.courier.hold(epoch, unit)
+                if self.config.trace_units:  # (after `hold`: a line says the unit is held)
+                    print(f"{self.name}: took unit {unit} of epoch {epoch}", flush=True)
                 self._check_plan(epoch)
                 t = time.perf_counter()
                 cells = self.read(epoch, unit)
