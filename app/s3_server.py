@@ -14,6 +14,7 @@ bytes are paced to `bandwidth_mbps`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -45,12 +46,6 @@ def _in_child(cpus: set[int] | None) -> None:
 
 PORT_ATTEMPTS = 3
 MIN_FREE_MIB = 512  # below this free space weed turns its volumes read-only (its -volume.minFreeSpace)
-
-
-def _probe_config():
-    from botocore.config import Config
-
-    return Config(connect_timeout=2, read_timeout=5, retries={"max_attempts": 1})
 
 
 class _PortTaken(Exception):
@@ -103,11 +98,9 @@ class SeaweedServer:
         # connection can take one in between (ports come from the same ephemeral range). weed then
         # exits at start with "address already in use": choose again, a few times
         free_mib = shutil.disk_usage(self.root).free / 2**20
-        if free_mib < 2 * MIN_FREE_MIB:
-            raise CellfeedError(
-                f"SeaweedFS needs at least {2 * MIN_FREE_MIB} MiB free beside {self.root}, and the disk has "
-                f"{free_mib:.0f} MiB: free some space, or point TMPDIR at a larger disk"
-            )
+        if free_mib < 2 * MIN_FREE_MIB:  # weed would start, then take no write
+            need = f"SeaweedFS needs {2 * MIN_FREE_MIB} MiB free beside {self.root}, the disk has {free_mib:.0f} MiB"
+            raise CellfeedError(f"{need}: free some space, or set TMPDIR to a larger disk")
         for attempt in range(1, PORT_ATTEMPTS + 1):
             if not self.keep:
                 shutil.rmtree(self.root / "data", ignore_errors=True)  # no state from a failed start
@@ -126,12 +119,12 @@ class SeaweedServer:
     def _command_on_free_ports(self) -> list[str]:
         names = ("master", "volume", "filer", "s3")
         ports = {name: free_port() for name in names} | ({"s3": self._s3_port} if self._s3_port else {})
-        grpc = [f"-{name}.port.grpc={free_port()}" for name in names]  # explicit: two servers can run at once
+        grpc_ports = {name: free_port() for name in names}  # explicit: two servers can run at once
+        grpc = [f"-{name}.port.grpc={port}" for name, port in grpc_ports.items()]
         self.port = ports["s3"]
         # weed listens on unix sockets too, named by port in /tmp, and leaves them when killed: ours, removed on close
-        self._sockets = [Path(f"/tmp/seaweedfs-{name}-{ports[name]}.sock") for name in ("filer", "s3")] + [
-            Path(f"/tmp/seaweedfs-{flag[1:].split('.')[0]}-grpc-{flag.split('=')[1]}.sock") for flag in grpc
-        ]
+        self._sockets = [Path(f"/tmp/seaweedfs-{n}-{ports[n]}.sock") for n in ("filer", "s3")]
+        self._sockets += [Path(f"/tmp/seaweedfs-{n}-grpc-{port}.sock") for n, port in grpc_ports.items()]
         self.endpoint = f"http://127.0.0.1:{self.port}"
         return [
             self._weed,
@@ -211,14 +204,14 @@ class SeaweedServer:
     def _wait_ready(self, timeout_s: float, restarted: bool = False) -> None:
         """Until a bucket can be created and written (the filer and a volume are up, not just the
         port); after a restart, until what was written before reads back."""
+        from botocore.config import Config
+
         deadline = time.monotonic() + timeout_s
         probe = PROBE_BUCKET
         while True:
             if self.proc.poll() is not None:
-                with open(self.root / "weed.log", "rb") as log:
-                    log.seek(self._log_from)
-                    if not restarted and b"address already in use" in log.read():
-                        raise _PortTaken
+                if not restarted and "address already in use" in self._log_of_this_start():
+                    raise _PortTaken
                 raise CellfeedError(f"SeaweedFS exited at start ({self.proc.returncode}); {self._log_hint()}")
             try:
                 urllib.request.urlopen(self.endpoint, timeout=1).close()
@@ -231,7 +224,7 @@ class SeaweedServer:
                 continue
             try:
                 # one try per call, each bounded: boto3's own retries and 60 s reads would outlast the deadline
-                s3 = self.client(config=_probe_config())
+                s3 = self.client(config=Config(connect_timeout=2, read_timeout=5, retries={"max_attempts": 1}))
                 if restarted:
                     s3.get_object(Bucket=probe, Key="probe")["Body"].read()
                 else:
@@ -246,14 +239,17 @@ class SeaweedServer:
                     ) from None
                 time.sleep(0.3)
 
-    def _log_hint(self) -> str:
-        """weed's own word on why it takes no writes (a full disk, a volume it could not make), or
-        where its log is."""
+    def _log_of_this_start(self) -> str:
         with open(self.root / "weed.log", "rb") as log:
             log.seek(self._log_from)
-            lines = log.read().decode(errors="replace").splitlines()
-        said = [line for line in lines if re.search(r"disk free|read.?only|no free volumes|No more volume", line, re.I)]
-        return (f"weed said: {said[-1].strip()}; " if said else "") + f"see {self.root / 'weed.log'}"
+            return log.read().decode(errors="replace")
+
+    def _log_hint(self) -> str:
+        """weed's own word on why it takes no writes (a full disk, a volume it could not make), and
+        where its log is."""
+        log = self._log_of_this_start()
+        why = re.findall(r".*(?:disk free|read.?only|no free volumes|no more volume).*", log, re.I)
+        return (f"weed said: {why[-1].strip()}; " if why else "") + f"see {self.root / 'weed.log'}"
 
     def close(self) -> None:
         # killed, kept folder or not: weed's graceful stop (SIGTERM, SIGINT) hangs in its gRPC shutdown,
@@ -295,10 +291,8 @@ class S3Proxy:
         self.upstream = (host, int(upstream_port))
         self.latency_s, self.jitter_s = latency_ms / 1000, jitter_ms / 1000
         self.bytes_per_s = bandwidth_mbps * 1e6 / 8 if bandwidth_mbps else 0.0
-        self._rng = random.Random(seed)
-        self._lock = threading.Lock()
-        self.requests = 0
-        self.bytes_down = 0
+        self._rng, self._lock = random.Random(seed), threading.Lock()
+        self.requests = self.bytes_down = 0
         self._listener = socket.create_server(("127.0.0.1", port))
         self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self._closed = threading.Event()
@@ -377,18 +371,14 @@ class S3Proxy:
 
 
 def _shutdown(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
 
 
 def create_bucket(s3, bucket: str) -> None:
     """Create `bucket`; one this identity already owns (a kept data folder) is fine."""
-    try:
+    with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou):
         s3.create_bucket(Bucket=bucket)
-    except s3.exceptions.BucketAlreadyOwnedByYou:
-        pass
 
 
 BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")

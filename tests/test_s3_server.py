@@ -135,6 +135,6 @@ def test_a_disk_too_full_for_seaweedfs_is_one_line_before_it_starts(tmp_path, mo
 
     full = shutil.disk_usage(tmp_path)._replace(free=300 * 2**20)
     monkeypatch.setattr(s3_server.shutil, "disk_usage", lambda path: full)
-    with pytest.raises(CellfeedError, match=r"needs at least 1024 MiB free .* the disk has 300 MiB: free some space"):
+    with pytest.raises(CellfeedError, match=r"needs 1024 MiB free beside .*, the disk has 300 MiB: free some space"):
         s3_server.SeaweedServer(root=tmp_path / "store")
     assert not list((tmp_path / "store").glob("data"))  # no server was started
