@@ -132,8 +132,9 @@ class Courier:
     # ---- the courier's thread
 
     def _run(self) -> None:
-        """Send, in order: each unit's items, then its done event. Every `heartbeat_s` (also when
-        busy): an event naming the units held, and a look for the stop signal."""
+        """Send, in order: each unit's items, then its done event (the jobs waiting, together).
+        Every `heartbeat_s` (also when busy): an event naming the units held, and a look for the
+        stop signal."""
         self._beat_at = 0.0
         try:
             while not self.stopping.is_set():  # a stop asked of the loop (`stop`, an error) ends it at once
@@ -142,15 +143,33 @@ class Courier:
                     job = self._outbox.get(timeout=max(0.01, min(STOP_POLL_S, self._beat_at - time.monotonic())))
                 except stdlib_queue.Empty:
                     continue
-                sends, done = job
-                if sends is None:  # the end: everything before it is sent
+                if job[0] is None:  # the end: everything before it is sent
                     return
-                for partition, items in sends:
+                # the jobs queued behind it go in the same requests: each partition's items in the order
+                # posted, then one event for all their units (each unit's done still follows its items).
+                # A call per unit's items and one per its done event capped a producer at ~20 units/s
+                # under Modal's ~25 ms a call.
+                jobs, end = [job], False
+                while len(jobs) < OUTBOX_JOBS and not end:
+                    try:
+                        jobs.append(self._outbox.get_nowait())
+                    except stdlib_queue.Empty:
+                        break
+                    end = jobs[-1][0] is None
+                merged: dict[str, list[bytes]] = {}
+                for sends, _ in jobs[:-1] if end else jobs:
+                    for partition, items in sends:
+                        merged.setdefault(partition, []).extend(items)
+                for partition, items in merged.items():
                     self.send(items, partition)
-                if done is not None:
+                done = [d for sends, d in jobs if sends is not None and d is not None]
+                if done:
                     with self._held_lock:
-                        self._held.remove(done)
-                    self._event(done=[done])
+                        for unit in done:
+                            self._held.remove(unit)
+                    self._event(done=done)
+                if end:
+                    return
         except Stopped:
             self.stopping.set()
         except BaseException as exc:  # noqa: BLE001 - raised in the loop's thread

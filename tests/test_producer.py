@@ -468,3 +468,45 @@ def test_a_stop_is_noticed_within_seconds_while_blocked_on_a_full_partition(smal
     # noticing it (put_timeout_s is 600 s, idle_timeout_s 60 s), generously for a busy machine
     thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def test_the_courier_sends_the_jobs_waiting_together_each_units_done_after_its_items():
+    """Under a queue's per-call latency a call per unit capped a producer (~20 units/s at Modal's
+    25 ms): the jobs waiting behind the one being sent go out together: each partition's items in
+    the order posted, in one request, then one event naming their units."""
+    from coordination.routing import EVENTS_PARTITION, decode_event
+    from producers.courier import Courier
+
+    class GatedQueue(MemoryQueue):  # an items put waits at the gate until every job is posted
+        def __init__(self):
+            super().__init__()
+            self.entered, self.gate, self.puts = threading.Event(), threading.Event(), []
+
+        def put_many(self, values, block=True, timeout=None, *, partition=None):
+            if partition != EVENTS_PARTITION:
+                self.entered.set()
+                assert self.gate.wait(30)
+                self.puts.append((partition, list(values)))
+            return super().put_many(values, block, timeout, partition=partition)
+
+    queue = GatedQueue()
+    courier = Courier(
+        queue, MemoryMap(), run="r", name="p", heartbeat_s=60, put_timeout_s=30, totals=dict,
+        stopping=threading.Event(),
+    )  # fmt: skip
+    courier.start()
+    for u in range(6):
+        courier.hold(0, u)
+        courier.post([(f"rank-{u % 2}", [b"item-%d" % u])], (0, u))
+        if u == 0:  # (the event: the courier is sending unit 0's items)
+            assert queue.entered.wait(30)
+    queue.gate.set()
+    courier.finish()
+    courier.join()
+    assert courier.error is None
+    # unit 0 was on its way alone; the five behind it went as one request per partition
+    assert queue.puts == [("rank-0", [b"item-0"]), ("rank-1", [b"item-1", b"item-3", b"item-5"]),
+                          ("rank-0", [b"item-2", b"item-4"])]  # fmt: skip
+    events = [decode_event(e) for e in queue.get_many(100, block=False, partition=EVENTS_PARTITION)]
+    assert [e["done"] for e in events if e["done"]] == [[(0, 0)], [(0, u) for u in range(1, 6)]]
+    assert events[-1]["held"] == []
