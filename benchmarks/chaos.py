@@ -170,21 +170,19 @@ def run_campaign(
     start = time.monotonic()
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done: list = []
-    stopped: set[int] = set()
     threads: list[threading.Thread] = []
     lock = threading.Lock()
 
     def apply(fault: Fault, at: int, producer: str = "") -> None:
         if proc.poll() is not None:
             return
-        with lock:  # one target at a time
+        with lock:  # one look at the campaign's processes at a time
             mine = children(proc.pid)
             if fault.kind == "pause":
                 # the ranks: forked by the campaign's rank server (`python -m trainer.launch`)
                 targets = [rank for pid, argv in mine if "trainer.launch" in argv for rank, _ in children(pid)]
             else:  # the producer that has just taken the unit (a killed one's zombie has no command line)
                 targets = [pid for pid, argv in mine if "--produce" in argv and argv[-1] == producer][:1]
-            stopped.update(targets if fault.kind != "kill" else [])
         if not targets:
             return
         if fault.kind == "kill":
@@ -193,7 +191,6 @@ def run_campaign(
             _signal(targets, signal.SIGSTOP)
             time.sleep(fault.seconds)
             _signal(targets, signal.SIGCONT)
-            stopped.difference_update(targets)
         with lock:
             done.append((at, fault.kind, len(targets)))
 
