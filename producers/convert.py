@@ -2,7 +2,8 @@
 
     plan     (one process)  open every input, check its structure and genes (a bad input is refused
                             here, in one line, before any work), cut the cells into slices of whole
-                            content-hash blocks (about SLICE_BYTES of output each)
+                            content-hash blocks (about SLICE_BYTES of output each); obs is not read
+                            here but on a thread beside scan and write, for the commit
     scan     (per slice)    its values' range and kind; then, for the whole dataset: refuse NaN,
                             negatives, counts float32 cannot hold, and choose uint16 or float32
     write    (per slice)    its rows as uncommitted fragments of the expression table
@@ -160,8 +161,9 @@ def choose_value_type(plan: ConvertPlan, scans: list[list[dict]], allow_negative
 # --- commit: every slice in one operation ------------------------------------------------------------
 
 
-def commit(plan: ConvertPlan, sources, final: Location, value_type: pa.DataType, layer: str) -> Dataset:
-    """Commit every slice's fragments and the cells table, then finish the dataset (config.json last)."""
+def commit(plan: ConvertPlan, sources, final: Location, value_type: pa.DataType, layer: str, obs) -> Dataset:
+    """Commit every slice's fragments and the cells table (`obs`: `obs_frame(sources)`), then finish the
+    dataset (config.json last)."""
     settings = getattr(final, "settings", None)
     staging = plan.staging_area(settings)
     records = records_of(plan, staging)
@@ -180,7 +182,7 @@ def commit(plan: ConvertPlan, sources, final: Location, value_type: pa.DataType,
 
     with ThreadPoolExecutor(RECORD_READS) as pool:
         counts = np.concatenate(list(pool.map(load, range(len(records))))).astype(np.int64)
-    obs, obs_categories = obs_frame(sources)
+    obs, obs_categories = obs
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     cells = obs.append_column("cell_integer_id", pa.array(np.arange(len(counts), dtype=np.uint32))).append_column(
         "cell_start_index", pa.array(starts, type=pa.int64())
@@ -305,37 +307,44 @@ def convert(
     )
     slices = plan.slices()
     total = sum(plan.file_cells)
-    bar = _bar(progress, total, "check values")
-    with bar:
-        scans = run(
-            scan_slice, plan, [s.index for s in slices], (), workers, lambda i, r: bar.update(slices[i].n_cells)
-        )
-    value_type = choose_value_type(plan, [scans[s.index] for s in slices], allow_negative)
-    staging, records = _open_staging(plan, final, overwrite)
-    todo = [i for i, record in enumerate(records) if record is None]
-    bar, written = _bar(progress, total, "convert"), [0]
-
-    def done(i, result):
-        if on_slice is not None:
-            on_slice(result)
-        written[0] += result["bytes"]
-        bar.set_postfix_str(f"{written[0] / 2**20:,.1f} MiB written", refresh=False)
-        bar.update(result["cells"])
-
+    # every cell's obs is the commit's alone: read beside the slices' work, not before it (at 100M cells,
+    # minutes of the coordinator's own time)
+    obs_reader = ThreadPoolExecutor(1, thread_name_prefix="obs")
+    obs = obs_reader.submit(obs_frame, sources)
     try:
+        bar = _bar(progress, total, "check values")
         with bar:
-            if len(todo) < len(slices):  # finished by an earlier run
-                bar.update(total - sum(slices[i].n_cells for i in todo))
-            run(write_slice, plan, todo, (str(value_type), getattr(final, "settings", None)), workers, done)
-    except KeyboardInterrupt:
-        left = sum(r is None for r in records_of(plan, staging))
-        print(
-            f"convert: interrupted with {left} of {len(slices)} slices to write; the finished ones are kept in "
-            f"{staging.uri}: run the same command again to finish (or delete it)",
-            file=sys.stderr,
-        )
-        raise
-    return commit(plan, sources, final, value_type, layer)
+            scans = run(
+                scan_slice, plan, [s.index for s in slices], (), workers, lambda i, r: bar.update(slices[i].n_cells)
+            )
+        value_type = choose_value_type(plan, [scans[s.index] for s in slices], allow_negative)
+        staging, records = _open_staging(plan, final, overwrite)
+        todo = [i for i, record in enumerate(records) if record is None]
+        bar, written = _bar(progress, total, "convert"), [0]
+
+        def done(i, result):
+            if on_slice is not None:
+                on_slice(result)
+            written[0] += result["bytes"]
+            bar.set_postfix_str(f"{written[0] / 2**20:,.1f} MiB written", refresh=False)
+            bar.update(result["cells"])
+
+        try:
+            with bar:
+                if len(todo) < len(slices):  # finished by an earlier run
+                    bar.update(total - sum(slices[i].n_cells for i in todo))
+                run(write_slice, plan, todo, (str(value_type), getattr(final, "settings", None)), workers, done)
+        except KeyboardInterrupt:
+            left = sum(r is None for r in records_of(plan, staging))
+            print(
+                f"convert: interrupted with {left} of {len(slices)} slices to write; the finished ones are kept in "
+                f"{staging.uri}: run the same command again to finish (or delete it)",
+                file=sys.stderr,
+            )
+            raise
+    finally:
+        obs_reader.shutdown(wait=False, cancel_futures=True)
+    return commit(plan, sources, final, value_type, layer, obs.result())
 
 
 def _open_staging(plan: ConvertPlan, final: Location, overwrite: bool) -> tuple[Location, list[dict | None]]:

@@ -1,11 +1,14 @@
-"""h5ad inputs: opening and checking them (the planner, with AnnData's backed mode), and reading a
+"""h5ad inputs: opening and checking them (the planner: matrices and genes, not obs), and reading a
 range of one file's rows (a conversion worker, with h5py alone: a slice reads rows, never obs)."""
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
@@ -70,10 +73,11 @@ class Matrix:
 
 @dataclass
 class Source:
-    """An input as the planner sees it: its AnnData (backed), its matrix and genes."""
+    """An input as the planner sees it: its matrix and genes, and its obs to read when the commit
+    needs them (`read_obs`: every cell's; not at planning, where 100M cells' obs would take minutes)."""
 
     path: str
-    adata: object
+    read_obs: Callable[[], pd.DataFrame]
     matrix: object
     var: pd.DataFrame
     gene_order: np.ndarray | None = None
@@ -99,7 +103,11 @@ def open_source(path: str, layer: str) -> Source:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            adata = ad.read_h5ad(path, backed="r")
+            adata = _without_obs(path)
+            read_obs = adata.read_obs if adata is not None else None
+            if adata is None:  # a file from before anndata 0.8's encoding: its backed mode reads it, obs and all
+                adata = ad.read_h5ad(path, backed="r")
+                read_obs = partial(getattr, adata, "obs")
     except Exception as exc:  # noqa: BLE001
         raise CellfeedError(f"cannot read {path} as AnnData ({type(exc).__name__}: {str(exc)[:200]})") from None
     layers = list(adata.layers.keys()) if adata.layers is not None else []
@@ -132,7 +140,31 @@ def open_source(path: str, layer: str) -> Source:
         raise CellfeedError(
             f"{path}: gene id {dup!r} appears more than once; make gene ids unique (anndata's var_names_make_unique)"
         )
-    return Source(path, adata, matrix, var)
+    return Source(path, read_obs, matrix, var)
+
+
+def _without_obs(path: str):
+    """The file as AnnData's backed mode opens it (X, raw, layers, var), with obs read only when
+    `read_obs()` is called; None for a file without anndata's encoding attributes (before 0.8)."""
+    import anndata as ad
+
+    file = h5py.File(path, "r")
+    if file.attrs.get("encoding-type") != "anndata":
+        file.close()
+        return None
+
+    def matrix(key: str):
+        elem = file[key]
+        return ad.io.sparse_dataset(elem) if isinstance(elem, h5py.Group) else elem
+
+    raw = "raw" in file and "X" in file["raw"]
+    return SimpleNamespace(
+        X=matrix("X") if "X" in file else None,
+        var=ad.io.read_elem(file["var"]),
+        layers={name: matrix(f"layers/{name}") for name in file["layers"]} if "layers" in file else {},
+        raw=SimpleNamespace(X=matrix("raw/X"), var=ad.io.read_elem(file["raw/var"])) if raw else None,
+        read_obs=lambda: ad.io.read_elem(file["obs"]),
+    )
 
 
 def align_genes(sources: list[Source]) -> None:
@@ -176,7 +208,8 @@ def obs_frame(sources: list[Source]) -> tuple[pa.Table, dict[str, list[str]]]:
     """Every input's obs, concatenated in order, as Arrow (cell_id from obs_names where absent)."""
     frames = []
     for src in sources:
-        obs = src.adata.obs.drop(columns=[c for c in RESERVED_OBS if c in src.adata.obs.columns])
-        frames.append(obs if "cell_id" in obs.columns else obs.assign(cell_id=src.adata.obs_names.astype(str)))
+        obs = src.read_obs()
+        obs = obs.drop(columns=[c for c in RESERVED_OBS if c in obs.columns])
+        frames.append(obs if "cell_id" in obs.columns else obs.assign(cell_id=obs.index.astype(str)))
     obs = pd.concat(frames, axis=0, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)
     return arrow_frame(obs, "cell_id", obs["cell_id"])

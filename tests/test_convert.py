@@ -415,3 +415,30 @@ def test_a_commit_cut_short_is_finished_by_the_rerun(tmp_path, monkeypatch):
     fresh = convert([h5], str(tmp_path / "fresh"), **kw)
     assert ds.identity == fresh.identity and all(a.equals(b) for a, b in zip(_tables(ds), _tables(fresh)))
     assert not staging.exists() and not (tmp_path / "out" / "_convert").exists()
+
+
+def test_planning_reads_no_obs_and_the_commit_gets_every_cells_obs(tmp_path, monkeypatch):
+    """obs is the commit's alone (the cells table): the plan reads the matrix and the genes, and every
+    cell's obs is read beside the slices' work; at 100M cells reading it first cost minutes. The
+    dataset's obs are the input's, cell for cell."""
+    import anndata as ad
+
+    from producers import convert as conv
+
+    x = random_counts(50, 40, seed=3)
+    h5 = write_h5ad(tmp_path / "in.h5ad", x)
+    read, planning = [], [True]
+    real_read_elem = ad.io.read_elem
+    monkeypatch.setattr(ad.io, "read_elem", lambda elem: read.append((elem.name, planning[0])) or real_read_elem(elem))
+    real_plan = conv.plan_conversion
+
+    def plan(*args, **kwargs):
+        try:
+            return real_plan(*args, **kwargs)
+        finally:
+            planning[0] = False
+
+    monkeypatch.setattr(conv, "plan_conversion", plan)
+    ds = conv.convert([str(h5)], str(tmp_path / "ds"), progress=False)
+    assert ("/var", True) in read and ("/obs", False) in read and ("/obs", True) not in read
+    assert ds.obs().to_pydict()["cell_id"] == [f"c{i}" for i in range(50)]
