@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -53,21 +54,27 @@ def cmd_convert(args) -> int:
     *inputs, out = args.paths
     if not inputs:
         raise CellfeedError("usage: cellfeed convert IN.h5ad [IN2.h5ad ...] OUT")
-    ds = convert(
-        inputs,
-        out,
-        layer=args.layer,
-        rows_per_fragment=args.rows_per_fragment,
-        chunk_cells=args.chunk_cells,
-        allow_negative=args.allow_negative,
-        overwrite=args.overwrite,
-        progress=not args.quiet,
-        workers=args.workers,
-    )
-    print(
-        f"wrote {ds.uri}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros "
-        f"({ds.value_type}), {plural(len(ds.fragments), 'fragment')}"
-    )
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        ds = convert(
+            inputs,
+            out,
+            layer=args.layer,
+            rows_per_fragment=args.rows_per_fragment,
+            chunk_cells=args.chunk_cells,
+            allow_negative=args.allow_negative,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+            workers=args.workers,
+            # once the dataset is out, a Ctrl-C cannot undo the conversion: it is not reported as interrupted
+            on_published=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        )
+        print(
+            f"wrote {ds.uri}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros "
+            f"({ds.value_type}), {plural(len(ds.fragments), 'fragment')}"
+        )
+    finally:
+        signal.signal(signal.SIGINT, before)
     return 0
 
 

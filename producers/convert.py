@@ -161,9 +161,11 @@ def choose_value_type(plan: ConvertPlan, scans: list[list[dict]], allow_negative
 # --- commit: every slice in one operation ------------------------------------------------------------
 
 
-def commit(plan: ConvertPlan, sources, final: Location, value_type: pa.DataType, layer: str, obs) -> Dataset:
+def commit(
+    plan: ConvertPlan, sources, final: Location, value_type: pa.DataType, layer: str, obs, published=None
+) -> Dataset:
     """Commit every slice's fragments and the cells table (`obs`: `obs_frame(sources)`), then finish the
-    dataset (config.json last)."""
+    dataset (config.json last; `published()` the moment it is out)."""
     settings = getattr(final, "settings", None)
     staging = plan.staging_area(settings)
     records = records_of(plan, staging)
@@ -212,6 +214,7 @@ def commit(plan: ConvertPlan, sources, final: Location, value_type: pa.DataType,
             "source": {"files": [os.path.basename(p) for p in plan.inputs], "layer": layer},
             "categories": {"obs": obs_categories, "var": var_categories},
         },
+        published=published,
     )
     location(final.join(RECORDS), settings).delete()  # last: until the dataset is out, a rerun needs them
     return dataset
@@ -286,11 +289,13 @@ def convert(
     block_cells: int = CONTENT_BLOCK_CELLS,
     on_slice=None,
     runner=None,
+    on_published=None,
 ) -> Dataset:
     """Convert one or more h5ad files (same genes) into one dataset at `out`, `workers` slices at a
     time; `on_slice(result)` as each slice is written (its cells, bytes and worker's peak RSS).
     `runner` runs the slices elsewhere (`run_slices`' signature; Modal's: app/modal_convert.py);
-    `progress`: a bar on a terminal (True), none (False), or a line per slice ("lines")."""
+    `progress`: a bar on a terminal (True), none (False), or a line per slice ("lines");
+    `on_published()`: called the moment the dataset is out (the command stops taking Ctrl-C there)."""
     run = runner or run_slices
     if workers > 1 and runner is None:  # its imports run beside the planning (the CLI starts it sooner still)
         forkserver(CONVERT_WORKER_MODULES)
@@ -344,7 +349,7 @@ def convert(
             raise
     finally:
         obs_reader.shutdown(wait=False, cancel_futures=True)
-    return commit(plan, sources, final, value_type, layer, obs.result())
+    return commit(plan, sources, final, value_type, layer, obs.result(), on_published)
 
 
 def _open_staging(plan: ConvertPlan, final: Location, overwrite: bool) -> tuple[Location, list[dict | None]]:

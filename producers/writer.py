@@ -274,10 +274,12 @@ def finish_dataset(
     rows_per_fragment: int,
     content: ContentHash,
     metadata: dict | None = None,
+    published=None,
 ) -> Dataset:
     """With the cells and expression tables committed in `staging`: write genes.lance and, last,
     config.json, and move the dataset into place (locally a rename; on S3 `staging` is `final`,
-    and config.json, written last, is what makes it a dataset)."""
+    and config.json, written last, is what makes it a dataset). `published()` is called the moment
+    it is out."""
     n_genes = var.num_rows
     var = var.append_column("gene_integer_id", pa.array(np.arange(n_genes), type=gene_id_type(n_genes)))
     location(staging.join(TABLES["genes"]), getattr(staging, "settings", None)).delete()  # (an interrupted commit's)
@@ -307,18 +309,21 @@ def finish_dataset(
     }
     staging.write_bytes("config.json", json.dumps(config, indent=2).encode())
     settings = getattr(final, "settings", None)
+    published = published or (lambda: None)
     if not (isinstance(final, LocalLocation) and staging.uri != final.uri):
+        published()
         return open_dataset(final.uri, settings)
     open_dataset(staging.uri)  # checked before it is published, and the rename is the last step
-    _move_into_place(staging, final)
+    _move_into_place(staging, final, published)
     return open_dataset(final.uri, settings, verify=False)
 
 
-def _move_into_place(staging: LocalLocation, final: LocalLocation) -> None:
+def _move_into_place(staging: LocalLocation, final: LocalLocation, published) -> None:
     trash = None
     if final.path.exists():
         trash = final.path.with_name(f".{final.path.name}.old-{uuid.uuid4().hex[:8]}")
         os.rename(final.path, trash)
     os.rename(staging.path, final.path)
+    published()
     if trash is not None:
         LocalLocation(trash).delete()

@@ -442,3 +442,31 @@ def test_planning_reads_no_obs_and_the_commit_gets_every_cells_obs(tmp_path, mon
     ds = conv.convert([str(h5)], str(tmp_path / "ds"), progress=False)
     assert ("/var", True) in read and ("/obs", False) in read and ("/obs", True) not in read
     assert ds.obs().to_pydict()["cell_id"] == [f"c{i}" for i in range(50)]
+
+
+def test_a_ctrl_c_once_the_dataset_is_out_does_not_report_the_conversion_interrupted(tmp_path, monkeypatch):
+    """A Ctrl-C that lands after the dataset is published (the command's last moments): the conversion is
+    done, so `cellfeed convert` says what it wrote and exits 0, and gives Ctrl-C back afterwards."""
+    import signal
+
+    from producers import convert as conv
+
+    h5 = write_h5ad(tmp_path / "in.h5ad", random_counts(30, 20, seed=5))
+    real = conv.finish_dataset
+
+    def finish_then_ctrl_c(*args, **kwargs):
+        ds = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)  # the Ctrl-C, the moment after the dataset is out
+        return ds
+
+    monkeypatch.setattr(conv, "finish_dataset", finish_then_ctrl_c)
+    caught = []  # (a handler that records, not raises: without the fix this test fails, not the session)
+    before = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        code = cli(["convert", str(h5), str(tmp_path / "ds"), "--quiet"])
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert code == 0 and not caught
+    assert open_dataset(str(tmp_path / "ds")).n_cells == 30
+    assert after is not signal.SIG_IGN  # the command gave Ctrl-C back
