@@ -104,10 +104,11 @@ def open_source(path: str, layer: str) -> Source:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             adata = _without_obs(path)
-            read_obs = adata.read_obs if adata is not None else None
             if adata is None:  # a file from before anndata 0.8's encoding: its backed mode reads it, obs and all
                 adata = ad.read_h5ad(path, backed="r")
                 read_obs = partial(getattr, adata, "obs")
+            else:
+                read_obs = adata.read_obs
     except Exception as exc:  # noqa: BLE001
         raise CellfeedError(f"cannot read {path} as AnnData ({type(exc).__name__}: {str(exc)[:200]})") from None
     layers = list(adata.layers.keys()) if adata.layers is not None else []
@@ -208,7 +209,10 @@ def obs_frame(sources: list[Source]) -> tuple[pa.Table, dict[str, list[str]]]:
     """Every input's obs, concatenated in order, as Arrow (cell_id from obs_names where absent)."""
     frames = []
     for src in sources:
-        obs = src.read_obs()
+        try:
+            obs = src.read_obs()
+        except Exception as exc:  # noqa: BLE001 - one line naming the file (the written slices are kept)
+            raise CellfeedError(f"cannot read the obs of {src.path} ({type(exc).__name__}: {str(exc)[:200]})") from None
         obs = obs.drop(columns=[c for c in RESERVED_OBS if c in obs.columns])
         frames.append(obs if "cell_id" in obs.columns else obs.assign(cell_id=obs.index.astype(str)))
     obs = pd.concat(frames, axis=0, ignore_index=True) if len(frames) > 1 else frames[0].reset_index(drop=True)

@@ -470,3 +470,16 @@ def test_a_ctrl_c_once_the_dataset_is_out_does_not_report_the_conversion_interru
     assert code == 0 and not caught
     assert open_dataset(str(tmp_path / "ds")).n_cells == 30
     assert after is not signal.SIG_IGN  # the command gave Ctrl-C back
+
+
+def test_an_obs_that_cannot_be_read_is_one_line_naming_the_file_and_no_dataset_appears(tmp_path):
+    """obs is read beside the slices (not at planning): a damaged one still ends the conversion in one
+    line that names the file, and nothing is published at the output."""
+    import h5py
+
+    h5 = write_h5ad(tmp_path / "in.h5ad", random_counts(20, 10, seed=4))
+    with h5py.File(h5, "a") as f:
+        f["obs"].attrs["encoding-type"] = "not-a-dataframe"
+    with pytest.raises(CellfeedError, match=r"cannot read the obs of .*in\.h5ad \(IORegistryError"):
+        convert([str(h5)], str(tmp_path / "ds"), progress=False)
+    assert not (tmp_path / "ds").exists()
