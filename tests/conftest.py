@@ -128,6 +128,19 @@ def write_h5ad(path: Path, x, *, genes: list[str] | None = None, obs_extra: dict
 
 
 @pytest.fixture(scope="session")
+def kernel_volume(tmp_path_factory) -> dict[str, Path]:
+    """The Modal campaigns' `cellfeed-kernels` Volume, lasting across the test session's control planes
+    as a workspace's named Volume lasts across runs (`ControlPlane(lasting_volumes=...)`, V9): the
+    first setup to need a variant of the token pass compiles it (~10 s of CPU) and commits it, and
+    later setups and producers load it. One folder for every xdist worker (their basetemps' parent).
+    Tests that check a setup compiles into an empty Volume do not take it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    return {"cellfeed-kernels": root / "kernels-volume"}
+
+
+@pytest.fixture(scope="session")
 def small_synth(tmp_path_factory):
     """A 3,000-cell synthetic atlas with small fragments (many straddling cells)."""
     from producers.synth import SynthSpec, synthesize

@@ -19,11 +19,11 @@ SECRET = "cellfeed-s3"  # app/modal_app.py's Secret (CELLFEED_SECRET unset: the 
 
 
 @contextlib.contextmanager
-def control_plane(tmp_path: Path, secrets: dict):
+def control_plane(tmp_path: Path, secrets: dict, lasting: dict | None = None):
     """A plane with `secrets` and the app's Volumes told to containers (app/modal_app.py: MOUNT_ENV)."""
     from app.modal_app import MOUNT_ENV
 
-    with ControlPlane(tmp_path / "plane", secrets=secrets, mount_env=MOUNT_ENV) as plane:
+    with ControlPlane(tmp_path / "plane", secrets=secrets, mount_env=MOUNT_ENV, lasting_volumes=lasting) as plane:
         yield plane
 
 
@@ -45,7 +45,7 @@ def objects_under(seaweed, bucket: str, prefix: str) -> int:
     return seaweed.client().list_objects_v2(Bucket=bucket, Prefix=prefix).get("KeyCount", 0)
 
 
-def test_a_first_run_trains_every_cell_once_and_deletes_what_it_made(seaweed, tmp_path):
+def test_a_first_run_trains_every_cell_once_and_deletes_what_it_made(seaweed, tmp_path, kernel_volume):
     from app.costs import (
         PRODUCER_CPU,
         PRODUCER_MEMORY_MB,
@@ -57,7 +57,7 @@ def test_a_first_run_trains_every_cell_once_and_deletes_what_it_made(seaweed, tm
 
     bucket = f"first-{os.urandom(4).hex()}"
     seaweed.client().create_bucket(Bucket=bucket)
-    with control_plane(tmp_path, {SECRET: seaweed.settings}) as plane:
+    with control_plane(tmp_path, {SECRET: seaweed.settings}, kernel_volume) as plane:
         code, out, err = first_run(plane, seaweed.settings, bucket)
         assert code == 0, "\n".join(out[-30:]) + err[-3000:]
         done = re.fullmatch(
@@ -83,14 +83,16 @@ def test_a_first_run_trains_every_cell_once_and_deletes_what_it_made(seaweed, tm
         assert [(c["cpu"], c["memory"]) for c in plane.history("produce")] == [(PRODUCER_CPU, PRODUCER_MEMORY_MB)] * 2
 
 
-def test_a_campaign_that_fails_is_said_in_the_last_line_and_its_queue_and_dicts_are_deleted(seaweed, tmp_path):
+def test_a_campaign_that_fails_is_said_in_the_last_line_and_its_queue_and_dicts_are_deleted(
+    seaweed, tmp_path, kernel_volume
+):
     """The train call fails (after setup made the run's dict and queue): the campaign stops and
     keeps its state (for a resume); the first run deletes it, the atlas and any checkpoints, and
     says why it failed. (How a campaign stops when its producers keep failing, and resumes:
     tests/test_modal_campaign.py.)"""
     bucket = f"first-{os.urandom(4).hex()}"
     seaweed.client().create_bucket(Bucket=bucket)
-    with control_plane(tmp_path, {SECRET: seaweed.settings}) as plane:
+    with control_plane(tmp_path, {SECRET: seaweed.settings}, kernel_volume) as plane:
         plane.fail("train", times=1)  # (train has no retries: its one attempt fails before its body runs)
         code, out, err = first_run(plane, seaweed.settings, bucket)
         assert code == 1, "\n".join(out[-30:]) + err[-3000:]

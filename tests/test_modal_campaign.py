@@ -78,11 +78,12 @@ def flags(atlas, **changes) -> list[str]:
 
 
 @contextlib.contextmanager
-def control_plane(tmp_path: Path):
-    """A plane with the app's Secret and its Volumes told to containers (app/modal_app.py: MOUNT_ENV)."""
+def control_plane(tmp_path: Path, lasting: dict | None = None):
+    """A plane with the app's Secret and its Volumes told to containers (app/modal_app.py: MOUNT_ENV);
+    `lasting`: Volumes kept from earlier runs (conftest.py: `kernel_volume`)."""
     from app.modal_app import MOUNT_ENV
 
-    with ControlPlane(tmp_path / "plane", secrets={SECRET: {}}, mount_env=MOUNT_ENV) as plane:
+    with ControlPlane(tmp_path / "plane", secrets={SECRET: {}}, mount_env=MOUNT_ENV, lasting_volumes=lasting) as plane:
         yield plane
 
 
@@ -418,12 +419,12 @@ with m.app.run():
 """
 
 
-def test_an_expired_setup_is_done_again(atlas, tmp_path):
+def test_an_expired_setup_is_done_again(atlas, tmp_path, kernel_volume):
     """Modal clears a queue partition 24 h after its last put and a Dict entry after 7 days
     unused: a train call that finds the held-out set or a plan gone runs `setup` again. The laptop
     side is modal's client in a process of its own (`app.run()`, `setup.remote`, the run's Queue and
     Dict); the plane's clock is moved on between its steps (C7, C10)."""
-    with control_plane(tmp_path) as plane:
+    with control_plane(tmp_path, kernel_volume) as plane:
         client = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(EXPIRY_CLIENT), atlas.uri],
             cwd=ROOT,
@@ -480,7 +481,7 @@ def cellfeed(plane: ControlPlane, *args: str, timeout: float = 120) -> subproces
     )
 
 
-def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_campaign(atlas, tmp_path):
+def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_campaign(atlas, tmp_path, kernel_volume):
     """`cellfeed status RUN --modal` reads a running campaign's Dict (no GPU started); `cellfeed stop
     RUN --modal` in epoch 1 of 3 has its ranks checkpoint and its producers stop, the state kept; the
     run's last line says where it stopped and exits 0; then exactly the README's `modal run
@@ -489,7 +490,7 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
     once it is theirs (`cellfeed_testing.procs.stop_asked_while_held`): it lands before the end."""
     from cellfeed_testing.procs import stop_asked_while_held
 
-    with control_plane(tmp_path) as plane:
+    with control_plane(tmp_path, kernel_volume) as plane:
         # 3 epochs of 21 steps (batches of 32 on 2 ranks), at Modal's 25 ms a call
         proc = modal_run(plane, flags(atlas, rpc_latency_ms=25, epochs=3, batch_size=32) + ["--audit-cells"], tmp_path)
         call = train_started(plane, proc)
@@ -568,7 +569,9 @@ def views_committed(plane: ControlPlane, tasks: list[str]) -> bool:
     return True
 
 
-def test_two_nodes_preempted_then_a_node_lost_then_resumed_on_one_node_train_every_cell_once(atlas, tmp_path):
+def test_two_nodes_preempted_then_a_node_lost_then_resumed_on_one_node_train_every_cell_once(
+    atlas, tmp_path, kernel_volume
+):
     """`--nodes 2 --gpus 8`: `train_2_nodes`, a clustered function: each attempt is 2 containers
     started together (K1), each told its rank and both addresses by TaskClusterHello (`::1`, from
     `i6pn.modal.local`: K2); container 1's ranks join container 0's DDP world at the address it
@@ -586,7 +589,7 @@ def test_two_nodes_preempted_then_a_node_lost_then_resumed_on_one_node_train_eve
     the ranks are held while both containers' writes are committed, so the cell logs are whole.)"""
     from cellfeed_testing.procs import ranks_held
 
-    with control_plane(tmp_path) as plane:
+    with control_plane(tmp_path, kernel_volume) as plane:
         proc = modal_run(plane, flags(atlas, **NODES) + ["--audit-cells"], tmp_path, detach=True)
         call = train_started(plane, proc, "train_2_nodes")
         task = rank0_task(call)
@@ -595,7 +598,11 @@ def test_two_nodes_preempted_then_a_node_lost_then_resumed_on_one_node_train_eve
         plane.preempt(call["id"])  # past a checkpoint (every 4 steps): the whole cluster is interrupted
         call = train_started(plane, proc, "train_2_nodes", attempts=2)
         task = rank0_task(call)
-        wait_for(lambda: steps_logged(plane, task) >= 10 or proc.poll() is not None, "ten steps", timeout=300)
+        # the view holds the first attempt's steps too (it may have logged past 10 before the preemption
+        # landed): two of this attempt's own, past the step it resumed from, and at least ten in all
+        resumed = lambda: re.search(r"resumed from step (\d+)", logs_of(plane, call, 1))  # noqa: E731
+        own = lambda: (m := resumed()) and steps_logged(plane, task) >= max(10, int(m[1]) + 2)  # noqa: E731
+        wait_for(lambda: own() or proc.poll() is not None, "ten steps, two of them resumed", timeout=300)
         assert proc.poll() is None, "the campaign ended before its node was lost"
         containers = call["attempts"][1]["containers"]
         with contextlib.ExitStack() as held:

@@ -30,8 +30,9 @@ MOUNT_ENV = {"/data": "DATA_DIR"}
 
 
 @pytest.fixture(params=["tcp"])
-def plane(request, tmp_path):
-    with ControlPlane(tmp_path / "plane", transport=request.param, secrets=SECRETS, mount_env=MOUNT_ENV) as p:
+def plane(request, tmp_path, kernel_volume):
+    kw = dict(secrets=SECRETS, mount_env=MOUNT_ENV, lasting_volumes=kernel_volume)  # (conftest.py)
+    with ControlPlane(tmp_path / "plane", transport=request.param, **kw) as p:
         yield p
 
 
@@ -567,6 +568,21 @@ def test_a_volume_file_written_and_committed_in_a_container_is_read_back_on_the_
         "listdir": ["run", "run/log.txt"],
         "missing": "FileNotFoundError",
     }
+
+
+def test_a_lasting_volume_carries_what_one_plane_committed_to_the_next(tmp_path, probe):
+    """V9: a named Volume outlives a run, as a workspace's does on Modal (the suite's planes share the
+    compiled token pass this way: conftest.py's `kernel_volume`)."""
+    kept = {"cp-vol": tmp_path / "kept"}
+    first = (
+        "from cp_probe.app import app, writes\nwith app.run():\n    print(json.dumps(writes.remote('a/x.txt', 'one')))"
+    )
+    second = "from cp_probe.app import app, reads\nwith app.run():\n    print(json.dumps(reads.remote('a/x.txt')))"
+    with ControlPlane(tmp_path / "one", secrets=SECRETS, mount_env=MOUNT_ENV, lasting_volumes=kept) as p:
+        assert run_client(p, "import json\n" + first, cwd=probe)["commit"] == "ok"
+    assert (kept["cp-vol"] / "a" / "x.txt").read_text() == "one"
+    with ControlPlane(tmp_path / "two", secrets=SECRETS, mount_env=MOUNT_ENV, lasting_volumes=kept) as p:
+        assert run_client(p, "import json\n" + second, cwd=probe) == "one"
 
 
 def test_a_commit_with_a_file_open_on_the_volume_fails_as_modal_says(plane, probe):

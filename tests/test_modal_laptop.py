@@ -33,8 +33,8 @@ def plane_of(tmp_path, **kw) -> ControlPlane:
     return ControlPlane(tmp_path / "plane", secrets={SECRET: {}}, mount_env=MOUNT_ENV, **kw)
 
 
-def test_ctrl_c_on_modal_run_stops_the_campaigns_calls_and_says_how_to_resume(atlas, tmp_path):  # noqa: F811
-    with plane_of(tmp_path) as plane:
+def test_ctrl_c_on_modal_run_stops_the_campaigns_calls_and_says_how_to_resume(atlas, tmp_path, kernel_volume):  # noqa: F811
+    with plane_of(tmp_path, lasting_volumes=kernel_volume) as plane:
         run = modal_run(plane, flags(atlas, epochs=2, gpus=1), tmp_path)
         call = train_started(plane, run)
         wait_for(lambda: steps_logged(plane, rank0_task(call)) >= 1, "train's first step", timeout=240)
@@ -52,6 +52,7 @@ def test_ctrl_c_on_modal_run_stops_the_campaigns_calls_and_says_how_to_resume(at
 def test_a_detached_campaign_longer_than_a_call_continues_in_new_calls_after_the_laptop_is_gone(
     atlas,  # noqa: F811
     tmp_path,
+    kernel_volume,
 ):
     """Each train call hands over to a new one when its --attempt-hours are up (Modal ends a call at
     24 h). Here the hours are up at once, so every call trains one step (the event), saves and hands
@@ -65,7 +66,7 @@ def test_a_detached_campaign_longer_than_a_call_continues_in_new_calls_after_the
     client as gone when its heartbeats stop, D12). The calls after the first are spawned by train
     itself, not "triggered" by the laptop, and the campaign completes without it: every train call
     succeeds, the epoch is audited exactly once, the run's queue and dicts are deleted."""
-    with plane_of(tmp_path, client_gone_s=2.0) as plane:
+    with plane_of(tmp_path, client_gone_s=2.0, lasting_volumes=kernel_volume) as plane:
         plane.scale_timeouts(24 * 20)
         # one rank, batches of 512: the epoch's 1,344 cells are 3 steps, so 3 calls
         args = flags(atlas, epochs=1, gpus=1, batch_size=512, attempt_hours=1e-6)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -22,6 +23,7 @@ from modal_proto import api_pb2
 
 from cellfeed_testing.modal_control_plane.faults import FaultLayer, faults_for
 from cellfeed_testing.modal_control_plane.server import Servicer
+from cellfeed_testing.modal_control_plane.volumes import keep
 
 TOKEN_ID, TOKEN_SECRET = "ak-cellfeed-control-plane", "as-cellfeed-control-plane"
 GenericResult = api_pb2.GenericResult
@@ -41,12 +43,16 @@ class ControlPlane:
         mount_env: dict[str, str] | None = None,
         images: bool = True,
         client_gone_s: float | None = None,
+        lasting_volumes: dict[str, Path] | None = None,
     ) -> None:
         """`secrets`: the named Secrets that exist ({name: {VAR: value}}). `mount_env`: for a Volume
         mount path, a variable its containers get naming the folder standing for it (volumes.py, V5).
         `images`: a container imports only what its function's image installs (S20, image_guard.py),
         as on Modal; False lets containers import whatever this machine has. `client_gone_s`: how long an
-        app's client may go unheard before it is taken as gone (D12; server.CLIENT_GONE_S by default)."""
+        app's client may go unheard before it is taken as gone (D12; server.CLIENT_GONE_S by default).
+        `lasting_volumes`: named Volumes that outlive this plane, as a workspace's do across runs (V9:
+        {name: host folder}); each starts with its folder's files and what is committed to it is
+        written back to the folder when the plane stops."""
         if transport not in ("tcp", "unix"):
             raise ValueError(f"transport is 'tcp' or 'unix', not {transport!r}")
         self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="modal-control-plane-")
@@ -61,6 +67,7 @@ class ControlPlane:
             from cellfeed_testing.modal_control_plane.image_guard import enforce_images
 
             enforce_images(self)
+        self.lasting_volumes = {name: Path(folder) for name, folder in (lasting_volumes or {}).items()}
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="modal-control-plane", daemon=True)
@@ -260,6 +267,11 @@ class ControlPlane:
     def start(self) -> "ControlPlane":
         self._thread.start()
         self.call(self._start(), START_TIMEOUT_S)
+        for name, folder in self.lasting_volumes.items():  # V9: what earlier runs committed
+            if folder.is_dir():
+                shutil.copytree(
+                    folder, self.volume_folder(name), dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.cp-tmp")
+                )
         return self
 
     def stop(self) -> None:
@@ -267,12 +279,14 @@ class ControlPlane:
             return
         try:
             self.call(self._stop(), STOP_TIMEOUT_S + 5)
+            for name, folder in self.lasting_volumes.items():  # V9: for the next run (file by file, atomic)
+                committed = self.servicer.volume_names.get(("main", name))
+                if committed is not None:
+                    keep(self.servicer.volumes[committed].committed, folder)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(STOP_TIMEOUT_S)
             if self.transport == "unix":
-                import shutil
-
                 shutil.rmtree(self._sock_dir, ignore_errors=True)
             if self._tmp is not None:
                 self._tmp.cleanup()

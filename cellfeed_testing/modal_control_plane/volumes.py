@@ -71,6 +71,13 @@ def _copy(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)  # a reader of the committed folder never sees half a file
 
 
+def keep(committed: Path, folder: Path) -> None:
+    """V9: a lasting Volume's committed files written back to its host folder, each whole (a plane
+    starting meanwhile copies each file as it was or as it is, never half of one)."""
+    for rel in snapshot(committed):
+        _copy(committed / rel, folder / rel)
+
+
 def _safe(root: Path, path: str) -> Path:
     p = (root / path.lstrip("/")).resolve()
     if p != root.resolve() and root.resolve() not in p.parents:
