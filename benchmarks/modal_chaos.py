@@ -220,8 +220,10 @@ def run_campaign(
     network: list[tuple[str, dict]] = (),
     preemptions: list[Preemption] = (),
     timeout_s: float = 600.0,
+    kernels: str | None = None,
 ) -> Outcome:
-    with ControlPlane(root, secrets={SECRET: {}}, mount_env=MOUNT_ENV) as plane:
+    lasting = {"cellfeed-kernels": Path(kernels)} if kernels else None  # V9: the compiled token pass, kept
+    with ControlPlane(root, secrets={SECRET: {}}, mount_env=MOUNT_ENV, lasting_volumes=lasting) as plane:
         env = client_env(plane)
         subprocess.run([sys.executable, "-c", SEED_STOPPED_RUN], cwd=ROOT, env=env, check=True, timeout=120)
         outcome = Outcome(0, 0.0, "", "", labels=[label for label, _ in network])
@@ -325,6 +327,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault plan")
     parser.add_argument("--rules-json", help="write each network fault, with what it did (plane.faults()), here")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (atlas, planes, containers' logs)")
+    parser.add_argument(
+        "--kernels",
+        help="a folder keeping the cellfeed-kernels Volume across runs, as a workspace does (the compiled token "
+        "pass: a setup loads it instead of compiling; the test suite passes its own)",
+    )
     args = parser.parse_args()
     n_cells = args.cells or (600 if args.tiny else 20000 if args.quick else 40000)
     epochs = args.epochs or (1 if args.tiny else 3 if args.quick else 4)
@@ -344,7 +351,7 @@ def main() -> None:
     steps = epochs * -(-n_cells // (GPUS * BATCH))
     calm = None
     if not args.tiny:
-        calm = run_campaign(work / "calm", dataset, epochs=epochs, timeout_s=timeout_s)
+        calm = run_campaign(work / "calm", dataset, epochs=epochs, timeout_s=timeout_s, kernels=args.kernels)
         if calm.returncode != 0:
             print(calm.stderr[-3000:], file=sys.stderr)
             fail(f"the campaign without faults failed (exit {calm.returncode})")
@@ -353,7 +360,13 @@ def main() -> None:
     if args.tiny:  # every network fault, and a producer preempted (the suite preempts train elsewhere)
         preemptions = preemptions[:1]
     chaos = run_campaign(
-        work / "chaos", dataset, epochs=epochs, network=network, preemptions=preemptions, timeout_s=timeout_s
+        work / "chaos",
+        dataset,
+        epochs=epochs,
+        network=network,
+        preemptions=preemptions,
+        timeout_s=timeout_s,
+        kernels=args.kernels,
     )
     checked, lost, duplicated = check(chaos, n_cells, epochs)
     fired = [(label, r) for label, r in zip(chaos.labels, chaos.rules) if r["hits"] > 0]

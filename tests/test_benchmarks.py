@@ -225,7 +225,7 @@ def test_chaos():
     assert finite(figures["wall_s"]) and figures["overhead_ratio"] is None and figures["calm_wall_s"] is None
 
 
-def test_modal_chaos():
+def test_modal_chaos(kernel_volume):
     """A whole campaign through modal's real `modal run` on the local control plane (its containers run
     modal's own entrypoint) through a failing network, each fault at the n-th matching request: bursts
     past modal's own retries on the queue, the Dict, the producers' spawn and the looks at a call's
@@ -234,7 +234,7 @@ def test_modal_chaos():
     every process of its container). Every cell trained exactly once (the ranks' cell logs, cell by
     cell), the lost items made again, the run's state never deleted before its end, and every container
     ran the installed modal."""
-    figures = figures_of(run_benchmark("modal_chaos", "--tiny"))
+    figures = figures_of(run_benchmark("modal_chaos", "--tiny", "--kernels", str(kernel_volume["cellfeed-kernels"])))
     assert figures["completed"] and figures["faults_injected"] == 12
     assert figures["fault_kinds"] == {
         "grpc_burst": 4,
