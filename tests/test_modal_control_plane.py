@@ -570,19 +570,20 @@ def test_a_volume_file_written_and_committed_in_a_container_is_read_back_on_the_
     }
 
 
-def test_a_lasting_volume_carries_what_one_plane_committed_to_the_next(tmp_path, probe):
+def test_a_lasting_volume_carries_what_the_first_plane_committed_to_the_next_ones(tmp_path, probe):
     """V9: a named Volume outlives a run, as a workspace's does on Modal (the suite's planes share the
-    compiled token pass this way: conftest.py's `kernel_volume`)."""
+    compiled token pass this way: conftest.py's `kernel_volume`). The first plane to stop with files
+    publishes them, whole; a later plane's commits stay its own (runs' numbered files never mix)."""
     kept = {"cp-vol": tmp_path / "kept"}
-    first = (
-        "from cp_probe.app import app, writes\nwith app.run():\n    print(json.dumps(writes.remote('a/x.txt', 'one')))"
-    )
-    second = "from cp_probe.app import app, reads\nwith app.run():\n    print(json.dumps(reads.remote('a/x.txt')))"
+    client = "import json\nfrom cp_probe.app import app, reads, writes\nwith app.run():\n    print(json.dumps({}))"
     with ControlPlane(tmp_path / "one", secrets=SECRETS, mount_env=MOUNT_ENV, lasting_volumes=kept) as p:
-        assert run_client(p, "import json\n" + first, cwd=probe)["commit"] == "ok"
+        assert run_client(p, client.format("writes.remote('a/x.txt', 'one')"), cwd=probe)["commit"] == "ok"
     assert (kept["cp-vol"] / "a" / "x.txt").read_text() == "one"
     with ControlPlane(tmp_path / "two", secrets=SECRETS, mount_env=MOUNT_ENV, lasting_volumes=kept) as p:
-        assert run_client(p, "import json\n" + second, cwd=probe) == "one"
+        assert run_client(p, client.format("reads.remote('a/x.txt')"), cwd=probe) == "one"
+        assert run_client(p, client.format("writes.remote('a/x.txt', 'two')"), cwd=probe)["commit"] == "ok"
+    assert (kept["cp-vol"] / "a" / "x.txt").read_text() == "one"
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["kept", "one", "probe", "two"]  # no copy left half-way
 
 
 def test_a_commit_with_a_file_open_on_the_volume_fails_as_modal_says(plane, probe):

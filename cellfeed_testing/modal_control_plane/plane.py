@@ -23,7 +23,7 @@ from modal_proto import api_pb2
 
 from cellfeed_testing.modal_control_plane.faults import FaultLayer, faults_for
 from cellfeed_testing.modal_control_plane.server import Servicer
-from cellfeed_testing.modal_control_plane.volumes import keep
+from cellfeed_testing.modal_control_plane.volumes import publish_once
 
 TOKEN_ID, TOKEN_SECRET = "ak-cellfeed-control-plane", "as-cellfeed-control-plane"
 GenericResult = api_pb2.GenericResult
@@ -51,8 +51,8 @@ class ControlPlane:
         as on Modal; False lets containers import whatever this machine has. `client_gone_s`: how long an
         app's client may go unheard before it is taken as gone (D12; server.CLIENT_GONE_S by default).
         `lasting_volumes`: named Volumes that outlive this plane, as a workspace's do across runs (V9:
-        {name: host folder}); each starts with its folder's files and what is committed to it is
-        written back to the folder when the plane stops."""
+        {name: host folder}); each starts with its folder's files, and the first plane to stop with
+        files in one publishes them there, whole (later planes leave the folder as it is)."""
         if transport not in ("tcp", "unix"):
             raise ValueError(f"transport is 'tcp' or 'unix', not {transport!r}")
         self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="modal-control-plane-")
@@ -269,9 +269,7 @@ class ControlPlane:
         self.call(self._start(), START_TIMEOUT_S)
         for name, folder in self.lasting_volumes.items():  # V9: what earlier runs committed
             if folder.is_dir():
-                shutil.copytree(
-                    folder, self.volume_folder(name), dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.cp-tmp")
-                )
+                shutil.copytree(folder, self.volume_folder(name), dirs_exist_ok=True)
         return self
 
     def stop(self) -> None:
@@ -279,10 +277,10 @@ class ControlPlane:
             return
         try:
             self.call(self._stop(), STOP_TIMEOUT_S + 5)
-            for name, folder in self.lasting_volumes.items():  # V9: for the next run (file by file, atomic)
+            for name, folder in self.lasting_volumes.items():  # V9: for the next runs (once, whole)
                 committed = self.servicer.volume_names.get(("main", name))
                 if committed is not None:
-                    keep(self.servicer.volumes[committed].committed, folder)
+                    publish_once(self.servicer.volumes[committed].committed, folder)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(STOP_TIMEOUT_S)

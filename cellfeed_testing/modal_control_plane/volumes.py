@@ -71,11 +71,21 @@ def _copy(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)  # a reader of the committed folder never sees half a file
 
 
-def keep(committed: Path, folder: Path) -> None:
-    """V9: a lasting Volume's committed files written back to its host folder, each whole (a plane
-    starting meanwhile copies each file as it was or as it is, never half of one)."""
-    for rel in snapshot(committed):
-        _copy(committed / rel, folder / rel)
+def publish_once(committed: Path, folder: Path) -> None:
+    """V9: a lasting Volume's committed files published at its host folder, whole and once: the first
+    plane to stop with files in it renames a full copy into place, and a folder already there stays
+    as it is. Merging runs file by file would mix two runs' files: numba numbers a function's compiled
+    variants in its index (`_tokenize-…1.nbc`, `…2.nbc`), so two planes that each compiled a new
+    variant from the same start both write a `…N.nbc`, and an index from one beside the data of the
+    other would load code compiled for other types."""
+    if folder.exists() or not snapshot(committed):
+        return
+    tmp = folder.with_name(f"{folder.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    shutil.copytree(committed, tmp)
+    try:
+        os.rename(tmp, folder)  # (fails where another plane published first: its copy stays)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _safe(root: Path, path: str) -> Path:
