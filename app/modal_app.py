@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 
@@ -112,19 +113,18 @@ inputs_volume = modal.Volume.from_name(INPUTS_VOLUME, create_if_missing=True)  #
 def unpacked(config: dict) -> CampaignConfig:
     """The campaign's config in a container: the files `main` carried from the laptop (a corpus
     file, a vocabulary, a median dictionary) written out to this container's disk."""
-    import tempfile
-
     return CampaignConfig(**config).unpack_files(tempfile.mkdtemp(prefix="cellfeed-files-")).validate()
 
 
 def setup_body(config: dict) -> dict:
-    """Publish plans and the held-out set (runs in the producer image), and compile the token pass
-    into the kernels Volume: committed, the producers load it."""
+    """Publish plans and the held-out set (producer image); compile the token pass into the run's folder
+    of the kernels Volume, committed for the producers to load (`producers/kernel_cache.py`)."""
     from app.campaign import prepare
     from coordination.backends import connect
     from producers.kernel_cache import cache_kernels_in
 
-    cfg, cached = unpacked(config), cache_kernels_in(mounted(KERNELS))
+    cfg = unpacked(config)
+    cached = cache_kernels_in(mounted(KERNELS), cfg.run)
     facts = prepare(cfg, *connect(cfg.backend_spec("modal")), compile_pass=cached)
     if cached:
         retrying(kernels.commit, "committing the kernels Volume", cfg.modal_retry_s)
@@ -141,8 +141,8 @@ def produce_body(config: dict, name: str) -> dict:
     from producers.kernel_cache import cache_kernels_in
     from producers.producer import Producer
 
-    cache_kernels_in(mounted(KERNELS))  # (where setup compiled the token pass: this producer loads it)
     cfg = unpacked(config)
+    cache_kernels_in(mounted(KERNELS), cfg.run)  # (where setup compiled the token pass: this one loads it)
     producer = Producer(cfg.producer_config(), *connect(cfg.backend_spec("modal")), name=name)
     retire = threading.Timer(PRODUCER_HOURS * 3600, producer.stop)
     retire.daemon = True
@@ -164,7 +164,6 @@ def produce_body(config: dict, name: str) -> dict:
 def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summary.SetupFacts as a dict
     """The GPU container's launcher (see the module's docstring for how a call ends)."""
     print(f"modal {modal.__version__} from {modal.__file__}", flush=True)  # (the client this container runs)
-    import tempfile
     from pathlib import Path
 
     from coordination.backends import connect

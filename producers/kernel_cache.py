@@ -33,11 +33,17 @@ class SharedCacheLocator(caching.UserProvidedCacheLocator):
         self._cache_path = os.path.join(config.CACHE_DIR, package)
 
 
-def cache_kernels_in(folder: str) -> bool:
-    """From now on in this process, compiled kernels are kept in `folder` (if it exists: False
-    otherwise, and numba's default stands). Call it before the token pass is first imported."""
+def cache_kernels_in(folder: str, run: str = "") -> bool:
+    """From now on in this process, compiled kernels are kept in `folder`, in the campaign `run`'s
+    own folder there (if `folder` exists: False otherwise, and numba's default stands). Call it
+    before the token pass is first imported. Per run: a Volume's commits are last-writer-wins per
+    file, and numba numbers a function's compiled variants in its index (`_tokenize-233.py311.N.nbc`),
+    so two campaigns compiling new variants into one folder at once could leave one's index beside
+    the other's code, which numba would load without checking its types."""
     if not os.path.isdir(folder):
         return False
+    folder = os.path.join(folder, run)
+    os.makedirs(folder, exist_ok=True)
     os.environ["NUMBA_CACHE_DIR"] = folder
     os.environ["NUMBA_CACHE_LOCATOR_CLASSES"] = LOCATORS
     config.reload_config()  # (numba read its settings when it was imported)

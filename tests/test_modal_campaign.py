@@ -236,7 +236,7 @@ def compiled_by_setup(plane: ControlPlane) -> bool:
     commits for the producers to load (producers/kernel_cache.py)."""
     task = calls(plane, "setup")[0]["attempts"][0]["containers"][0]["task"]
     view = plane.volume_view(task, "cellfeed-kernels")
-    return bool(view and list((view / "producers").glob("token_kernel._tokenize-*.nbi")))
+    return bool(view and list((view / RUN / "producers").glob("token_kernel._tokenize-*.nbi")))
 
 
 def trained_cells(plane: ControlPlane) -> dict:

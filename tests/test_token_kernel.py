@@ -213,3 +213,23 @@ def test_a_kernel_compiled_by_one_copy_of_the_code_is_loaded_by_another(tmp_path
     assert run("b", 1) == {"value": 2, "hits": 1, "misses": 0}  # another copy: loaded
     assert run("c", 2) == {"value": 3, "hits": 0, "misses": 1}  # a changed source: compiled again
     assert sorted(p.name for p in cache.iterdir()) == ["kernels"]  # one folder, not one per copy
+
+
+def test_each_run_keeps_its_kernels_in_a_folder_of_its_own(tmp_path):
+    """On the kernels Volume each campaign compiles into its run's folder: commits are last-writer-wins
+    per file, and two runs' numbered variants in one folder could pair an index with the other's code.
+    A folder that does not exist (no Volume mounted) leaves numba's default and makes nothing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import os, sys\nfrom producers.kernel_cache import cache_kernels_in\n"
+        "print(cache_kernels_in(sys.argv[1], 'run-a'), os.environ.get('NUMBA_CACHE_DIR'))"
+    )
+    root = Path(__file__).resolve().parents[1]
+    for folder, expect in ((tmp_path, f"True {tmp_path / 'run-a'}"), (tmp_path / "none", "False None")):
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)}
+        out = subprocess.run([sys.executable, "-c", code, str(folder)], env=env, capture_output=True, text=True)
+        assert out.returncode == 0 and out.stdout.split("\n")[0] == expect, out.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run-a"]
