@@ -131,9 +131,9 @@ def write_h5ad(path: Path, x, *, genes: list[str] | None = None, obs_extra: dict
 def kernel_volume(tmp_path_factory) -> dict[str, Path]:
     """The Modal campaigns' `cellfeed-kernels` Volume, lasting across the test session's control planes
     as a workspace's named Volume lasts across runs (`ControlPlane(lasting_volumes=...)`, V9): the
-    first plane to stop with the token pass compiled (~10 s of CPU a variant) publishes it, and later
-    setups and producers load it (a variant it lacks is compiled there, and not published). One folder
-    for every xdist worker (their basetemps' parent).
+    first plane to stop with a run's token pass compiled (~10 s of CPU a variant) publishes that run's
+    folder, and later setups and producers of a run of that name load it (a variant it lacks is compiled
+    there, and not published). One folder for every xdist worker (their basetemps' parent).
     Tests that check a setup compiles into an empty Volume do not take it."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

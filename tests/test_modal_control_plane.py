@@ -584,6 +584,7 @@ def test_a_lasting_volume_carries_what_the_first_plane_committed_to_the_next_one
         assert run_client(p, client.format("writes.remote('a/x.txt', 'two')"), cwd=probe)["commit"] == "ok"
     assert (kept["cp-vol"] / "a" / "x.txt").read_text() == "one"
     assert sorted(q.name for q in tmp_path.iterdir()) == ["kept", "one", "probe", "two"]  # no copy left half-way
+    assert [q.name for q in kept["cp-vol"].iterdir()] == ["a"]
 
 
 def test_a_commit_with_a_file_open_on_the_volume_fails_as_modal_says(plane, probe):

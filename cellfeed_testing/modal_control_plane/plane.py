@@ -52,7 +52,7 @@ class ControlPlane:
         app's client may go unheard before it is taken as gone (D12; server.CLIENT_GONE_S by default).
         `lasting_volumes`: named Volumes that outlive this plane, as a workspace's do across runs (V9:
         {name: host folder}); each starts with its folder's files, and the first plane to stop with
-        files in one publishes them there, whole (later planes leave the folder as it is)."""
+        a top-level entry in one publishes it there, whole (later planes leave it as it is)."""
         if transport not in ("tcp", "unix"):
             raise ValueError(f"transport is 'tcp' or 'unix', not {transport!r}")
         self._tmp = None if root is not None else tempfile.TemporaryDirectory(prefix="modal-control-plane-")
@@ -269,7 +269,9 @@ class ControlPlane:
         self.call(self._start(), START_TIMEOUT_S)
         for name, folder in self.lasting_volumes.items():  # V9: what earlier runs committed
             if folder.is_dir():
-                shutil.copytree(folder, self.volume_folder(name), dirs_exist_ok=True)
+                shutil.copytree(
+                    folder, self.volume_folder(name), dirs_exist_ok=True, ignore=shutil.ignore_patterns(".*.tmp")
+                )
         return self
 
     def stop(self) -> None:

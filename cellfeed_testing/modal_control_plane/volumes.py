@@ -72,20 +72,26 @@ def _copy(src: Path, dst: Path) -> None:
 
 
 def publish_once(committed: Path, folder: Path) -> None:
-    """V9: a lasting Volume's committed files published at its host folder, whole and once: the first
-    plane to stop with files in it renames a full copy into place, and a folder already there stays
-    as it is. Merging runs file by file would mix two runs' files: numba numbers a function's compiled
-    variants in its index (`_tokenize-…1.nbc`, `…2.nbc`), so two planes that each compiled a new
-    variant from the same start both write a `…N.nbc`, and an index from one beside the data of the
-    other would load code compiled for other types."""
-    if folder.exists() or not snapshot(committed):
-        return
-    tmp = folder.with_name(f"{folder.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-    shutil.copytree(committed, tmp)
-    try:
-        os.rename(tmp, folder)  # (fails where another plane published first: its copy stays)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """V9: a lasting Volume's committed files published at its host folder, each top-level entry whole
+    and once: the first plane to stop with an entry renames a full copy of it into place, and an entry
+    already there stays as it is. Merging runs file by file would mix two runs' files: numba numbers a
+    function's compiled variants in its index (`_tokenize-…1.nbc`, `…2.nbc`), so two planes that each
+    compiled a new variant from the same start both write a `…N.nbc`, and an index from one beside the
+    data of the other would load code compiled for other types. (The kernels Volume keeps a folder per
+    run: producers/kernel_cache.py.)"""
+    folder.mkdir(parents=True, exist_ok=True)
+    for entry in committed.iterdir():
+        if (folder / entry.name).exists() or not snapshot(entry):
+            continue
+        tmp = folder / f".{entry.name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        if entry.is_dir():
+            shutil.copytree(entry, tmp)
+        else:
+            shutil.copy2(entry, tmp)
+        try:
+            os.rename(tmp, folder / entry.name)  # (fails where another plane published it first: its copy stays)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # (a file replaces a file: only a folder can be refused)
 
 
 def _safe(root: Path, path: str) -> Path:
