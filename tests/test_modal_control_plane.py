@@ -577,14 +577,15 @@ def test_a_lasting_volume_carries_what_the_first_plane_committed_to_the_next_one
     kept = {"cp-vol": tmp_path / "kept"}
     client = "import json\nfrom cp_probe.app import app, reads, writes\nwith app.run():\n    print(json.dumps({}))"
     with ControlPlane(tmp_path / "one", secrets=SECRETS, mount_env=MOUNT_ENV, lasting_volumes=kept) as p:
-        assert run_client(p, client.format("writes.remote('a/x.txt', 'one')"), cwd=probe)["commit"] == "ok"
-    assert (kept["cp-vol"] / "a" / "x.txt").read_text() == "one"
+        both = "[writes.remote('a/x.txt', 'one')['commit'], writes.remote('top.txt', 'top')['commit']]"
+        assert run_client(p, client.format(both), cwd=probe) == ["ok", "ok"]
+    assert (kept["cp-vol"] / "a" / "x.txt").read_text() == "one" and (kept["cp-vol"] / "top.txt").read_text() == "top"
     with ControlPlane(tmp_path / "two", secrets=SECRETS, mount_env=MOUNT_ENV, lasting_volumes=kept) as p:
         assert run_client(p, client.format("reads.remote('a/x.txt')"), cwd=probe) == "one"
         assert run_client(p, client.format("writes.remote('a/x.txt', 'two')"), cwd=probe)["commit"] == "ok"
     assert (kept["cp-vol"] / "a" / "x.txt").read_text() == "one"
     assert sorted(q.name for q in tmp_path.iterdir()) == ["kept", "one", "probe", "two"]  # no copy left half-way
-    assert [q.name for q in kept["cp-vol"].iterdir()] == ["a"]
+    assert sorted(q.name for q in kept["cp-vol"].iterdir()) == ["a", "top.txt"]
 
 
 def test_a_commit_with_a_file_open_on_the_volume_fails_as_modal_says(plane, probe):

@@ -81,7 +81,7 @@ def publish_once(committed: Path, folder: Path) -> None:
     run: producers/kernel_cache.py.)"""
     folder.mkdir(parents=True, exist_ok=True)
     for entry in committed.iterdir():
-        if (folder / entry.name).exists() or not snapshot(entry):
+        if (folder / entry.name).exists() or (entry.is_dir() and not snapshot(entry)):  # (an empty folder: nothing)
             continue
         tmp = folder / f".{entry.name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
         if entry.is_dir():
