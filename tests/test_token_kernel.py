@@ -233,3 +233,30 @@ def test_each_run_keeps_its_kernels_in_a_folder_of_its_own(tmp_path):
         out = subprocess.run([sys.executable, "-c", code, str(folder)], env=env, capture_output=True, text=True)
         assert out.returncode == 0 and out.stdout.split("\n")[0] == expect, out.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run-a"]
+
+
+def test_every_tokenizer_and_token_width_runs_one_compiled_variant_per_input_type():
+    """numba compiles the pass once per distinct set of argument types (in every fresh clone and on
+    every new machine: this test's 18 variants took 44 CPU-s cold, its 3 now 15), so the kernel takes
+    outputs of one type and the caller narrows them: each tokenizer, bin width and token width
+    (uint16 and uint32 vocabularies) over the same rows runs one variant, and each other input type
+    (int32 ids, float values) one more. The tokens are the vectorised path's, in the caller's types."""
+    from producers import token_kernel
+
+    rng = np.random.default_rng(11)
+    counts = ragged(rng, 20, 300, floats=False, spread=40)
+    floats = ragged(rng, 20, 300, floats=True, spread=40)
+    wide_ids = CellRows(counts.cell_ids, counts.offsets, counts.ids.astype(np.int32), counts.values)
+    before = set(token_kernel._tokenize.signatures)
+    for rows in (counts, floats, wide_ids):
+        for vocab in (SMALL, LARGE):
+            table = lookup_of(rng, "shuffled", vocab)
+            for name, params in (("scgpt", {}), ("scgpt", {"n_bins": 300}), ("geneformer", {}), ("raw", {})):
+                if name == "geneformer" and rows is floats:
+                    continue  # (Geneformer needs counts)
+                kernel, vectorised = both_paths(name, vocab, rng, max_genes=100, **params)
+                assert_same(kernel(rows, None, table), vectorised(rows, None, table))
+    used = set(token_kernel._tokenize.signatures) - before
+    input_types = {(sig[1].dtype, sig[2].dtype) for sig in token_kernel._tokenize.signatures}
+    # at most ids of 2 or 4 bytes x counts or floats; before, each token and value width too (18 here)
+    assert len(set(token_kernel._tokenize.signatures)) == len(input_types) <= 4, used
