@@ -45,6 +45,43 @@ def wait_for(condition, what: str, timeout: float = 120.0):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_rank_server(tmp_path_factory):
+    """One rank server for every campaign this test process launches, in it or in the processes it
+    starts (`CELLFEED_RANK_SERVER`, trainer/launch.py): torch is imported once per xdist worker, not
+    once per campaign (~3 CPU-s each, ~40 campaigns). A test that looks for the ranks below its
+    campaign's process starts it with `own_rank_server()`'s environment; Modal containers never
+    see it (the control plane's containers are other machines)."""
+    import subprocess
+    import sys
+
+    from trainer.launch import RANK_SERVER_ENV
+
+    path = tmp_path_factory.mktemp("ranks") / "server.sock"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", "--listen", str(path)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout.readline().startswith("rank server listening"), "the shared rank server did not start"
+        os.environ[RANK_SERVER_ENV] = str(path)
+        yield path
+    finally:
+        os.environ.pop(RANK_SERVER_ENV, None)
+        server.kill()
+        server.wait(timeout=30)
+
+
+def own_rank_server() -> dict:
+    """This process's environment without the shared rank server: a campaign started with it forks
+    its ranks below its own process, where a test that signals or counts them looks."""
+    from trainer.launch import RANK_SERVER_ENV
+
+    return {k: v for k, v in os.environ.items() if k != RANK_SERVER_ENV}
+
+
 @contextlib.contextmanager
 def fresh_import(module: str):
     """`module` imported anew (with whatever `modal` this process has now) and forgotten after, so

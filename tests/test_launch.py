@@ -69,6 +69,13 @@ def test_a_fresh_rank_holds_the_stop_signal_in_its_own_session_and_a_dead_server
         server.start(["--config", str(fifo)], dict(os.environ), 1, 2)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return _status(pid)["State"][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _reading(fifo: Path) -> bool:
     """Whether a process has the FIFO open for reading (a rank blocked on it)."""
     try:
@@ -117,3 +124,48 @@ def test_a_launcher_gone_before_its_rank_was_forked_leaves_no_rank(tmp_path):
         "the server to end with its launcher",
     )
     assert not _reading(fifo)
+
+
+def test_a_shared_server_serves_each_launcher_its_own_ranks_and_kills_those_of_a_launcher_gone(
+    shared_rank_server, tmp_path
+):
+    """`python -m trainer.launch --listen PATH` (the suite's own, conftest.py): two launchers at once,
+    each signalled only about its own ranks; one killed outright (no goodbye) loses its rank, the
+    other's runs on; a launcher that ends hangs up and loses its own; the server serves on."""
+    import subprocess
+    import sys
+
+    from trainer.launch import RANK_SERVER_ENV
+
+    ours, theirs = tmp_path / "ours.json", tmp_path / "theirs.json"
+    os.mkfifo(ours), os.mkfifo(theirs)  # a rank blocks opening one: alive until something kills it (or writes)
+    mine = RankServer(str(shared_rank_server))
+    rank = mine.start(["--config", str(ours)], dict(os.environ), 1, 2)
+    other = subprocess.Popen(
+        [sys.executable, "-c", f"from trainer.launch import rank_server; import os, sys\n"
+         f"r = rank_server().start(['--config', {str(theirs)!r}], dict(os.environ), 1, 2)\n"
+         "print(r.pid, flush=True); sys.stdin.read()"],
+        env=dict(os.environ, **{RANK_SERVER_ENV: str(shared_rank_server)}),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    their_rank = int(other.stdout.readline())
+    wait_for(lambda: _session(rank.pid) == rank.pid and _session(their_rank) == their_rank, "both ranks to run")
+    assert their_rank not in mine.ranks  # each launcher hears of its own ranks only
+    mine.signal(type(rank)(mine, their_rank), signal.SIGKILL)  # a pid not ours: the server ignores it
+    missing = mine.start(["--config", str(tmp_path / "missing.json")], dict(os.environ), 1, 2)  # (after the signal)
+    assert missing.wait(timeout=60) == 1 and _alive(their_rank)
+    other.kill()
+    other.wait(timeout=30)
+    wait_for(lambda: not _alive(their_rank), "the rank of the launcher killed outright to be killed")
+    assert _alive(rank.pid) and rank.poll() is None
+    mine.end()  # hanging up: the server kills our rank too
+    assert rank.wait(timeout=30) == -signal.SIGKILL
+    wait_for(lambda: not _alive(rank.pid), "our rank to die with our connection")
+    again = RankServer(str(shared_rank_server))  # and it serves the next launcher
+    assert again.start(["--config", str(tmp_path / "missing.json")], dict(os.environ), 1, 2).wait(timeout=60) == 1
+    again.end()
+
+
+def test_a_shared_server_that_is_not_there_is_one_clear_error(tmp_path):
+    with pytest.raises(CellfeedError, match=r"CELLFEED_RANK_SERVER=.*nothing: no rank server answers there.*--listen"):
+        RankServer(str(tmp_path / "nothing"))

@@ -21,7 +21,7 @@ import pytest
 
 from benchmarks.chaos import trained_per_epoch
 from cellfeed_testing.procs import children, cmdline, descendants
-from tests.conftest import PBMC, wait_for
+from tests.conftest import PBMC, own_rank_server, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = "plate = 'plate14'"
@@ -372,6 +372,7 @@ def test_ctrl_c_stops_every_child_once_gracefully_twice_at_once(counts_atlas, tm
             "--quiet",
         ],
         start_new_session=True,
+        env=own_rank_server(),  # its ranks below it, where the test looks
     )  # its own group, as a terminal's foreground job
     out = ""
     try:
@@ -432,6 +433,7 @@ def test_a_sigkilled_campaign_leaves_no_process_behind(counts_atlas, tmp_path):
             "--quiet",
         ],
         start_new_session=True,
+        env=own_rank_server(),  # its rank server below it (a shared one's launcher gone: test_launch.py)
     )
     try:
         training_began(proc, tmp_path / "killed" / "steps.jsonl")
@@ -536,7 +538,7 @@ def test_a_trainer_killed_on_three_ranks_resumes_on_one_from_the_default_workdir
         "--audit-cells",
         "--quiet",
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(own_rank_server(), PYTHONPATH=str(ROOT))  # its ranks below it: the test kills them
     run_dir = tmp_path / "runs" / "el"
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "local", *common, "--gpus", "3"],

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from cellfeed_testing.procs import descendants
-from tests.conftest import wait_for
+from tests.conftest import own_rank_server, wait_for
 from tests.test_local_campaign import counts_atlas  # noqa: F401 - the fixture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,9 +56,10 @@ def test_two_nodes_train_an_epoch_once_and_a_node_lost_mid_epoch_resumes_on_one_
     non-zero, keeping its checkpoint; `--resume --nodes 1` finishes epoch 1, each cell once across
     both runs."""
     run = tmp_path / "nodes"
+    # (own_rank_server: its ranks below it, where the test finds rank 1)
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", *flags(counts_atlas, tmp_path, "--nodes", "2", "--gpus", "1")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=own_rank_server(),
     )  # fmt: skip
     try:  # 19 steps an epoch (32 cells a step): past step 26 the checkpoint at step 24 is written in epoch 1
         steps = run / "steps.jsonl"

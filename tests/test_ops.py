@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cellfeed_testing.procs import stop_asked_while_held
-from tests.conftest import wait_for
+from tests.conftest import own_rank_server, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = 1000
@@ -57,7 +57,10 @@ def test_the_readmes_stop_and_resume_then_status_report_and_tensorboard(tmp_path
     first = ["local", "--run", "first", "--epochs", "3", "--dataset", "ds", "--batch-size", "16", "--max-genes", "24"]
     first += ["--checkpoint-every", "10", "--audit-cells", "--quiet"]
     run = tmp_path / "runs" / "first"
-    proc = subprocess.Popen([CF, *first], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    own = own_rank_server()  # its ranks below it, where the test holds them
+    proc = subprocess.Popen(
+        [CF, *first], cwd=tmp_path, env=own, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
 
         def status(*json_flag: str) -> subprocess.CompletedProcess:

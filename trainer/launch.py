@@ -18,6 +18,12 @@ socket closes), and its ranks die with it (each has the server's death as its SI
 launcher killed outright leaves no rank behind. A launcher whose server died reports its ranks as
 killed.
 
+A *shared* server (`python -m trainer.launch --listen PATH`, named to launchers by
+`CELLFEED_RANK_SERVER=PATH`) serves every launch on the machine that names it, torch imported once
+for all: a sweep of short campaigns, the test suite (~3 CPU-s a campaign saved). Each launcher is
+one connection and its ranks are its own; a launcher gone (its connection closed) has its ranks
+SIGKILLed. The ranks are the shared server's children, not the launcher's.
+
 What the server read from the environment when it started stays: torch's import-time settings
 (`TORCH_*` logging and compile settings), `sys.path`. A rank gets its launch's environment,
 working directory, stdout and stderr; CUDA and NCCL read theirs in the rank.
@@ -25,6 +31,7 @@ working directory, stdout and stderr; CUDA and NCCL read theirs in the rank.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import select
@@ -43,6 +50,7 @@ from trainer.config import STOP_SIGNAL, TrainConfig
 START_TIMEOUT_S = 120.0  # the first start waits for the server's imports (seconds; minutes on a loaded machine)
 REAP_EVERY_S = 0.05  # how often the server looks for ranks that ended
 MAX_MESSAGE = 1 << 20  # a start request carries the rank's environment
+RANK_SERVER_ENV = "CELLFEED_RANK_SERVER"  # a shared server's socket (`--listen PATH`), used by every launch here
 
 
 def launch(
@@ -120,19 +128,32 @@ class Rank:
 class RankServer:
     """The launcher's end of a rank server (see the module's docstring)."""
 
-    def __init__(self):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with theirs:
-            # its own session: a signal to the launcher's process group (a terminal's Ctrl-C, a
-            # SIGTERM) is the launcher's to act on. OMP_NUM_THREADS is read when torch loads
-            # OpenMP: in the server, before any rank exists
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer.launch"],
-                stdin=theirs,
-                env=dict(os.environ, OMP_NUM_THREADS="1"),
-                start_new_session=True,
-            )
-        self.sock = ours
+    def __init__(self, address: str | None = None):
+        """A server of this launcher's own, or with `address`, the shared one listening there."""
+        self.proc: subprocess.Popen | None = None
+        if address:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                self.sock.connect(address)
+            except OSError as exc:
+                self.sock.close()
+                raise CellfeedError(
+                    f"{RANK_SERVER_ENV}={address}: no rank server answers there ({exc.strerror}); start one "
+                    f"(python -m trainer.launch --listen {address}) or unset {RANK_SERVER_ENV}"
+                ) from None
+        else:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            with theirs:
+                # its own session: a signal to the launcher's process group (a terminal's Ctrl-C, a
+                # SIGTERM) is the launcher's to act on. OMP_NUM_THREADS is read when torch loads
+                # OpenMP: in the server, before any rank exists
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "trainer.launch"],
+                    stdin=theirs,
+                    env=dict(os.environ, OMP_NUM_THREADS="1"),
+                    start_new_session=True,
+                )
+            self.sock = ours
         self.changed = threading.Condition()  # a rank started or ended, or the server ended
         self.ranks: dict[int, Rank] = {}
         self.started: list[Rank] = []
@@ -154,11 +175,11 @@ class RankServer:
                 if not self.changed.wait_for(lambda: self.started or self.ended, START_TIMEOUT_S):
                     raise CellfeedError(f"the rank server started no rank within {START_TIMEOUT_S:.0f}s")
                 if not self.started:
-                    raise CellfeedError(f"the rank server ended (exit code {self.proc.poll()}) before a rank started")
+                    raise CellfeedError(f"the rank server ended ({self._how()}) before a rank started")
                 answered = True
                 return self.started.pop()
             except OSError:
-                raise CellfeedError(f"the rank server has ended (exit code {self.proc.poll()})") from None
+                raise CellfeedError(f"the rank server has ended ({self._how()})") from None
             finally:
                 if not answered:
                     self.end()
@@ -172,8 +193,15 @@ class RankServer:
                     pass  # the server has gone, and its ranks with it (their death signal): `_read` reports them
 
     def end(self) -> None:
-        """Kill the server; its ranks die with it (each has the server's death as its own SIGKILL)."""
-        self.proc.kill()
+        """Kill the server; its ranks die with it (each has the server's death as its own SIGKILL). A
+        shared server is left running: hanging up is enough, it kills the ranks of a launcher gone."""
+        if self.proc is not None:
+            self.proc.kill()
+        else:
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _how(self) -> str:
+        return f"exit code {self.proc.poll()}" if self.proc is not None else "the shared server hung up"
 
     def _read(self) -> None:
         while True:
@@ -183,7 +211,8 @@ class RankServer:
                 message = b""
             if not message:  # the server ended (killed with its container, or a bug): so did its ranks
                 try:
-                    self.proc.wait(timeout=30)
+                    if self.proc is not None:
+                        self.proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     pass
                 with self.changed:
@@ -208,19 +237,22 @@ _server_lock = threading.Lock()
 
 
 def rank_server() -> RankServer:
-    """This process's rank server, started on first use (or again, if it ended)."""
+    """This process's rank server, started on first use (or again, if it ended); the shared one
+    `RANK_SERVER_ENV` names, if it is set."""
     global _server
     with _server_lock:
         if _server is None or _server.ended:
-            _server = RankServer()
+            _server = RankServer(os.environ.get(RANK_SERVER_ENV) or None)
         return _server
 
 
 # ------------------------------------------------------------------ the server (python -m trainer.launch)
 
 
-def serve(sock: socket.socket) -> None:
-    """Import the rank's code once, then fork a rank per request and report each one's exit."""
+def serve(launcher: socket.socket | None = None, listener: socket.socket | None = None) -> None:
+    """Import the rank's code once, then fork a rank per request and report each one's exit to the
+    launcher that asked: the one on this process's stdin, or each one that connects to `listener`
+    (a shared server). A launcher gone takes its ranks with it (SIGKILL); the stdin's takes the server."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the launcher's; this ends with it
     # STOP_SIGNAL is held (blocked) here, so in every rank from its first instruction until `train`
     # sets its handler: a stop asked that early waits instead of killing the rank
@@ -230,41 +262,60 @@ def serve(sock: socket.socket) -> None:
 
     import trainer.train  # noqa: F401
 
-    running: set[int] = set()
+    running: dict[socket.socket, set[int]] = {launcher: set()} if launcher else {}  # each launcher's ranks
+    gone: set[int] = set()  # ranks of launchers that have gone: killed, to be reaped
     server = os.getpid()
 
-    def send(event: dict) -> None:
-        try:
-            sock.send(json.dumps(event).encode())
-        except OSError:
-            pass  # the launcher has gone: the next read ends this loop
+    def reaped(pid: int) -> int | None:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        return os.waitstatus_to_exitcode(status) if done else None
 
     while True:
-        for pid in list(running):  # reap only our own ranks, by pid
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                running.discard(pid)
-                send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
-        if not select.select([sock], [], [], REAP_EVERY_S)[0]:
-            continue
-        try:
-            message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
-        except OSError:
-            message, fds = b"", []
-        if not message or _hung_up(sock):
-            return  # the launcher has gone (a start it queued is not served): the ranks die with this process
-        request = json.loads(message)
-        if "signal" in request:
-            if request["pid"] in running:  # not reaped, so still this rank (running, or a zombie)
-                os.kill(request["pid"], request["signal"])
-            continue
-        pid = os.fork()
-        if pid == 0:
-            _be_a_rank(sock, fds, request, server)  # never returns
-        for fd in fds:
-            os.close(fd)
-        running.add(pid)
-        send({"started": pid})
+        for sock, pids in running.items():  # reap only our own ranks, by pid
+            for pid in list(pids):
+                if (code := reaped(pid)) is not None:
+                    pids.discard(pid)
+                    _send(sock, {"exited": pid, "code": code})
+        gone = {pid for pid in gone if reaped(pid) is None}
+        listening = [listener] if listener else []
+        for sock in select.select([*running, *listening], [], [], REAP_EVERY_S)[0]:
+            if sock is listener:
+                running[listener.accept()[0]] = set()
+                continue
+            try:
+                message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+            except OSError:
+                message, fds = b"", []
+            if not message or _hung_up(sock):  # the launcher has gone (a start it queued is not served)
+                for fd in fds:
+                    os.close(fd)
+                pids = running.pop(sock)
+                sock.close()
+                if listener is None:
+                    return  # its ranks die with this process
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)  # not reaped yet: still this launcher's rank
+                gone |= pids
+                continue
+            request = json.loads(message)
+            if "signal" in request:
+                if request["pid"] in running[sock]:  # not reaped, so still this rank (running, or a zombie)
+                    os.kill(request["pid"], request["signal"])
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _be_a_rank([*running, *listening], fds, request, server)  # never returns
+            for fd in fds:
+                os.close(fd)
+            running[sock].add(pid)
+            _send(sock, {"started": pid})
+
+
+def _send(sock: socket.socket, event: dict) -> None:
+    try:
+        sock.send(json.dumps(event).encode())
+    except OSError:
+        pass  # the launcher has gone: the next read drops it
 
 
 def _hung_up(sock: socket.socket) -> bool:
@@ -274,7 +325,7 @@ def _hung_up(sock: socket.socket) -> bool:
     return any(events & (select.POLLHUP | select.POLLRDHUP) for _, events in poller.poll(0))
 
 
-def _be_a_rank(sock: socket.socket, fds: list[int], request: dict, server: int) -> None:
+def _be_a_rank(socks: list[socket.socket], fds: list[int], request: dict, server: int) -> None:
     """(in the forked child) Become `python -m trainer.train ARGV` with the request's environment
     and output, in a session of its own (a terminal's Ctrl-C reaches the launcher, which stops the
     ranks: no tracebacks from every rank), and SIGKILLed if the server dies (it dies with its
@@ -284,7 +335,8 @@ def _be_a_rank(sock: socket.socket, fds: list[int], request: dict, server: int) 
         die_with_parent()
         if os.getppid() != server:  # the server died before the line above
             os._exit(1)
-        sock.close()
+        for sock in socks:
+            sock.close()
         os.setsid()
         devnull = os.open(os.devnull, os.O_RDONLY)  # no stdin (the server's was its socket)
         os.dup2(devnull, 0)
@@ -372,5 +424,24 @@ def checkpoint_and_stop(procs: list[Rank], timeout: float) -> list[int | None]:
     return codes
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="A rank server. Started by a launcher, it serves that launcher on its stdin and ends with it; "
+        f"with --listen, every launcher on this machine whose {RANK_SERVER_ENV} names PATH (a sweep of short "
+        "campaigns, a test suite: torch imported once for all of them), until it is killed or its parent ends."
+    )
+    parser.add_argument("--listen", metavar="PATH", help="serve launchers connecting to this Unix socket")
+    args = parser.parse_args()
+    if args.listen is None:
+        serve(launcher=socket.socket(fileno=0))  # the launcher's socket is this process's stdin
+        return
+    die_with_parent()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(args.listen)
+    listener.listen()
+    print(f"rank server listening at {args.listen}", flush=True)  # (before its imports: starts queue until then)
+    serve(listener=listener)
+
+
 if __name__ == "__main__":
-    serve(socket.socket(fileno=0))  # the launcher's socket is this process's stdin
+    main()

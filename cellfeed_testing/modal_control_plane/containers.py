@@ -35,6 +35,8 @@ from pathlib import Path
 
 from modal_proto import api_pb2
 
+from trainer.launch import RANK_SERVER_ENV
+
 log = logging.getLogger("cellfeed.modal_control_plane")
 TASK_HEADER = "x-cellfeed-task-id"
 STOP_GRACE_S = 5.0  # SIGINT, then this long, then SIGKILL (when the plane or an app stops)
@@ -182,7 +184,8 @@ class Containers:
             (fs_root / f"{FAULT_MODULE}.py").write_text('raise RuntimeError("injected fault")\n')
             args.function_def.module_name = FAULT_MODULE
         (folder / "container_arguments.bin").write_bytes(args.SerializeToString())
-        base = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}
+        # a container is another machine: no laptop's Modal settings, and no laptop's shared rank server
+        base = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_") and k != RANK_SERVER_ENV}
         python_path = [str(fs_root)] + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else [])
         if args.function_def.i6pn_enabled or args.function_def._experimental_group_size:  # K2
             resolver = folder / "i6pn"
