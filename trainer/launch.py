@@ -260,6 +260,8 @@ def serve(launcher: socket.socket | None = None, listener: socket.socket | None 
     import torch  # noqa: F401 - the point of this process: imported once, shared by every rank it forks
     import torch._dynamo  # noqa: F401 - DDP's constructor and the optimizer import it
 
+    import coordination.local_client  # noqa: F401 - each rank's queue client (a local campaign's)
+    import coordination.scalars  # noqa: F401 - rank 0's TensorBoard writer (~0.5 CPU-s: TensorFlow's stub)
     import trainer.train  # noqa: F401
 
     running: dict[socket.socket, set[int]] = {launcher: set()} if launcher else {}  # each launcher's ranks
