@@ -47,9 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._checks import check_figures, fail  # noqa: E402
-from cellfeed_testing.procs import children  # noqa: E402
+from cellfeed_testing.procs import children, own_rank_server  # noqa: E402
 from coordination.driver import LEASE_S  # noqa: E402
-from trainer.launch import RANK_SERVER_ENV  # noqa: E402
 
 KINDS = ("kill", "stall", "pause")
 PRODUCERS, GPUS, BATCH = 3, 2, 16  # the campaign's
@@ -170,8 +169,9 @@ def run_campaign(
     ]
     start = time.monotonic()
     # its own rank server, below it, where a pause finds the ranks (not a shared one: trainer/launch.py)
-    env = {k: v for k, v in os.environ.items() if k != RANK_SERVER_ENV}
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=own_rank_server(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     done: list = []
     threads: list[threading.Thread] = []
     lock = threading.Lock()

@@ -23,6 +23,15 @@ import time
 from pathlib import Path
 
 
+def own_rank_server(env=os.environ) -> dict:
+    """`env` without the shared rank server (`trainer.launch.RANK_SERVER_ENV`): a campaign started
+    with it forks its ranks below its own process, where `children`, `trainer_ranks` and
+    `ranks_held` look (a shared server's ranks are its children, not the campaign's)."""
+    from trainer.launch import RANK_SERVER_ENV
+
+    return {k: v for k, v in env.items() if k != RANK_SERVER_ENV}
+
+
 def children(pid: int) -> list[tuple[int, list[str]]]:
     """The processes `pid` started that are still there, with their command lines. A child's pid
     stays its own until `pid` reaps it."""

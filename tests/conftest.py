@@ -50,7 +50,7 @@ def shared_rank_server(tmp_path_factory):
     """One rank server for every campaign this test process launches, in it or in the processes it
     starts (`CELLFEED_RANK_SERVER`, trainer/launch.py): torch is imported once per xdist worker, not
     once per campaign (~3 CPU-s each, ~40 campaigns). A test that looks for the ranks below its
-    campaign's process starts it with `own_rank_server()`'s environment; Modal containers never
+    campaign's process starts it with `cellfeed_testing.procs.own_rank_server()`; Modal containers never
     see it (the control plane's containers are other machines)."""
     import subprocess
     import sys
@@ -72,14 +72,6 @@ def shared_rank_server(tmp_path_factory):
         os.environ.pop(RANK_SERVER_ENV, None)
         server.kill()
         server.wait(timeout=30)
-
-
-def own_rank_server() -> dict:
-    """This process's environment without the shared rank server: a campaign started with it forks
-    its ranks below its own process, where a test that signals or counts them looks."""
-    from trainer.launch import RANK_SERVER_ENV
-
-    return {k: v for k, v in os.environ.items() if k != RANK_SERVER_ENV}
 
 
 @contextlib.contextmanager

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from benchmarks.chaos import trained_per_epoch
-from cellfeed_testing.procs import children, cmdline, descendants
-from tests.conftest import PBMC, own_rank_server, wait_for
+from cellfeed_testing.procs import children, cmdline, descendants, own_rank_server
+from tests.conftest import PBMC, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = "plate = 'plate14'"

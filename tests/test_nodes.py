@@ -15,8 +15,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from cellfeed_testing.procs import descendants
-from tests.conftest import own_rank_server, wait_for
+from cellfeed_testing.procs import descendants, own_rank_server
+from tests.conftest import wait_for
 from tests.test_local_campaign import counts_atlas  # noqa: F401 - the fixture
 
 ROOT = Path(__file__).resolve().parents[1]

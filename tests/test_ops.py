@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from cellfeed_testing.procs import stop_asked_while_held
-from tests.conftest import own_rank_server, wait_for
+from cellfeed_testing.procs import own_rank_server, stop_asked_while_held
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = 1000

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from modal_proto import api_pb2
 
-from trainer.launch import RANK_SERVER_ENV
+from cellfeed_testing.procs import own_rank_server
 
 log = logging.getLogger("cellfeed.modal_control_plane")
 TASK_HEADER = "x-cellfeed-task-id"
@@ -185,7 +185,7 @@ class Containers:
             args.function_def.module_name = FAULT_MODULE
         (folder / "container_arguments.bin").write_bytes(args.SerializeToString())
         # a container is another machine: no laptop's Modal settings, and no laptop's shared rank server
-        base = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_") and k != RANK_SERVER_ENV}
+        base = {k: v for k, v in own_rank_server().items() if not k.startswith("MODAL_")}
         python_path = [str(fs_root)] + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else [])
         if args.function_def.i6pn_enabled or args.function_def._experimental_group_size:  # K2
             resolver = folder / "i6pn"
