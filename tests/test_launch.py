@@ -13,7 +13,7 @@ import pytest
 from coordination.errors import CellfeedError
 from tests.conftest import wait_for
 from trainer.config import STOP_SIGNAL
-from trainer.launch import RankServer
+from trainer.launch import Rank, RankServer
 
 
 def _status(pid: int) -> dict[str, str]:
@@ -151,7 +151,7 @@ def test_a_shared_server_serves_each_launcher_its_own_ranks_and_kills_those_of_a
     their_rank = int(other.stdout.readline())
     wait_for(lambda: _session(rank.pid) == rank.pid and _session(their_rank) == their_rank, "both ranks to run")
     assert their_rank not in mine.ranks  # each launcher hears of its own ranks only
-    mine.signal(type(rank)(mine, their_rank), signal.SIGKILL)  # a pid not ours: the server ignores it
+    mine.signal(Rank(mine, their_rank), signal.SIGKILL)  # a pid not ours: the server ignores it
     missing = mine.start(["--config", str(tmp_path / "missing.json")], dict(os.environ), 1, 2)  # (after the signal)
     assert missing.wait(timeout=60) == 1 and _alive(their_rank)
     other.kill()

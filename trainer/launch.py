@@ -266,6 +266,7 @@ def serve(launcher: socket.socket | None = None, listener: socket.socket | None 
 
     running: dict[socket.socket, set[int]] = {launcher: set()} if launcher else {}  # each launcher's ranks
     gone: set[int] = set()  # ranks of launchers that have gone: killed, to be reaped
+    listening = [listener] if listener else []
     server = os.getpid()
 
     def reaped(pid: int) -> int | None:
@@ -279,7 +280,6 @@ def serve(launcher: socket.socket | None = None, listener: socket.socket | None 
                     pids.discard(pid)
                     _send(sock, {"exited": pid, "code": code})
         gone = {pid for pid in gone if reaped(pid) is None}
-        listening = [listener] if listener else []
         for sock in select.select([*running, *listening], [], [], REAP_EVERY_S)[0]:
             if sock is listener:
                 running[listener.accept()[0]] = set()
