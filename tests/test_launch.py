@@ -72,7 +72,7 @@ def test_a_fresh_rank_holds_the_stop_signal_in_its_own_session_and_a_dead_server
 def _alive(pid: int) -> bool:
     try:
         return _status(pid)["State"][0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone: before the open, or reaped between open and read
         return False
 
 
