@@ -172,9 +172,9 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     from trainer.launch import checkpoint_and_stop, launch, rank_server
 
     started = time.monotonic()
-    rank_server()  # it imports torch while the campaign is set up, not inside the preemption-held launch
     here = cluster() if config.get("nodes", 1) > 1 else None  # `--nodes`: this container's place in the cluster
     if here is not None and here.rank > 0:  # another node's container: its ranks join container 0's world
+        rank_server()  # it imports torch while container 0 sets up
         commit = lambda: retrying(checkpoints.commit, "committing the checkpoints Volume", 60.0)  # noqa: E731
         return node_body(config, here, config["gpus"], config["nodes"], commit, PREEMPT_SAVE_S)
     cfg, facts = unpacked(config), SetupFacts.of(facts)
@@ -185,6 +185,7 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     if other is not None:  # a second train of this run (a spawn made again, or a --resume while it runs)
         print(f"run {cfg.run} is already being trained by call {other}: this call ({me}) does nothing", flush=True)
         return {"duplicate_of": other}
+    rank_server()  # it imports torch while the campaign is set up, not inside the preemption-held launch
     ensure_setup(cfg, config, facts, queue, store)
     latest = checkpoint.latest(cfg.run_checkpoint_dir)
     if latest is not None and not cfg.resume:  # a re-run of this input (preemption) or a continuation
