@@ -260,7 +260,7 @@ SLOW_FIRST = [
     "test_benchmarks.py::test_object_store",
     "test_benchmarks.py::test_convert",
     "test_benchmarks.py::test_corpus",
-    "test_modal_control_plane.py::test_a_campaign_through_modal_run_on_the_control_plane_trains_every_cell_once",
+    "test_modal_campaign.py::test_a_campaign_through_the_planes_own_run_command_trains_every_cell_once",
     "test_readme.py::test_the_corpus_example_trains",
     "test_benchmarks.py::test_randomness",
     "test_local_campaign.py::test_ctrl_c_stops_every_child_once_gracefully_twice_at_once",

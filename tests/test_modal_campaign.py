@@ -386,6 +386,30 @@ def test_a_producer_that_keeps_failing_stops_the_run_in_one_line_and_its_printed
         assert compiled_by_setup(plane)  # (no held-out set: on a few cells of each source)
 
 
+def test_a_campaign_through_the_planes_own_run_command_trains_every_cell_once(atlas, tmp_path, kernel_volume):
+    """The product's own `modal run app/modal_app.py` served by the plane's own command-line tool,
+    as a user runs it (`python -m cellfeed_testing.modal_control_plane run ... -- CMD`: its default
+    Secret and mounts, and the kernels Volume kept across planes with `--lasting-volume`): setup, a
+    producer, a train, Queue, Dict and the checkpoints Volume, every cell once."""
+    kernels = f"cellfeed-kernels={kernel_volume['cellfeed-kernels']}"
+    args = flags(atlas, producers=1, gpus=1, batch_size=64, epochs=1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "cellfeed_testing.modal_control_plane", "run", "--root", str(tmp_path / "root"),
+         "--lasting-volume", kernels, "--", sys.executable, "-m", "modal", "run", "app/modal_app.py", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=CAMPAIGN_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [x for x in proc.stdout.splitlines() if x.strip()]
+    # the campaign's verdict is the last line, after modal's own "App completed" and the containers' last logs
+    assert any(x.startswith("✓ App completed.") for x in lines), lines[-5:]
+    assert lines[-1] == "complete: 1 epoch, 1,344 cells, every epoch trained exactly once (audited)", lines[-5:]
+    # the step log is on the Volume's committed folder (train committed it)
+    assert list((tmp_path / "root" / "volumes").glob(f"*/{RUN}/steps.jsonl"))
+    # the kernels Volume lasted past the plane (--lasting-volume): the run's compiled pass is there for the next
+    assert list((kernel_volume["cellfeed-kernels"] / RUN / "producers").glob("token_kernel._tokenize-*.nbi"))
+
+
 EXPIRY_CLIENT = """
 import json, sys
 from dataclasses import asdict

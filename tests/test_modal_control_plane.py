@@ -659,6 +659,23 @@ def test_run_serves_modal_run_and_exits_with_its_status(probe, tmp_path, transpo
     assert failing.returncode == 3, failing.stderr[-4000:]
 
 
+@pytest.mark.parametrize(
+    "flag, spec, why",
+    [
+        ("--lasting-volume", "cellfeed-kernels", "expected NAME=FOLDER"),
+        ("--mount-env", "data=DATA_DIR", "expected /MOUNT/PATH=VARIABLE"),
+        ("--secret", "cp=CP_NOT_SET_ANYWHERE", "not in this environment: CP_NOT_SET_ANYWHERE"),
+    ],
+)
+def test_run_refuses_a_malformed_option_in_one_line_before_starting_a_plane(flag, spec, why, tmp_path):
+    from cellfeed_testing.modal_control_plane.__main__ import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["run", "--root", str(tmp_path / "root"), flag, spec, "--", "true"])
+    assert str(refused.value) == f"{flag} {spec}: {why}"
+    assert not (tmp_path / "root").exists()  # nothing was started
+
+
 def test_run_stops_the_containers_its_command_left_running(probe, tmp_path):
     # the command leaves without disconnecting its app (os._exit): its container runs on until the plane stops
     pid_file = tmp_path / "pids"
@@ -705,32 +722,6 @@ def test_with_options_variants_keep_what_they_do_not_set_and_more_than_8_gpus_is
     ]
     assert (variant.resources.gpu_config.count, variant.timeout_secs) == (2, 30)
     assert variant.retry_policy.retries == base.retry_policy.retries == 2  # kept from the base (S25)
-
-
-def test_a_campaign_through_modal_run_on_the_control_plane_trains_every_cell_once(tmp_path):
-    """The product's own `modal run app/modal_app.py`, modal's CLI and client, containers running
-    modal's entrypoint: setup, a producer, a train, Queue, Dict and the checkpoints Volume, served by
-    the plane's own `run -- CMD` (as a user runs it)."""
-    from producers.synth import SynthSpec, synthesize
-
-    atlas = synthesize(
-        str(tmp_path / "atlas"),
-        SynthSpec(n_cells=1500, n_genes=2000, median_nnz=300, seed=3),
-        rows_per_fragment=200_000,
-        progress=False,
-    )
-    args = ["--dataset", atlas.uri, "--run", "cp", "--producers", "1", "--gpus", "1", "--batch-size", "64",
-            "--max-genes", "32", "--preset", "tiny", "--epochs", "1", "--warmup-steps", "2", "--checkpoint-every", "4",
-            "--eval-filter", "plate = 'plate14'", "--eval-cells", "64", "--eval-every", "10", "--strategy", "block",
-            "--block-size", "16", "--fetch-factor", "2"]  # fmt: skip
-    proc = run_command(["--", sys.executable, "-m", "modal", "run", "app/modal_app.py", *args], REPO, tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [x for x in proc.stdout.splitlines() if x.strip()]
-    # the campaign's verdict is the last line, after modal's own "App completed" and the containers' last logs
-    assert any(x.startswith("✓ App completed.") for x in lines), lines[-5:]
-    assert lines[-1] == "complete: 1 epoch, 1,344 cells, every epoch trained exactly once (audited)", lines[-5:]
-    # the step log is on the Volume's committed folder (train committed it)
-    assert list((tmp_path / "root" / "volumes").glob("*/cp/steps.jsonl"))
 
 
 def test_a_preempted_input_is_interrupted_and_runs_again_not_counted_as_a_retry(plane, probe, tmp_path):

@@ -13,6 +13,8 @@ Defaults a local campaign can use: a Secret named $CELLFEED_SECRET (default `cel
 whichever of AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL and AWS_REGION this
 environment has (app/modal_app.py: SECRET_NAME), and the app's Volumes (`/checkpoints`, `/kernels`) told
 to containers as `app/modal_app.py: MOUNT_ENV` names them. `--secret` and `--mount-env` replace them.
+`--lasting-volume NAME=FOLDER` keeps a named Volume in FOLDER across planes, as a workspace keeps it across
+runs (V9): `--lasting-volume cellfeed-kernels=~/.cellfeed/kernels` compiles the token pass once, not per plane.
 """
 
 from __future__ import annotations
@@ -69,12 +71,23 @@ def _mount_env(specs: list[str] | None) -> dict[str, str]:
     return out
 
 
+def _lasting(specs: list[str] | None) -> dict[str, str]:
+    out = {}
+    for spec in specs or []:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not folder:
+            raise SystemExit(f"--lasting-volume {spec}: expected NAME=FOLDER")
+        out[name] = os.path.expanduser(folder)
+    return out
+
+
 def _plane(args) -> ControlPlane:
     return ControlPlane(
         args.root,
         transport="unix" if args.unix else "tcp",
         secrets=_secrets(args.secret),
         mount_env=_mount_env(args.mount_env),
+        lasting_volumes=_lasting(args.lasting_volume),
     )
 
 
@@ -131,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--unix", action="store_true", help="listen on a unix socket instead of 127.0.0.1")
         p.add_argument("--secret", action="append", metavar="NAME=VAR,VAR", help="a Secret from this environment")
         p.add_argument("--mount-env", action="append", metavar="/PATH=VAR", help="tell containers a mount's folder")
+        p.add_argument(
+            "--lasting-volume",
+            action="append",
+            metavar="NAME=FOLDER",
+            help="a named Volume kept in FOLDER across planes",
+        )
         if name == "run":
             p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     args = parser.parse_args(argv)
