@@ -60,7 +60,6 @@ def shared_rank_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("ranks") / "server.sock"
     server = subprocess.Popen(
         [sys.executable, "-m", "trainer.launch", "--listen", str(path)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -169,3 +169,35 @@ def test_a_shared_server_serves_each_launcher_its_own_ranks_and_kills_those_of_a
 def test_a_shared_server_that_is_not_there_is_one_clear_error(tmp_path):
     with pytest.raises(CellfeedError, match=r"CELLFEED_RANK_SERVER=.*nothing: no rank server answers there.*--listen"):
         RankServer(str(tmp_path / "nothing"))
+
+
+def test_a_server_started_without_omp_num_threads_gives_its_ranks_one_thread(tmp_path):
+    """OpenMP reads OMP_NUM_THREADS once, as torch loads it in the server: a rank forked after that
+    keeps the server's count whatever its own environment says. A shared server started from a shell
+    that set nothing (here: a rank that reports torch's thread count instead of training) still gives
+    each rank one thread, not one per core."""
+    import subprocess
+    import sys
+
+    path, report = tmp_path / "server.sock", tmp_path / "threads.txt"
+    code = (
+        "import os, sys; import trainer.launch as launch\n"
+        "def report(socks, fds, request, server):\n"
+        "    import torch\n"
+        "    os.write(fds[0], str(torch.get_num_threads()).encode()); os._exit(0)\n"
+        "launch._be_a_rank = report\n"
+        f"sys.argv = ['trainer.launch', '--listen', {str(path)!r}]; launch.main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    server = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().startswith("rank server listening")
+        launcher = RankServer(str(path))
+        with open(report, "w") as out:
+            rank = launcher.start([], dict(env), out.fileno(), out.fileno())
+        assert rank.wait(timeout=120) == 0
+        launcher.end()
+        assert report.read_text() == "1"
+    finally:
+        server.kill()
+        server.wait(timeout=30)

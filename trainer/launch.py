@@ -145,13 +145,9 @@ class RankServer:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             with theirs:
                 # its own session: a signal to the launcher's process group (a terminal's Ctrl-C, a
-                # SIGTERM) is the launcher's to act on. OMP_NUM_THREADS is read when torch loads
-                # OpenMP: in the server, before any rank exists
+                # SIGTERM) is the launcher's to act on
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "trainer.launch"],
-                    stdin=theirs,
-                    env=dict(os.environ, OMP_NUM_THREADS="1"),
-                    start_new_session=True,
+                    [sys.executable, "-m", "trainer.launch"], stdin=theirs, start_new_session=True
                 )
             self.sock = ours
         self.changed = threading.Condition()  # a rank started or ended, or the server ended
@@ -257,6 +253,9 @@ def serve(launcher: socket.socket | None = None, listener: socket.socket | None 
     # STOP_SIGNAL is held (blocked) here, so in every rank from its first instruction until `train`
     # sets its handler: a stop asked that early waits instead of killing the rank
     signal.pthread_sigmask(signal.SIG_BLOCK, {STOP_SIGNAL})
+    # one OpenMP thread a rank: OpenMP reads this as torch loads it, here, so a rank's own setting (launch()'s)
+    # comes too late in a forked rank; whoever started this server (a launcher, a shell's --listen) need not set it
+    os.environ["OMP_NUM_THREADS"] = "1"
     import torch  # noqa: F401 - the point of this process: imported once, shared by every rank it forks
     import torch._dynamo  # noqa: F401 - DDP's constructor and the optimizer import it
 
