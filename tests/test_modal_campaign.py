@@ -88,9 +88,14 @@ def control_plane(tmp_path: Path, lasting: dict | None = None):
         yield plane
 
 
+def laptop_env() -> dict:
+    """This environment without any Modal setting of its own."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}
+
+
 def client_env(plane: ControlPlane) -> dict:
-    """This environment without any Modal setting of its own, and the plane's."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}, **plane.env}
+    """`laptop_env()` and the plane's settings."""
+    return {**laptop_env(), **plane.env}
 
 
 class ModalRun:
@@ -396,11 +401,10 @@ def test_a_campaign_through_the_planes_own_run_command_trains_every_cell_once(at
     compiled = lambda folder: list(folder.glob(f"{RUN}/producers/token_kernel._tokenize-*.nbi"))  # noqa: E731
     published_before, started = compiled(kernel_volume["cellfeed-kernels"]), time.time()
     args = flags(atlas, producers=1, gpus=1, batch_size=64, epochs=1)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}
     proc = subprocess.run(
         [sys.executable, "-m", "cellfeed_testing.modal_control_plane", "run", "--root", str(tmp_path / "root"),
          "--lasting-volume", kernels, "--", sys.executable, "-m", "modal", "run", "app/modal_app.py", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=CAMPAIGN_S,
+        cwd=ROOT, env=laptop_env(), capture_output=True, text=True, timeout=CAMPAIGN_S,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if x.strip()]
