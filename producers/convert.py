@@ -32,7 +32,7 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 
 import lance
 import numpy as np
@@ -45,6 +45,7 @@ from coordination.net import die_with_parent, forkserver
 from producers import CONVERT_WORKER_MODULES
 from producers.dataset import LANCE_FILE_VERSION, TABLES, Dataset, expression_schema
 from producers.h5ad import align_genes, arrow_frame, obs_frame, open_source
+from producers.heap import keep_freed_memory
 from producers.slices import RECORDS, ConvertPlan, scan_slice, slice_record, write_slice
 from producers.storage import LocalLocation, Location, S3Settings, location
 from producers.writer import CONTENT_BLOCK_CELLS, ROWS_PER_FRAGMENT, ContentHash, finish_dataset, output_exists
@@ -259,7 +260,7 @@ def run_slices(task, plan: ConvertPlan, indexes: list[int], args: tuple, workers
     try:
         pending = {pool.submit(task, plan_json, i, *args): i for i in indexes}
         while pending:
-            done, _ = wait(pending, return_when=FIRST_EXCEPTION)
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)  # (FIRST_EXCEPTION waits for all or a failure)
             for future in done:
                 i = pending.pop(future)
                 results[i] = future.result()  # a worker's error, raised here
@@ -297,6 +298,7 @@ def convert(
     `progress`: a bar on a terminal (True), none (False), or a line per slice ("lines");
     `on_published()`: called the moment the dataset is out (the command stops taking Ctrl-C there)."""
     run = runner or run_slices
+    keep_freed_memory()  # before the obs reader's thread: one worker's slices run here
     if workers > 1 and runner is None:  # its imports run beside the planning (the CLI starts it sooner still)
         forkserver(CONVERT_WORKER_MODULES)
     plan, sources, final = plan_conversion(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import json
 import resource
-import sys
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -17,30 +16,9 @@ from lance.fragment import write_fragments
 
 from producers.dataset import LANCE_FILE_VERSION, TABLES, expression_schema
 from producers.h5ad import Matrix
+from producers.heap import keep_freed_memory
 from producers.storage import Location, S3Settings, location
 from producers.writer import ContentHash
-
-_MALLOC_TUNED = False
-
-
-def keep_freed_memory() -> None:
-    """(once a process, Linux/glibc) Large arrays from the heap, and freed memory kept: a slice
-    allocates and frees the same ~100 MB chunk after chunk, and by default each is a fresh mmap whose
-    pages the kernel zeroes again (page faults: a third of a worker's CPU, measured as system time).
-    A worker's memory stays at its largest chunk's, which it is bounded by anyway."""
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED or not sys.platform.startswith("linux"):
-        return
-    _MALLOC_TUNED = True
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: allocations up to 1 GiB from the heap
-        libc.mallopt(-1, 1 << 31)  # M_TRIM_THRESHOLD: keep up to 2 GiB of freed heap
-    except (OSError, AttributeError):  # another libc: its defaults
-        pass
-
 
 RECORDS = "_convert"  # the staging area's slice records (removed at the commit)
 
