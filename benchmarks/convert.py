@@ -74,6 +74,8 @@ def convert_child(inp: str, out: str, workers: int) -> None:
     """(a child process) One conversion; prints its figures as JSON: the coordinator's own seconds
     (planning and the commit, which grow with the cell count but not with the workers), its peak
     RSS, and the largest peak RSS a worker reported."""
+    import producers.heap  # noqa: F401  (as `cellfeed convert` does, first)
+
     if workers > 1:  # as `cellfeed convert` does (app/cli.py), before its own imports
         from coordination.net import forkserver
         from producers import CONVERT_WORKER_MODULES
