@@ -26,6 +26,9 @@ slice that finished.
 
 from __future__ import annotations
 
+import producers.heap  # noqa: F401  (first, before Lance starts a thread: its docstring)
+
+# isort: split
 import hashlib
 import io
 import json
@@ -45,7 +48,6 @@ from coordination.net import die_with_parent, forkserver
 from producers import CONVERT_WORKER_MODULES
 from producers.dataset import LANCE_FILE_VERSION, TABLES, Dataset, expression_schema
 from producers.h5ad import align_genes, arrow_frame, obs_frame, open_source
-from producers.heap import keep_freed_memory
 from producers.slices import RECORDS, ConvertPlan, scan_slice, slice_record, write_slice
 from producers.storage import LocalLocation, Location, S3Settings, location
 from producers.writer import CONTENT_BLOCK_CELLS, ROWS_PER_FRAGMENT, ContentHash, finish_dataset, output_exists
@@ -298,7 +300,6 @@ def convert(
     `progress`: a bar on a terminal (True), none (False), or a line per slice ("lines");
     `on_published()`: called the moment the dataset is out (the command stops taking Ctrl-C there)."""
     run = runner or run_slices
-    keep_freed_memory()  # before the obs reader's thread: one worker's slices run here
     if workers > 1 and runner is None:  # its imports run beside the planning (the CLI starts it sooner still)
         forkserver(CONVERT_WORKER_MODULES)
     plan, sources, final = plan_conversion(

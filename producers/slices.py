@@ -5,6 +5,9 @@ process, a local worker process or a Modal container."""
 
 from __future__ import annotations
 
+import producers.heap  # noqa: F401  (first, before Lance starts a thread: its docstring)
+
+# isort: split
 import io
 import json
 import resource
@@ -16,7 +19,6 @@ from lance.fragment import write_fragments
 
 from producers.dataset import LANCE_FILE_VERSION, TABLES, expression_schema
 from producers.h5ad import Matrix
-from producers.heap import keep_freed_memory
 from producers.storage import Location, S3Settings, location
 from producers.writer import ContentHash
 
@@ -84,7 +86,6 @@ class ConvertPlan:
 
 def scan_slice(plan_json: str, index: int) -> list[dict]:
     """Per piece of the slice: are its values finite, integral, and their range."""
-    keep_freed_memory()
     plan = ConvertPlan.from_json(plan_json)
     out = []
     for f, start, stop in plan.slices()[index].pieces:
@@ -118,7 +119,6 @@ def write_slice(plan_json: str, index: int, value_type: str, settings: S3Setting
     {"cells", "bytes", "peak_rss_mb"} for the progress bar. Memory is one chunk of cells, not the
     slice. `settings`: the coordinator's S3 settings (a local worker's environment may be older than
     them); None: this process's environment (a Modal container: the app's Secret)."""
-    keep_freed_memory()
     plan = ConvertPlan.from_json(plan_json)
     piece_of = plan.slices()[index]
     staging = plan.staging_area(settings)

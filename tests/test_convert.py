@@ -380,6 +380,7 @@ def _heaps_after_a_thread_allocates(plan_json: str, index: int, report: str) -> 
     thread.join()
     libc = ctypes.CDLL("libc.so.6")
     libc.fopen.restype = ctypes.c_void_p
+    report = f"{report}.{index}"  # (a file a slice: the other worker may be writing its own)
     stream = libc.fopen(report.encode(), b"w")
     libc.malloc_info(0, ctypes.c_void_p(stream))
     libc.fclose(ctypes.c_void_p(stream))
@@ -390,7 +391,7 @@ def _heaps_after_a_thread_allocates(plan_json: str, index: int, report: str) -> 
 def test_a_conversion_workers_threads_share_one_heap(tmp_path):
     """A worker forked for slices has one heap (glibc arena) however many threads allocate in it: a
     thread's own arena maps each large chunk afresh, and the kernel zeroes its pages again (measured:
-    ~2 CPU-s more and twice the peak memory per worker, 300k cells). Without producers.heap first in
+    ~2 CPU-s more and 2.5x the peak memory per worker, 300k cells). Without producers.heap first in
     the forkserver's preload, the thread's allocation makes a second heap."""
     from types import SimpleNamespace
 
