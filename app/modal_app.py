@@ -93,12 +93,12 @@ PRODUCER_PIP = pinned(
 )
 TRAINER_PIP = pinned("torch", "numpy", "zstandard", "tqdm", "tensorboard")  # no Lance, no Polars
 
-producer_image = (
-    modal.Image.debian_slim(python_version="3.11").pip_install(*PRODUCER_PIP).add_local_python_source(*PACKAGES)
-)
-trainer_image = (
-    modal.Image.debian_slim(python_version="3.11").pip_install(*TRAINER_PIP).add_local_python_source(*PACKAGES)
-)
+_producer_base = modal.Image.debian_slim(python_version="3.11").pip_install(*PRODUCER_PIP)
+producer_image = _producer_base.add_local_python_source(*PACKAGES)
+_trainer_base = modal.Image.debian_slim(python_version="3.11").pip_install(*TRAINER_PIP)
+trainer_image = _trainer_base.add_local_python_source(*PACKAGES)
+# conversion containers: one heap from the start, before modal's client's threads (producers/heap.py says why)
+convert_image = _producer_base.env({"MALLOC_ARENA_MAX": "1"}).add_local_python_source(*PACKAGES)
 
 app = modal.App(APP_NAME)
 secret = modal.Secret.from_name(SECRET_NAME)
@@ -321,7 +321,7 @@ def train_8_nodes(config: dict, facts: dict) -> dict:
 
 TRAIN_ON = {1: train, 2: train_2_nodes, 4: train_4_nodes, 8: train_8_nodes}
 # `modal run app/modal_app.py::convert --inputs a.h5ad,b.h5ad --out s3://b/atlas`: app/modal_convert.py
-_convert_on = dict(image=producer_image, secrets=[secret], volumes={INPUTS: inputs_volume}, timeout=DAY)
+_convert_on = dict(image=convert_image, secrets=[secret], volumes={INPUTS: inputs_volume}, timeout=DAY)
 
 
 @app.function(**_convert_on, cpu=CONVERT_COORDINATOR_CPU, memory=CONVERT_COORDINATOR_MEMORY_MB)

@@ -11,8 +11,9 @@ started from then on share the main heap. It only holds for threads started afte
 Lance starts one, so it is imported before Lance: first in the workers' forkserver
 (`producers.CONVERT_WORKER_MODULES`), first in `cellfeed convert`, and first in the modules that
 convert (`producers/slices.py`, `producers/convert.py`). A process whose threads already run when it
-is imported (a Modal container: modal's client) keeps what they made. A process's memory stays at its
-largest chunk's, which bounds it anyway.
+is imported keeps the arenas they made: a Modal container, where modal's client starts first, gets
+`MALLOC_ARENA_MAX=1` from its image's ENV instead (`app/modal_app.py:convert_image`; glibc reads it at
+process start). A process's memory stays at its largest chunk's, which bounds it anyway.
 """
 
 from __future__ import annotations

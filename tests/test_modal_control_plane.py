@@ -345,6 +345,17 @@ def blocks(path: str) -> None:
 
 vol = modal.Volume.from_name("cp-vol", create_if_missing=True)
 secret = modal.Secret.from_name("cp-secret")
+env_image = (
+    modal.Image.debian_slim(python_version="3.11")
+    .env({"CP_SPACED": "a b=c", "CP_TOKEN": "from-the-image"})
+    .env({"CP_LATER": "1"})
+    .add_local_python_source("cp_probe")
+)
+
+
+@app.function(image=env_image, secrets=[secret], timeout=600)
+def env_of() -> dict:
+    return {k: os.environ.get(k) for k in ("CP_SPACED", "CP_TOKEN", "CP_LATER")}
 
 
 @app.function(image=image, volumes={"/data": vol}, secrets=[secret], timeout=600)
@@ -627,6 +638,22 @@ def test_a_secret_must_exist_and_its_variables_reach_only_the_containers_naming_
     )
     assert got["missing"] == "NotFoundError"
     assert "CP_TOKEN" not in got["unnamed"]["env"]
+
+
+def test_an_images_env_reaches_its_containers_and_a_secret_overrides_it(plane, probe):
+    """`Image.env` layers (quoted values, one layer over another) set their containers' variables; a
+    Secret's variable of the same name wins, as variables set when a container starts do."""
+    got = run_client(
+        plane,
+        """
+        import json
+        from cp_probe.app import app, env_of
+        with app.run():
+            print(json.dumps(env_of.remote()))
+        """,
+        cwd=probe,
+    )
+    assert got == {"CP_SPACED": "a b=c", "CP_TOKEN": "s3cr3t-value", "CP_LATER": "1"}
 
 
 # ---- one command: python -m cellfeed_testing.modal_control_plane run -- CMD ARGS...

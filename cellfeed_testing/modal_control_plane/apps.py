@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class Image:
     image_id: str
     definition: api_pb2.Image
     pip_packages: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # D3: its layers' ENV, which its containers start with
 
 
 @dataclass
@@ -90,6 +92,18 @@ def _pip_packages(image: api_pb2.Image) -> list[str]:
             words = cmd.split("pip install", 1)[1].split()
             out += [w.strip("'\"") for w in words if not w.startswith("-") and not w.startswith("$")]
     return out
+
+
+def _image_env(image: api_pb2.Image) -> dict[str, str]:
+    """The variables a layer's `ENV` commands set: `Image.env` writes `ENV KEY=<shlex-quoted value>`, one
+    command a variable (_image.py:3046-3048)."""
+    env = {}
+    for cmd in image.dockerfile_commands:
+        if cmd.startswith("ENV "):
+            for word in shlex.split(cmd[4:]):
+                key, _, value = word.partition("=")
+                env[key] = value
+    return env
 
 
 class AppRPCs:
@@ -222,11 +236,12 @@ class AppRPCs:
         key = hashlib.sha256(req.image.SerializeToString(deterministic=True)).hexdigest()[:20]
         image_id = "im-" + key  # D3: the same recipe is the same image
         if image_id not in self.images:
-            pips = _pip_packages(req.image)
-            for base in req.image.base_images:  # a layer inherits its base's packages
+            pips, env = _pip_packages(req.image), {}
+            for base in req.image.base_images:  # a layer inherits its base's packages and variables
                 if base.image_id in self.images:
                     pips = self.images[base.image_id].pip_packages + pips
-            self.images[image_id] = Image(image_id, req.image, pips)
+                    env.update(self.images[base.image_id].env)
+            self.images[image_id] = Image(image_id, req.image, pips, env | _image_env(req.image))
         v = sys.version_info
         metadata = api_pb2.ImageMetadata(
             python_version_info=f"{v.major}.{v.minor}.{v.micro}", image_builder_version=IMAGE_BUILDER_VERSION

@@ -154,7 +154,9 @@ class Servicer(ObjectRPCs, AppRPCs, CallRPCs, ClusterRPCs, VolumeRPCs, SecretRPC
             serialized_params=fn.serialized_params,
         )
         timeout_s = float(fn_def.timeout_secs) if fn_def.timeout_secs else None
-        env = self.secret_env(fn_def)
+        image = self.images.get(fn_def.image_id)
+        # the image's ENV, then its Secrets': a variable set when a container starts beats the image's
+        env = {**(image.env if image else {}), **self.secret_env(fn_def)}
         volumes, volume_env = self.mount_volumes(self.containers.folder_for(task_id), fn_def)
         env.update(volume_env)
         c = await self.containers.start(
