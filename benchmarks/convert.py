@@ -10,7 +10,8 @@ converts it with K = 1 and K = 2 workers (`producers/convert.py`: slices convert
 once), to local disk and to SeaweedFS through a proxy adding 100+-20 ms to every response, and
 times `cellfeed synth` of the same size. Each run is a process of its own: its coordinator's peak
 RSS is its own, and each worker reports its own. The K = 2 datasets must equal K = 1's (content
-hash, cells, rows). Prints a table and, last, one JSON line with `speedup_2_workers` (K = 2's
+hash, cells, rows). Prints a table, each K's phases (imports, plan, scan, write, commit) and, last,
+one JSON line with `speedup_2_workers` (K = 2's
 cells/s over K = 1's, local disk, same input, same run). Exits 1 (one line on stderr) when a step
 failed or a dataset does not hold every cell.
 """
@@ -72,8 +73,10 @@ def write_h5ad(path: Path, n_cells: int, n_genes: int, seed: int) -> int:
 
 def convert_child(inp: str, out: str, workers: int) -> None:
     """(a child process) One conversion; prints its figures as JSON: the coordinator's own seconds
-    (planning and the commit, which grow with the cell count but not with the workers), its peak
+    (planning and the commit, which grow with the cell count but not with the workers), each phase's
+    seconds (imports, plan, scan, write, commit: where K = 2 gains and where it does not), its peak
     RSS, and the largest peak RSS a worker reported."""
+    start = time.perf_counter()
     import producers.heap  # noqa: F401  (as `cellfeed convert` does, first)
 
     if workers > 1:  # as `cellfeed convert` does (app/cli.py), before its own imports
@@ -97,6 +100,9 @@ def convert_child(inp: str, out: str, workers: int) -> None:
 
     conv.plan_conversion = timed_step("plan", conv.plan_conversion)
     conv.commit = timed_step("commit", conv.commit)
+    run_slices = conv.run_slices  # the scan's and the write's slices, each phase timed whole
+    conv.run_slices = lambda task, *a: timed_step(task.__name__.split("_")[0], run_slices)(task, *a)
+    own["imports"] = time.perf_counter() - start
     ds = conv.convert([inp], out, workers=workers, progress=False, on_slice=lambda r: peaks.append(r["peak_rss_mb"]))
     print(
         json.dumps(
@@ -105,6 +111,7 @@ def convert_child(inp: str, out: str, workers: int) -> None:
                 "rows": ds.n_rows,
                 "content": ds.config["metadata"]["content_sha256"],
                 "coordinator_s": own["plan"] + own["commit"],
+                "phases": {k: round(own[k], 2) for k in ("imports", "plan", "scan", "write", "commit")},
                 "coordinator_rss_mb": peak_rss_mb(),
                 "worker_rss_mb": max(peaks),
             }
@@ -245,6 +252,8 @@ def main() -> None:
         "convert_seconds_rounds": [[round(r[k]["seconds"], 1) for k in (1, 2)] for r in rounds],
         "worker_cells_per_s": round(per_worker),
         "coordinator_s_per_million_cells": round(coordinator_per_cell * 1e6, 2),
+        "phase_seconds": {f"{k}_workers": runs[k]["phases"] for k in (1, 2)},  # each K's best run
+        "write_phase_speedup_2_workers": round(runs[1]["phases"]["write"] / runs[2]["phases"]["write"], 2),
         "convert_worker_peak_rss_mb": round(max(r["worker_rss_mb"] for r in runs.values())),
         "convert_coordinator_peak_rss_mb": round(max(r["coordinator_rss_mb"] for r in runs.values())),
         "s3_cells": n_s3,
@@ -282,6 +291,8 @@ def main() -> None:
         f"{figures['convert_seconds_rounds']}); one worker {per_worker:,.0f} cells/s; the coordinator "
         f"{coordinator_per_cell * 1e6:.2f} s per million cells"
     )
+    for k in (1, 2):
+        print(f"phases, {k} worker(s), seconds: " + ", ".join(f"{n} {v}" for n, v in runs[k]["phases"].items()))
     print(json.dumps(figures))
     check_figures(figures)
 
