@@ -43,8 +43,6 @@ def cmd_synth(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    import producers.heap  # noqa: F401  (first: its import gives this process's threads one heap; its docstring)
-
     if args.workers > 1:  # the workers' forkserver imports their modules while this process imports its own
         from coordination.net import forkserver
         from producers import CONVERT_WORKER_MODULES

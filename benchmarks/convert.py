@@ -76,8 +76,6 @@ def convert_child(inp: str, out: str, workers: int) -> None:
     seconds (imports, plan, scan, write, commit: where K = 2 gains and where it does not), its peak
     RSS, and the largest peak RSS a worker reported."""
     start = time.perf_counter()
-    import producers.heap  # noqa: F401  (as `cellfeed convert` does, first)
-
     if workers > 1:  # as `cellfeed convert` does (app/cli.py), before its own imports
         from coordination.net import forkserver
         from producers import CONVERT_WORKER_MODULES

@@ -88,7 +88,7 @@ def _attr(group: h5py.Group, *names: str):
 
 
 def _sparse_format(group: h5py.Group) -> str:
-    """ "csr" or "csc", as anndata reads it (`h5sparse_format` in files before anndata 0.7)."""
+    """The matrix's format, "csr" or "csc", as anndata reads it (`h5sparse_format` before anndata 0.7)."""
     return str(_attr(group, "h5sparse_format", "encoding-type")).replace("_matrix", "")
 
 

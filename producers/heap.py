@@ -9,11 +9,12 @@ arena of its own (heaps of 64 MiB) maps anything larger afresh, whatever the thr
 Importing this module makes large arrays come from the heap, keeps freed heap, and lets threads
 started from then on share the main heap. It only holds for threads started after it, and importing
 Lance starts one, so it is imported before Lance: first in the workers' forkserver
-(`producers.CONVERT_WORKER_MODULES`), first in `cellfeed convert`, and first in the modules that
-convert (`producers/slices.py`, `producers/convert.py`). A process whose threads already run when it
-is imported keeps the arenas they made: a Modal container, where modal's client starts first, gets
-`MALLOC_ARENA_MAX=1` from its image's ENV instead (`app/modal_app.py:convert_image`; glibc reads it at
-process start). A process's memory stays at its largest chunk's, which bounds it anyway.
+(`producers.CONVERT_WORKER_MODULES`), and first in the modules that convert (`producers/slices.py`,
+`producers/convert.py`: a one-worker conversion runs its slices in the caller's process). A process
+whose threads already run when it is imported keeps the arenas they made: a Modal container, where
+modal's client starts first, gets `MALLOC_ARENA_MAX=1` from its image's ENV instead
+(`app/modal_app.py:convert_image`; glibc reads it at process start). A process's memory stays at its
+largest chunk's, which bounds it anyway.
 """
 
 from __future__ import annotations
