@@ -13,6 +13,7 @@ import os
 # model's step 10-40x slower on a busy 2-core machine. (The launcher already starts its ranks
 # with OMP_NUM_THREADS=1: trainer/launch.py.) A thread count changes no result a test checks.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+import shutil
 import signal
 import warnings
 from pathlib import Path
@@ -155,27 +156,75 @@ def write_h5ad(path: Path, x, *, genes: list[str] | None = None, obs_extra: dict
     return path
 
 
-@pytest.fixture(scope="session")
-def kernel_volume(tmp_path_factory) -> dict[str, Path]:
-    """The Modal campaigns' `cellfeed-kernels` Volume, lasting across the test session's control planes
-    as a workspace's named Volume lasts across runs (`ControlPlane(lasting_volumes=...)`, V9): the
-    first plane to stop with a run's token pass compiled (~10 s of CPU a variant) publishes that run's
-    folder, and later setups and producers of a run of that name load it (a variant it lacks is compiled
-    there, and not published). One folder for every xdist worker (their basetemps' parent).
-    Tests that check a setup compiles into an empty Volume do not take it."""
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The folder `name` of this test session, filled by `build(folder)` once for the whole session:
+    the first xdist worker to ask builds it while the others wait, then every worker reads it. For
+    data tests only read (as a session fixture's data already is within a worker): each worker built
+    its own copy before, 4 copies of every atlas on 2 cores."""
+    import fcntl
+
     root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    return {"cellfeed-kernels": root / "kernels-volume"}
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # (the workers' basetemps' parent)
+    folder, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released as the file closes)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # (a build that failed in another worker)
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
+# the runs whose folders of the kernels Volume the session starts with (tests/test_modal_campaign.py's
+# RUN and its expiring setup's, benchmarks/modal_chaos.py's): their campaigns load the pass from the start
+KERNEL_RUNS = ("mcp", "expiry", "chaos")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_pass_compiled(tmp_path_factory) -> Path:
+    """The token pass compiled once for the session, before its first test (`built_once`,
+    `cellfeed_testing/token_pass.py`): into this checkout's numba cache, which local campaigns'
+    producers load, and into the kernels Volume's KERNEL_RUNS folders. Without it the campaigns that
+    start together at the session's start each compiled it (~8 CPU-s a variant), and every Modal
+    test's setup compiled again until a first plane had stopped."""
+    import subprocess
+    import sys
+
+    def build(volume: Path) -> None:
+        out = subprocess.run(
+            [sys.executable, "-m", "cellfeed_testing.token_pass", str(volume), *KERNEL_RUNS],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode == 0, f"compiling the token pass failed:\n{out.stderr[-3000:]}"
+
+    return built_once(tmp_path_factory, "kernels-volume", build)
+
+
+@pytest.fixture(scope="session")
+def kernel_volume(token_pass_compiled) -> dict[str, Path]:
+    """The Modal campaigns' `cellfeed-kernels` Volume, lasting across the test session's control planes
+    as a workspace's named Volume lasts across runs (`ControlPlane(lasting_volumes=...)`, V9). The
+    session starts it with KERNEL_RUNS' folders compiled (`token_pass_compiled`); for another run, the
+    first plane to stop with its token pass compiled publishes its folder, and later setups and
+    producers of a run of that name load it (a variant it lacks is compiled there, and not published).
+    Tests that check a setup compiles into an empty Volume do not take it."""
+    return {"cellfeed-kernels": token_pass_compiled}
 
 
 @pytest.fixture(scope="session")
 def small_synth(tmp_path_factory):
     """A 3,000-cell synthetic atlas with small fragments (many straddling cells)."""
+    from producers.dataset import open_dataset
     from producers.synth import SynthSpec, synthesize
 
-    out = tmp_path_factory.mktemp("synth") / "atlas"
-    return synthesize(str(out), SynthSpec(n_cells=3000, seed=7), rows_per_fragment=250_000, progress=False)
+    def build(folder: Path) -> None:
+        synthesize(str(folder / "atlas"), SynthSpec(n_cells=3000, seed=7), rows_per_fragment=250_000, progress=False)
+
+    return open_dataset(str(built_once(tmp_path_factory, "small-synth", build) / "atlas"))
 
 
 @pytest.fixture(scope="session")
@@ -188,8 +237,12 @@ def pbmc_raw(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         adata = ad.read_h5ad(PBMC)
-    out = tmp_path_factory.mktemp("pbmc") / "raw"
-    return convert([str(PBMC)], str(out), layer="raw.X", rows_per_fragment=20_000, progress=False), adata
+    from producers.dataset import open_dataset
+
+    def build(folder: Path) -> None:
+        convert([str(PBMC)], str(folder / "raw"), layer="raw.X", rows_per_fragment=20_000, progress=False)
+
+    return open_dataset(str(built_once(tmp_path_factory, "pbmc", build) / "raw")), adata
 
 
 @pytest.fixture(scope="session")
@@ -201,27 +254,28 @@ def corpus(tmp_path_factory, pbmc_raw):
     PBMC continues across epochs. Returns (path, each source's first global cell id, quotas)."""
     from producers.synth import SynthSpec, synthesize
 
-    root = tmp_path_factory.mktemp("corpus")
-    first = synthesize(
-        str(root / "atlas_a"),
-        SynthSpec(n_cells=1200, n_genes=800, n_plates=3, seed=11),
-        rows_per_fragment=200_000,
-        progress=False,
-    )
-    ids = [str(g) for g in first.var(["gene_id"]).column(0).to_pylist()]
-    rng = np.random.default_rng(12)
-    shared = list(rng.choice(ids, size=560, replace=False))  # 70% of the first atlas's genes
-    second_ids = list(rng.permutation(shared + [f"ENSG9{g:010d}" for g in range(240)]))  # + new ones, reordered
-    synthesize(
-        str(root / "atlas_b"),
-        SynthSpec(n_cells=500, n_genes=800, n_plates=2, seed=13),
-        rows_per_fragment=100_000,
-        progress=False,
-        gene_ids=second_ids,
-    )
     pbmc, _ = pbmc_raw
-    path = root / "corpus.toml"
-    path.write_text(f'''# three atlases over one vocabulary built from their genes
+
+    def build(root: Path) -> None:
+        first = synthesize(
+            str(root / "atlas_a"),
+            SynthSpec(n_cells=1200, n_genes=800, n_plates=3, seed=11),
+            rows_per_fragment=200_000,
+            progress=False,
+        )
+        ids = [str(g) for g in first.var(["gene_id"]).column(0).to_pylist()]
+        rng = np.random.default_rng(12)
+        shared = list(rng.choice(ids, size=560, replace=False))  # 70% of the first atlas's genes
+        second_ids = list(rng.permutation(shared + [f"ENSG9{g:010d}" for g in range(240)]))  # + new ones, reordered
+        synthesize(
+            str(root / "atlas_b"),
+            SynthSpec(n_cells=500, n_genes=800, n_plates=2, seed=13),
+            rows_per_fragment=100_000,
+            progress=False,
+            gene_ids=second_ids,
+        )
+        path = root / "corpus.toml"
+        path.write_text(f'''# three atlases over one vocabulary built from their genes
 [[source]]
 name = "atlas_a"
 dataset = "atlas_a"
@@ -237,6 +291,8 @@ name = "pbmc"
 dataset = "{pbmc.uri}"
 weight = 0.1
 ''')
+
+    path = built_once(tmp_path_factory, "corpus", build) / "corpus.toml"
     return str(path), [0, 1200, 1700], (1440, 720, 240)
 
 

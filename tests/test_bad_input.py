@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import built_once
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--producers", "1", "--gpus", "1", "--epochs", "1", "--batch-size", "32", "--max-genes", "24", "--quiet"]
 
 
-@pytest.fixture(scope="session")  # data only: built once per worker, whatever order tests run in
+@pytest.fixture(scope="session")  # data only: built once per session (`built_once`), whatever order tests run in
 def data(tmp_path_factory):
     """Two small atlases, and three damaged copies of the first."""
     import lance
@@ -28,23 +30,25 @@ def data(tmp_path_factory):
 
     from app.cli import main as cli
 
-    root = tmp_path_factory.mktemp("bad-input")
-    for name, cells in (("a", 600), ("b", 400)):
-        assert cli(["synth", str(root / name), "--cells", str(cells), "--genes", "2000", "--seed", "3", "--quiet"]) == 0
-    for name in ("shifted", "lying", "nofrag", "truncated"):
-        shutil.copytree(root / "a", root / name)
-    cells = lance.dataset(str(root / "shifted" / "cells.lance")).to_table()
-    starts = cells["cell_start_index"].to_numpy().copy()
-    starts[100:200] += 5  # still increasing, in range, same total: wrong rows for 100 cells
-    cells = cells.set_column(cells.column_names.index("cell_start_index"), "cell_start_index", pa.array(starts))
-    lance.write_dataset(cells, str(root / "shifted" / "cells.lance"), mode="overwrite")
-    config = json.loads((root / "lying" / "config.json").read_text())
-    config["n_cells"] += 1000
-    (root / "lying" / "config.json").write_text(json.dumps(config))
-    os.remove(sorted(glob.glob(str(root / "nofrag" / "expression.lance" / "data" / "*")))[0])
-    for path in glob.glob(str(root / "truncated" / "expression.lance" / "data" / "*")):
-        os.truncate(path, 1000)  # every fragment cut short: the sample at open reads one
-    return root
+    def build(root: Path) -> None:
+        for name, cells in (("a", 600), ("b", 400)):
+            args = ["synth", str(root / name), "--cells", str(cells), "--genes", "2000", "--seed", "3", "--quiet"]
+            assert cli(args) == 0
+        for name in ("shifted", "lying", "nofrag", "truncated"):
+            shutil.copytree(root / "a", root / name)
+        cells = lance.dataset(str(root / "shifted" / "cells.lance")).to_table()
+        starts = cells["cell_start_index"].to_numpy().copy()
+        starts[100:200] += 5  # still increasing, in range, same total: wrong rows for 100 cells
+        cells = cells.set_column(cells.column_names.index("cell_start_index"), "cell_start_index", pa.array(starts))
+        lance.write_dataset(cells, str(root / "shifted" / "cells.lance"), mode="overwrite")
+        config = json.loads((root / "lying" / "config.json").read_text())
+        config["n_cells"] += 1000
+        (root / "lying" / "config.json").write_text(json.dumps(config))
+        os.remove(sorted(glob.glob(str(root / "nofrag" / "expression.lance" / "data" / "*")))[0])
+        for path in glob.glob(str(root / "truncated" / "expression.lance" / "data" / "*")):
+            os.truncate(path, 1000)  # every fragment cut short: the sample at open reads one
+
+    return built_once(tmp_path_factory, "bad-input", build)
 
 
 def local(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:

@@ -21,22 +21,24 @@ import pytest
 
 from benchmarks.chaos import trained_per_epoch
 from cellfeed_testing.procs import children, cmdline, descendants, own_rank_server
-from tests.conftest import PBMC, wait_for
+from tests.conftest import PBMC, built_once, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = "plate = 'plate14'"
 
 
-@pytest.fixture(scope="session")  # data only: built once per worker, whatever order tests run in
+@pytest.fixture(scope="session")  # data only: built once per session (`built_once`), whatever order tests run in
 def counts_atlas(tmp_path_factory):
     """600 synthetic cells with Geneformer's gene medians stored (`cellfeed stats`)."""
     from app.cli import main as cli
     from producers.dataset import open_dataset
 
-    out = tmp_path_factory.mktemp("atlas") / "ds"
-    assert cli(["synth", str(out), "--cells", "600", "--genes", "3000", "--rows-per-fragment", "40000", "--quiet"]) == 0
-    assert cli(["stats", str(out), "--quiet"]) == 0
-    return open_dataset(out)
+    def build(folder: Path) -> None:
+        out = str(folder / "ds")
+        assert cli(["synth", out, "--cells", "600", "--genes", "3000", "--rows-per-fragment", "40000", "--quiet"]) == 0
+        assert cli(["stats", out, "--quiet"]) == 0
+
+    return open_dataset(built_once(tmp_path_factory, "counts-atlas", build) / "ds")
 
 
 def local(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from cellfeed_testing.modal_control_plane import ControlPlane
-from tests.conftest import wait_for
+from tests.conftest import built_once, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = "mcp"
@@ -37,20 +37,17 @@ SECRET = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")  # app/modal_app.py's 
 CAMPAIGN_S = 420  # the longest a `modal run` here may take (a busy 2-core machine)
 
 
-@pytest.fixture(scope="session")  # data only: built once per worker, whatever order tests run in
+@pytest.fixture(scope="session")  # data only: built once per session (`built_once`), whatever order tests run in
 def atlas(tmp_path_factory):
     """1,500 cells in small fragments; plate14's cells are the held-out set. 2,000 genes, not a
     real atlas's 62,710: the tiny model's embedding (and each step's all-reduce) is then small, and
     the path under test (calls, preemptions, hand-overs) is the same."""
+    from producers.dataset import open_dataset
     from producers.synth import SynthSpec, synthesize
 
-    out = tmp_path_factory.mktemp("modal-atlas") / "atlas"
-    return synthesize(
-        str(out),
-        SynthSpec(n_cells=1500, n_genes=2000, median_nnz=300, seed=3),
-        rows_per_fragment=200_000,
-        progress=False,
-    )
+    spec = SynthSpec(n_cells=1500, n_genes=2000, median_nnz=300, seed=3)
+    build = lambda folder: synthesize(str(folder / "atlas"), spec, rows_per_fragment=200_000, progress=False)  # noqa: E731
+    return open_dataset(str(built_once(tmp_path_factory, "modal-atlas", build) / "atlas"))
 
 
 def flags(atlas, **changes) -> list[str]:
