@@ -21,7 +21,7 @@ from coordination.summary import PlanSummary, publish_summary
 from coordination.wire import Item, pack_item
 from producers.config import ProducerConfig
 from producers.producer import Producer
-from tests.conftest import wait_for
+from tests.conftest import built_once, wait_for
 from trainer.stream import ConsumerStream
 
 EPOCHS = [0, 1]
@@ -48,6 +48,19 @@ class LosesReplies:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+@pytest.fixture(scope="session")  # data only: built once per session (`built_once`), whatever order tests run in
+def atlas(tmp_path_factory):
+    """3,000 cells in 14 plates, ~200 genes a cell over 2,000 (not `small_synth`'s ~1,500 over 62,710:
+    what is checked here is which cells each rank gets, and every row read and tokenized is suite time),
+    in fragments of 30,000 rows: ~20 fragments, cells straddling their edges (the stitched cells)."""
+    from producers.dataset import open_dataset
+    from producers.synth import SynthSpec, synthesize
+
+    spec = SynthSpec(n_cells=3000, n_genes=2000, seed=7, median_nnz=200, min_nnz=60, max_nnz=400)
+    build = lambda folder: synthesize(str(folder / "atlas"), spec, rows_per_fragment=30_000, progress=False)  # noqa: E731
+    return open_dataset(str(built_once(tmp_path_factory, "exactly-once-atlas", build) / "atlas"))
 
 
 def run_campaign(
@@ -154,9 +167,9 @@ CASES = [
 
 @pytest.mark.parametrize("latency_ms", [0.0, 3.0], ids=["instant", "3ms-calls"])
 @pytest.mark.parametrize("producers, world, sampling", CASES, ids=[f"{p}p-{w}r-{s.strategy}" for p, w, s in CASES])
-def test_each_epoch_delivers_every_cell_exactly_once(small_synth, producers, world, sampling, latency_ms):
+def test_each_epoch_delivers_every_cell_exactly_once(atlas, producers, world, sampling, latency_ms):
     summaries, delivered, steps, registry, producer = run_campaign(
-        small_synth,
+        atlas,
         producers=producers,
         world=world,
         sampling=sampling,
@@ -165,7 +178,7 @@ def test_each_epoch_delivers_every_cell_exactly_once(small_synth, producers, wor
     )
     for e in EPOCHS:
         everything = Counter(c for rank in delivered[e] for c in rank)
-        assert everything == Counter(range(small_synth.n_cells))  # no loss, no duplicate
+        assert everything == Counter(range(atlas.n_cells))  # no loss, no duplicate
         assert [len(r) for r in delivered[e]] == summaries[e].cells_per_rank
         assert len(set(steps[e])) == 1 and steps[e][0] == summaries[e].steps(32)
         if sampling.strategy != "block":
@@ -175,22 +188,22 @@ def test_each_epoch_delivers_every_cell_exactly_once(small_synth, producers, wor
     assert registry == {}  # every epoch's stitching map was dropped whole
 
 
-def test_subset_epochs_deliver_exactly_the_subset(small_synth):
+def test_subset_epochs_deliver_exactly_the_subset(atlas):
     summaries, delivered, _, _, _ = run_campaign(
-        small_synth,
+        atlas,
         producers=2,
         world=2,
         sampling=Sampling("mixture", unit_cells=100, n_scanners=4),
         subset_filter="plate >= 'plate05'",
         run="subset",
     )
-    plates = np.array(small_synth.obs(["plate"]).column(0).to_pylist())
+    plates = np.array(atlas.obs(["plate"]).column(0).to_pylist())
     wanted = Counter(np.flatnonzero(plates >= "plate05").tolist())
     for e in EPOCHS:
         assert Counter(c for rank in delivered[e] for c in rank) == wanted
 
 
-def test_foreign_and_corrupt_items_are_refused(small_synth):
+def test_foreign_and_corrupt_items_are_refused(atlas):
     queue = MemoryQueue()
     stream = ConsumerStream(queue, rank=0, world_size=1, run="mine", batch_size=4, no_data_timeout_s=5, poll_s=0.05)
     item = Item(
@@ -242,14 +255,14 @@ def test_a_starved_rank_answers_a_stop_with_what_it_holds_and_its_epoch_is_cut()
     stream.close()
 
 
-def test_items_a_lost_reply_took_are_asked_for_again_and_every_epoch_is_exact(small_synth):
+def test_items_a_lost_reply_took_are_asked_for_again_and_every_epoch_is_exact(atlas):
     """Three gets of ranks' items lose their replies (the items are gone, the callers never saw
     them): each rank that misses cells asks, once its partition stays empty, for the units it has
     not all received; the driver produces again those it had finished (re-opening a complete epoch
     if it must), and every epoch delivers its exact multiset, boundary cells included."""
     world = 2
     summaries, delivered, steps, _, producer = run_campaign(
-        small_synth,
+        atlas,
         producers=2,
         world=world,
         sampling=Sampling("block", block_size=8, fetch_factor=2, batch_size=16),
@@ -257,12 +270,12 @@ def test_items_a_lost_reply_took_are_asked_for_again_and_every_epoch_is_exact(sm
         lose_gets=(2, 7, 15),
     )
     for e in EPOCHS:
-        assert Counter(c for rank in delivered[e] for c in rank) == Counter(range(small_synth.n_cells)), f"epoch {e}"
+        assert Counter(c for rank in delivered[e] for c in rank) == Counter(range(atlas.n_cells)), f"epoch {e}"
         assert len(set(steps[e])) == 1
     assert run_campaign.last_driver.stats.redone >= 1
 
 
-def test_a_resumed_driver_does_not_produce_again_what_an_earlier_one_produced_ahead(small_synth):
+def test_a_resumed_driver_does_not_produce_again_what_an_earlier_one_produced_ahead(atlas):
     """The driver publishes, per epoch, the units it has seen done. A driver resumed at epoch 0
     issues epoch 0's units again (the checkpoint says what was trained) but not epoch 1's units the
     earlier driver saw done: their items are in the queue. One a rank then asks for is issued."""
@@ -272,14 +285,14 @@ def test_a_resumed_driver_does_not_produce_again_what_an_earlier_one_produced_ah
 
     queue, store = MemoryQueue(), MemoryMap()
     config = ProducerConfig(
-        dataset=small_synth.uri,
+        dataset=atlas.uri,
         run="ahead",
         world_size=1,
         max_genes=8,
         idle_timeout_s=0.5,
         sampling=Sampling("sequential", unit_cells=100),
     )
-    producer = Producer(config, queue, store, dataset=small_synth)
+    producer = Producer(config, queue, store, dataset=atlas)
     summaries = [PlanSummary.of(producer.plan(e), 1) for e in EPOCHS]
     for summary in summaries:
         publish_summary(store, "ahead", summary)
@@ -309,10 +322,10 @@ def test_a_resumed_driver_does_not_produce_again_what_an_earlier_one_produced_ah
     assert driver.error is None and driver.stats.redone == 1 and driver.stats.reopened == 1
 
 
-def test_driver_reissues_expired_leases(small_synth):
+def test_driver_reissues_expired_leases(atlas):
     queue, store = MemoryQueue(), MemoryMap()
     config = ProducerConfig(
-        dataset=small_synth.uri,
+        dataset=atlas.uri,
         run="lease",
         world_size=1,
         max_genes=8,
@@ -320,7 +333,7 @@ def test_driver_reissues_expired_leases(small_synth):
         sampling=Sampling("sequential", unit_cells=1000),
         heartbeat_s=0.05,
     )
-    producer = Producer(config, queue, store, dataset=small_synth)
+    producer = Producer(config, queue, store, dataset=atlas)
     summary = PlanSummary.of(producer.plan(0), 1)
     publish_summary(store, "lease", summary)
     driver = Driver(queue, store, "lease", lease_s=0.2, poll_s=0.05, stall_timeout_s=30)
@@ -329,7 +342,7 @@ def test_driver_reissues_expired_leases(small_synth):
     wait_for(lambda: queue.len(partition=TASKS_PARTITION) > 0, "the driver to issue tasks")
     taken = producer._take()
     assert taken is not None
-    Producer(config, queue, store, dataset=small_synth).run()  # a healthy producer does the rest
+    Producer(config, queue, store, dataset=atlas).run()  # a healthy producer does the rest
     thread.join(timeout=60)
     # the unit the dead producer took was issued again, and the epoch completed (how soon after the
     # death is a figure of benchmarks/coordination.py, not a test's)
@@ -413,7 +426,7 @@ def test_a_rank_asks_for_its_epochs_missing_items_while_later_epochs_items_keep_
         feeder.join(timeout=5)
 
 
-def test_a_producer_going_away_names_its_units_and_they_are_issued_at_once(small_synth, monkeypatch):
+def test_a_producer_going_away_names_its_units_and_they_are_issued_at_once(atlas, monkeypatch):
     """A producer interrupted mid-unit (Modal's preemption raises KeyboardInterrupt in its body)
     names the units it took and will not finish in one last event; the driver issues them again in
     its next pass, long before their lease (60 s here) would run out, and the epoch completes."""
@@ -421,7 +434,7 @@ def test_a_producer_going_away_names_its_units_and_they_are_issued_at_once(small
 
     queue, store = MemoryQueue(), MemoryMap()
     config = ProducerConfig(
-        dataset=small_synth.uri,
+        dataset=atlas.uri,
         run="away",
         world_size=1,
         max_genes=8,
@@ -429,8 +442,8 @@ def test_a_producer_going_away_names_its_units_and_they_are_issued_at_once(small
         sampling=Sampling("sequential", unit_cells=200),
         heartbeat_s=30,
     )
-    publish_summary(store, "away", PlanSummary.of(Producer(config, queue, store, dataset=small_synth).plan(0), 1))
-    going = Producer(config, queue, store, dataset=small_synth)
+    publish_summary(store, "away", PlanSummary.of(Producer(config, queue, store, dataset=atlas).plan(0), 1))
+    going = Producer(config, queue, store, dataset=atlas)
     done = []
 
     def preempted_at_second_unit(epoch, unit, rows):
@@ -457,7 +470,7 @@ def test_a_producer_going_away_names_its_units_and_they_are_issued_at_once(small
     wait_for(lambda: any(e["released"] for e in seen), "the driver to read the released units", timeout=10)
     released = [u for e in seen for u in e["released"]]
     wait_for(lambda: driver.stats.reissued >= len(released), "the released units to be issued again", timeout=10)
-    Producer(config, queue, store, dataset=small_synth).run()  # a healthy producer does the rest
+    Producer(config, queue, store, dataset=atlas).run()  # a healthy producer does the rest
     thread.join(timeout=30)
     assert not thread.is_alive() and driver.error is None and driver.stats.epochs == 1
     assert released and all(e == 0 for e, _ in released) and done[0] not in {u for _, u in released}
