@@ -171,24 +171,22 @@ def test_a_shared_server_that_is_not_there_is_one_clear_error(tmp_path):
         RankServer(str(tmp_path / "nothing"))
 
 
-def test_a_server_started_without_omp_num_threads_gives_its_ranks_one_thread(tmp_path):
-    """OpenMP reads OMP_NUM_THREADS once, as torch loads it in the server: a rank forked after that
-    keeps the server's count whatever its own environment says. A shared server started from a shell
-    that set nothing (here: a rank that reports torch's thread count instead of training) still gives
-    each rank one thread, not one per core."""
+def rank_report(tmp_path, report_body: str, env: dict) -> str:
+    """What one rank of a shared server started with `env` writes to its stdout, where the rank
+    runs `report_body` (its locals: `fds`, the rank's stdout first; `server`, the server's pid)
+    instead of training."""
     import subprocess
     import sys
 
-    path, report = tmp_path / "server.sock", tmp_path / "threads.txt"
+    path, report = tmp_path / "server.sock", tmp_path / "rank.txt"
     code = (
         "import os, sys; import trainer.launch as launch\n"
         "def report(socks, fds, request, server):\n"
-        "    import torch\n"
-        "    os.write(fds[0], str(torch.get_num_threads()).encode()); os._exit(0)\n"
+        f"{report_body}"
+        "    os._exit(0)\n"
         "launch._be_a_rank = report\n"
         f"sys.argv = ['trainer.launch', '--listen', {str(path)!r}]; launch.main()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     server = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().startswith("rank server listening")
@@ -197,7 +195,29 @@ def test_a_server_started_without_omp_num_threads_gives_its_ranks_one_thread(tmp
             rank = launcher.start([], dict(env), out.fileno(), out.fileno())
         assert rank.wait(timeout=120) == 0
         launcher.end()
-        assert report.read_text() == "1"
+        return report.read_text()
     finally:
         server.kill()
         server.wait(timeout=30)
+
+
+def test_a_server_started_without_omp_num_threads_gives_its_ranks_one_thread(tmp_path):
+    """OpenMP reads OMP_NUM_THREADS once, as torch loads it in the server: a rank forked after that
+    keeps the server's count whatever its own environment says. A shared server started from a shell
+    that set nothing (here: a rank that reports torch's thread count instead of training) still gives
+    each rank one thread, not one per core."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    body = "    import torch\n    os.write(fds[0], str(torch.get_num_threads()).encode())\n"
+    assert rank_report(tmp_path, body, env) == "1"
+
+
+def test_on_modal_the_server_imports_modal_once_for_its_ranks_and_forks_them_from_one_thread(tmp_path):
+    """In a Modal container (MODAL_IS_REMOTE=1, as modal's own config reads it) each rank's queue client
+    is modal's: the server imports it before forking (each of a node's 8 ranks imported it again,
+    ~0.7 CPU-s each). Forking is safe only from a process of one thread: a rank sees modal loaded and
+    counts the server's threads at its fork."""
+    body = (
+        "    threads = len(os.listdir(f'/proc/{server}/task'))\n"
+        "    os.write(fds[0], f\"{'modal' in sys.modules} {threads}\".encode())\n"
+    )
+    assert rank_report(tmp_path, body, {**os.environ, "MODAL_IS_REMOTE": "1"}) == "True 1"

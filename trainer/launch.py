@@ -18,11 +18,10 @@ socket closes), and its ranks die with it (each has the server's death as its SI
 launcher killed outright leaves no rank behind. A launcher whose server died reports its ranks as
 killed.
 
-A *shared* server (`python -m trainer.launch --listen PATH`, named to launchers by
-`CELLFEED_RANK_SERVER=PATH`) serves every launch on the machine that names it, torch imported once
-for all: a sweep of short campaigns, the test suite (~3 CPU-s a campaign saved). Each launcher is
-one connection and its ranks are its own; a launcher gone (its connection closed) has its ranks
-SIGKILLed. The ranks are the shared server's children, not the launcher's.
+A *shared* server (`python -m trainer.launch --listen PATH`, named to launchers by `CELLFEED_RANK_SERVER=PATH`)
+serves every launch on the machine that names it, torch imported once for all: a sweep of short campaigns, the
+test suite (~3 CPU-s a campaign saved). Each launcher is one connection and its ranks are its own (the shared
+server's children, not the launcher's); a launcher gone (its connection closed) has its ranks SIGKILLed.
 
 What the server read from the environment when it started stays: torch's import-time settings
 (`TORCH_*` logging and compile settings), `sys.path`. A rank gets its launch's environment,
@@ -262,6 +261,9 @@ def serve(launcher: socket.socket | None = None, listener: socket.socket | None 
     import coordination.local_client  # noqa: F401 - each rank's queue client (a local campaign's)
     import coordination.scalars  # noqa: F401 - rank 0's TensorBoard writer (~0.5 CPU-s: TensorFlow's stub)
     import trainer.train  # noqa: F401
+
+    if os.environ.get("MODAL_IS_REMOTE") == "1":  # a Modal container (modal/config.py reads the same variable):
+        import modal  # noqa: F401 - each rank's queue client's (coordination/modal_backend.py; ~0.7 CPU-s a rank)
 
     running: dict[socket.socket, set[int]] = {launcher: set()} if launcher else {}  # each launcher's ranks
     gone: set[int] = set()  # ranks of launchers that have gone: killed, to be reaped
