@@ -13,9 +13,26 @@ PARENT_GONE_EXIT = 3  # a child that ended because its parent had
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A free TCP port on `host` (an IPv4 or IPv6 address: a Modal cluster's containers have IPv6 ones)."""
+    """A free TCP port on `host` (an IPv4 or IPv6 address: a Modal cluster's containers have IPv6 ones),
+    below the kernel's ephemeral range. The port is free now and bound later by its server; a port
+    the kernel handed out (`bind(0)`) could meanwhile be given to any process's outgoing connection,
+    and DDP's rendezvous then failed with EADDRINUSE (two Modal test campaigns at once did)."""
+    import random
+
     family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-    with socket.socket(family) as s:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # (Linux's default)
+    for port in random.sample(range(low // 2, low), 64) if low > 2048 else ():
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:
+                continue
+    with socket.socket(family) as s:  # (no range below the ephemeral one: the kernel's choice)
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -221,3 +221,20 @@ def test_on_modal_the_server_imports_modal_once_for_its_ranks_and_forks_them_fro
         "    os.write(fds[0], f\"{'modal' in sys.modules} {threads}\".encode())\n"
     )
     assert rank_report(tmp_path, body, {**os.environ, "MODAL_IS_REMOTE": "1"}) == "True 1"
+
+
+def test_a_rendezvous_port_is_one_no_outgoing_connection_can_be_given_meanwhile():
+    """`free_port` (DDP's rendezvous, local servers) picks below the kernel's ephemeral range: a port
+    from `bind(0)`, free when picked, could be handed to any process's outgoing connection before its
+    server bound it (rank 0's TCPStore failed with EADDRINUSE when two Modal test campaigns started
+    together). The port is free: it binds, on IPv4 and IPv6."""
+    import socket
+
+    from coordination.net import free_port
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for host, family in (("127.0.0.1", socket.AF_INET), ("::1", socket.AF_INET6)):
+        ports = {free_port(host) for _ in range(20)}
+        assert all(low // 2 <= p < low for p in ports) and len(ports) > 1, ports
+        with socket.socket(family) as s:
+            s.bind((host, ports.pop()))
