@@ -34,7 +34,8 @@ def compile_variants() -> list[Path]:
     for genes in GENE_TYPES:
         for values in VALUE_TYPES:
             rows = CellRows(np.array([0]), np.array([0, 2]), np.array([1, 2], genes), np.array([3, 4], values))
-            assert token_kernel.kernel_tokens(rows, None, mode="scgpt", max_genes=4, token_dtype=np.uint32)
+            if token_kernel.kernel_tokens(rows, None, mode="scgpt", max_genes=4, token_dtype=np.uint32) is None:
+                raise RuntimeError(f"the token pass declined {genes.__name__} genes and {values.__name__} values")
     index = token_kernel._tokenize._cache._cache_file  # (numba's: numba/core/caching.py, IndexDataCacheFile)
     folder = Path(index._cache_path)  # (in-tree by default: producers/__pycache__)
     return [folder / index._index_name] + sorted(folder / name for name in index._load_index().values())
