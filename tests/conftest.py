@@ -176,6 +176,17 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
     return folder
 
 
+def synth_once(tmp_path_factory, name: str, spec, rows_per_fragment: int):
+    """A synthetic atlas (`producers.synth.SynthSpec`) built once for the session (`built_once`), opened."""
+    from producers.dataset import open_dataset
+    from producers.synth import synthesize
+
+    def build(folder: Path) -> None:
+        synthesize(str(folder / "atlas"), spec, rows_per_fragment=rows_per_fragment, progress=False)
+
+    return open_dataset(str(built_once(tmp_path_factory, name, build) / "atlas"))
+
+
 # the runs whose folders of the kernels Volume the session starts with (tests/test_modal_campaign.py's
 # RUN and its expiring setup's, benchmarks/modal_chaos.py's): their campaigns load the pass from the start
 KERNEL_RUNS = ("mcp", "expiry", "chaos")
@@ -218,13 +229,9 @@ def kernel_volume(token_pass_compiled) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def small_synth(tmp_path_factory):
     """A 3,000-cell synthetic atlas with small fragments (many straddling cells)."""
-    from producers.dataset import open_dataset
-    from producers.synth import SynthSpec, synthesize
+    from producers.synth import SynthSpec
 
-    def build(folder: Path) -> None:
-        synthesize(str(folder / "atlas"), SynthSpec(n_cells=3000, seed=7), rows_per_fragment=250_000, progress=False)
-
-    return open_dataset(str(built_once(tmp_path_factory, "small-synth", build) / "atlas"))
+    return synth_once(tmp_path_factory, "small-synth", SynthSpec(n_cells=3000, seed=7), rows_per_fragment=250_000)
 
 
 @pytest.fixture(scope="session")

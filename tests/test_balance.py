@@ -25,7 +25,7 @@ from coordination.summary import PlanSummary, publish_summary
 from coordination.wire import unpack_item
 from producers.config import ProducerConfig
 from producers.producer import Producer
-from tests.conftest import built_once
+from tests.conftest import synth_once
 from tests.test_trainer import BATCH, Campaign, kill_mid_epoch_and_resume, read_cells
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,12 +53,10 @@ def atlas(tmp_path_factory):
     """3,000 cells whose `tissue` has 50 Zipf-sized classes (13..667 cells), stored in runs, in 18
     fragments. ~150 genes a cell, not a real cell's ~1,500: what is checked here is which cells each
     class gets, and every row read and ranked is suite time."""
-    from producers.dataset import open_dataset
-    from producers.synth import SynthSpec, synthesize
+    from producers.synth import SynthSpec
 
     spec = SynthSpec(n_cells=3000, n_genes=2000, seed=5, median_nnz=150, min_nnz=50, max_nnz=300)
-    build = lambda folder: synthesize(str(folder / "atlas"), spec, rows_per_fragment=25_000, progress=False)  # noqa: E731
-    return open_dataset(str(built_once(tmp_path_factory, "balance-atlas", build) / "atlas"))
+    return synth_once(tmp_path_factory, "balance-atlas", spec, rows_per_fragment=25_000)
 
 
 def tissues(ds) -> np.ndarray:

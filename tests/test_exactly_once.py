@@ -21,7 +21,7 @@ from coordination.summary import PlanSummary, publish_summary
 from coordination.wire import Item, pack_item
 from producers.config import ProducerConfig
 from producers.producer import Producer
-from tests.conftest import built_once, wait_for
+from tests.conftest import synth_once, wait_for
 from trainer.stream import ConsumerStream
 
 EPOCHS = [0, 1]
@@ -55,12 +55,10 @@ def atlas(tmp_path_factory):
     """3,000 cells in 14 plates, ~200 genes a cell over 2,000 (not `small_synth`'s ~1,500 over 62,710:
     what is checked here is which cells each rank gets, and every row read and tokenized is suite time),
     in fragments of 30,000 rows: ~20 fragments, cells straddling their edges (the stitched cells)."""
-    from producers.dataset import open_dataset
-    from producers.synth import SynthSpec, synthesize
+    from producers.synth import SynthSpec
 
     spec = SynthSpec(n_cells=3000, n_genes=2000, seed=7, median_nnz=200, min_nnz=60, max_nnz=400)
-    build = lambda folder: synthesize(str(folder / "atlas"), spec, rows_per_fragment=30_000, progress=False)  # noqa: E731
-    return open_dataset(str(built_once(tmp_path_factory, "exactly-once-atlas", build) / "atlas"))
+    return synth_once(tmp_path_factory, "exactly-once-atlas", spec, rows_per_fragment=30_000)
 
 
 def run_campaign(

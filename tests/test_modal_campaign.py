@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from cellfeed_testing.modal_control_plane import ControlPlane
-from tests.conftest import built_once, wait_for
+from tests.conftest import synth_once, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = "mcp"
@@ -42,12 +42,10 @@ def atlas(tmp_path_factory):
     """1,500 cells in small fragments; plate14's cells are the held-out set. 2,000 genes, not a
     real atlas's 62,710: the tiny model's embedding (and each step's all-reduce) is then small, and
     the path under test (calls, preemptions, hand-overs) is the same."""
-    from producers.dataset import open_dataset
-    from producers.synth import SynthSpec, synthesize
+    from producers.synth import SynthSpec
 
     spec = SynthSpec(n_cells=1500, n_genes=2000, median_nnz=300, seed=3)
-    build = lambda folder: synthesize(str(folder / "atlas"), spec, rows_per_fragment=200_000, progress=False)  # noqa: E731
-    return open_dataset(str(built_once(tmp_path_factory, "modal-atlas", build) / "atlas"))
+    return synth_once(tmp_path_factory, "modal-atlas", spec, rows_per_fragment=200_000)
 
 
 def flags(atlas, **changes) -> list[str]:

@@ -25,7 +25,7 @@ from coordination.vocab import CLS, EOS
 from producers.config import ProducerConfig
 from producers.held_out import produce_held_out
 from producers.producer import Producer
-from tests.conftest import built_once, wait_for
+from tests.conftest import synth_once, wait_for
 from trainer.config import TrainConfig
 from trainer.launch import launch, wait_all
 from trainer.model import CellTransformer, ModelConfig, mask_positions, masked_loss, train_flops
@@ -41,12 +41,10 @@ def atlas(tmp_path_factory):
     embedding (its optimizer step, each step's all-reduce and every checkpoint) is then 30x
     smaller, and what these tests check (which cells each rank trains, across kills and resumes)
     is the same."""
-    from producers.dataset import open_dataset
-    from producers.synth import SynthSpec, synthesize
+    from producers.synth import SynthSpec
 
     spec = SynthSpec(n_cells=3000, n_genes=2000, seed=7)
-    build = lambda folder: synthesize(str(folder / "atlas"), spec, rows_per_fragment=250_000, progress=False)  # noqa: E731
-    return open_dataset(str(built_once(tmp_path_factory, "trainer-atlas", build) / "atlas"))
+    return synth_once(tmp_path_factory, "trainer-atlas", spec, rows_per_fragment=250_000)
 
 
 class Campaign:
