@@ -16,6 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import shutil
 import signal
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -192,15 +193,18 @@ def synth_once(tmp_path_factory, name: str, spec, rows_per_fragment: int):
 KERNEL_RUNS = ("mcp", "expiry", "chaos")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def token_pass_compiled(tmp_path_factory) -> Path:
-    """The token pass compiled once for the session, before its first test (`built_once`,
-    `cellfeed_testing/token_pass.py`): into this checkout's numba cache, which local campaigns'
-    producers load, and into the kernels Volume's KERNEL_RUNS folders. Without it the campaigns that
-    start together at the session's start each compiled it (~8 CPU-s a variant), and every Modal
-    test's setup compiled again until a first plane had stopped."""
+@pytest.fixture(scope="session")
+def token_pass_job(tmp_path_factory) -> Callable[[], Path]:
+    """The token pass compiled once for the session (`built_once`, `cellfeed_testing/token_pass.py`):
+    into this checkout's numba cache, which local campaigns' producers load, and into the kernels
+    Volume's KERNEL_RUNS folders. Without it the campaigns that start together at the session's start
+    each compiled it (~8 CPU-s a variant), and every Modal test's setup compiled again until a first
+    plane had stopped. It runs on a thread of this worker from the worker's first test on, so that a
+    test marked `token_pass_free` runs beside the compile (~16 s on a busy machine) instead of waiting
+    for it; the value is a wait for it, which raises the compile's error."""
     import subprocess
     import sys
+    import threading
 
     def build(volume: Path) -> None:
         out = subprocess.run(
@@ -210,20 +214,46 @@ def token_pass_compiled(tmp_path_factory) -> Path:
             text=True,
             timeout=600,
         )
-        assert out.returncode == 0, f"compiling the token pass failed:\n{out.stderr[-3000:]}"
+        if out.returncode != 0:
+            raise RuntimeError(f"compiling the token pass failed:\n{out.stderr[-3000:]}")
 
-    return built_once(tmp_path_factory, "kernels-volume", build)
+    done: dict = {}
+
+    def job() -> None:
+        try:
+            done["volume"] = built_once(tmp_path_factory, "kernels-volume", build)
+        except BaseException as exc:  # (raised by every wait for it)
+            done["error"] = exc
+
+    tmp_path_factory.getbasetemp()  # (made here, on the main thread, before the job uses it)
+    thread = threading.Thread(target=job, name="token pass", daemon=True)
+    thread.start()
+
+    def wait() -> Path:
+        thread.join(timeout=900)
+        if "volume" not in done:
+            raise done.get("error") or TimeoutError("the token pass did not compile in 900 s")
+        return done["volume"]
+
+    return wait
+
+
+@pytest.fixture(autouse=True)
+def token_pass_compiled(request, token_pass_job) -> Path | None:
+    """Every test starts with the token pass compiled (`token_pass_job`), but one marked
+    `token_pass_free`: nothing it runs tokenizes, so it need not wait."""
+    return None if request.node.get_closest_marker("token_pass_free") else token_pass_job()
 
 
 @pytest.fixture(scope="session")
-def kernel_volume(token_pass_compiled) -> dict[str, Path]:
+def kernel_volume(token_pass_job) -> dict[str, Path]:
     """The Modal campaigns' `cellfeed-kernels` Volume, lasting across the test session's control planes
     as a workspace's named Volume lasts across runs (`ControlPlane(lasting_volumes=...)`, V9). The
-    session starts it with KERNEL_RUNS' folders compiled (`token_pass_compiled`); for another run, the
+    session starts it with KERNEL_RUNS' folders compiled (`token_pass_job`); for another run, the
     first plane to stop with its token pass compiled publishes its folder, and later setups and
     producers of a run of that name load it (a variant it lacks is compiled there, and not published).
     Tests that check a setup compiles into an empty Volume do not take it."""
-    return {"cellfeed-kernels": token_pass_compiled}
+    return {"cellfeed-kernels": token_pass_job()}
 
 
 @pytest.fixture(scope="session")
@@ -311,6 +341,7 @@ weight = 0.1
 # 40-second campaign while the other is idle. Only the order changes: every test still runs, in
 # its own tmp_path, with its own processes. A name missing from the suite is ignored.
 SLOW_FIRST = [
+    "test_benchmarks.py::test_convert",  # (first: it needs no token pass, so it runs while that compiles)
     "test_modal_campaign.py::test_two_nodes_preempted_then_a_node_lost_then_resumed_on_one_node_train_every_cell_once",
     "test_modal_campaign.py::test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_campaign",
     "test_modal_campaign.py::test_modal_run_whole_path_balanced_preempted_in_its_first_minute_and_again_in_its_second_epoch",
@@ -320,7 +351,6 @@ SLOW_FIRST = [
     "test_benchmarks.py::test_modal_chaos",
     "test_ops.py::test_the_readmes_stop_and_resume_then_status_report_and_tensorboard",
     "test_benchmarks.py::test_object_store",
-    "test_benchmarks.py::test_convert",
     "test_benchmarks.py::test_corpus",
     "test_modal_campaign.py::test_a_campaign_through_the_planes_own_run_command_trains_every_cell_once",
     "test_readme.py::test_the_corpus_example_trains",
@@ -355,6 +385,7 @@ def pytest_configure(config):
     """Under pytest-xdist, hand tests out one at a time (`--maxschedchunk 1`) instead of in chunks
     of a quarter of each worker's share, which gave a worker several of the longest tests at once.
     An explicit --maxschedchunk on the command line wins."""
+    config.addinivalue_line("markers", "token_pass_free: nothing the test runs tokenizes (conftest.py: token_pass_job)")
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "maxschedchunk", "absent") is None:
         config.option.maxschedchunk = 1
 

@@ -114,6 +114,7 @@ def test_consumer():
     assert finite(figures["round_trip_us_memory"], figures["round_trip_us_local"])
 
 
+@pytest.mark.token_pass_free  # (conversion tokenizes nothing: it runs while the session compiles the pass)
 def test_convert():
     """1 and 2 workers locally and to S3 behind the proxy, and the Modal fan-out (modal's own CLI on the
     control plane: 2 slices here, 8 with --quick; a scan and a write call each, a failed attempt
