@@ -117,8 +117,8 @@ def unpacked(config: dict) -> CampaignConfig:
 
 
 def setup_body(config: dict) -> dict:
-    """Publish plans and the held-out set (producer image); compile the token pass into the run's folder
-    of the kernels Volume, committed for the producers to load (`producers/kernel_cache.py`)."""
+    """Publish plans and the held-out set (producer image); compile the token pass (or load the last run's)
+    into the run's folder of the kernels Volume, committed for the producers (`producers/kernel_cache.py`)."""
     from app.campaign import prepare
     from coordination.backends import connect
     from producers.kernel_cache import cache_kernels_in

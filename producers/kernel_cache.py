@@ -16,7 +16,10 @@ producers it is followed by, and every producer started after a preemption, load
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
+import tempfile
 
 from numba.core import caching, config
 
@@ -39,12 +42,35 @@ def cache_kernels_in(folder: str, run: str = "") -> bool:
     before the token pass is first imported. Per run: a Volume's commits are last-writer-wins per
     file, and numba numbers a function's compiled variants in its index (`_tokenize-233.py311.N.nbc`),
     so two campaigns compiling new variants into one folder at once could leave one's index beside
-    the other's code, which numba would load without checking its types."""
+    the other's code, which numba would load without checking its types. A run's folder starts as a
+    copy of another run's (`_seed`), so a Volume's first campaign compiles and the later ones load."""
     if not os.path.isdir(folder):
         return False
+    if run:
+        _seed(folder, run)
     folder = os.path.join(folder, run)
     os.makedirs(folder, exist_ok=True)
     os.environ["NUMBA_CACHE_DIR"] = folder
     os.environ["NUMBA_CACHE_LOCATOR_CLASSES"] = LOCATORS
     config.reload_config()  # (numba read its settings when it was imported)
     return True
+
+
+def _seed(folder: str, run: str) -> None:
+    """A run folder that does not exist yet is made as a whole copy of the run folder whose index was
+    written last (an index with the variants it lists: a folder as a setup committed it). numba still
+    checks each variant against its source's content, so a changed kernel is compiled again, into
+    this run's folder only. The copy is made aside and renamed into place: a reader never sees half."""
+    here = os.path.join(folder, run)
+    if os.path.exists(here):
+        return
+    indexes = glob.glob(os.path.join(glob.escape(folder), "*", "*", "*.nbi"))  # RUN/PACKAGE/index
+    if not indexes:
+        return
+    newest = os.path.dirname(os.path.dirname(max(indexes, key=os.path.getmtime)))
+    staging = tempfile.mkdtemp(prefix=f".{run}.", dir=folder)  # (a dot folder: never taken for a run's)
+    try:
+        shutil.copytree(newest, staging, dirs_exist_ok=True)
+        os.rename(staging, here)
+    except OSError:  # (another process of the run made its folder first: theirs stands)
+        shutil.rmtree(staging, ignore_errors=True)

@@ -249,9 +249,9 @@ def token_pass_compiled(request, token_pass_job) -> Path | None:
 def kernel_volume(token_pass_job) -> dict[str, Path]:
     """The Modal campaigns' `cellfeed-kernels` Volume, lasting across the test session's control planes
     as a workspace's named Volume lasts across runs (`ControlPlane(lasting_volumes=...)`, V9). The
-    session starts it with KERNEL_RUNS' folders compiled (`token_pass_job`); for another run, the
-    first plane to stop with its token pass compiled publishes its folder, and later setups and
-    producers of a run of that name load it (a variant it lacks is compiled there, and not published).
+    session starts it with KERNEL_RUNS' folders compiled (`token_pass_job`); another run's folder starts
+    as a copy of one of them (`producers/kernel_cache.py:_seed`), and a variant it lacks is compiled
+    there (published when the first plane to stop with it does).
     Tests that check a setup compiles into an empty Volume do not take it."""
     return {"cellfeed-kernels": token_pass_job()}
 

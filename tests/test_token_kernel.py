@@ -8,6 +8,8 @@ tokens against an independent per-cell computation."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -181,38 +183,62 @@ def f(x):
 LOAD = """
 import json, sys
 from producers.kernel_cache import cache_kernels_in
-assert cache_kernels_in(sys.argv[1])
+assert cache_kernels_in(*sys.argv[1:])
 import kernel
 stats = kernel.f.stats
 print(json.dumps({"value": kernel.f(1), "hits": len(stats.cache_hits), "misses": len(stats.cache_misses)}))
 """
 
 
+def load_kernel(copy: Path, add: int, *cache_args) -> dict:
+    """Run KERNEL (returning x + `add`) from a copy of its code at `copy`, cached as `cache_kernels_in(*cache_args)`
+    says, in a fresh process: its value and numba's cache hits and misses."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    folder = copy / "kernels"  # (the same folder name in every copy, as /root/producers)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "kernel.py").write_text(KERNEL.format(add=add))
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{folder}{':'}{root}"}
+    out = subprocess.run([sys.executable, "-c", LOAD, *map(str, cache_args)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
 def test_a_kernel_compiled_by_one_copy_of_the_code_is_loaded_by_another(tmp_path):
     """producers/kernel_cache.py: a Modal container gets the code at a path of its own, and so does
     each of the test world's; a kernel compiled by one copy is loaded by another (a hit, no compile)
     and a changed source is compiled again (numba's content stamp), never loaded."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root, cache = Path(__file__).resolve().parents[1], tmp_path / "cache"
+    cache = tmp_path / "cache"
     cache.mkdir()
 
     def run(copy: str, add: int) -> dict:
-        folder = tmp_path / copy / "kernels"  # (the same folder name in every copy, as /root/producers)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "kernel.py").write_text(KERNEL.format(add=add))
-        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{folder}{':'}{root}"}
-        out = subprocess.run([sys.executable, "-c", LOAD, str(cache)], env=env, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout)
+        return load_kernel(tmp_path / copy, add, cache)
 
     assert run("a", 1) == {"value": 2, "hits": 0, "misses": 1}  # compiled, into the shared folder
     assert run("b", 1) == {"value": 2, "hits": 1, "misses": 0}  # another copy: loaded
     assert run("c", 2) == {"value": 3, "hits": 0, "misses": 1}  # a changed source: compiled again
     assert sorted(p.name for p in cache.iterdir()) == ["kernels"]  # one folder, not one per copy
+
+
+def test_a_new_runs_folder_starts_as_a_copy_of_the_last_compiled_one_and_loads_it(tmp_path):
+    """producers/kernel_cache.py: `_seed`: a Volume's first campaign compiles the pass; a later one's
+    folder starts as a copy of the last one compiled, so its setup loads it (a hit, no compile); a
+    changed source is compiled again in that run's folder only, and becomes the one later runs copy.
+    A run whose folder exists keeps it."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    files = lambda run: sorted(p.name for p in (volume / run / "kernels").iterdir())  # noqa: E731
+    assert load_kernel(tmp_path / "a", 1, volume, "run-a") == {"value": 2, "hits": 0, "misses": 1}
+    assert load_kernel(tmp_path / "b", 1, volume, "run-b") == {"value": 2, "hits": 1, "misses": 0}
+    assert files("run-b") == files("run-a")
+    assert load_kernel(tmp_path / "c", 2, volume, "run-c") == {"value": 3, "hits": 0, "misses": 1}
+    assert files("run-a") == files("run-b")  # (compiled in run-c's folder alone)
+    assert load_kernel(tmp_path / "d", 2, volume, "run-d") == {"value": 3, "hits": 1, "misses": 0}  # run-c's
+    assert load_kernel(tmp_path / "e", 1, volume, "run-a") == {"value": 2, "hits": 1, "misses": 0}  # its own
+    assert sorted(p.name for p in volume.iterdir()) == ["run-a", "run-b", "run-c", "run-d"]  # (no staging left)
 
 
 def test_each_run_keeps_its_kernels_in_a_folder_of_its_own(tmp_path):
