@@ -252,7 +252,7 @@ def kernel_volume(token_pass_job) -> dict[str, Path]:
     session starts it with KERNEL_RUNS' folders compiled (`token_pass_job`); another run's folder starts
     as a copy of one of them (`producers/kernel_cache.py:_seed`), and a variant it lacks is compiled
     there (published when the first plane to stop with it does).
-    Tests that check a setup compiles into an empty Volume do not take it."""
+    The test that checks a setup compiles into an empty Volume does not take it."""
     return {"cellfeed-kernels": token_pass_job()}
 
 

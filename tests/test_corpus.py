@@ -411,3 +411,30 @@ def test_a_resume_with_a_changed_corpus_applies_it_from_the_next_epoch_or_refuse
     corpus_file.write_text('vocabulary = "v.json"\n[[source]]\nname = "a"\ndataset = "s3://b/a"\n')
     with pytest.raises(CellfeedError, match="vocabulary and gene_column are the run's own"):
         record_mixtures(cfg, tmp_path, 5)
+
+
+@pytest.mark.parametrize("compile_pass", [True, False])
+def test_a_modal_setup_with_no_held_out_set_tokenizes_the_first_cells_of_every_source(
+    corpus, monkeypatch, compile_pass
+):
+    """app/campaign.py:prepare as a Modal setup calls it (`compile_pass`): with no held-out set it
+    tokenizes the first 4 cells of every source (producers/held_out.py:compile_token_pass), so the token
+    pass is compiled for each source's types into the kernels Volume before the producers start and
+    load it. `cellfeed local` does not ask (its producers share one machine's cache): nothing is
+    tokenized. (That a Modal setup compiles into an empty Volume is tested on the control plane.)"""
+    from app import campaign
+    from app.config import CampaignConfig
+    from producers import held_out
+
+    path, offsets, _ = corpus
+    asked, real = [], held_out.tokenize_cells
+    monkeypatch.setattr(held_out, "tokenize_cells", lambda producer, ids: asked.append(real(producer, ids)) or [])
+    cfg = CampaignConfig(corpus=path, run="setup-test", max_genes=32, epochs=1).validate()
+    facts = campaign.prepare(cfg, MemoryQueue(), MemoryMap(), compile_pass=compile_pass)
+    assert facts.cells_per_epoch == 2400
+    if not compile_pass:
+        assert asked == []
+        return
+    (items,) = asked
+    cells = Counter(int(c) for item in items for c in unpack_item(item).cell_ids)
+    assert cells == Counter({offset + k: 1 for offset in offsets for k in range(4)})
