@@ -1,22 +1,20 @@
 """Start one training process per rank on this machine (what torchrun does, minus elasticity):
 real processes, each in a session of its own, so a test can SIGKILL them.
 
-Ranks are forked from a *rank server* (`python -m trainer.launch`), one per launching process,
-started on first use. It imports torch and the trainer once; each fresh interpreter would pay that
-again (~2.5 CPU-s here: `import torch`, then `torch._dynamo`, which DDP's constructor and the
-optimizer's first step import), so a campaign's second and later ranks, and every rank of a resume,
-start in milliseconds. The server never runs a torch op or initialises CUDA before it forks (one
-thread; each rank sets its own device up), and talks to the launcher over a Unix socket pair:
+Ranks are forked from a *rank server* (`python -m trainer.launch`), one per launching process, started on first use.
+It imports torch and the trainer once; each fresh interpreter would pay that again (~2.5 CPU-s here: `import torch`,
+then `torch._dynamo`, which DDP's constructor and the optimizer's first step import), so a campaign's second and
+later ranks, and every rank of a resume, start in milliseconds. The server never runs a torch op or initialises CUDA
+before it forks (one thread; each rank sets its own device up), and talks to the launcher over a Unix socket pair:
 
     launcher -> server   {"argv": [...], "env": {...}, "cwd": ...} with the rank's stdout and stderr (SCM_RIGHTS)
                          {"signal": N, "pid": P}
     server -> launcher   {"started": P}, then {"exited": P, "code": C}
 
-The server is the ranks' parent: it alone reaps them, and signals only a rank it has not reaped,
-so a signal never reaches a process that reused a rank's pid. It ends when the launcher does (its
-socket closes), and its ranks die with it (each has the server's death as its SIGKILL): a
-launcher killed outright leaves no rank behind. A launcher whose server died reports its ranks as
-killed.
+The server is the ranks' parent: it alone reaps them, and signals only a rank it has not reaped, so a signal never
+reaches a process that reused a rank's pid. It ends when the launcher does (its socket closes), and its ranks die
+with it (each has the server's death as its SIGKILL): a launcher killed outright leaves no rank behind. A launcher
+whose server died reports its ranks as killed.
 
 A *shared* server (`python -m trainer.launch --listen PATH`, named to launchers by `CELLFEED_RANK_SERVER=PATH`)
 serves every launch on the machine that names it, torch imported once for all: a sweep of short campaigns, the
@@ -31,6 +29,8 @@ working directory, stdout and stderr; CUDA and NCCL read theirs in the rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import select
@@ -39,6 +39,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -255,6 +256,9 @@ def serve(launcher: socket.socket | None = None, listener: socket.socket | None 
     # one OpenMP thread a rank: OpenMP reads this as torch loads it, here, so a rank's own setting (launch()'s)
     # comes too late in a forked rank; whoever started this server (a launcher, a shell's --listen) need not set it
     os.environ["OMP_NUM_THREADS"] = "1"
+    # no cyclic GC while the imports run, then all they made frozen: each collection during them walked
+    # torch's objects again (~1.2 of ~4.2 CPU-s here), and a rank's would too, copying pages it shares with us
+    gc.disable()
     import torch  # noqa: F401 - the point of this process: imported once, shared by every rank it forks
     import torch._dynamo  # noqa: F401 - DDP's constructor and the optimizer import it
 
@@ -264,6 +268,8 @@ def serve(launcher: socket.socket | None = None, listener: socket.socket | None 
 
     if os.environ.get("MODAL_IS_REMOTE") == "1":  # a Modal container (modal/config.py reads the same variable):
         import modal  # noqa: F401 - each rank's queue client's (coordination/modal_backend.py; ~0.7 CPU-s a rank)
+    gc.freeze()
+    gc.enable()
 
     running: dict[socket.socket, set[int]] = {launcher: set()} if launcher else {}  # each launcher's ranks
     gone: set[int] = set()  # ranks of launchers that have gone: killed, to be reaped
@@ -315,10 +321,8 @@ def serve(launcher: socket.socket | None = None, listener: socket.socket | None 
 
 
 def _send(sock: socket.socket, event: dict) -> None:
-    try:
+    with contextlib.suppress(OSError):  # (the launcher has gone: the next read drops it)
         sock.send(json.dumps(event).encode())
-    except OSError:
-        pass  # the launcher has gone: the next read drops it
 
 
 def _hung_up(sock: socket.socket) -> bool:
@@ -382,8 +386,6 @@ def _be_a_rank(socks: list[socket.socket], fds: list[int], request: dict, server
 
 def wait_all(procs: list[Rank], timeout: float) -> list[int]:
     """Exit codes; if one rank fails the others are stopped (DDP would hang waiting for it)."""
-    import time
-
     deadline = time.monotonic() + timeout
     codes = [None] * len(procs)
     while None in codes:
@@ -413,8 +415,6 @@ def ask_to_stop(procs: list[Rank]) -> None:
 def checkpoint_and_stop(procs: list[Rank], timeout: float) -> list[int | None]:
     """`ask_to_stop`, wait up to `timeout` seconds, then kill what is left. Exit codes (None: it
     had to be killed)."""
-    import time
-
     ask_to_stop(procs)
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
