@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -34,7 +35,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+gc.disable()  # imported as the rank server imports for its ranks (trainer/launch.py:serve): GC off, then frozen
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402,F401 - (the optimizer imports it: the server had it before a rank's first step)
 
 from benchmarks._checks import check_figures, fail  # noqa: E402
 from coordination.arrays import CellRows  # noqa: E402
@@ -47,6 +50,9 @@ from coordination.wire import pack_items  # noqa: E402
 from producers.synth import SynthSpec, expressed_genes  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.train import train  # noqa: E402
+
+gc.freeze()
+gc.enable()
 
 N_GENES = 62_710
 OBJECTIVE = {"scgpt": "bins", "geneformer": "genes"}  # what each layout's model predicts
