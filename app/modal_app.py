@@ -111,12 +111,13 @@ def setup_body(config: dict) -> dict:
     into the run's folder of the kernels Volume, committed for the producers (`producers/kernel_cache.py`)."""
     from app.campaign import prepare
     from coordination.backends import connect
-    from producers.kernel_cache import cache_kernels_in
+    from producers.kernel_cache import cache_kernels_in, mark_seedable
 
     cfg = unpacked(config)
     cached = cache_kernels_in(mounted(KERNELS), cfg.run)
     facts = prepare(cfg, *connect(cfg.backend_spec("modal")), compile_pass=cached)
     if cached:
+        mark_seedable(mounted(KERNELS), cfg.run)
         retrying(kernels.commit, "committing the kernels Volume", cfg.modal_retry_s)
     return asdict(facts)  # a dict: it crosses to the laptop
 
@@ -440,8 +441,7 @@ main.__annotations__ = {p.name: p.annotation for p in main.__signature__.paramet
 main = app.local_entrypoint()(main)
 
 
-# every process that loads this app (a container, before its function's body; the laptop's `modal run`) has
-# imported modal's client and ours by now: frozen, the cyclic GC stops walking them again in every collection
-# (~15% of a short container's CPU here), and it collects the young objects a tenth as often (it stays on)
-gc.freeze()
-gc.set_threshold(10_000, 10, 10)
+# a container has imported modal's client and ours by now, before its function's body: frozen, they are not walked
+# again by every collection of the cyclic GC (~15% of a short container's CPU here); later garbage is collected as ever
+if os.environ.get("MODAL_IS_REMOTE") == "1":
+    gc.freeze()

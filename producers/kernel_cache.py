@@ -10,8 +10,9 @@ stamp still decides whether a cache is valid, so a changed kernel is compiled ag
 It is numba's documented hook for this (`NUMBA_CACHE_LOCATOR_CLASSES`, read with `NUMBA_CACHE_DIR`).
 
 On Modal the folder is a Volume (`app/modal_app.py`: `cellfeed-kernels` at /kernels, mounted by
-setup and the producers): the setup compiles (`app/campaign.py:prepare`) and commits, so the
-producers it is followed by, and every producer started after a preemption, load.
+setup and the producers): the setup compiles (`app/campaign.py:prepare`), marks its folder seedable
+and commits, so the producers it is followed by, every producer started after a preemption, and
+every later run's setup (its folder a copy of the newest seedable one: `_seed`) load.
 """
 
 from __future__ import annotations
@@ -56,21 +57,46 @@ def cache_kernels_in(folder: str, run: str = "") -> bool:
     return True
 
 
+SEEDABLE = ".seedable"  # in a run's folder: its setup compiled there and nothing compiled after (`mark_seedable`)
+
+
+def mark_seedable(folder: str, run: str) -> None:
+    """(a setup, after compiling, before its commit) The run's folder may seed later runs' (`_seed`): written
+    after its index, so a producer that compiles another variant there later makes its index newer than this."""
+    here = os.path.join(folder, run)
+    if os.path.isdir(here):
+        with open(os.path.join(here, SEEDABLE), "w"):
+            pass
+
+
 def _seed(folder: str, run: str) -> None:
-    """A run folder that does not exist yet is made as a whole copy of the run folder whose index was
-    written last (an index with the variants it lists: a folder as a setup committed it). numba still
-    checks each variant against its source's content, so a changed kernel is compiled again, into
-    this run's folder only. The copy is made aside and renamed into place: a reader never sees half."""
+    """A run folder that does not exist yet is made as a whole copy of the newest run folder a setup
+    marked seedable and no producer compiled into since (its indexes no newer than the mark): producers
+    compiling into one folder at once can leave an index beside another's code, which must not spread.
+    numba still checks each variant against its source's content, so a changed kernel is compiled again,
+    into this run's folder only. The copy is made aside and renamed into place: a reader never sees half."""
     here = os.path.join(folder, run)
     if os.path.exists(here):
         return
-    indexes = glob.glob(os.path.join(glob.escape(folder), "*", "*", "*.nbi"))  # RUN/PACKAGE/index
-    if not indexes:
+    for stale in glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(run)}.*")):  # (a copy cut short)
+        shutil.rmtree(stale, ignore_errors=True)
+    whole = []
+    for mark in glob.glob(os.path.join(glob.escape(folder), "*", SEEDABLE)):
+        try:
+            marked, source = os.path.getmtime(mark), os.path.dirname(mark)
+            indexes = [os.path.getmtime(i) for i in glob.glob(os.path.join(glob.escape(source), "*", "*.nbi"))]
+        except OSError:  # (changing as we look: not this one)
+            continue
+        if indexes and max(indexes) <= marked:
+            whole.append((marked, source))
+    if not whole:
         return
-    newest = os.path.dirname(os.path.dirname(max(indexes, key=os.path.getmtime)))
     staging = tempfile.mkdtemp(prefix=f".{run}.", dir=folder)  # (a dot folder: never taken for a run's)
     try:
-        shutil.copytree(newest, staging, dirs_exist_ok=True)
+        shutil.copytree(max(whole)[1], staging, dirs_exist_ok=True)
+        os.remove(os.path.join(staging, SEEDABLE))  # (this run's setup marks its own)
         os.rename(staging, here)
-    except OSError:  # (another process of the run made its folder first: theirs stands)
+    except OSError as exc:  # the run's folder made meanwhile by another of its processes (theirs stands), or not
         shutil.rmtree(staging, ignore_errors=True)
+        if not os.path.isdir(here):
+            print(f"kernels: {run} starts with no compiled token pass (copying one failed: {exc})", flush=True)

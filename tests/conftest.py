@@ -231,9 +231,10 @@ def token_pass_job(tmp_path_factory) -> Callable[[], Path]:
     thread.start()
 
     def wait() -> Path:
-        thread.join(timeout=900)
+        thread.join(timeout=0 if "error" in done else 900)
         if "volume" not in done:
-            raise done.get("error") or TimeoutError("the token pass did not compile in 900 s")
+            done.setdefault("error", TimeoutError("the token pass did not compile in 900 s"))
+            raise RuntimeError("the session's token pass did not compile") from done["error"]
         return done["volume"]
 
     return wait
@@ -388,7 +389,7 @@ def pytest_configure(config):
     An explicit --maxschedchunk on the command line wins."""
     config.addinivalue_line("markers", "token_pass_free: nothing the test runs tokenizes (conftest.py: token_pass_job)")
     # a worker holds torch, Lance, modal and the control plane for the whole session: young objects are collected a
-    # tenth as often, and what the collection imported is frozen (below), as app/modal_app.py does in its processes
+    # ~14x less often, and what the collection imported is frozen (below), as a Modal container does (app/modal_app.py)
     gc.set_threshold(10_000, 10, 10)
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "maxschedchunk", "absent") is None:
         config.option.maxschedchunk = 1

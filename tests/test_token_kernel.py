@@ -223,22 +223,27 @@ def test_a_kernel_compiled_by_one_copy_of_the_code_is_loaded_by_another(tmp_path
     assert sorted(p.name for p in cache.iterdir()) == ["kernels"]  # one folder, not one per copy
 
 
-def test_a_new_runs_folder_starts_as_a_copy_of_the_last_compiled_one_and_loads_it(tmp_path):
-    """producers/kernel_cache.py: `_seed`: a Volume's first campaign compiles the pass; a later one's
-    folder starts as a copy of the last one compiled, so its setup loads it (a hit, no compile); a
-    changed source is compiled again in that run's folder only, and becomes the one later runs copy.
-    A run whose folder exists keeps it."""
+def test_a_new_runs_folder_starts_as_a_copy_of_the_last_whole_one_and_loads_it(tmp_path):
+    """producers/kernel_cache.py: `_seed`: a Volume's first campaign compiles the pass and its setup marks
+    the folder seedable; a later run's folder starts as a copy of the newest marked one, so its setup loads
+    it (a hit, no compile). A folder compiled into after its mark (a producer's variant: its index may sit
+    beside another's code) is not copied; a changed source compiles again, in its run's folder only."""
+    from producers.kernel_cache import mark_seedable
+
     volume = tmp_path / "volume"
     volume.mkdir()
     files = lambda run: sorted(p.name for p in (volume / run / "kernels").iterdir())  # noqa: E731
     assert load_kernel(tmp_path / "a", 1, volume, "run-a") == {"value": 2, "hits": 0, "misses": 1}
+    mark_seedable(str(volume), "run-a")
     assert load_kernel(tmp_path / "b", 1, volume, "run-b") == {"value": 2, "hits": 1, "misses": 0}
-    assert files("run-b") == files("run-a")
+    assert files("run-b") == files("run-a") and not (volume / "run-b" / ".seedable").exists()
     assert load_kernel(tmp_path / "c", 2, volume, "run-c") == {"value": 3, "hits": 0, "misses": 1}
-    assert files("run-a") == files("run-b")  # (compiled in run-c's folder alone)
+    mark_seedable(str(volume), "run-c")
+    assert files("run-a") == files("run-b")  # (run-c compiled in its own folder alone)
     assert load_kernel(tmp_path / "d", 2, volume, "run-d") == {"value": 3, "hits": 1, "misses": 0}  # run-c's
-    assert load_kernel(tmp_path / "e", 1, volume, "run-a") == {"value": 2, "hits": 1, "misses": 0}  # its own
-    assert sorted(p.name for p in volume.iterdir()) == ["run-a", "run-b", "run-c", "run-d"]  # (no staging left)
+    assert load_kernel(tmp_path / "c", 5, volume, "run-c") == {"value": 6, "hits": 0, "misses": 1}  # after its mark
+    assert load_kernel(tmp_path / "e", 1, volume, "run-e") == {"value": 2, "hits": 1, "misses": 0}  # run-a's
+    assert sorted(p.name for p in volume.iterdir()) == ["run-a", "run-b", "run-c", "run-d", "run-e"]  # (no staging)
 
 
 def test_each_run_keeps_its_kernels_in_a_folder_of_its_own(tmp_path):

@@ -257,7 +257,7 @@ def serve(launcher: socket.socket | None = None, listener: socket.socket | None 
     # comes too late in a forked rank; whoever started this server (a launcher, a shell's --listen) need not set it
     os.environ["OMP_NUM_THREADS"] = "1"
     # no cyclic GC while the imports run, then all they made frozen: each collection during them walked
-    # torch's objects again (~1.2 of ~4.2 CPU-s here), and a rank's would too, copying pages it shares with us
+    # torch's objects again (1.2 of 3.6 CPU-s here), and a rank's would too, copying pages it shares with us
     gc.disable()
     import torch  # noqa: F401 - the point of this process: imported once, shared by every rank it forks
     import torch._dynamo  # noqa: F401 - DDP's constructor and the optimizer import it
