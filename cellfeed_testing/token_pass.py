@@ -42,6 +42,8 @@ def compile_variants() -> list[Path]:
 
 
 def main(volume: str, runs: list[str]) -> None:
+    from producers.kernel_cache import mark_seedable
+
     files = compile_variants()
     for run in runs:  # what `cache_kernels_in(volume, run)` looks in, as setup's commit would leave it
         target = Path(volume) / run / "producers"
@@ -51,6 +53,7 @@ def main(volume: str, runs: list[str]) -> None:
             for f in files:
                 shutil.copy2(f, staging / f.name)
             staging.rename(target)
+            mark_seedable(volume, run)  # (as its setup does: a later run's folder may start as a copy of it)
     print(f"token pass: {len(files)} cache files, in {len(runs)} run folders of {volume}")
 
 
