@@ -875,3 +875,35 @@ def test_a_resume_under_another_gene_vocabulary_is_refused_in_one_line():
     ) as err:
         check_resume(saved, cfg, model=None, store=None)
     assert "\n" not in str(err.value)
+
+
+def test_a_checkpoint_of_an_unfused_optimizer_resumes_fused_and_steps_the_same():
+    """A checkpoint written by an unfused AdamW (before it was fused on CPU) resumes into this run's
+    fused one: torch's `load_state_dict` would take the saved groups' `fused=False`, so the run would
+    go on unfused. The resumed step equals the unfused optimizer's own next step."""
+    import copy
+
+    from trainer.resume import load_optimizer
+
+    torch.manual_seed(0)
+    weights = torch.randn(64, 8)
+    grads = [torch.randn(64, 8) for _ in range(3)]
+
+    def stepped(optimizer, param, gs):
+        for g in gs:
+            param.grad = g.clone()
+            optimizer.step()
+
+    old = torch.nn.Parameter(weights.clone())
+    unfused = torch.optim.AdamW([old], lr=1e-2, fused=False)
+    stepped(unfused, old, grads[:2])
+    saved = copy.deepcopy(unfused.state_dict())  # (as read from a file: no tensor shared with `unfused`)
+
+    new = torch.nn.Parameter(old.detach().clone())
+    fused = torch.optim.AdamW([new], lr=1e-2, fused=True)
+    load_optimizer(fused, saved)
+    assert fused.param_groups[0]["fused"] is True and saved["param_groups"][0]["fused"] is False
+    assert fused.state[new]["step"].dtype == torch.float32 and fused.state[new]["step"].item() == 2
+    stepped(fused, new, grads[2:])
+    stepped(unfused, old, grads[2:])
+    assert torch.allclose(new, old, rtol=0, atol=1e-6), (new - old).abs().max()

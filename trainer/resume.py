@@ -23,7 +23,7 @@ def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, st
         return 0, 0, checkpoint.RankProgress(), None
     check_resume(saved, cfg, model, store)
     model.load_state_dict(saved.state["model"])
-    optimizer.load_state_dict(saved.state["optimizer"])
+    load_optimizer(optimizer, saved.state["optimizer"])
     everything = checkpoint.RankProgress.merged(saved.ranks)
     progress = everything if rank == 0 else everything.without_totals()  # rank 0 carries the totals
     left = None
@@ -42,6 +42,18 @@ def restore(saved, cfg: TrainConfig, rank: int, world: int, model, optimizer, st
         )
         print(f"resumed from step {saved.step} (epoch {saved.epoch}, {before:,} cells of it already trained{moved})")
     return saved.step, saved.epoch, progress, left
+
+
+def load_optimizer(optimizer, state: dict) -> None:
+    """The checkpoint's optimizer state, stepped as this run steps. Each saved param group carries
+    the saving run's `fused` and `foreach` (a checkpoint written before AdamW was fused on CPU,
+    or by another build), and torch's `load_state_dict` takes the groups whole: the run would go
+    on unfused, its `step` counts left where the unfused update keeps them."""
+    groups = state["param_groups"]
+    if len(groups) == len(optimizer.param_groups):  # (else torch's own error says they differ)
+        how = [{k: g.get(k) for k in ("fused", "foreach")} for g in optimizer.param_groups]
+        state = {**state, "param_groups": [{**saved, **h} for saved, h in zip(groups, how)]}
+    optimizer.load_state_dict(state)
 
 
 def check_resume(saved: checkpoint.Checkpoint, cfg: TrainConfig, model, store) -> None:
