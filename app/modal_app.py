@@ -87,7 +87,9 @@ _producer_base = modal.Image.debian_slim(python_version="3.11").pip_install(*PRO
 producer_image = _producer_base.add_local_python_source(*PACKAGES)
 _trainer_base = modal.Image.debian_slim(python_version="3.11").pip_install(*TRAINER_PIP)
 trainer_image = _trainer_base.add_local_python_source(*PACKAGES)
-# conversion containers: one heap from the start, before modal's client's threads (producers/heap.py says why)
+# conversion containers: the producer's packages (h5ad in, Lance out), one heap from the start, before
+# modal's client's threads (producers/heap.py says why)
+CONVERT_PIP = PRODUCER_PIP
 convert_image = _producer_base.env({"MALLOC_ARENA_MAX": "1"}).add_local_python_source(*PACKAGES)
 
 app = modal.App(APP_NAME)

@@ -388,8 +388,9 @@ def pytest_configure(config):
     of a quarter of each worker's share, which gave a worker several of the longest tests at once.
     An explicit --maxschedchunk on the command line wins."""
     config.addinivalue_line("markers", "token_pass_free: nothing the test runs tokenizes (conftest.py: token_pass_job)")
-    # a worker holds torch, Lance, modal and the control plane for the whole session: young objects are collected a
-    # ~14x less often, and what the collection imported is frozen (below), as a Modal container does (app/modal_app.py)
+    # a worker holds torch, Lance, modal and the control plane for the whole session: young objects are collected
+    # ~14x less often (every 10,000 allocations, not 700), and what the collection imported is frozen (below), as a
+    # Modal container freezes its imports (app/modal_app.py)
     gc.set_threshold(10_000, 10, 10)
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "maxschedchunk", "absent") is None:
         config.option.maxschedchunk = 1
