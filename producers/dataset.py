@@ -20,7 +20,7 @@ import lance
 import numpy as np
 import pyarrow as pa
 
-from coordination.arrays import CellRows, merge_ranges, offsets_of, positions_in_ranges, ragged_arange
+from coordination.arrays import CellRows, merge_ranges, offsets_of, ragged_arange, rows_of_spans
 from coordination.errors import CellfeedError
 from producers.storage import LocalLocation, Location, S3Settings, location
 
@@ -341,7 +341,7 @@ class Dataset:
         rows), read in one go through `ranges` (sorted, disjoint [start, stop) ranges holding every
         span, as a unit's part reads; default: the spans merged). Where the spans lie end to end in
         what is read (a unit's cells and pieces in storage order), the container holds the arrays
-        read, with no copy; else each cell's rows are gathered."""
+        read, with no copy; else each cell's rows are copied out (`rows_of_spans`)."""
         cell_ids = np.asarray(cell_ids, dtype=np.int64)
         if spans is None:
             starts = self.cell_row_start
@@ -355,9 +355,7 @@ class Dataset:
         counts = spans[:, 1] - spans[:, 0]
         end_to_end = len(genes) == counts.sum() and bool(np.all(spans[1:, 0] >= spans[:-1, 1]))
         if not end_to_end:
-            first = positions_in_ranges(ranges, spans[:, 0]) if len(ranges) else np.zeros(len(spans), np.int64)
-            at = ragged_arange(first, first + counts)
-            genes, values = genes[at], values[at]
+            genes, values = rows_of_spans(ranges, spans, genes, values)
         return CellRows(cell_ids, offsets_of(counts), genes, values)
 
     def _read_ranges(self, ranges: np.ndarray, columns) -> pa.Table:

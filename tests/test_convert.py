@@ -249,6 +249,27 @@ def test_row_range_reads_agree_with_one_contiguous_read(small_synth, slice_rows,
         ds.read_row_ranges(np.array([[0, ds.n_rows + 1]]))
 
 
+def test_cells_read_through_bridged_ranges_are_each_cells_own_rows(small_synth):
+    """A unit's reads may bridge the gaps between its cells (`bridge_gaps`: a balanced unit's), so the
+    rows read hold rows of other cells: each cell's own are copied out (`rows_of_spans`), a slice per
+    run of touching cells where the cells ascend, row by row where they do not. Either way every
+    cell's genes and values are its own, in the order asked (fragment edges included)."""
+    from coordination.arrays import bridge_gaps, merge_ranges
+
+    ds, rng = small_synth, np.random.default_rng(1)
+    starts = ds.cell_row_start
+    picked = np.sort(rng.choice(ds.n_cells, ds.n_cells // 3, replace=False))  # runs of touching cells, and gaps
+    one_by_one = {c: ds.read_cells(np.array([c])) for c in picked.tolist()}
+    ranges = bridge_gaps(merge_ranges(starts[picked], starts[picked + 1]), max_gap=5_000)
+    assert (ranges[:, 1] - ranges[:, 0]).sum() > (starts[picked + 1] - starts[picked]).sum()  # gaps were read
+    for cells in (picked, rng.permutation(picked)):
+        got = ds.read_cells(cells, ranges)
+        for i, c in enumerate(cells.tolist()):
+            a, b = got.offsets[i], got.offsets[i + 1]
+            np.testing.assert_array_equal(got.ids[a:b], one_by_one[c].ids)
+            np.testing.assert_array_equal(got.values[a:b], one_by_one[c].values)
+
+
 def test_dataset_written_by_slaf_convert_opens_unchanged():
     """tests/data/slaf_counts was written by `slaf` 0.5.2's SLAFConverter (max_rows_per_file=1000)
     from random_counts(150, 400, seed=42); it opens and reads back exactly."""
