@@ -3,8 +3,8 @@ app/modal_app.py` (the installed `modal` package's CLI) against the local Modal 
 (cellfeed_testing/modal_control_plane), whose containers run `python -m modal._container_entrypoint`
 with the same package: setup, train with its ranks, spawned producers, the run's Queue and Dict,
 the checkpoints Volume. The faults are the plane's (faults.py: a layer around its handlers, fired
-on the n-th matching request, seeded) and its preemptions (SIGINT to every process of the
-container, a grace, SIGKILL; the same input again):
+on the n-th matching request, seeded, and placed within the requests the calm run below made) and
+its preemptions (SIGINT to every process of the container, a grace, SIGKILL; the same input again):
 
 - gRPC bursts that outlast modal's own retries (4 attempts in ~0.7 s) on the queue, the Dict, the
   producers' spawns and the looks at a call's result: the error reaches the product, which retries;
@@ -66,6 +66,7 @@ PRODUCERS, GPUS, BATCH = 2, 2, 32
 SECRET = os.environ.get("CELLFEED_SECRET", "cellfeed-s3")  # app/modal_app.py's Secret (S3 settings: none here)
 CLIENT_LINE = re.compile(r"^modal (\S+) from (\S+)$", re.M)  # what train and produce print as they start
 WATCH_S = 0.2
+NEVER = 1 << 62  # a rule placed past any request: it only counts the requests it matches
 
 
 @dataclass
@@ -90,12 +91,15 @@ class Outcome:
     call_logs: dict = field(default_factory=dict)  # call id -> its containers' output
 
 
-def network_plan(rng: random.Random, scale: float) -> list[tuple[str, dict]]:
+def network_plan(rng: random.Random, scale: float, seen: list[int] | None = None) -> list[tuple[str, dict]]:
     """Seeded network faults, (the fault kind the JSON counts, the plane's rule), each at the n-th
-    matching request."""
+    matching request. `seen`: each rule's matching requests in a calm run of the same campaign
+    (`counting`); a rule is then placed no later than a seeded 10-40% of them. How many requests a
+    campaign makes follows its speed (a faster rank drains its partition in fewer gets), so a place
+    sized only by the campaign's cells can lie past its last request, and that fault never fires."""
     at = lambda a, b: max(1, int(rng.randint(a, b) * scale))  # noqa: E731
     rank_get = {"kind": "lost_reply", "target": "queue", "op": "get", "partition": "rank-"}
-    return [
+    plan = [
         # bursts: with several callers at once, each burst is long enough that some caller spends
         # all 4 of its attempts (grpc_utils.py:499-509) and the error reaches the product
         ("grpc_burst", {"kind": "grpc_burst", "target": "queue", "after": at(150, 400), "calls": 40}),
@@ -115,6 +119,15 @@ def network_plan(rng: random.Random, scale: float) -> list[tuple[str, dict]]:
         ("lost_reply_result", {"kind": "lost_reply", "target": "call", "op": "get", "function": "setup"}),
         ("latency", {"kind": "latency", "target": "queue", "after": at(100, 300), "calls": 40, "delay_s": 0.2}),
     ]
+    for (_, rule), n in zip(plan, seen or ()):
+        if rule.get("after"):
+            rule["after"] = max(1, min(rule["after"], int(n * rng.uniform(0.1, 0.4))))
+    return plan
+
+
+def counting(plan: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """The plan's rules placed past any request (they only count what matches them: a calm run's `seen`)."""
+    return [(label, {**rule, "after": NEVER}) for label, rule in plan]
 
 
 def preemption_plan(rng: random.Random, steps: int) -> list[Preemption]:
@@ -349,13 +362,20 @@ def main() -> None:
         progress=False,
     )
     steps = epochs * -(-n_cells // (GPUS * BATCH))
-    calm = None
-    if not args.tiny:
-        calm = run_campaign(work / "calm", dataset, epochs=epochs, timeout_s=timeout_s, kernels=args.kernels)
+    calm, scale = None, n_cells * epochs / 6000
+    if not args.tiny:  # (its rules fire never: they count each one's requests, where the plan places it)
+        calm = run_campaign(
+            work / "calm",
+            dataset,
+            epochs=epochs,
+            network=counting(network_plan(random.Random(args.seed), scale)),
+            timeout_s=timeout_s,
+            kernels=args.kernels,
+        )
         if calm.returncode != 0:
             print(calm.stderr[-3000:], file=sys.stderr)
             fail(f"the campaign without faults failed (exit {calm.returncode})")
-    network = network_plan(rng, scale=n_cells * epochs / 6000)
+    network = network_plan(rng, scale, seen=[r["seen"] for r in calm.rules] if calm else None)
     preemptions = preemption_plan(rng, steps)
     if args.tiny:  # every network fault, and a producer preempted (the suite preempts train elsewhere)
         preemptions = preemptions[:1]
