@@ -510,3 +510,25 @@ def test_the_courier_sends_the_jobs_waiting_together_each_units_done_after_its_i
     events = [decode_event(e) for e in queue.get_many(100, block=False, partition=EVENTS_PARTITION)]
     assert [e["done"] for e in events if e["done"]] == [[(0, 0)], [(0, u) for u in range(1, 6)]]
     assert events[-1]["held"] == []
+
+
+def test_read_ahead_on_local_disk_stays_one_unit_ahead_however_slow_reads_look(small_synth):
+    """`Producer.read_ahead` sizes the read-ahead as 1 + read time / work time, but on local disk at
+    most `LOCAL_READ_AHEAD`: a local read is CPU work beside the tokenizing, so a read timed while
+    others queue looks slower and the estimate grew with its own depth (a balanced unit's read:
+    0.06 s alone, 0.25-0.36 s at the depth it reached)."""
+    from producers.producer import LOCAL_READ_AHEAD
+
+    producer = Producer(
+        ProducerConfig(dataset=small_synth.uri, run="ahead"), MemoryQueue(), MemoryMap(), dataset=small_synth
+    )
+    try:
+        assert producer.read_ahead() == 1  # nothing measured yet: a guess
+        producer._unit_work_s.extend([0.1] * 8)
+        producer._unit_bytes = 1 << 20
+        producer.stats.unit_read_s.extend([0.05] * 8)
+        assert producer.read_ahead() == 2  # a read shorter than a unit's work: one ahead covers it
+        producer.stats.unit_read_s.extend([1.0] * 8)
+        assert producer.read_ahead() == LOCAL_READ_AHEAD == 2  # not 1 + 1.0 / 0.1 = 11
+    finally:
+        producer.close()
