@@ -16,8 +16,10 @@ its preemptions (SIGINT to every process of the container, a grace, SIGKILL; the
   stop request and the producers' stop; the new campaign pops both, the first pop's reply is
   lost); the spawn of `train` (a second train call is made: the run's claim lets one train);
   setup's result (asked again, still there);
-- a latency spike; preemptions of a producer and of `train` once the trainer has logged a seeded
-  step (read from the running train container's own view of the Volume).
+- a latency spike; a producer's connection reset as it puts items (every call in flight on it ends
+  unanswered: modal's client retries them on a new connection); preemptions of a producer and of
+  `train` once the trainer has logged a seeded step (read from the running train container's own
+  view of the Volume).
 
 Then every epoch's trained cells (`--audit-cells`, on the Volume; a preempted call's steps past the
 checkpoint its successor resumed from are set aside: they were trained again) are checked against
@@ -118,6 +120,8 @@ def network_plan(rng: random.Random, scale: float, seen: list[int] | None = None
         ("lost_reply_spawn", {"kind": "lost_reply", "target": "spawn", "function": "train"}),
         ("lost_reply_result", {"kind": "lost_reply", "target": "call", "op": "get", "function": "setup"}),
         ("latency", {"kind": "latency", "target": "queue", "after": at(100, 300), "calls": 40, "delay_s": 0.2}),
+        # a producer's connection drops (TCP RST) as it puts items: its every call in flight ends unanswered
+        ("transport_reset", {"kind": "connection_reset", "target": "queue", "op": "put", "after": at(20, 60)}),
     ]
     for (_, rule), n in zip(plan, seen or ()):
         if rule.get("after"):
@@ -314,6 +318,8 @@ def describe_rule(label: str, r: dict) -> str:
         what = f"{r['calls']} requests fail {r['status']}; {r['keys_hit'] - r['recovered']} client calls gave up"
     elif r["kind"] == "latency":
         what = f"{r['calls']} requests {r['delay_s'] * 1000:.0f} ms late"
+    elif r["kind"] == "connection_reset":
+        what = f"{r['hits']} connections reset, {r['recovered']} calls recovered by modal's retry"
     else:
         what = f"{r['hits']} replies lost ({r['items_lost']} taken), {r['recovered']} recovered by modal's retry"
     fired = "fired" if r["hits"] else "DID NOT FIRE"

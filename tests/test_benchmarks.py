@@ -236,12 +236,13 @@ def test_modal_chaos(kernel_volume):
     modal's own entrypoint) through a failing network, each fault at the n-th matching request: bursts
     past modal's own retries on the queue, the Dict, the producers' spawn and the looks at a call's
     result; lost replies (applied, then no reply) of three queue gets, a Dict pop, train's spawn (a
-    second train call: one trains) and setup's result; a latency spike; a producer preempted (SIGINT to
-    every process of its container). Every cell trained exactly once (the ranks' cell logs, cell by
+    second train call: one trains) and setup's result; a latency spike; a producer's connection reset
+    as it puts (its every call in flight ends unanswered); a producer preempted (SIGINT to every
+    process of its container). Every cell trained exactly once (the ranks' cell logs, cell by
     cell), the lost items made again, the run's state never deleted before its end, and every container
     ran the installed modal."""
     figures = figures_of(run_benchmark("modal_chaos", "--tiny", "--kernels", str(kernel_volume["cellfeed-kernels"])))
-    assert figures["completed"] and figures["faults_injected"] == 12
+    assert figures["completed"] and figures["faults_injected"] == 13
     assert figures["fault_kinds"] == {
         "grpc_burst": 4,
         "lost_reply_get": 3,
@@ -249,6 +250,7 @@ def test_modal_chaos(kernel_volume):
         "lost_reply_spawn": 1,
         "lost_reply_result": 1,
         "latency": 1,
+        "transport_reset": 1,
         "preempt_produce": 1,
     }
     assert (figures["cells_checked"], figures["cells_lost"], figures["cells_duplicated"]) == (600, 0, 0)

@@ -291,6 +291,35 @@ def test_a_container_s_requests_are_faulted_too_and_named_by_its_task(plane, pro
 # ---- latency
 
 
+def test_a_reset_connection_ends_every_request_on_it_and_the_client_retries_them_on_a_new_one(plane):
+    """`connection_reset`: the matching put's connection aborts before the put is applied, and a
+    blocking get in flight on the same connection (another thread of the same client) ends with it.
+    Modal's client retries both on a new connection: the put is applied once, the get gets its item."""
+    index = plane.fault("connection_reset", "queue", op="put", partition="work", after=1)
+    gets = plane.fault("grpc_burst", "queue", op="get", partition="late", after=10**9, calls=1)  # counts only
+    got = run_client(
+        plane,
+        """
+        import json, threading, time, modal
+        q = modal.Queue.from_name("reset", create_if_missing=True)
+        q.put(0, partition="work")  # the rule's first match: let through
+        waiting = {}
+        getter = threading.Thread(target=lambda: waiting.update(got=q.get(timeout=60, partition="late")))
+        getter.start()
+        time.sleep(2.0)  # (orders the two: the get is in flight on the client's one connection)
+        q.put(1, partition="work")  # its connection aborts, unapplied; the retry puts it once
+        q.put("late", partition="late")
+        getter.join(90)
+        print(json.dumps({"work": q.get_many(10, block=False, partition="work"), "late": waiting.get("got")}))
+        """,
+    )
+    assert got == {"work": [0, 1], "late": "late"}
+    rule = plane.faults()[index]
+    assert (rule["hits"], rule["done"], rule["keys_hit"], rule["recovered"]) == (1, True, 1, 1)
+    assert rule["retries_seen"] == 1 and rule["events"][0]["rpc"] == "QueuePut"
+    assert plane.faults()[gets]["seen"] == 2  # the get in flight ended with the connection and was sent again
+
+
 def test_latency_delays_exactly_the_matching_requests(plane):
     index = plane.fault("latency", "dict", op="get", after=1, calls=2, delay_s=1.0)
     got = run_client(

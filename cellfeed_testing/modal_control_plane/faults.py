@@ -30,6 +30,12 @@ rule looks at the clock.
   client's retries of a lost reply are matching requests too, so `calls` > 4 reaches the caller.
 - `latency`: each matching request waits `delay_s` before it is applied (its reply comes that much
   later), for `calls` requests.
+- `connection_reset`: the (after+1)-th matching request's connection is aborted (a TCP RST) before
+  it is applied, for `calls` requests (default 1): it and every other request in flight on that
+  connection (a container's own too) end with no reply and no status: grpclib's client fails each
+  with `StreamTerminatedError("Connection lost")` (grpclib/protocol.py:477-479, 564, 741-742), which
+  Modal's client retries (grpc_utils.py:676-683) on a new connection (grpclib's Channel connects
+  again once its connection is lost: grpclib/client.py:66-75, 736-741).
 
 Targets and what narrows them: `queue` (QueueGet/Put/Len/Clear/GetOrCreate/GetById/Delete/Heartbeat;
 `op` get, put, len, clear, lookup, delete, heartbeat; `partition`: partition keys starting with it),
@@ -51,7 +57,8 @@ from modal_proto import api_pb2
 
 from cellfeed_testing.modal_control_plane.containers import TASK_HEADER
 
-KINDS = ("grpc_burst", "lost_reply", "latency")
+KINDS = ("grpc_burst", "lost_reply", "latency", "connection_reset")
+DROP_WAIT_S = 10.0  # a dropped connection's handler is cancelled within a loop turn (grpclib's connection_lost)
 # the statuses modal's client retries (grpc_utils.py:199-205), and RESOURCE_EXHAUSTED (retried where added)
 STATUSES = ("UNAVAILABLE", "INTERNAL", "DEADLINE_EXCEEDED", "UNKNOWN", "CANCELLED", "RESOURCE_EXHAUSTED")
 RPCS = {
@@ -130,7 +137,7 @@ class Rule:
             raise ValueError("function= narrows spawn and call requests only")
         if self.status not in STATUSES:
             raise ValueError(f"status {self.status!r}: one Modal's client retries, {STATUSES}")
-        if self.kind == "lost_reply":
+        if self.kind in ("lost_reply", "connection_reset"):
             self.calls = 1 if self.calls is None else self.calls
         elif self.calls is None:
             raise ValueError(f"a {self.kind} needs calls= (how many requests it lasts)")
@@ -297,6 +304,12 @@ class _FaultedStream:
         fail, delay, self._lose = self._faults.before(self._rpc, req, self._metadata)
         if delay:
             await asyncio.sleep(delay)
+        if fail is not None and fail.kind == "connection_reset":
+            # the TCP connection carrying this request aborts (RST), unapplied: every stream on it ends
+            # with no reply, and grpclib's connection_lost cancels their handlers, this one's included
+            # (grpclib/protocol.py:741, server.py:534-544)
+            self._stream._stream._transport.abort()
+            await asyncio.sleep(DROP_WAIT_S)
         if fail is not None:
             raise GRPCError(Status[fail.status], f"injected: {fail.kind} on {fail.target} ({self._rpc})")
         return req
