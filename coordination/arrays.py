@@ -51,8 +51,8 @@ def rows_of_spans(ranges: np.ndarray, spans: np.ndarray, *arrays: np.ndarray) ->
     """Each array's rows of `spans` ([start, stop) global rows, in the order given), out of arrays
     read through the sorted, disjoint `ranges` (which hold every span) and concatenated. Spans in
     ascending order (a unit whose reads bridged the gaps between its cells) are copied a slice per
-    run of touching spans; others row by row (an index of every row: ~10x the time of a unit's
-    slices, which was a balanced producer's largest cost after tokenizing)."""
+    run of touching spans; others row by row (an index of every row: for a balanced 4,000-cell
+    unit's 6.5M rows, 48 ms of CPU against 8 ms for its slices)."""
     spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
     if bool(np.all(spans[1:, 0] >= spans[:-1, 1])):
         runs = merge_ranges(spans[:, 0], spans[:, 1])
