@@ -392,8 +392,7 @@ class Producer:
         of rows. On local disk at most `LOCAL_READ_AHEAD`: its reads share the cores with the
         work, so a read timed while others queue looks slower, the estimate asks for more, and each
         read waits longer (a balanced unit's read: 0.06 s alone, 0.25-0.36 s at the depth the
-        estimate reached; its producer at 0.6-0.8x instead of 0.9x its unbalanced rate). Fixed
-        when `ProducerConfig.read_ahead` is set."""
+        estimate reached). Fixed when `ProducerConfig.read_ahead` is set."""
         if self.config.read_ahead:
             return self.config.read_ahead
         local = isinstance(self.ds.location, LocalLocation)
