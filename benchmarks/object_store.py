@@ -7,10 +7,13 @@ Tahoe-scale atlas; for each strategy: cells/s, its share of the local rate behin
 (bytes fetched / the rows' bytes as uint16 gene + uint16 value), p50/p99 time to read a unit's
 rows and how long the loop then waited for them, the server's CPU per 1,000 cells (it shares this
 machine's cores), and the producer's start-up time. Rates are steady rates: the wait for a
-producer's first unit (shown as "fill") is paid once per producer and reported apart.
+producer's first unit (shown as "fill") is paid once per producer and reported apart. Every
+setting runs in each of 3 interleaved rounds (`--rounds`): a rate is the median of its rounds, a
+ratio the median of each round's ratio (single runs of a few units varied by tens of % on this VM),
+and `wait_share_*` says whether reads kept up: the loop's waits for rows over its steady time.
 
     python benchmarks/object_store.py            # 100k-cell atlas, >= 60k cells and 4 units per setting
-    python benchmarks/object_store.py --quick    # >= 6k cells and 3 units per setting, about a minute
+    python benchmarks/object_store.py --quick    # >= 20k cells and 3 units per setting, ~4 minutes
     python benchmarks/object_store.py --tiny     # 3k-cell atlas, >= 500 cells and 1 unit per setting (tests:
                                                  # with one unit, a rate leaves out its read)
 
@@ -100,13 +103,26 @@ def start_up_s(uri: str, settings: S3Settings | None) -> float:
     return time.perf_counter() - t
 
 
+def pooled(runs: list[dict]) -> dict:
+    """One setting's rounds as one: the median rate and fill; counts summed; the per-unit read and
+    wait times pooled, each run's first wait left out (its fill); `wait_share`: the loop's waits for
+    rows over the steady time (0: the reads always kept ahead)."""
+    out = {k: sum(r[k] for r in runs) for k in ("cells", "rows", "gets", "bytes_read", "server_cpu_s")}
+    out["cells_per_s"] = float(np.median([r["cells_per_s"] for r in runs]))
+    out["fill_s"] = float(np.median([r["fill_s"] for r in runs]))
+    out["unit_read_s"] = [t for r in runs for t in r["unit_read_s"]]
+    out["unit_wait_s"] = [t for r in runs for t in r["unit_wait_s"][1:]]
+    out["wait_share"] = sum(out["unit_wait_s"]) / max(1e-9, sum(r["seconds"] - r["fill_s"] for r in runs))
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help=">= 6k cells and 3 units per setting")
+    parser.add_argument("--quick", action="store_true", help=">= 20k cells and 3 units per setting, 3 rounds")
     parser.add_argument(
         "--tiny", action="store_true", help="a 3k-cell atlas, >= 500 cells and 1 unit per setting (the test suite's)"
     )
@@ -115,7 +131,14 @@ def main() -> None:
         "--budget",
         type=int,
         default=None,
-        help="cells per setting, at least 4 units (3 quick, 1 tiny) (default 60,000; 6,000 quick; 500 tiny)",
+        help="cells per setting, at least 4 units (3 quick, 1 tiny); random a quarter of it, at ~2 GETs a cell "
+        "(default 60,000; 20,000 quick; 500 tiny)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds of every setting, interleaved; rates are their medians (default 3; 1 tiny)",
     )
     parser.add_argument("--latency-ms", type=float, default=30.0, help="proxy: time to first byte (default 30)")
     parser.add_argument("--jitter-ms", type=float, default=10.0, help="proxy: ± uniform jitter (default 10)")
@@ -138,7 +161,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     n_cells = args.cells or (3_000 if args.tiny else 100_000)  # a b=16 f=256 unit is 16,384 cells: fewer give
-    budget = args.budget or (500 if args.tiny else 6_000 if args.quick else 60_000)  # too few units
+    budget = args.budget or (500 if args.tiny else 20_000 if args.quick else 60_000)  # too few units
     min_units = 1 if args.tiny else 3 if args.quick else 4
     strategies = args.strategies.split(",")
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -149,7 +172,8 @@ def main() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     pin = not args.no_pin and len(cpus) >= 2
     store_cpus = set(cpus[1:]) if pin else None
-    results: dict[tuple[str, str], dict] = {}
+    rounds = args.rounds or (1 if args.tiny else 3)
+    runs: dict[tuple[str, str], list[dict]] = {}  # (strategy, store) -> its run in each round
     with SeaweedServer(cpus=store_cpus) as server:
         t = time.perf_counter()
         uri = upload(server, path, "bench", "atlas")
@@ -177,19 +201,27 @@ def main() -> None:
             opened = {name: open_dataset(u, settings) for name, (u, settings) in stores.items()}
             startup = {name: start_up_s(u, settings) for name, (u, settings) in stores.items()}
             run_config(opened["local"], "scgpt", 1024, STRATEGIES["block"], min(4000, budget))  # warm-up, not reported
-            for strategy in strategies:
-                for name, ds in opened.items():  # the stores back to back, per strategy
-                    proxy = proxies.get(name)
-                    requests_before, server_cpu = proxy.requests if proxy else 0, server.cpu_seconds()
-                    r = run_config(ds, "scgpt", 1024, STRATEGIES[strategy], budget, min_units=min_units)
-                    r["http_requests"] = proxy.requests - requests_before if proxy else None
-                    if proxy and not r["http_requests"]:
-                        fail(f"{strategy} on the {name} store: no request reached its proxy")
-                    r["server_cpu_s"] = server.cpu_seconds() - server_cpu
-                    results[(strategy, name)] = r
+            for _ in range(rounds):  # rounds interleaved: a slow minute of this VM's spreads over every setting
+                for strategy in strategies:
+                    for name, ds in opened.items():  # the stores back to back, per strategy
+                        proxy = proxies.get(name)
+                        requests_before, server_cpu = proxy.requests if proxy else 0, server.cpu_seconds()
+                        cells = budget // 4 if strategy == "random" else budget  # (its reads: ~1,000x a block's)
+                        r = run_config(ds, "scgpt", 1024, STRATEGIES[strategy], cells, min_units=min_units)
+                        r["http_requests"] = proxy.requests - requests_before if proxy else None
+                        if proxy and not r["http_requests"]:
+                            fail(f"{strategy} on the {name} store: no request reached its proxy")
+                        r["server_cpu_s"] = server.cpu_seconds() - server_cpu
+                        runs.setdefault((strategy, name), []).append(r)
         finally:
             for proxy in proxies.values():
                 proxy.close()
+    results = {key: pooled(rs) for key, rs in runs.items()}
+
+    def ratio(strategy: str, store: str, base: str = "local") -> float:
+        """The median over rounds of the store's rate over `base`'s in the same round."""
+        pairs = zip(runs[(strategy, store)], runs[(strategy, base)])
+        return float(np.median([r["cells_per_s"] / b["cells_per_s"] for r, b in pairs]))
 
     print(
         f"\natlas: {n_cells:,} cells, {opened['local'].n_rows / n_cells:,.0f} non-zeros/cell, "
@@ -200,25 +232,24 @@ def main() -> None:
     )
     print(
         f"{'strategy':<11}{'store':<9}{'cells/s':>9}{'x local':>8}{'x s3':>6}{'GET/1k':>8}{'B/cell':>8}"
-        f"{'amplif':>7}{'read p50':>9}{'p99':>7}{'wait p50':>9}{'p99':>7}{'fill':>6}{'server':>8}"
-        "   (read/wait/fill: ms per unit; server: its CPU ms per 1k cells)"
+        f"{'amplif':>7}{'read p50':>9}{'p99':>7}{'wait p50':>9}{'p99':>7}{'waited':>7}{'fill':>6}{'server':>8}"
+        f"   (cells/s: median of {rounds} round(s); x: median of each round's ratio; read/wait/fill: ms per unit; "
+        "waited: share of the steady time; server: its CPU ms per 1k cells)"
     )
     for (strategy, name), r in results.items():
-        local = results[(strategy, "local")]["cells_per_s"]
         cells = max(1, r["cells"])
-        direct = results[(strategy, "s3")]["cells_per_s"]
-        over_s3 = f"{r['cells_per_s'] / direct:.2f}" if name in proxies else ""  # only the proxied rows
+        over_s3 = f"{ratio(strategy, name, 's3'):.2f}" if name in proxies else ""  # only the proxied rows
         print(
-            f"{strategy:<11}{name:<9}{r['cells_per_s']:>9,.0f}{r['cells_per_s'] / local:>8.2f}"
+            f"{strategy:<11}{name:<9}{r['cells_per_s']:>9,.0f}{ratio(strategy, name):>8.2f}"
             f"{over_s3:>6}"
             f"{r['gets'] / cells * 1000:>8.0f}{r['bytes_read'] / cells:>8,.0f}"
             f"{r['bytes_read'] / max(1, r['rows'] * ROW_BYTES):>7.2f}"
             f"{pct(r['unit_read_s'], 50) * 1e3:>9.0f}{pct(r['unit_read_s'], 99) * 1e3:>7.0f}"
             f"{pct(r['unit_wait_s'], 50) * 1e3:>9.0f}{pct(r['unit_wait_s'], 99) * 1e3:>7.0f}"
-            f"{r['fill_s'] * 1e3:>6.0f}{r['server_cpu_s'] / cells * 1e6:>8.0f}"
+            f"{r['wait_share']:>7.2f}{r['fill_s'] * 1e3:>6.0f}{r['server_cpu_s'] / cells * 1e6:>8.0f}"
         )
     print("start-up (open + cell index + plan): " + ", ".join(f"{k} {v:.2f}s" for k, v in startup.items()))
-    proxied = [r for (s, n), r in results.items() if n in proxies]
+    proxied = [r for (s, n), rs in runs.items() if n in proxies for r in rs]
     print(
         f"HTTP requests through the proxy: {sum(r['http_requests'] for r in proxied):,} "
         f"(Lance counted {sum(r['gets'] for r in proxied):,} reads)"
@@ -229,11 +260,15 @@ def main() -> None:
 
     figures = {f"{n}_{s}_cells_per_s": round(r["cells_per_s"]) for (s, n), r in results.items()}
     for name in proxies:
-        figures.update({f"{name}_over_local_{s}": round(rate(s, name) / rate(s, "local"), 3) for s in strategies})
-        figures.update({f"{name}_over_s3_{s}": round(rate(s, name) / rate(s, "s3"), 3) for s in strategies})
+        figures.update({f"{name}_over_local_{s}": round(ratio(s, name), 3) for s in strategies})
+        figures.update({f"{name}_over_s3_{s}": round(ratio(s, name, "s3"), 3) for s in strategies})
     # each strategy behind each proxy as a share of its local rate (the goal: >= 0.9 at 100 ms)
-    figures[f"ratio_{args.latency_ms:.0f}ms"] = {s: round(rate(s, near) / rate(s, "local"), 3) for s in strategies}
-    figures[f"ratio_{args.far_latency_ms:.0f}ms"] = {s: round(rate(s, far) / rate(s, "local"), 3) for s in strategies}
+    figures[f"ratio_{args.latency_ms:.0f}ms"] = {s: round(ratio(s, near), 3) for s in strategies}
+    figures[f"ratio_{args.far_latency_ms:.0f}ms"] = {s: round(ratio(s, far), 3) for s in strategies}
+    # do the reads keep up? the share of the steady time the loop waited for a unit's rows (0: never)
+    for name in ("local", near, far):
+        figures[f"wait_share_{name}"] = {s: round(results[(s, name)]["wait_share"], 3) for s in strategies}
+    figures["rounds"] = rounds
     figures.update(
         {
             f"server_cpu_ms_per_1k_cells_{s}": round(

@@ -160,8 +160,10 @@ def test_object_store():
             figures[f"gets_per_1k_cells_{strategy}"],
             figures[f"read_amplification_{strategy}"],
         )
+        for store in ("local", "s3_30ms", "s3_100ms"):  # the loop's waits for rows: a share of its steady time
+            assert 0 <= figures[f"wait_share_{store}"][strategy] <= 1
     assert finite(figures["block_over_sequential_local"], figures["block16_over_sequential_local"])
-    assert set(figures["startup_s"]) == {"local", "s3", "s3_30ms", "s3_100ms"}
+    assert set(figures["startup_s"]) == {"local", "s3", "s3_30ms", "s3_100ms"} and figures["rounds"] == 1
 
 
 def test_local_scaling(tmp_path):
