@@ -342,3 +342,21 @@ def test_a_missing_optional_package_fails_before_any_work(name, package, pip_nam
 def test_missing_figures_are_found_nested_and_none_only_where_allowed():
     figures = {"a": 1.0, "b": float("nan"), "c": None, "d": {"e": float("inf"), "f": 2}, "g": "text", "h": None}
     assert missing_figures(figures, allow_none=("h",)) == ["b", "c", "d.e"]
+
+
+def test_object_store_rounds_pool_into_a_median_rate_and_the_share_of_steady_time_spent_waiting():
+    """A setting's rounds as `benchmarks/object_store.py` reports them: the median rate and fill, counts
+    summed, and each round's first wait (its fill) left out of the waits and of the steady time."""
+    from benchmarks.object_store import pooled
+
+    def run(rate: float, seconds: float, waits: list[float]) -> dict:
+        counts = dict(cells=100, rows=1_000, gets=10, bytes_read=4_000, server_cpu_s=0.5)
+        return counts | dict(
+            cells_per_s=rate, seconds=seconds, fill_s=waits[0], unit_read_s=[0.1] * 3, unit_wait_s=waits
+        )
+
+    r = pooled([run(30.0, 4.0, [1.0, 0.5, 0.0]), run(10.0, 3.0, [2.0, 0.25, 0.25]), run(20.0, 2.0, [0.5, 0.0, 0.0])])
+    assert (r["cells_per_s"], r["fill_s"]) == (20.0, 1.0)  # medians, not means (20.0, 1.1667)
+    assert (r["cells"], r["gets"], r["server_cpu_s"]) == (300, 30, 1.5)
+    assert r["unit_wait_s"] == [0.5, 0.0, 0.25, 0.25, 0.0, 0.0] and len(r["unit_read_s"]) == 9
+    assert r["wait_share"] == pytest.approx(1.0 / (3.0 + 1.0 + 1.5))  # waits 1.0 over steady 9.0 - 3.5 of fill
