@@ -252,8 +252,9 @@ def test_row_range_reads_agree_with_one_contiguous_read(small_synth, slice_rows,
 def test_cells_read_through_bridged_ranges_are_each_cells_own_rows(small_synth):
     """A unit's reads may bridge the gaps between its cells (`bridge_gaps`: a balanced unit's), so the
     rows read hold rows of other cells: each cell's own are copied out (`rows_of_spans`), a slice per
-    run of touching cells where the cells ascend, row by row where they do not. Either way every
-    cell's genes and values are its own, in the order asked (fragment edges included)."""
+    run of cells that lie end to end in what was read. Ascending, ascending with cells drawn twice (a
+    balanced unit's small class) or shuffled, every cell's genes and values are its own, in the order
+    asked (fragment edges included)."""
     from coordination.arrays import bridge_gaps, merge_ranges
 
     ds, rng = small_synth, np.random.default_rng(1)
@@ -262,7 +263,8 @@ def test_cells_read_through_bridged_ranges_are_each_cells_own_rows(small_synth):
     one_by_one = {c: ds.read_cells(np.array([c])) for c in picked.tolist()}
     ranges = bridge_gaps(merge_ranges(starts[picked], starts[picked + 1]), max_gap=5_000)
     assert (ranges[:, 1] - ranges[:, 0]).sum() > (starts[picked + 1] - starts[picked]).sum()  # gaps were read
-    for cells in (picked, rng.permutation(picked)):
+    twice = np.sort(np.concatenate([picked, rng.choice(picked, 50, replace=False)]))  # repeats, each beside itself
+    for cells in (picked, twice, rng.permutation(picked), rng.permutation(twice)):
         got = ds.read_cells(cells, ranges)
         for i, c in enumerate(cells.tolist()):
             a, b = got.offsets[i], got.offsets[i + 1]
