@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cellfeed_testing.modal_control_plane import ControlPlane
+from tests.conftest import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 CLIENT_TIMEOUT_S = 120
@@ -26,19 +27,30 @@ def plane(tmp_path):
         yield p
 
 
-def run_client(plane: ControlPlane, code: str, cwd: Path = REPO):
-    """Run `code` with modal's client against `plane`; the JSON it printed last."""
+def run_client(plane: ControlPlane, code: str, cwd: Path = REPO, go_when=None):
+    """Run `code` with modal's client against `plane`; the JSON it printed last. With `go_when`, the
+    client's `sys.stdin.readline()` returns once `go_when()` holds on the plane (an event, not a sleep)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
         env={**env, **plane.env},
         cwd=cwd,
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=CLIENT_TIMEOUT_S,
     )
-    assert proc.returncode == 0, f"client exited {proc.returncode}:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        if go_when is not None:
+            wait_for(lambda: go_when() or proc.poll() is not None, "the plane's event", CLIENT_TIMEOUT_S)
+            if proc.poll() is None:
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+        out, err = proc.communicate(timeout=CLIENT_TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, f"client exited {proc.returncode}:\n{err[-4000:]}"
+    return json.loads(out.strip().splitlines()[-1])
 
 
 # ---- bursts
@@ -300,18 +312,19 @@ def test_a_reset_connection_ends_every_request_on_it_and_the_client_retries_them
     got = run_client(
         plane,
         """
-        import json, threading, time, modal
+        import json, sys, threading, modal
         q = modal.Queue.from_name("reset", create_if_missing=True)
         q.put(0, partition="work")  # the rule's first match: let through
         waiting = {}
         getter = threading.Thread(target=lambda: waiting.update(got=q.get(timeout=60, partition="late")))
         getter.start()
-        time.sleep(2.0)  # (orders the two: the get is in flight on the client's one connection)
+        sys.stdin.readline()  # the plane has the get: it is in flight on the client's one connection
         q.put(1, partition="work")  # its connection aborts, unapplied; the retry puts it once
         q.put("late", partition="late")
         getter.join(90)
         print(json.dumps({"work": q.get_many(10, block=False, partition="work"), "late": waiting.get("got")}))
         """,
+        go_when=lambda: plane.faults()[gets]["seen"] >= 1,
     )
     assert got == {"work": [0, 1], "late": "late"}
     rule = plane.faults()[index]
