@@ -47,8 +47,9 @@ def run_client(plane: ControlPlane, code: str, cwd: Path = REPO, go_when=None):
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
         out, err = proc.communicate(timeout=CLIENT_TIMEOUT_S)
-    finally:
+    finally:  # (a client past its timeout, or a wait that failed: killed and reaped, as subprocess.run does)
         proc.kill()
+        proc.wait(timeout=10)
     assert proc.returncode == 0, f"client exited {proc.returncode}:\n{err[-4000:]}"
     return json.loads(out.strip().splitlines()[-1])
 
