@@ -114,8 +114,8 @@ def stop_campaign(store, run: str, producers: list[subprocess.Popen], server: Se
 
 
 def _produce_main(config_path: str, address: str, token_file: str, name: str) -> None:
-    from producers.dataset import StorageUnavailable
     from producers.producer import Producer
+    from producers.storage import StorageUnavailable
 
     cfg = CampaignConfig(**json.loads(Path(config_path).read_text()))
     queue, store = connect(cfg.backend_spec("local", address=address, token_file=token_file))

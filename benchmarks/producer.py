@@ -43,7 +43,7 @@ from coordination.plan import Sampling  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import TASKS_PARTITION, encode_task  # noqa: E402
 from producers.config import ProducerConfig  # noqa: E402
-from producers.dataset import open_dataset  # noqa: E402
+from producers.dataset import LOCAL_READ_THREADS, open_dataset  # noqa: E402
 from producers.gene_stats import compute_gene_medians, load_gene_medians, store_gene_stats  # noqa: E402
 from producers.items import CHUNK_CELLS  # noqa: E402
 from producers.producer import Producer  # noqa: E402
@@ -71,6 +71,7 @@ def run_config(
     min_units: int = 1,
     balance=None,
     kernel: bool = True,
+    reads_in_flight: int | None = None,
 ) -> dict:
     """One producer's loop (read-ahead, tokenizing threads, courier) over a random sample of at
     least `min_units` units and `cell_budget` cells: steady throughput (without the wait for the
@@ -87,6 +88,7 @@ def run_config(
         world_size=1,
         cells_per_item=128,
         balance=balance,
+        reads_in_flight=reads_in_flight,
     )
     producer = Producer(config, queue, store, dataset=ds)
     producer.tokenizer.kernel = kernel
@@ -154,6 +156,8 @@ def run_config(
         "bytes_read": io.read_bytes,
         "unit_read_s": list(stats.unit_read_s),
         "unit_wait_s": list(stats.unit_wait_s),
+        # slice reads in flight where the producer's pacing left them (object storage; local disk: its pool)
+        "reads_in_flight": ds.read_slots.limit if ds.read_slots is not None else LOCAL_READ_THREADS,
     }
 
 

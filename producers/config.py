@@ -13,6 +13,7 @@ from coordination.corpus_file import CorpusSpec, Mixtures
 from coordination.driver import LEASE_S, heartbeat_interval
 from coordination.errors import CellfeedError
 from coordination.plan import Sampling
+from producers.storage import REMOTE_READS_MAX
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class ProducerConfig:
     exclude_filter: str | None = None  # cells never to produce for training, e.g. the held-out split
     threads: int | None = None  # tokenizing threads; None: one per CPU this process may use
     read_ahead: int | None = None  # units read ahead of the one tokenized; None: as many as the read latency needs
+    # slice reads in flight per dataset on object storage; None: as many as the producer's pace needs (ReadSlots)
+    reads_in_flight: int | None = None
     heartbeat_s: float = heartbeat_interval(LEASE_S)  # how often it says what it holds (`coordination.driver`)
     read_retry_s: float = 180.0  # how long a unit's read is tried again while storage does not answer
     put_timeout_s: float = 600.0
@@ -90,6 +93,8 @@ class ProducerConfig:
             raise CellfeedError(f"threads must be >= 1, got {self.threads}")
         if self.read_ahead is not None and self.read_ahead < 1:
             raise CellfeedError(f"read_ahead must be >= 1, got {self.read_ahead}")
+        if self.reads_in_flight is not None and not 1 <= self.reads_in_flight <= REMOTE_READS_MAX:
+            raise CellfeedError(f"reads_in_flight must be 1..{REMOTE_READS_MAX}, got {self.reads_in_flight}")
         if self.cells_per_item < 1:
             raise CellfeedError(f"cells_per_item must be >= 1, got {self.cells_per_item}")
         if not self.run or "/" in self.run:

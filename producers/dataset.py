@@ -7,10 +7,10 @@ cell-major), `cells.lance` (obs + `cell_start_index`), `genes.lance` (var). Frag
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,7 +22,18 @@ import pyarrow as pa
 
 from coordination.arrays import CellRows, merge_ranges, offsets_of, ragged_arange, rows_of_spans
 from coordination.errors import CellfeedError
-from producers.storage import LocalLocation, Location, S3Settings, location
+from producers.storage import (
+    REMOTE_READS_MAX,
+    REMOTE_READS_START,
+    UNREACHABLE,
+    LocalLocation,
+    Location,
+    ReadSlots,
+    S3Settings,
+    StorageUnavailable,
+    error_text,
+    location,
+)
 
 FORMAT_VERSION = "0.5"
 TABLES = {"expression": "expression.lance", "cells": "cells.lance", "genes": "genes.lance"}
@@ -31,11 +42,8 @@ LANCE_FILE_VERSION = "2.2"  # what SLAF 0.5 pins
 MAX_UINT16_GENES = 65_535
 SPOT_CELLS = 64  # cells whose offsets `Dataset.verify` checks against the expression table, evenly + at random
 TAKE_BELOW_MEAN_ROWS = 5_000  # mean rows per range under which one `take` beats per-range slices
-# fragment slices read at once: on local disk enough to keep the cores busy decoding; on object
-# storage enough that a unit's few hundred slices (~3 GETs each) take a few round trips, not hundreds
 SLICE_ROWS = 1 << 18  # longer ranges are read as several slices, decoded (and fetched) in parallel
-LOCAL_READ_THREADS = 4
-REMOTE_READ_THREADS = 64
+LOCAL_READ_THREADS = 4  # slices read at once from disk: CPU work (object storage: `Dataset.read_slots`)
 
 
 def gene_id_type(n_genes: int) -> pa.DataType:
@@ -78,25 +86,6 @@ class DatasetDamaged(CellfeedError):
         super().__init__(f"{message}. The dataset is damaged: convert it again (or copy it whole)")
 
 
-class StorageUnavailable(CellfeedError):
-    """The storage did not answer (connection refused or reset, timeouts, HTTP errors): worth
-    trying again later, unlike damaged data."""
-
-
-UNREACHABLE = re.compile(
-    r"LanceError\(IO\)|HTTP|connect|timed? ?out|error sending request|broken pipe|reset by peer", re.IGNORECASE
-)
-
-
-def error_text(exc: Exception) -> str:
-    """One line of a (Lance) error for the user: its first line, without the Rust source location
-    Lance appends (`, /…/src/sql.rs:109:22`) or its internal columns."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    text = re.sub(r",?\s*\S+\.rs:\d+:\d+$", "", text)
-    text = re.sub(r", _row\w+", "", text)
-    return text[:300]
-
-
 def _open_lance(uri: str, options: dict | None, what: str) -> lance.LanceDataset:
     try:
         return lance.dataset(uri, storage_options=options)
@@ -136,6 +125,8 @@ class Dataset:
         self.n_genes = int(config.get("n_genes", self.genes.count_rows()))
         self.n_rows = self.expression.count_rows()
         self.value_type = self.expression.schema.field("value").type
+        # object storage: its slice reads in flight, paced by the reader (`ReadSlots.pace`); local disk: a fixed pool
+        self.read_slots = None if isinstance(loc, LocalLocation) else ReadSlots(REMOTE_READS_START)
 
     def verify(self, spot_cells: int = SPOT_CELLS) -> "Dataset":
         """The cheap checks at open, in time proportional to the metadata (not the data): every
@@ -302,7 +293,7 @@ class Dataset:
 
     @cached_property
     def _pool(self) -> ThreadPoolExecutor:
-        threads = LOCAL_READ_THREADS if isinstance(self.location, LocalLocation) else REMOTE_READ_THREADS
+        threads = LOCAL_READ_THREADS if self.read_slots is None else REMOTE_READS_MAX  # (remote: the slots limit them)
         return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cellfeed-read")
 
     @staticmethod
@@ -312,10 +303,11 @@ class Dataset:
 
     def _read_piece(self, piece: tuple[int, int, int], columns: list[str]) -> pa.Table:
         frag, offset, limit = piece
-        try:
-            return self._lance_fragments[frag].to_table(columns=columns, offset=offset, limit=limit)
-        except Exception as exc:  # noqa: BLE001 - one line naming the dataset and fragment
-            raise self._read_error(exc, f"fragment {self.fragments[frag].id}") from None
+        with self.read_slots.read(limit) if self.read_slots is not None else contextlib.nullcontext():
+            try:
+                return self._lance_fragments[frag].to_table(columns=columns, offset=offset, limit=limit)
+            except Exception as exc:  # noqa: BLE001 - one line naming the dataset and fragment
+                raise self._read_error(exc, f"fragment {self.fragments[frag].id}") from None
 
     def _read_error(self, exc: Exception, where: str) -> CellfeedError:
         text = error_text(exc)

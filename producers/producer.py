@@ -44,7 +44,7 @@ from coordination.summary import PlanSummary
 from coordination.vocab import GeneVocab, published_vocab
 from producers.config import ProducerConfig, usable_cpus
 from producers.courier import STOP_POLL_S, Courier, Stopped
-from producers.dataset import Dataset, StorageUnavailable
+from producers.dataset import Dataset
 from producers.items import ItemSettings, unit_items
 from producers.selection import label_codes
 from producers.sources import (
@@ -57,7 +57,7 @@ from producers.sources import (
     source_quotas,
 )
 from producers.stitch import offer_piece
-from producers.storage import LocalLocation
+from producers.storage import LocalLocation, StorageUnavailable
 
 MAX_READ_AHEAD = 16  # units read ahead at most
 LOCAL_READ_AHEAD = 2  # on local disk: a read is CPU work; deeper only measured its own queueing and grew
@@ -160,6 +160,9 @@ class Producer:
         self._checked_epochs: set[int] = set()  # epochs whose published plan matched this producer's
         self._unit_work_s: deque = deque(maxlen=8)  # recent units' tokenize-pack-hand-off times
         self._unit_bytes = 0  # the latest unit's rows in memory
+        for source in self.sources if cfg.reads_in_flight else ():  # (else paced: `_pace_reads`)
+            if source.ds.read_slots is not None:
+                source.ds.read_slots.fix(cfg.reads_in_flight)
 
     def plan(self, epoch: int) -> Plan:
         """The epoch's plan (`producers.sources.epoch_plan`), cached for this and the previous
@@ -329,6 +332,7 @@ class Producer:
                 self.process(epoch, unit, cells)
                 self._unit_work_s.append(time.perf_counter() - t)
                 self._unit_bytes = sum(c.ids.nbytes + c.values.nbytes for c in cells[1])
+                self._pace_reads(*cells[:2])
             self.courier.finish()
             finished = True
         except Stopped:
@@ -342,6 +346,19 @@ class Producer:
         if self.courier.error is not None:
             raise self.courier.error
         return self.stats
+
+    def _pace_reads(self, unit: Unit, cells: list[CellRows]) -> None:
+        """Each source's slice reads in flight on object storage sized to this loop's pace
+        (`ReadSlots.pace`): its rows in this unit over the recent units' work time. Units read ahead
+        (`read_ahead`) hide a unit's read behind the work; this keeps the reads within a unit
+        from queueing behind each other."""
+        work_s = max(1e-3, float(np.median(self._unit_work_s)))
+        rows = defaultdict(int)
+        for part, part_cells in zip(unit.parts, cells):
+            rows[part.source] += len(part_cells.ids)
+        for source, n in rows.items():
+            if (slots := self.sources[source].ds.read_slots) is not None:
+                slots.pace(n / work_s)
 
     def _take(self) -> tuple[int, int, tuple] | None:
         """(read-ahead thread) The next task, held and read (`read`); None when the task list stayed empty

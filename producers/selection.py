@@ -7,7 +7,8 @@ import numpy as np
 
 from coordination.errors import CellfeedError
 from coordination.plan import cell_ids_within
-from producers.dataset import Dataset, error_text
+from producers.dataset import Dataset
+from producers.storage import error_text
 
 
 def select_cells(

@@ -24,14 +24,25 @@ after retries, taking any such failure (an outage too) for throttling: halving i
 every second, down to 1 request/s, and requests queued at that rate keep their waits once the
 store is back (in tests/test_s3.py a 15 s restart kept reads waiting up to 100 s). Its floor is
 raised to MIN_REQUEST_RATE, which still backs off from a store that really throttles.
+
+A dataset on object storage reads its fragment slices through `ReadSlots`: as many in flight as
+the reader's pace needs (Little's law, from the slices' measured times), at most REMOTE_READS_MAX.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import re
 import shutil
+import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from coordination.errors import CellfeedError
 
@@ -39,6 +50,12 @@ CONNECT_TIMEOUT_S = 5.0  # CELLFEED_S3_CONNECT_TIMEOUT_S
 REQUEST_TIMEOUT_S = 30.0  # CELLFEED_S3_REQUEST_TIMEOUT_S
 RETRIES = 3  # CELLFEED_S3_RETRIES
 MIN_REQUEST_RATE = 100  # requests/s: the floor of Lance's throttle (see the module's docstring)
+# A dataset's slice reads in flight on object storage (`ReadSlots`): each is mostly waiting (a round trip or
+# two), a thread blocked in Lance's GETs with the GIL released, so as many as the reader's pace needs
+REMOTE_READS_START = 64  # until a pace is asked and a read timed
+REMOTE_READS_MAX = 256  # at most (their rows are part of the units read ahead, which bound the memory)
+READS_HEADROOM = 2.0  # reads in flight over Little's law's mean: a latency's tail, a unit's slices all at once
+READ_SLOT_WAIT_S = 300.0  # a read waiting this long for a slot: the store has stopped answering
 
 
 def _env_number(env, name: str, default: float, kind=float):
@@ -298,3 +315,78 @@ def location(uri: str | os.PathLike, settings: S3Settings | None = None) -> Loca
     if "://" in text:
         raise CellfeedError(f"unsupported address {text!r}: use a local path or s3://bucket/prefix")
     return LocalLocation(text)
+
+
+UNREACHABLE = re.compile(
+    r"LanceError\(IO\)|HTTP|connect|timed? ?out|error sending request|broken pipe|reset by peer", re.IGNORECASE
+)
+
+
+def error_text(exc: Exception) -> str:
+    """One line of a (Lance) error for the user: its first line, without the Rust source location
+    Lance appends (`, /…/src/sql.rs:109:22`) or its internal columns."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r",?\s*\S+\.rs:\d+:\d+$", "", text)
+    text = re.sub(r", _row\w+", "", text)
+    return text[:300]
+
+
+class StorageUnavailable(CellfeedError):
+    """The storage did not answer (connection refused or reset, timeouts, HTTP errors): worth
+    trying again later, unlike damaged data."""
+
+
+def reads_in_flight(reads_per_s: float, latency_s: float) -> int:
+    """Little's law: reads in flight = arrival rate x time in the system, with READS_HEADROOM;
+    between 4 and REMOTE_READS_MAX. E.g. 2,000 slices a second at 0.12 s each: 480, so 256."""
+    return int(min(REMOTE_READS_MAX, max(4, math.ceil(READS_HEADROOM * reads_per_s * latency_s))))
+
+
+class ReadSlots:
+    """A dataset's reads in flight on object storage: at most `limit` at once (`with slots.read(rows):`
+    around each), the limit sized to a reader's pace from the recent reads' rows and times (`pace`).
+    A larger limit lets waiting reads in at once; a smaller one takes effect as reads end."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self.fixed = False  # (`fix`: a pace asked later changes nothing)
+        self._changed = threading.Condition()
+        self._recent: deque = deque(maxlen=512)  # (rows, seconds) of the latest reads that succeeded
+
+    @contextlib.contextmanager
+    def read(self, rows: int):
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.held < self.limit, timeout=READ_SLOT_WAIT_S):
+                raise StorageUnavailable(
+                    f"no read of the object store ended in {READ_SLOT_WAIT_S:.0f} s ({self.held} in flight); "
+                    "is the store up?"
+                )
+            self.held += 1
+        start, ok = time.perf_counter(), False
+        try:
+            yield
+            ok = True
+        finally:
+            with self._changed:
+                self.held -= 1
+                if ok:
+                    self._recent.append((rows, time.perf_counter() - start))
+                self._changed.notify()
+
+    def pace(self, rows_per_s: float) -> int:
+        """Size the limit to read `rows_per_s` rows a second, the reader's pace: Little's law
+        (`reads_in_flight`), reads a second at the rows the recent reads held, times their median
+        time. Returns the limit."""
+        with self._changed:
+            if self._recent and rows_per_s > 0 and not self.fixed:
+                rows_per_read = max(1.0, sum(r for r, _ in self._recent) / len(self._recent))
+                latency_s = float(np.median([s for _, s in self._recent]))
+                self.limit = reads_in_flight(rows_per_s / rows_per_read, latency_s)
+                self._changed.notify_all()
+            return self.limit
+
+    def fix(self, limit: int) -> None:
+        """`limit` reads in flight from now on, whatever pace is asked."""
+        with self._changed:
+            self.limit, self.fixed = limit, True
+            self._changed.notify_all()

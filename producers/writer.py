@@ -23,12 +23,11 @@ from producers.dataset import (
     LANCE_FILE_VERSION,
     TABLES,
     Dataset,
-    error_text,
     expression_schema,
     gene_id_type,
     open_dataset,
 )
-from producers.storage import LocalLocation, Location, S3Settings, location
+from producers.storage import LocalLocation, Location, S3Settings, error_text, location
 
 ROWS_PER_FRAGMENT = 1 << 22  # expression rows per Lance fragment, unless asked otherwise
 CONTENT_BLOCK_CELLS = 4096  # cells per block of the content hash (recorded with it: `content_block_cells`)

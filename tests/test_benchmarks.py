@@ -162,6 +162,8 @@ def test_object_store():
         )
         for store in ("local", "s3_30ms", "s3_100ms"):  # the loop's waits for rows: a share of its steady time
             assert 0 <= figures[f"wait_share_{store}"][strategy] <= 1
+        for store in ("s3_30ms", "s3_100ms"):  # slice reads in flight, as the producer paced them
+            assert 4 <= figures[f"reads_in_flight_{store}"][strategy] <= 256
     assert finite(figures["block_over_sequential_local"], figures["block16_over_sequential_local"])
     assert set(figures["startup_s"]) == {"local", "s3", "s3_30ms", "s3_100ms"} and figures["rounds"] == 1
 
@@ -350,7 +352,7 @@ def test_object_store_rounds_pool_into_a_median_rate_and_the_share_of_steady_tim
     from benchmarks.object_store import pooled
 
     def run(rate: float, seconds: float, waits: list[float]) -> dict:
-        counts = dict(cells=100, rows=1_000, gets=10, bytes_read=4_000, server_cpu_s=0.5)
+        counts = dict(cells=100, rows=1_000, gets=10, bytes_read=4_000, server_cpu_s=0.5, reads_in_flight=64)
         return counts | dict(
             cells_per_s=rate, seconds=seconds, fill_s=waits[0], unit_read_s=[0.1] * 3, unit_wait_s=waits
         )

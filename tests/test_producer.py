@@ -251,6 +251,7 @@ def test_subset_filter_selects_cells(small_synth):
         (dict(sampling=Sampling("block", block_size=0)), "block_size must be >= 1"),
         (dict(sampling=Sampling("block", fetch_factor=0)), "fetch_factor must be >= 1"),
         (dict(sampling=Sampling("zigzag")), "unknown strategy"),
+        (dict(reads_in_flight=0), r"reads_in_flight must be 1\.\.256, got 0"),
         (dict(subset_filter="plate = 'nope'"), "selects no cells"),
         (
             dict(subset_filter="no_such_column > 1"),

@@ -12,9 +12,10 @@ import pytest
 from app.cli import main as cli
 from coordination.errors import CellfeedError
 from coordination.net import free_port
+from coordination.plan import Sampling
 from producers.convert import convert
 from producers.dataset import open_dataset
-from producers.storage import S3Location, S3Settings
+from producers.storage import REMOTE_READS_MAX, ReadSlots, S3Location, S3Settings, StorageUnavailable, reads_in_flight
 from producers.synth import SynthSpec, synthesize
 from tests.conftest import random_counts, wait_for, write_h5ad
 
@@ -112,8 +113,85 @@ def test_reads_through_a_latency_proxy_are_identical_and_pay_the_latency(s3, sea
         remote = open_dataset(f"s3://{s3}/atlas")
         assert_same_dataset(local, remote)
         elapsed = time.monotonic() - started
-    assert proxy.requests >= 5 and proxy.bytes_down > 0
-    assert elapsed >= 0.025 * proxy.requests / 16  # every request paid its time to first byte (up to 16 at once)
+        requests = proxy.requests
+        # the reads in flight follow the pace asked of them, sized from the reads just timed
+        slots = remote.read_slots
+        slow, fast = slots.pace(1.0), slots.pace(1e9)
+        assert (slow, fast) == (4, REMOTE_READS_MAX)
+        assert slow <= slots.pace(1e5) <= fast and slots.limit == slots.pace(1e5)
+        slots.pace(1.0)  # 4 slices at a time: the same rows
+        ranges = np.array([[i * remote.n_rows // 40, i * remote.n_rows // 40 + 50] for i in range(40)])
+        for field in ("cell", "gene", "value"):
+            np.testing.assert_array_equal(
+                getattr(remote.read_row_ranges(ranges), field), getattr(local.read_row_ranges(ranges), field)
+            )
+    assert requests >= 5 and proxy.bytes_down > 0
+    assert elapsed >= 0.025 * requests / 16  # every request paid its time to first byte (up to 16 at once)
+    assert local.read_slots is None  # local disk: a fixed pool (LOCAL_READ_THREADS), no pacing
+
+
+def test_reads_in_flight_are_littles_law_with_headroom_within_bounds():
+    """Reads a second x seconds a read, doubled (READS_HEADROOM), rounded up; at least 4, at most 256."""
+    assert reads_in_flight(100, 0.05) == 10  # 2 x 100/s x 0.05 s
+    assert reads_in_flight(1_000, 0.03) == 60
+    assert reads_in_flight(2_000, 0.12) == REMOTE_READS_MAX == 256  # 480 wanted
+    assert reads_in_flight(1, 0.001) == 4
+
+
+def test_read_slots_hold_reads_to_their_limit_and_a_faster_pace_lets_the_waiting_in():
+    import threading
+
+    slots, lock = ReadSlots(2), threading.Lock()
+    with slots.read(100):  # one read timed: a pace can be sized from it
+        pass
+    inside, release, entered = [], threading.Event(), [threading.Event() for _ in range(5)]
+
+    def reader(i: int) -> None:
+        with slots.read(100):
+            with lock:
+                inside.append(i)
+                entered[len(inside) - 1].set()
+            assert release.wait(30)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    assert entered[1].wait(30)  # two are in; the others wait for a slot
+    assert slots.held == 2 and not entered[2].is_set()
+    assert slots.pace(1e12) == REMOTE_READS_MAX  # a pace no read time can meet: the most, at once
+    assert entered[4].wait(30) and slots.held == 5
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert sorted(inside) == [0, 1, 2, 3, 4] and slots.held == 0
+    assert slots.pace(1.0) == 4  # a row a second: the fewest
+    slots.fix(8)  # a producer's `reads_in_flight`: fixed, whatever pace is asked
+    assert slots.pace(1e12) == slots.pace(1.0) == 8 == slots.limit
+
+
+def test_a_read_that_waits_too_long_for_a_slot_is_a_storage_outage(monkeypatch):
+    import threading
+
+    import producers.storage
+
+    monkeypatch.setattr(producers.storage, "READ_SLOT_WAIT_S", 0.05)
+    slots, stuck, release = ReadSlots(1), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with slots.read(1):
+            stuck.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert stuck.wait(30)
+        with pytest.raises(StorageUnavailable, match=r"no read of the object store ended in 0 s \(1 in flight\)"):
+            with slots.read(1):
+                pass
+    finally:
+        release.set()
+        holder.join(30)
 
 
 def test_upload_script_stages_a_local_dataset(s3, tmp_path):
@@ -262,3 +340,37 @@ def test_convert_in_slices_by_two_workers_to_s3_commits_once(s3, tmp_path):
     S3Location(f"s3://{s3}/other").write_bytes("_convert/slice-000000.json", b"{}")  # someone's unfinished work
     with pytest.raises(CellfeedError, match="holds files but no dataset"):
         convert([str(h5)], f"s3://{s3}/other", **kw)
+
+
+@pytest.mark.parametrize("fixed", [None, 5])
+def test_a_producer_on_s3_paces_its_reads_by_its_own_work_and_makes_every_cell_once(s3, monkeypatch, fixed):
+    """After each unit the producer sizes each dataset's reads in flight to its pace: its rows of the unit
+    over the recent work time (`Producer._pace_reads`); `reads_in_flight` in its config fixes them."""
+    from coordination.queues import MemoryMap, MemoryQueue
+    from producers.config import ProducerConfig
+    from producers.producer import Producer
+    from producers.storage import ReadSlots
+    from tests.test_producer import WORLD, drain, enqueue_epoch
+
+    paces, pace = [], ReadSlots.pace
+    monkeypatch.setattr(ReadSlots, "pace", lambda self, rows_per_s: paces.append(rows_per_s) or pace(self, rows_per_s))
+    spec = SynthSpec(n_cells=600, n_genes=1500, n_plates=3, seed=3)
+    ds = synthesize(f"s3://{s3}/paced", spec, rows_per_fragment=30_000, progress=False)
+    config = ProducerConfig(
+        dataset=ds.uri,
+        run="paced",
+        world_size=WORLD,
+        sampling=Sampling("block", unit_cells=100, block_size=8, fetch_factor=4, batch_size=32),
+        max_genes=32,
+        idle_timeout_s=0.5,
+        reads_in_flight=fixed,
+    )
+    producer = Producer(config, MemoryQueue(), MemoryMap(), dataset=ds)
+    plan = enqueue_epoch(producer.queue, producer, 0)
+    producer.run()
+    producer.close()
+    cells = np.concatenate([it.cell_ids for items in drain(producer.queue, "paced", 0).values() for it in items])
+    np.testing.assert_array_equal(np.sort(cells), np.arange(ds.n_cells))
+    assert len(paces) == plan.n_units and min(paces) > 0  # a pace a unit: rows a second of work
+    expected = fixed if fixed else ReadSlots.pace(ds.read_slots, paces[-1])  # (the last pace, asked again)
+    assert ds.read_slots.limit == expected
