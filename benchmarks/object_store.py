@@ -13,7 +13,7 @@ ratio the median of each round's ratio (single runs of a few units varied by ten
 and `wait_share_*` says whether reads kept up: the loop's waits for rows over its steady time.
 
     python benchmarks/object_store.py            # 100k-cell atlas, >= 60k cells and 8 units per setting
-    python benchmarks/object_store.py --quick    # >= 20k cells and 8 units per setting, ~6 minutes
+    python benchmarks/object_store.py --quick    # >= 20k cells and 8 units per setting, ~4 minutes
     python benchmarks/object_store.py --tiny     # 3k-cell atlas, >= 500 cells and 1 unit per setting (tests:
                                                  # with one unit, a rate leaves out its read)
 
