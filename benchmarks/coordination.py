@@ -111,7 +111,7 @@ class SimulatedProducer(Producer):
         # (unit, cells per part, pieces): nothing is read; the loop sizes its read-ahead by the cells' bytes
         return None, [NO_CELLS], None
 
-    def _pace_reads(self, unit, cells):  # nothing is read: no reads to pace
+    def _pace_reads(self, unit, cells, pieces):  # nothing is read: no reads to pace
         pass
 
     def process(self, epoch, unit_id, rows=None):

@@ -43,7 +43,7 @@ from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
 from producers.config import ProducerConfig  # noqa: E402
 from producers.dataset import open_dataset  # noqa: E402
 from producers.producer import Producer  # noqa: E402
-from producers.storage import S3Settings  # noqa: E402
+from producers.storage import REMOTE_READS_START, ReadSlots, S3Settings  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
 
 ROW_BYTES = 4  # a non-zero as the producer needs it: uint16 gene + uint16 value
@@ -219,6 +219,8 @@ def main() -> None:
                         requests_before, server_cpu = proxy.requests if proxy else 0, server.cpu_seconds()
                         cells = budget // 4 if strategy == "random" else budget  # (its reads: ~1,000x a block's)
                         sampling = STRATEGIES[strategy]
+                        if ds.read_slots is not None:  # each run paced from scratch, as a new producer's reads
+                            ds.read_slots = ReadSlots(REMOTE_READS_START)  # (not by the setting before it)
                         r = run_config(ds, "scgpt", 1024, sampling, cells, min_units=min_units, reads_in_flight=fixed)
                         r["http_requests"] = proxy.requests - requests_before if proxy else None
                         if proxy and not r["http_requests"]:
@@ -282,7 +284,7 @@ def main() -> None:
     # do the reads keep up? the share of the steady time the loop waited for a unit's rows (0: never)
     for name in ("local", near, far):
         figures[f"wait_share_{name}"] = {s: round(results[(s, name)]["wait_share"], 3) for s in strategies}
-    # the slice reads each producer kept in flight behind each proxy (paced: `Dataset.pace_reads`)
+    # the slice reads each producer kept in flight behind each proxy (paced: `Producer._pace_reads`)
     for name in (near, far):
         figures[f"reads_in_flight_{name}"] = {s: results[(s, name)]["reads_in_flight"] for s in strategies}
     figures["rounds"] = rounds

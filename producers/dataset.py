@@ -303,7 +303,8 @@ class Dataset:
 
     def _read_piece(self, piece: tuple[int, int, int], columns: list[str]) -> pa.Table:
         frag, offset, limit = piece
-        with self.read_slots.read(limit) if self.read_slots is not None else contextlib.nullcontext():
+        slot = contextlib.nullcontext() if self.read_slots is None else self.read_slots.read(limit)
+        with slot:
             try:
                 return self._lance_fragments[frag].to_table(columns=columns, offset=offset, limit=limit)
             except Exception as exc:  # noqa: BLE001 - one line naming the dataset and fragment
@@ -353,10 +354,10 @@ class Dataset:
     def _read_ranges(self, ranges: np.ndarray, columns) -> pa.Table:
         """Rows of many [start, stop) ranges at once, concatenated in the order given.
 
-        Each range is cut at fragment edges and read as contiguous slices of fragments, all in
-        flight at once on a pool of threads (Lance releases the GIL): several times faster than a
-        row `take` for ranges of a few cells or more, and on object storage a unit costs a few
-        round trips. On local disk many tiny ranges (single cells) go through one `take`, which
+        Each range is cut at fragment edges and read as contiguous slices of fragments on a pool of
+        threads (Lance releases the GIL): several times faster than a row `take` for ranges of a
+        few cells or more. On object storage as many are in flight as the reader's pace needs
+        (`read_slots`). On local disk many tiny ranges (single cells) go through one `take`, which
         beats paying a slice's fixed cost per range."""
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         bounds = self.fragment_row_start

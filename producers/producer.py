@@ -133,6 +133,10 @@ class Producer:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.stats = ProducerStats()
         self._setup_loop()
+        if config.reads_in_flight:  # each dataset's reads in flight fixed, not paced (`_pace_reads`)
+            for source in self.sources:
+                if source.ds.read_slots is not None:
+                    source.ds.read_slots.fix(config.reads_in_flight)
         self.item_settings = ItemSettings(self.sources, self.tag, config.cells_per_item, self.labels, self._workers)
 
     def _setup_loop(self) -> None:
@@ -159,10 +163,8 @@ class Producer:
         self._epoch_maps: dict[int, Map] = {}
         self._checked_epochs: set[int] = set()  # epochs whose published plan matched this producer's
         self._unit_work_s: deque = deque(maxlen=8)  # recent units' tokenize-pack-hand-off times
+        self._unit_rows: deque = deque(maxlen=8)  # ... and the rows each read from each dataset ({ReadSlots: rows})
         self._unit_bytes = 0  # the latest unit's rows in memory
-        for source in self.sources if cfg.reads_in_flight else ():  # (else paced: `_pace_reads`)
-            if source.ds.read_slots is not None:
-                source.ds.read_slots.fix(cfg.reads_in_flight)
 
     def plan(self, epoch: int) -> Plan:
         """The epoch's plan (`producers.sources.epoch_plan`), cached for this and the previous
@@ -332,7 +334,7 @@ class Producer:
                 self.process(epoch, unit, cells)
                 self._unit_work_s.append(time.perf_counter() - t)
                 self._unit_bytes = sum(c.ids.nbytes + c.values.nbytes for c in cells[1])
-                self._pace_reads(*cells[:2])
+                self._pace_reads(*cells)
             self.courier.finish()
             finished = True
         except Stopped:
@@ -347,18 +349,21 @@ class Producer:
             raise self.courier.error
         return self.stats
 
-    def _pace_reads(self, unit: Unit, cells: list[CellRows]) -> None:
-        """Each source's slice reads in flight on object storage sized to this loop's pace
-        (`ReadSlots.pace`): its rows in this unit over the recent units' work time. Units read ahead
-        (`read_ahead`) hide a unit's read behind the work; this keeps the reads within a unit
-        from queueing behind each other."""
-        work_s = max(1e-3, float(np.median(self._unit_work_s)))
-        rows = defaultdict(int)
+    def _pace_reads(self, unit: Unit, cells: list[CellRows], pieces: CellRows | None) -> None:
+        """Each dataset's slice reads in flight on object storage sized to this loop's pace
+        (`ReadSlots.pace`): the rows read from it by the recent units over their work time. Units
+        read ahead (`read_ahead`) hide a unit's read behind the work; this keeps the reads within
+        a unit from queueing behind each other."""
+        rows: dict = defaultdict(int)  # (keyed by the dataset's slots: sources may share a dataset)
         for part, part_cells in zip(unit.parts, cells):
-            rows[part.source] += len(part_cells.ids)
-        for source, n in rows.items():
-            if (slots := self.sources[source].ds.read_slots) is not None:
-                slots.pace(n / work_s)
+            rows[self.sources[part.source].ds.read_slots] += len(part_cells.ids)
+        if pieces is not None:  # (a scanner unit's boundary pieces, read with its one part)
+            rows[self.sources[unit.parts[0].source].ds.read_slots] += len(pieces.ids)
+        self._unit_rows.append(rows)
+        work_s = max(1e-3, sum(self._unit_work_s))
+        for slots in rows:
+            if slots is not None:
+                slots.pace(sum(r.get(slots, 0) for r in self._unit_rows) / work_s)
 
     def _take(self) -> tuple[int, int, tuple] | None:
         """(read-ahead thread) The next task, held and read (`read`); None when the task list stayed empty

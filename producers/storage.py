@@ -55,7 +55,9 @@ MIN_REQUEST_RATE = 100  # requests/s: the floor of Lance's throttle (see the mod
 REMOTE_READS_START = 64  # until a pace is asked and a read timed
 REMOTE_READS_MAX = 256  # at most (their rows are part of the units read ahead, which bound the memory)
 READS_HEADROOM = 2.0  # reads in flight over Little's law's mean: a latency's tail, a unit's slices all at once
-READ_SLOT_WAIT_S = 300.0  # a read waiting this long for a slot: the store has stopped answering
+# a read waiting for a slot while no read ends for this long: the store has stopped answering (less than a
+# producer's `read_retry_s`, 180 s, so its read is tried again: StorageUnavailable)
+READ_SLOT_WAIT_S = 120.0
 
 
 def _env_number(env, name: str, default: float, kind=float):
@@ -345,48 +347,77 @@ def reads_in_flight(reads_per_s: float, latency_s: float) -> int:
 class ReadSlots:
     """A dataset's reads in flight on object storage: at most `limit` at once (`with slots.read(rows):`
     around each), the limit sized to a reader's pace from the recent reads' rows and times (`pace`).
-    A larger limit lets waiting reads in at once; a smaller one takes effect as reads end."""
+    Reads waiting for a slot get one in the order they came (a freed slot is handed to the oldest):
+    the oldest belong to the unit the producer needs first. A larger limit lets the waiting in at
+    once; a smaller one takes effect as reads end."""
 
     def __init__(self, limit: int):
         self.limit, self.held = limit, 0
         self.fixed = False  # (`fix`: a pace asked later changes nothing)
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
+        self._waiting: deque[threading.Event] = deque()  # reads waiting for a slot, oldest first
         self._recent: deque = deque(maxlen=512)  # (rows, seconds) of the latest reads that succeeded
+        self._last_end = time.monotonic()  # when a read last ended (a wait gives up only when none has)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
 
     @contextlib.contextmanager
     def read(self, rows: int):
-        with self._changed:
-            if not self._changed.wait_for(lambda: self.held < self.limit, timeout=READ_SLOT_WAIT_S):
-                raise StorageUnavailable(
-                    f"no read of the object store ended in {READ_SLOT_WAIT_S:.0f} s ({self.held} in flight); "
-                    "is the store up?"
-                )
-            self.held += 1
+        self._take_slot()
         start, ok = time.perf_counter(), False
         try:
             yield
             ok = True
         finally:
-            with self._changed:
-                self.held -= 1
+            with self._lock:
                 if ok:
                     self._recent.append((rows, time.perf_counter() - start))
-                self._changed.notify()
+                self._last_end = time.monotonic()
+                self.held -= 1
+                self._admit()
+
+    def _take_slot(self) -> None:
+        with self._lock:
+            if self.held < self.limit and not self._waiting:
+                self.held += 1
+                return
+            turn, since = threading.Event(), time.monotonic()
+            self._waiting.append(turn)
+        # wait while reads end (each is bounded by the store's timeouts); give up only when none has
+        # for READ_SLOT_WAIT_S: the reads in flight are stuck, so is the store
+        while not turn.wait(max(0.0, READ_SLOT_WAIT_S - (time.monotonic() - max(since, self._last_end)))):
+            with self._lock:
+                if turn.is_set():  # (handed a slot as the wait ran out)
+                    return
+                if time.monotonic() - max(since, self._last_end) >= READ_SLOT_WAIT_S:
+                    self._waiting.remove(turn)
+                    raise StorageUnavailable(
+                        f"no read of the object store ended in {READ_SLOT_WAIT_S:.0f} s ({self.held} in flight); "
+                        "is the store up?"
+                    )
+
+    def _admit(self) -> None:
+        """(lock held) Free slots to the oldest waiting reads."""
+        while self._waiting and self.held < self.limit:
+            self.held += 1
+            self._waiting.popleft().set()
 
     def pace(self, rows_per_s: float) -> int:
         """Size the limit to read `rows_per_s` rows a second, the reader's pace: Little's law
         (`reads_in_flight`), reads a second at the rows the recent reads held, times their median
         time. Returns the limit."""
-        with self._changed:
+        with self._lock:
             if self._recent and rows_per_s > 0 and not self.fixed:
                 rows_per_read = max(1.0, sum(r for r, _ in self._recent) / len(self._recent))
                 latency_s = float(np.median([s for _, s in self._recent]))
                 self.limit = reads_in_flight(rows_per_s / rows_per_read, latency_s)
-                self._changed.notify_all()
+                self._admit()
             return self.limit
 
     def fix(self, limit: int) -> None:
         """`limit` reads in flight from now on, whatever pace is asked."""
-        with self._changed:
+        with self._lock:
             self.limit, self.fixed = limit, True
-            self._changed.notify_all()
+            self._admit()

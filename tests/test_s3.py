@@ -169,6 +169,39 @@ def test_read_slots_hold_reads_to_their_limit_and_a_faster_pace_lets_the_waiting
     assert slots.pace(1e12) == slots.pace(1.0) == 8 == slots.limit
 
 
+def test_reads_waiting_for_a_slot_get_one_in_the_order_they_came():
+    """A freed slot goes to the oldest waiting read (whose rows the producer needs first). The thread
+    that freed it and asks again at once (a pool thread taking its next slice) waits behind them."""
+    import threading
+
+    slots, order, lock = ReadSlots(1), [], threading.Lock()
+    gates = [threading.Event() for _ in range(4)]
+
+    def reader(i: int) -> None:
+        with slots.read(1):
+            with lock:
+                order.append(i)
+            assert gates[i].wait(30)
+        if i == 0:
+            with slots.read(1):
+                with lock:
+                    order.append("0 again")
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    threads[0].start()
+    wait_for(lambda: order == [0], "the first read in")
+    for i in (1, 2, 3):  # each waits behind the one before it
+        threads[i].start()
+        wait_for(lambda: slots.waiting == i, f"read {i} waiting")
+    for i in range(4):
+        gates[i].set()
+        if i < 3:
+            wait_for(lambda: len(order) == i + 2, f"read {i + 1} in")
+    for t in threads:
+        t.join(30)
+    assert order == [0, 1, 2, 3, "0 again"] and slots.held == 0 == slots.waiting
+
+
 def test_a_read_that_waits_too_long_for_a_slot_is_a_storage_outage(monkeypatch):
     import threading
 
@@ -344,18 +377,20 @@ def test_convert_in_slices_by_two_workers_to_s3_commits_once(s3, tmp_path):
 
 @pytest.mark.parametrize("fixed", [None, 5])
 def test_a_producer_on_s3_paces_its_reads_by_its_own_work_and_makes_every_cell_once(s3, monkeypatch, fixed):
-    """After each unit the producer sizes each dataset's reads in flight to its pace: its rows of the unit
-    over the recent work time (`Producer._pace_reads`); `reads_in_flight` in its config fixes them."""
+    """After each unit the producer sizes each dataset's reads in flight to its pace: the rows of its
+    recent units over their work time (`Producer._pace_reads`); `reads_in_flight` in its config fixes them."""
+    import producers.dataset
     from coordination.queues import MemoryMap, MemoryQueue
     from producers.config import ProducerConfig
     from producers.producer import Producer
-    from producers.storage import ReadSlots
     from tests.test_producer import WORLD, drain, enqueue_epoch
 
+    monkeypatch.setattr(producers.dataset, "REMOTE_READS_START", 1_000)  # a limit no pace gives (4..256)
     paces, pace = [], ReadSlots.pace
     monkeypatch.setattr(ReadSlots, "pace", lambda self, rows_per_s: paces.append(rows_per_s) or pace(self, rows_per_s))
     spec = SynthSpec(n_cells=600, n_genes=1500, n_plates=3, seed=3)
     ds = synthesize(f"s3://{s3}/paced", spec, rows_per_fragment=30_000, progress=False)
+    assert ds.read_slots.limit == 1_000
     config = ProducerConfig(
         dataset=ds.uri,
         run="paced",
@@ -366,11 +401,15 @@ def test_a_producer_on_s3_paces_its_reads_by_its_own_work_and_makes_every_cell_o
         reads_in_flight=fixed,
     )
     producer = Producer(config, MemoryQueue(), MemoryMap(), dataset=ds)
-    plan = enqueue_epoch(producer.queue, producer, 0)
-    producer.run()
-    producer.close()
+    try:
+        plan = enqueue_epoch(producer.queue, producer, 0)
+        producer.run()
+    finally:
+        producer.close()
     cells = np.concatenate([it.cell_ids for items in drain(producer.queue, "paced", 0).values() for it in items])
     np.testing.assert_array_equal(np.sort(cells), np.arange(ds.n_cells))
     assert len(paces) == plan.n_units and min(paces) > 0  # a pace a unit: rows a second of work
-    expected = fixed if fixed else ReadSlots.pace(ds.read_slots, paces[-1])  # (the last pace, asked again)
-    assert ds.read_slots.limit == expected
+    if fixed:
+        assert ds.read_slots.limit == fixed and ds.read_slots.fixed
+    else:
+        assert 4 <= ds.read_slots.limit <= REMOTE_READS_MAX  # paced: no longer the start's 1,000
