@@ -52,8 +52,10 @@ RETRIES = 3  # CELLFEED_S3_RETRIES
 MIN_REQUEST_RATE = 100  # requests/s: the floor of Lance's throttle (see the module's docstring)
 # A dataset's slice reads in flight on object storage (`ReadSlots`): each is mostly waiting (a round trip or
 # two), a thread blocked in Lance's GETs with the GIL released, so as many as the reader's pace needs
-REMOTE_READS_START = 64  # until a pace is asked and a read timed
 REMOTE_READS_MAX = 256  # at most (their rows are part of the units read ahead, which bound the memory)
+# until a pace is asked and a read timed: the most, as if the store were far (started at 64, a producer's first
+# units behind 100 ms read at 64 and cost short runs a quarter of their rate against 256 fixed)
+REMOTE_READS_START = REMOTE_READS_MAX
 READS_HEADROOM = 2.0  # reads in flight over Little's law's mean: a latency's tail, a unit's slices all at once
 # a read waiting for a slot while no read ends for this long: the store has stopped answering (less than a
 # producer's `read_retry_s`, 180 s, so its read is tried again: StorageUnavailable)
