@@ -16,13 +16,16 @@ from producers.held_out import compile_token_pass, produce_held_out
 from producers.producer import Producer
 from producers.selection import filter_cells
 from producers.sources import check_coverage
+from producers.tokenizers import layout
 
 MAX_EPOCHS = 10_000  # a step budget needing more epochs than this is surely a mistake
 
 
 def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
     """Each epoch's plan summary: `--epochs` of them, or with only `--steps`, as many as the steps
-    need (an epoch's step count depends on its plan); both given and too few epochs is an error."""
+    need (an epoch's step count depends on its plan); both given and too few epochs is an error.
+    Counted in steps of --batch-size cells: a token budget's steps take at most that many, so an
+    epoch holds at least as many of its steps, and the epochs planned are enough."""
     summaries, steps = [], 0
     while len(summaries) < (cfg.epochs or 1) or (cfg.epochs is None and cfg.steps and steps < cfg.steps):
         if len(summaries) == MAX_EPOCHS:
@@ -37,6 +40,18 @@ def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
             "epochs as the steps need"
         )
     return summaries
+
+
+def cells_per_step(cfg, producer: Producer) -> int:
+    """A batch's cells: --batch-size, or with --tokens-per-batch about as many as the budget holds of
+    the sources' cells at their mean length (so the step counts shown are estimates; the trainer
+    ends an epoch when its cells are trained, and the schedule counts cells)."""
+    if cfg.tokens_per_batch is None:
+        return cfg.batch_size
+    genes = cfg.genes_per_cell
+    counts = np.concatenate([np.diff(s.ds.cell_row_start) for s in producer.sources])
+    mean = float(np.minimum(counts, genes).mean()) + layout(cfg.tokenizer).sequence_length(genes) - genes
+    return int(min(cfg.batch_size, max(1, cfg.tokens_per_batch // max(1.0, mean))))
 
 
 def prepare(cfg, queue, store, vocab_path=None, compile_pass=False) -> SetupFacts:
@@ -76,8 +91,8 @@ def prepare(cfg, queue, store, vocab_path=None, compile_pass=False) -> SetupFact
         cells_per_epoch=summaries[0].n_cells,
         units_per_epoch=summaries[0].n_units,
         units_total=sum(s.n_units for s in summaries),
-        steps_per_epoch=optimizer_steps(summaries[:1], cfg.batch_size, cfg.grad_accum),
-        total_steps=cfg.steps or optimizer_steps(summaries, cfg.batch_size, cfg.grad_accum),
+        steps_per_epoch=optimizer_steps(summaries[:1], cells_per_step(cfg, producer), cfg.grad_accum),
+        total_steps=cfg.steps or optimizer_steps(summaries, cells_per_step(cfg, producer), cfg.grad_accum),
         held_out_cells=held_out,
         held_out_items=held_out_items,
         sources=tuple((s.spec.name, int(q), c.line()) for s, q, c in zip(producer.sources, quotas, coverage)),

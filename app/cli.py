@@ -211,7 +211,7 @@ def add_campaign_flags(p: argparse.ArgumentParser) -> None:
             kind, metavar = float, "X"
         elif name == "seed":
             kind, metavar = int, "N"
-        elif isinstance(default, int) or name in ("max_genes", "steps", "epochs", "tokens_per_row"):
+        elif isinstance(default, int) or name in ("max_genes", "steps", "epochs", "tokens_per_row", "tokens_per_batch"):
             kind, metavar = _positive_int, "N"
         else:
             kind, metavar = str, name.upper().replace("_", "-")

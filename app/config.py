@@ -48,6 +48,7 @@ class CampaignConfig:
     nodes: int = 1  # trainer nodes: the DDP world is nodes x gpus ranks (`world_size`)
     batch_size: int = 240
     tokens_per_row: int | None = None  # pack each batch's cells into rows of this many tokens (None: a row per cell)
+    tokens_per_batch: int | None = None  # a batch: the drawn cells that fit this many tokens (None: batch_size cells)
     grad_accum: int = 1
     steps: int | None = None  # None: train the epochs through
     epochs: int | None = None  # None: 1, or as many as `steps` needs
@@ -110,7 +111,7 @@ class CampaignConfig:
         ):
             if int(getattr(self, name)) < 1:
                 raise CellfeedError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_genes", "steps", "epochs"):  # optional
+        for name in ("max_genes", "steps", "epochs", "tokens_per_batch"):  # optional
             if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise CellfeedError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         longest = layout(self.tokenizer).sequence_length(self.genes_per_cell)
@@ -118,6 +119,11 @@ class CampaignConfig:
             raise CellfeedError(
                 f"--tokens-per-row {self.tokens_per_row}: a row must hold the longest cell, {longest} tokens "
                 f"({self.tokenizer} with {self.genes_per_cell} genes); give at least {longest}, e.g. {2 * longest}"
+            )
+        if self.tokens_per_batch is not None and int(self.tokens_per_batch) < longest:
+            raise CellfeedError(
+                f"--tokens-per-batch {self.tokens_per_batch}: a batch must hold the longest cell, {longest} tokens "
+                f"({self.tokenizer} with {self.genes_per_cell} genes); give at least {longest}"
             )
         if not 1 <= self.lease_s <= 3600:
             raise CellfeedError(f"--lease-s must be within 1..3600 seconds, got {self.lease_s}")
@@ -279,6 +285,7 @@ class CampaignConfig:
             compile=self.compile,
             pad_to=spec.sequence_length(self.genes_per_cell),
             tokens_per_row=self.tokens_per_row,
+            tokens_per_batch=self.tokens_per_batch,
             checkpoint_dir=self.run_checkpoint_dir,
             checkpoint_every=self.checkpoint_every,
             keep_checkpoints=self.keep_checkpoints,

@@ -188,7 +188,12 @@ def announce(cfg: CampaignConfig, facts, workdir: Path, audit_cells: bool) -> No
         f"{plural(cfg.producers, 'producer')}, {plural(cfg.world_size, 'rank')} (gloo, CPU"
         + (f"; {cfg.nodes} nodes of {cfg.gpus}" if cfg.nodes > 1 else "")
         + "), "
-        f"{plural(facts.total_steps, 'step')} of {cfg.batch_size} cells per rank over {plural(facts.epochs, 'epoch')}"
+        + (
+            f"{plural(facts.total_steps, 'step')} of {cfg.batch_size} cells per rank"
+            if cfg.tokens_per_batch is None
+            else f"about {plural(facts.total_steps, 'step')} of up to {cfg.tokens_per_batch:,} tokens per rank"
+        )
+        + f" over {plural(facts.epochs, 'epoch')}"
         + (f", {facts.held_out_cells:,} held-out cells" if facts.held_out_cells else ""),
         flush=True,
     )

@@ -43,6 +43,7 @@ RESUME_CHANGES = frozenset(
         "audit_cells",
         "trace_units",
         "tokens_per_row",  # (how a batch's cells are laid out: the same cells, the same schedule)
+        "tokens_per_batch",  # (how many cells a batch draws: the schedule counts cells, the audit too)
     }
 )
 

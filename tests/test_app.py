@@ -77,7 +77,7 @@ def non_default_flags() -> dict:
             values[name] = True
         elif isinstance(default, float):
             values[name] = default / 2 if default else 5.0
-        elif name == "tokens_per_row":  # (a row holds the longest cell: max_genes 3 + CLS + EOS, and more)
+        elif name in ("tokens_per_row", "tokens_per_batch"):  # (the longest cell fits: max_genes 3 + CLS + EOS)
             values[name] = 12
         else:  # ints and optional ints
             values[name] = (default or 2) + 1

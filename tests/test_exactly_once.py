@@ -235,6 +235,49 @@ def test_no_producer_is_a_bounded_reported_wait():
         driver.run_epochs([0])
 
 
+def test_a_token_budget_batches_the_drawn_cells_that_fit_and_the_epoch_ends_when_no_cell_is_left():
+    """`tokens_per_batch`: each batch is the cells drawn from the buffer, in their drawn order, while
+    their tokens fit the budget (at most `batch_size` of them), so the cells per batch vary with the
+    cells' lengths; the epoch has no step count ahead, and ends once the trainer says no rank has a
+    cell left (as its all-reduce does, `EpochIterator.end`): every cell once, none twice."""
+    rng, packed = np.random.default_rng(5), []
+    for unit in range(3):  # 3 units of one item each: 40 cells of 1..30 tokens
+        lengths = rng.integers(1, 31, size=40)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        tokens = rng.integers(10, 60, size=int(offsets[-1])).astype(np.uint16)
+        cells = np.arange(40 * unit, 40 * unit + 40)
+        packed.append(pack_item(Item(0, unit, 0, False, run_tag("budget"), 1, cells, offsets, tokens)))
+
+    def stream(budget):
+        queue = MemoryQueue()
+        queue.put_many(packed, partition=rank_partition(0))
+        return ConsumerStream(
+            queue, rank=0, world_size=1, run="budget", batch_size=16, tokens_per_batch=budget,
+            no_data_timeout_s=10, poll_s=0.05,
+        )  # fmt: skip
+
+    plain = stream(None)
+    drawn = next(iter(plain.epoch(0, [120])))  # 16 cells, as without a budget
+    plain.close()
+    budgeted = stream(100)
+    batches, sizes, trained = budgeted.epoch(0, [120]), [], Counter()
+    assert batches.steps is None and not batches.finished
+    for batch in batches:
+        tokens = int(batch.lengths.sum())
+        assert batch.size <= 16 and (tokens <= 100 or batch.size == 1)
+        if not sizes:  # the first: the same draw's cells, from the first, while they fit
+            assert batch.cell_ids.tolist() == drawn.cell_ids[: batch.size].tolist()
+            assert tokens + int(drawn.lengths[batch.size]) > 100
+        sizes.append(batch.size)
+        trained.update(batch.cell_ids.tolist())
+        if batches.cells_left == 0:  # (the trainer: when the step's all-reduce says no rank has one left)
+            batches.end()
+    budgeted.close()
+    assert trained == Counter(range(120))  # every cell once
+    assert batches.finished and batches.steps == len(sizes)
+    assert len(set(sizes)) > 2 and max(sizes) < 16  # the cells per batch vary with their lengths
+
+
 def test_a_starved_rank_answers_a_stop_with_what_it_holds_and_its_epoch_is_cut():
     """Producers stalled, a stop asked: the rank stops waiting for cells (within its poll), yields a
     batch of what its buffer holds (here the one item that came), and its epoch is not finished (no

@@ -150,18 +150,23 @@ def read_cells(prefix: Path, max_step: int | None = None, world: int = WORLD, on
     return out
 
 
+def train_through(campaign: Campaign, tmp: Path, **changes) -> list[dict]:
+    """The campaign trained through on its ranks (its config with `changes`), then closed: each rank's summary."""
+    try:
+        cfg = campaign.train_config(tmp, **changes)
+        codes = wait_all(launch(cfg, campaign.world, tmp, summary_path=str(tmp / "summary")), timeout=600)
+    finally:
+        campaign.close()
+    assert codes == [0] * campaign.world
+    return [json.loads(Path(f"{tmp}/summary.rank{r}").read_text()) for r in range(campaign.world)]
+
+
 def test_two_rank_ddp_trains_in_sync_on_every_cell_once(atlas, tmp_path):
     plates = np.array(atlas.obs(["plate"]).column(0).to_pylist())
     train_cells = np.flatnonzero(plates != "plate14")
     held_out = np.flatnonzero(plates == "plate14")[:96]
     campaign = Campaign(atlas, "ddp", epochs=1, subset_filter="plate != 'plate14'", held_out=held_out)
-    try:
-        cfg = campaign.train_config(tmp_path, eval_every=15, eval_cells=96)
-        codes = wait_all(launch(cfg, WORLD, tmp_path, summary_path=str(tmp_path / "summary")), timeout=600)
-    finally:
-        campaign.close()
-    assert codes == [0, 0]
-    summaries = [json.loads(Path(f"{tmp_path}/summary.rank{r}").read_text()) for r in range(WORLD)]
+    summaries = train_through(campaign, tmp_path, eval_every=15, eval_cells=96)
     steps = campaign.summaries[0].steps(BATCH)
     assert summaries[0]["steps"] == summaries[1]["steps"] == steps  # the step count the plan implies
     assert summaries[0]["final_params_checksum"] == summaries[1]["final_params_checksum"]  # ranks in sync
@@ -176,6 +181,27 @@ def test_two_rank_ddp_trains_in_sync_on_every_cell_once(atlas, tmp_path):
     assert [e["step"] for e in evals] == [0] + list(range(15, steps + 1, 15))
     assert all(e["eval_loss"] < evals[0]["eval_loss"] - 1.0 for e in evals[1:])  # far better than untrained
     assert all(e["eval_accuracy"] > 0.5 for e in evals[1:])  # far above chance (1 in 50 bins)
+
+
+def test_two_ranks_with_a_token_budget_end_the_epoch_together_when_neither_has_a_cell_left(atlas, tmp_path):
+    """--tokens-per-batch: a batch is the drawn cells that fit the budget (here 4 of the atlas's
+    25-token cells, under the cap of 32), so no rank knows its step count ahead; the ranks' unequal
+    shares end on the step after which neither has a cell left (the all-reduced `left` flag: the one
+    with fewer cells yields an empty batch meanwhile), in sync, every cell once, the audit exact."""
+    plates = np.array(atlas.obs(["plate"]).column(0).to_pylist())
+    cells = np.flatnonzero(plates < "plate05")
+    campaign = Campaign(atlas, "budget", epochs=1, subset_filter="plate < 'plate05'")
+    summaries = train_through(campaign, tmp_path, tokens_per_batch=100, checkpoint_every=1000)
+    shares = campaign.summaries[0].cells_per_rank
+    steps = -(-max(shares) // 4)  # 4 cells of 25 tokens a batch (CLS + 24 genes), not BATCH
+    assert -(-min(shares) // 4) < steps  # the rank with fewer cells runs out a step or more before the other
+    assert summaries[0]["steps"] == summaries[1]["steps"] == steps
+    assert summaries[0]["final_params_checksum"] == summaries[1]["final_params_checksum"]  # ranks in sync
+    assert summaries[0]["complete"] and summaries[0]["audits"][0]["audited"]  # (a failed audit raises)
+    assert read_cells(tmp_path / "cells") == Counter(cells.tolist())  # every cell once
+    rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    per_step = [r["cells"] for r in rows if "loss" in r]  # both ranks' cells of each step
+    assert per_step[: min(shares) // 4] == [4 * WORLD] * (min(shares) // 4) and sum(per_step) == len(cells)
 
 
 # (resumed on 3 ranks: the curriculum test below kills this corpus's campaign on 2 ranks in epoch 0

@@ -32,6 +32,7 @@ class TrainConfig:
     compile: bool = False
     pad_to: int | None = None
     tokens_per_row: int | None = None  # packed rows of this many tokens (`trainer.packing`); None: a row per cell
+    tokens_per_batch: int | None = None  # a batch: the drawn cells that fit this many tokens (None: batch_size cells)
     # attention over padded or packed rows (`model.ModelConfig`): "dense", "flex", "varlen", or "auto":
     # varlen on a GPU with the kernel (no pair between cells: a padding mask sent SDPA to a kernel that took a padded
     # batch 290 ms against 230 ms full length on an H200), dense elsewhere

@@ -60,7 +60,7 @@ class Tracker:
         self,
         rank: int,
         log_path: str | None,
-        total_steps: int,
+        total_steps: int | None,
         peak: float | None,
         bar: bool = True,
         first_step: int = 0,
@@ -219,7 +219,7 @@ class StepTotals:
     """One optimizer step's batches, summed: their time (waits included) and what they held."""
 
     started: float
-    totals: torch.Tensor  # all-reduced: masked, loss sum, correct, stop asked, cells, epoch cut
+    totals: torch.Tensor  # all-reduced: masked, loss sum, correct, stop asked, cells, epoch cut, ranks with cells left
     waited: float = 0.0
     cells: int = 0
     masked: torch.Tensor | int = 0  # this rank's hidden positions (on the device: read after the step)
@@ -238,10 +238,11 @@ class StepTotals:
         # the collate's host-side lengths: reading the mask back from the GPU is one more wait for the step
         self.lengths.append(batch.lengths if batch.lengths is not None else batch.attention_mask.sum(dim=1).cpu())
 
-    def flags(self) -> tuple[float, float, float]:
-        """(stop asked, cells, epoch cut), every rank's, summed over the step's batches: read back at once."""
-        asked, cells, cut = self.totals[3:].tolist()
-        return asked, cells, cut
+    def flags(self) -> tuple[float, float, float, float]:
+        """(stop asked, cells, epoch cut, ranks with cells left after the step), every rank's, summed
+        over the step's batches: read back at once."""
+        asked, cells, cut, left = self.totals[3:].tolist()
+        return asked, cells, cut, left
 
     def metrics(self, step: int, epoch: int, lr: float, grad_norm, model_config, device, ready_cells) -> "StepMetrics":
         """The step's metrics as the tracker records them (flops of real tokens: `train_flops`)."""

@@ -28,6 +28,12 @@ MAX_CELLS_PER_ROW = 32  # bounds a row's hidden positions (`model.masked_loss` s
 PADDING_SPAN = 128  # a row's padding tail attends within pieces this long (`spans_of`: varlen attention)
 
 
+def within_budget(lengths, tokens: int) -> int:
+    """How many cells of `lengths` tokens, from the first, fit `tokens` tokens (a token-budget
+    batch: `--tokens-per-batch`): at least one (the campaign refuses a budget below its longest cell)."""
+    return max(1, int(np.searchsorted(np.cumsum(np.asarray(lengths, dtype=np.int64)), tokens, side="right")))
+
+
 def pack_rows(lengths: np.ndarray, tokens_per_row: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Each cell's row and start in it, and the row count, for cells of `lengths` tokens packed
     best fit, longest first. A cell longer than a row is refused (the campaign checks

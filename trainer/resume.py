@@ -105,12 +105,15 @@ def start_driver(cfg: TrainConfig, queue, store, resumed, epoch: int, summaries:
     return driver
 
 
-def total_steps(cfg: TrainConfig, store, summaries: dict, step: int, epoch: int, left) -> int:
+def total_steps(cfg: TrainConfig, store, summaries: dict, step: int, epoch: int, left) -> int | None:
     """The run's optimizer steps (for the progress bar): a campaign of epochs ends when every epoch's
     cells are trained, on any number of ranks, so its steps follow from this run's ranks; a resume
-    adds the epoch's rest (maybe on other ranks) and the later epochs'. --steps is a partial run."""
+    adds the epoch's rest (maybe on other ranks) and the later epochs'. --steps is a partial run.
+    None with a token budget: a step's cells depend on the cells drawn."""
     if cfg.max_steps:
         return cfg.max_steps
+    if cfg.tokens_per_batch is not None:
+        return None
     if left is None:
         return optimizer_steps(list(summaries.values()), cfg.batch_size, cfg.grad_accum)
     later = [summaries.get(e) or load_summary(store, cfg.run, e) for e in range(epoch + 1, cfg.epochs)]

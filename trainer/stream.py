@@ -1,9 +1,11 @@
 """The consumer stream of one rank: pop items from its partition, verify and decompress them in
 a background thread, drop duplicate keys, mix cells from many items in a buffer, and yield
-fixed-size batches as tensors. It ends an epoch by count: every rank knows every rank's cell
-count from the epoch's `PlanSummary`, so all ranks take the same number of steps with no
-communication and no end-of-stream marker (a rank with fewer cells yields smaller, then empty,
-final batches).
+batches as tensors: `batch_size` cells, or with `tokens_per_batch` the cells drawn that fit it. It
+ends an epoch by count: every rank knows every rank's cell count from the epoch's `PlanSummary`,
+so all ranks take the same number of steps with no communication and no end-of-stream marker (a
+rank with fewer cells yields smaller, then empty, final batches). With a token budget a step's
+cells depend on those drawn: each step's all-reduce says whether any rank has cells left, and
+the epoch ends after the step where none has (`EpochIterator.end`).
 
 A rank that waits `STARVED_AFTER_S` for cells that do not come calls `on_starved`: the trainer
 then asks the driver to produce again the units whose items never reached this rank (a queue get
@@ -37,7 +39,7 @@ from coordination.summary import steps_per_epoch
 from coordination.vocab import PAD
 from coordination.wire import Item, ItemError, unpack_item
 from trainer.model import Spans
-from trainer.packing import pack_rows, segments_of, spans_of
+from trainer.packing import pack_rows, segments_of, spans_of, within_budget
 
 STARVED_AFTER_S = 2.0  # a rank with cells still to come and no item for this long asks for the missing units
 
@@ -112,6 +114,7 @@ class ConsumerStream:
         pad_to: int | None = None,
         pad_token: int = PAD,
         tokens_per_row: int | None = None,
+        tokens_per_batch: int | None = None,
         spans: bool = False,
         buffer_cells: int = 4096,
         seed: int = 0,
@@ -126,13 +129,13 @@ class ConsumerStream:
         starved_after_s: float = STARVED_AFTER_S,
         stop_asked=None,
     ):
-        if batch_size < 1 or buffer_cells < 1:
-            raise CellfeedError("batch_size and buffer_cells must be >= 1")
+        if batch_size < 1 or buffer_cells < 1 or (tokens_per_batch is not None and tokens_per_batch < 1):
+            raise CellfeedError("batch_size, tokens_per_batch and buffer_cells must be >= 1")
         self.queue, self.rank, self.world_size = queue, rank, world_size
         self.partition = rank_partition(rank)
         self.tag = run_tag(run)
         self.batch_size, self.pad_to, self.buffer_cells = batch_size, pad_to, buffer_cells
-        self.pad_token, self.tokens_per_row = pad_token, tokens_per_row
+        self.pad_token, self.tokens_per_row, self.tokens_per_batch = pad_token, tokens_per_row, tokens_per_batch
         self.spans = spans  # each batch cut into its cells' spans (`Batch.spans`: for varlen attention)
         self.seed, self.no_data_timeout_s, self.poll_s, self.fetch_items = seed, no_data_timeout_s, poll_s, fetch_items
         self.consumed = set(consumed or ())  # keys fully trained on (from a checkpoint)
@@ -274,7 +277,8 @@ class ConsumerStream:
 
 
 class EpochIterator:
-    """Batches of one epoch; exactly `steps` of them on every rank."""
+    """Batches of one epoch; exactly `steps` of them on every rank (with a token budget, `steps` is
+    None until the trainer learns that no rank has a cell left: `end`)."""
 
     def __init__(self, stream: ConsumerStream, epoch: int, cells_per_rank: list[int]):
         if len(cells_per_rank) != stream.world_size:
@@ -283,7 +287,8 @@ class EpochIterator:
             )
         self.s, self.epoch = stream, epoch
         self.expected = int(cells_per_rank[stream.rank])
-        self.steps = steps_per_epoch(cells_per_rank, stream.batch_size)
+        budget = stream.tokens_per_batch is not None and any(cells_per_rank)
+        self.steps = None if budget else steps_per_epoch(cells_per_rank, stream.batch_size)
         self.step = 0
         self.cut = False  # a stop ended a batch early: the epoch is not finished, whatever `step` says
         self.received = 0  # cells taken into the buffer
@@ -304,7 +309,16 @@ class EpochIterator:
     @property
     def finished(self) -> bool:
         """Every step of the epoch was taken, none of them cut short by a stop."""
-        return self.step >= self.steps and not self.cut
+        return self.steps is not None and self.step >= self.steps and not self.cut
+
+    @property
+    def cells_left(self) -> int:
+        """Cells of the epoch this rank has not batched yet (to come, or in the buffer)."""
+        return self.expected - self.received + len(self.buffer)
+
+    def end(self) -> None:
+        """No rank has a cell of the epoch left (a token budget's epoch: the step's all-reduce said so)."""
+        self.steps = self.step
 
     @property
     def ready_cells(self) -> int:
@@ -358,12 +372,15 @@ class EpochIterator:
         return waited
 
     def __next__(self) -> Batch:
-        if self.step >= self.steps:
+        if self.steps is not None and self.step >= self.steps:
             raise StopIteration
         s = self.s
         waited = self._fill()
         take = min(s.batch_size, len(self.buffer))
         picks = self.rng.choice(len(self.buffer), size=take, replace=False) if take else np.zeros(0, dtype=np.int64)
+        if s.tokens_per_batch is not None and take:  # the drawn cells, in their drawn order, while their tokens fit
+            lengths = [int(item.offsets[i + 1] - item.offsets[i]) for item, i in (self.buffer[p] for p in picks)]
+            picks = picks[: within_budget(lengths, s.tokens_per_batch)]
         chosen = [self.buffer[i] for i in picks]
         for i in sorted(picks.tolist(), reverse=True):  # swap-remove
             self.buffer[i] = self.buffer[-1]

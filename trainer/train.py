@@ -117,13 +117,15 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
             for batch in batches:
                 # ---- one training step: gradients accumulate over `grad_accum` batches ----
                 if micro == 0:
-                    step = StepTotals(time.perf_counter() - batch.wait_s, torch.zeros(6, device=device))
+                    step = StepTotals(time.perf_counter() - batch.wait_s, torch.zeros(7, device=device))
                 step.add(batch, forward_backward(run, batch, micro))
                 micro += 1
                 if micro < cfg.grad_accum:
                     continue
                 micro = 0
-                asked, cells, cut = step.flags()  # every rank's (the step's one wait for the GPU before its metrics)
+                asked, cells, cut, left = step.flags()  # every rank's (the step's one wait for the GPU, before metrics)
+                if batches.steps is None and left == 0:  # a token budget's epoch: no rank has a cell left
+                    batches.end()
                 if cut > 0:  # a rank's epoch was cut short by the stop: every rank's is (the same
                     batches.cut = True  # branch below on all ranks: a checkpoint now, no audit of it)
                 if asked > 0 and cells == 0:  # a stop met every rank starved: no step
@@ -248,6 +250,7 @@ def open_stream(cfg, queue, store, rank, world, progress, saved, epoch, summarie
         pad_to=cfg.pad_to,
         pad_token=cfg.pad_token,
         tokens_per_row=cfg.tokens_per_row,
+        tokens_per_batch=cfg.tokens_per_batch,
         spans=attention == "varlen",  # batches cut into their cells' spans for varlen attention only
         buffer_cells=cfg.buffer_cells,
         seed=cfg.seed,
@@ -272,8 +275,9 @@ def forward_backward(run: Run, batch, micro: int) -> tuple[torch.Tensor, torch.T
         loss_sum, n_masked, correct = masked_loss(
             run.step_model, batch, cfg.mask_ratio, generator, cfg.n_bins, run.model.config
         )
-        # (a rank's stop cut its epoch: `cut`)
-        flags = torch.tensor([float(bool(run.stop_asked)), float(batch.size), float(run.batches.cut)])
+        # (a rank's stop cut its epoch: `cut`; ranks with cells of the epoch left after the step: `left`)
+        left = float(sync and run.batches.cells_left > 0)
+        flags = torch.tensor([float(bool(run.stop_asked)), float(batch.size), float(run.batches.cut), left])
         flags = (flags.pin_memory() if device.type == "cuda" else flags).to(device, non_blocking=True)
         counts = torch.cat([torch.stack([n_masked.float(), loss_sum.detach().float(), correct.float()]), flags])
         dist.all_reduce(counts)  # global masked count: every position weighs the same
