@@ -204,6 +204,16 @@ def test_two_ranks_with_a_token_budget_end_the_epoch_together_when_neither_has_a
     assert per_step[: min(shares) // 4] == [4 * WORLD] * (min(shares) // 4) and sum(per_step) == len(cells)
 
 
+def test_a_token_budget_campaign_killed_mid_epoch_resumes_and_trains_every_cell_once(atlas, tmp_path):
+    """Under --tokens-per-batch both ranks SIGKILLed after their checkpoint at step 20, resumed: the
+    runs together train every cell once (the checkpoint and the audit count cells, not steps)."""
+    cells = np.flatnonzero(np.array(atlas.obs(["plate"]).column(0).to_pylist()) < "plate05")
+    campaign = Campaign(atlas, "budget-resume", epochs=1, subset_filter="plate < 'plate05'")
+    before, after, summary = kill_mid_epoch_and_resume(campaign, tmp_path, tokens_per_batch=100)
+    assert before + after == Counter(cells.tolist())
+    assert summary["complete"] and summary["audits"][0]["audited"]
+
+
 # (resumed on 3 ranks: the curriculum test below kills this corpus's campaign on 2 ranks in epoch 0
 # and resumes it on 3, and checks epoch 0 as this test does: the planned multiset, the quotas, the audit)
 @pytest.mark.parametrize("ranks", [2])
@@ -279,14 +289,15 @@ def test_a_corpus_resumed_on_three_ranks_with_a_new_mixture_trains_each_epoch_as
 
 
 def kill_mid_epoch_and_resume(
-    campaign: Campaign, tmp_path: Path, resume_on=None, kill_again_after: int | None = None
+    campaign: Campaign, tmp_path: Path, resume_on=None, kill_again_after: int | None = None, **changes
 ) -> tuple[Counter, Counter, dict]:
     """SIGKILL every rank after their checkpoint at step 20 (run "a"), resume (run "b"): (cells
     trained before the checkpoint, cells trained by the resumed run, its summary). `resume_on`: a
     campaign to resume on instead -- another number of ranks, set up afresh as a re-run does (a
     new queue, plans published for its ranks, producers routing to them). `kill_again_after`:
     run "b" is killed too, after its next checkpoint that many steps on, and resumed once more on
-    one rank (run "c"); the middle counter then holds run b's cells up to that checkpoint."""
+    one rank (run "c"); the middle counter then holds run b's cells up to that checkpoint. `changes`:
+    to every run's config."""
 
     def crash_after(cfg, world, folder, at_step) -> int:
         procs = launch(cfg, world, folder)
@@ -308,9 +319,11 @@ def kill_mid_epoch_and_resume(
 
     try:
         # a mixing buffer far smaller than the epoch (as at scale), so units complete before the crash
-        first = campaign.train_config(tmp_path / "a", cells_log=str(tmp_path / "a" / "cells"), buffer_cells=160)
+        first = campaign.train_config(
+            tmp_path / "a", cells_log=str(tmp_path / "a" / "cells"), buffer_cells=160, **changes
+        )
+        planned = sum(campaign.summaries[0].cells_per_rank)
         committed = crash_after(first, campaign.world, tmp_path / "a", 20)
-        assert committed < campaign.summaries[0].steps(BATCH)  # really mid-epoch
         if resume_on is not None:
             campaign.close()
             campaign = resume_on()
@@ -320,6 +333,7 @@ def kill_mid_epoch_and_resume(
             resume=True,
             cells_log=str(tmp_path / "b" / "cells"),
             buffer_cells=160,
+            **changes,
         )
         again = None
         if kill_again_after is None:
@@ -345,6 +359,7 @@ def kill_mid_epoch_and_resume(
                 resume=True,
                 cells_log=str(tmp_path / "c" / "cells"),
                 buffer_cells=160,
+                **changes,
             )
             codes = wait_all(
                 launch(third, 1, tmp_path / "c", summary_path=str(tmp_path / "c" / "summary")), timeout=600
@@ -354,7 +369,7 @@ def kill_mid_epoch_and_resume(
     assert codes == [0] * campaign.world
     before = read_cells(tmp_path / "a" / "cells", max_step=committed)  # what the checkpoint holds
     after = read_cells(tmp_path / "b" / "cells", max_step=again, world=second_world(tmp_path))
-    assert sum(before.values()) > 0 and sum(after.values()) > 0
+    assert 0 < sum(before.values()) < planned and sum(after.values()) > 0  # (the crash was mid-epoch)
     return before, after, json.loads((tmp_path / ("b" if again is None else "c") / "summary.rank0").read_text())
 
 
