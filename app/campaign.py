@@ -45,12 +45,17 @@ def plan_epochs(cfg, producer: Producer) -> list[PlanSummary]:
 def cells_per_step(cfg, producer: Producer) -> int:
     """A batch's cells: --batch-size, or with --tokens-per-batch about as many as the budget holds of
     the sources' cells at their mean length (so the step counts shown are estimates; the trainer
-    ends an epoch when its cells are trained, and the schedule counts cells)."""
+    ends an epoch when its cells are trained, and the schedule counts cells). Each source's cells
+    are read in chunks: its row offsets are all it needs, and at Tahoe's scale a copy is GBs."""
     if cfg.tokens_per_batch is None:
         return cfg.batch_size
-    genes = cfg.genes_per_cell
-    counts = np.concatenate([np.diff(s.ds.cell_row_start) for s in producer.sources])
-    mean = float(np.minimum(counts, genes).mean()) + layout(cfg.tokenizer).sequence_length(genes) - genes
+    genes, tokens, cells = cfg.genes_per_cell, 0, 0
+    for source in producer.sources:
+        starts = source.ds.cell_row_start
+        for lo in range(0, len(starts) - 1, 1 << 22):
+            chunk = np.diff(starts[lo : lo + (1 << 22) + 1])
+            tokens, cells = tokens + int(np.minimum(chunk, genes).sum()), cells + len(chunk)
+    mean = tokens / max(1, cells) + layout(cfg.tokenizer).sequence_length(genes) - genes
     return int(min(cfg.batch_size, max(1, cfg.tokens_per_batch // max(1.0, mean))))
 
 
@@ -80,6 +85,7 @@ def prepare(cfg, queue, store, vocab_path=None, compile_pass=False) -> SetupFact
     elif compile_pass:
         compile_token_pass(producer)
     quotas = producer.quotas if producer.quotas is not None else [summaries[0].n_cells]
+    step_cells = cells_per_step(cfg, producer)
     facts = SetupFacts(
         n_genes=vocab.n_genes,
         vocab_size=vocab.size,
@@ -91,8 +97,10 @@ def prepare(cfg, queue, store, vocab_path=None, compile_pass=False) -> SetupFact
         cells_per_epoch=summaries[0].n_cells,
         units_per_epoch=summaries[0].n_units,
         units_total=sum(s.n_units for s in summaries),
-        steps_per_epoch=optimizer_steps(summaries[:1], cells_per_step(cfg, producer), cfg.grad_accum),
-        total_steps=cfg.steps or optimizer_steps(summaries, cells_per_step(cfg, producer), cfg.grad_accum),
+        steps_per_epoch=optimizer_steps(summaries[:1], step_cells, cfg.grad_accum),
+        total_steps=cfg.steps or optimizer_steps(summaries, step_cells, cfg.grad_accum),
+        steps_estimated=cfg.tokens_per_batch is not None and not cfg.steps,  # (--steps: that many, exactly)
+        step_cells=step_cells,
         held_out_cells=held_out,
         held_out_items=held_out_items,
         sources=tuple((s.spec.name, int(q), c.line()) for s, q, c in zip(producer.sources, quotas, coverage)),

@@ -120,6 +120,12 @@ class CampaignConfig:
                 f"--tokens-per-row {self.tokens_per_row}: a row must hold the longest cell, {longest} tokens "
                 f"({self.tokenizer} with {self.genes_per_cell} genes); give at least {longest}, e.g. {2 * longest}"
             )
+        if self.tokens_per_batch is not None and self.tokens_per_row is None:
+            raise CellfeedError(
+                f"--tokens-per-batch {self.tokens_per_batch} needs --tokens-per-row: padded, each cell is a row "
+                f"of the longest cell's {longest} tokens, so a budget's steps of short cells would compute more, "
+                f"not the same; add --tokens-per-row (e.g. {2 * longest})"
+            )
         if self.tokens_per_batch is not None and int(self.tokens_per_batch) < longest:
             raise CellfeedError(
                 f"--tokens-per-batch {self.tokens_per_batch}: a batch must hold the longest cell, {longest} tokens "
@@ -286,6 +292,10 @@ class CampaignConfig:
             pad_to=spec.sequence_length(self.genes_per_cell),
             tokens_per_row=self.tokens_per_row,
             tokens_per_batch=self.tokens_per_batch,
+            # a token budget's warm-up: --warmup-steps of its estimated cells a step, not of --batch-size
+            warmup_cells=self.warmup_steps * facts.step_cells * self.grad_accum * self.world_size
+            if self.tokens_per_batch is not None and facts.step_cells
+            else None,
             checkpoint_dir=self.run_checkpoint_dir,
             checkpoint_every=self.checkpoint_every,
             keep_checkpoints=self.keep_checkpoints,

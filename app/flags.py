@@ -54,10 +54,10 @@ FLAG_HELP = {
     "tokens_per_row": "pack each batch's cells end to end into rows of this many tokens (at least the longest "
     "cell's), attention kept within each cell, so short cells' padding is not computed (a row's tail still is); "
     "the cells of a step are the same (default: a row per cell, padded to the longest)",
-    "tokens_per_batch": "a batch by tokens, not cells: the cells drawn from the mixing buffer while their tokens "
-    "fit N (at most --batch-size cells), so a step of short cells takes more of them; the cells per step vary, "
-    "the schedule, the audit and exactly-once count cells, and step counts shown are estimates (default: "
-    "--batch-size cells a batch)",
+    "tokens_per_batch": "a batch by tokens, not cells (with --tokens-per-row): the cells drawn from the mixing "
+    "buffer while their tokens fit N (at most --batch-size cells), so a step of short cells takes more of them; "
+    "the cells per step vary, the schedule, the audit and exactly-once count cells, and step counts shown are "
+    "estimates (default: --batch-size cells a batch)",
     "grad_accum": "batches accumulated per optimizer step",
     "steps": "optimizer steps; alone, as many epochs as they need (default: --epochs through)",
     "epochs": "epochs (default: 1, or as many as --steps needs)",

@@ -190,7 +190,7 @@ def announce(cfg: CampaignConfig, facts, workdir: Path, audit_cells: bool) -> No
         + "), "
         + (
             f"{plural(facts.total_steps, 'step')} of {cfg.batch_size} cells per rank"
-            if cfg.tokens_per_batch is None
+            if not facts.steps_estimated
             else f"about {plural(facts.total_steps, 'step')} of up to {cfg.tokens_per_batch:,} tokens per rank"
         )
         + f" over {plural(facts.epochs, 'epoch')}"
@@ -239,7 +239,8 @@ def watch(cfg: CampaignConfig, facts, ranks: list, fleet, monitor, journal, quie
                 f"stopping ({monitor.asked}): the ranks checkpoint after this step; Ctrl-C again stops at once",
                 flush=True,
             )
-        if snap is not None and not quiet and snap["step"] < facts.total_steps:  # rank 0 prints the final table
+        # (rank 0 prints the final table after the last step; a token budget's step count is an estimate)
+        if snap is not None and not quiet and (facts.steps_estimated or snap["step"] < facts.total_steps):
             print(status_line(snap), flush=True)
         note = None if (warned or snap is None) else slow_step_note(cfg, snap)
         if note:

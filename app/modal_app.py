@@ -369,7 +369,8 @@ def start(cfg: CampaignConfig, config: dict, store) -> dict:
     facts = result(spawn(setup, config, retry=cfg.modal_retry_s), cfg.modal_retry_s)  # SetupFacts, as a dict
     print(
         f"plans published: {facts['cells_per_epoch']:,} cells/epoch, {facts['units_per_epoch']} units, "
-        f"{facts['total_steps']:,} steps over {facts['epochs']} epoch(s); vocabulary of "
+        f"{'about ' if facts.get('steps_estimated') else ''}{facts['total_steps']:,} steps over {facts['epochs']} "
+        "epoch(s); vocabulary of "
         f"{facts['n_genes']:,} genes",
         flush=True,
     )

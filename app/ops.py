@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from app.journal import DictJournal, Journal, seen_state
+from app.status import steps_of
 from coordination.errors import CellfeedError
 
 STOP_POLL_S = 1.0
@@ -86,7 +87,7 @@ def describe(snap: dict) -> str:
     else:
         lines.append(
             f"  epoch {epoch} (of 0-{epochs - 1}): {snap['epoch_cells_trained']:,} of {snap['cells_per_epoch']:,} "
-            f"cells trained; step {snap['step']:,} of {snap['total_steps']:,}"
+            f"cells trained; step {snap['step']:,} of {steps_of(snap)}"
             + (f", loss {snap['loss']:.3f}" if snap["loss"] is not None else "")
         )
     if snap["cells_per_s"] is not None:

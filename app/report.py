@@ -17,6 +17,7 @@ import json
 import time
 from pathlib import Path
 
+from app.status import steps_of
 from coordination.errors import CellfeedError
 
 
@@ -151,7 +152,7 @@ def write_report(folder: Path, out: Path) -> int:
 table{{border-collapse:collapse;font-size:.8rem}} td{{border:1px solid #ccc;padding:.15rem .4rem}}</style></head>
 <body>
 <h1>cellfeed run {html.escape(state["run"])}: {html.escape(state["state"])}</h1>
-<p>{state["epochs"]} epoch(s) of {state["cells_per_epoch"]:,} cells; step {state["step"]:,} of {state["total_steps"]:,};
+<p>{state["epochs"]} epoch(s) of {state["cells_per_epoch"]:,} cells; step {state["step"]:,} of {steps_of(state)};
 report written {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}.</p>
 {"".join(f'<figure class="plot">{svg}</figure>' for svg in plots)}
 <h2>Cost at Modal's prices</h2><p>{html.escape(cost)}</p>

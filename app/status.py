@@ -127,13 +127,15 @@ def snapshot(
         "epoch": row["epoch"] if row else (latest.epoch if latest else 0),
         "epoch_cells_trained": sum(log.epoch_cells.values()),
         "step": step,
-        "total_steps": facts.total_steps,
+        # a token budget's step count is an estimate, never below the steps taken; the ETA then goes by cells
+        "total_steps": max(facts.total_steps, step) if facts.steps_estimated else facts.total_steps,
+        "steps_estimated": facts.steps_estimated,
         "loss": row["loss"] if row else None,
         "cells_per_s": row["cells_per_s"] if row else None,
         "step_s": step_s,
         "wait_ms_ranks": row.get("wait_ms_ranks") if row else None,
         "ready_cells": row.get("ready_cells") if row else None,
-        "eta_s": round(step_s * max(0, facts.total_steps - step), 1) if step_s else None,
+        "eta_s": eta_s(facts, row, step, step_s, sum(log.epoch_cells.values())),
         "units_done": units,
         "units_total": facts.units_total,
         "queue": {"tasks": tasks, "ranks": depth},
@@ -195,13 +197,29 @@ class CampaignScalars:
             self.writer = None
 
 
+def eta_s(facts, row: dict | None, step: int, step_s: float | None, epoch_cells: int) -> float | None:
+    """Seconds left: the steps left at the recent step time, or with a token budget (its steps an
+    estimate) the cells left at the recent rate (`epoch_cells`: the current epoch's trained)."""
+    if not step_s or row is None:
+        return None
+    if not facts.steps_estimated:
+        return round(step_s * max(0, facts.total_steps - step), 1)
+    left = facts.cells_per_epoch * (facts.epochs - row["epoch"]) - epoch_cells
+    return round(max(0, left) / row["cells_per_s"], 1) if row["cells_per_s"] else None
+
+
+def steps_of(snap: dict) -> str:
+    """The campaign's step count as shown: `~N` where it is an estimate (a token budget's)."""
+    return ("~" if snap.get("steps_estimated") else "") + f"{snap['total_steps']:,}"
+
+
 def status_line(snap: dict) -> str:
     """The live line a local campaign prints every few seconds."""
     parts = [f"{snap['updated'] - snap['started']:5.0f}s"]
     if snap["loss"] is not None:
         wait = max(snap["wait_ms_ranks"] or [0])
         parts += [
-            f"step {snap['step']}/{snap['total_steps']}",
+            f"step {snap['step']}/{steps_of(snap)}",
             f"loss {snap['loss']:.3f}",
             f"{snap['cells_per_s']:,.0f} cells/s",
             f"wait {wait:.0f}ms",

@@ -202,6 +202,8 @@ class SetupFacts:
     data_id: str = ""  # the data's identity (`producers.dataset.Dataset.identity`, every source's), for checkpoints
     balance: str = ""  # balanced sampling: "COLUMN, ALPHA a" ("": none)
     class_mix: tuple = ()  # balanced: per class, [name, cells planned in epoch 0, its selected cells in the data]
+    steps_estimated: bool = False  # the step counts are estimates: a token budget's steps take varying cells
+    step_cells: int = 0  # a batch's cells: batch_size, or a token budget's estimate (`app.campaign.cells_per_step`)
 
     @classmethod
     def of(cls, facts: "SetupFacts | dict") -> "SetupFacts":

@@ -132,8 +132,9 @@ def test_a_resume_onto_other_data_is_refused_and_trains_nothing(data, tmp_path):
         (["--lr", "nan"], "--lr nan: the peak learning rate must be a finite number in (0, 1]"),
         (["--gpus", "64"], "--gpus 64: cellfeed local runs each rank as a CPU process"),
         (["--batch-size", "0"], "argument --batch-size: expected a number >= 1, got 0 (see `cellfeed local --help`)"),
+        (["--tokens-per-batch", "1000"], "--tokens-per-batch 1000 needs --tokens-per-row: padded, each cell is a row"),
     ],
-    ids=["lr-nan", "gpus-64", "batch-0"],
+    ids=["lr-nan", "gpus-64", "batch-0", "budget-unpacked"],
 )
 def test_a_bad_flag_is_refused_before_any_work(data, tmp_path, flags, says):
     out, seconds = local("--dataset", str(data / "a"), *COMMON, *flags, "--workdir", str(tmp_path / "w"), "--run", "r")

@@ -186,22 +186,25 @@ def test_two_rank_ddp_trains_in_sync_on_every_cell_once(atlas, tmp_path):
 def test_two_ranks_with_a_token_budget_end_the_epoch_together_when_neither_has_a_cell_left(atlas, tmp_path):
     """--tokens-per-batch: a batch is the drawn cells that fit the budget (here 4 of the atlas's
     25-token cells, under the cap of 32), so no rank knows its step count ahead; the ranks' unequal
-    shares end on the step after which neither has a cell left (the all-reduced `left` flag: the one
-    with fewer cells yields an empty batch meanwhile), in sync, every cell once, the audit exact."""
+    shares end on the step after which neither has a cell left (the all-reduced flag: the one with
+    fewer cells yields an empty batch meanwhile), in sync, every cell once, the audit exact. Two
+    batches a step (`grad_accum`): the flag is read at a step's end, so no step is left half or empty."""
     plates = np.array(atlas.obs(["plate"]).column(0).to_pylist())
     cells = np.flatnonzero(plates < "plate05")
     campaign = Campaign(atlas, "budget", epochs=1, subset_filter="plate < 'plate05'")
-    summaries = train_through(campaign, tmp_path, tokens_per_batch=100, checkpoint_every=1000)
+    summaries = train_through(campaign, tmp_path, tokens_per_batch=100, grad_accum=2, checkpoint_every=1000)
     shares = campaign.summaries[0].cells_per_rank
-    steps = -(-max(shares) // 4)  # 4 cells of 25 tokens a batch (CLS + 24 genes), not BATCH
-    assert -(-min(shares) // 4) < steps  # the rank with fewer cells runs out a step or more before the other
+    batches = -(-max(shares) // 4)  # 4 cells of 25 tokens a batch (CLS + 24 genes), not BATCH
+    assert -(-min(shares) // 4) < batches  # the rank with fewer cells runs out a batch or more before the other
+    steps = -(-batches // 2)
     assert summaries[0]["steps"] == summaries[1]["steps"] == steps
     assert summaries[0]["final_params_checksum"] == summaries[1]["final_params_checksum"]  # ranks in sync
     assert summaries[0]["complete"] and summaries[0]["audits"][0]["audited"]  # (a failed audit raises)
     assert read_cells(tmp_path / "cells") == Counter(cells.tolist())  # every cell once
     rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    per_step = [r["cells"] for r in rows if "loss" in r]  # both ranks' cells of each step
-    assert per_step[: min(shares) // 4] == [4 * WORLD] * (min(shares) // 4) and sum(per_step) == len(cells)
+    per_step = [r["cells"] for r in rows if "loss" in r]  # both ranks' cells of each step's two batches
+    full = min(shares) // 8
+    assert per_step[:full] == [2 * 4 * WORLD] * full and sum(per_step) == len(cells) and len(per_step) == steps
 
 
 def test_a_token_budget_campaign_killed_mid_epoch_resumes_and_trains_every_cell_once(atlas, tmp_path):

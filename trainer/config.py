@@ -25,6 +25,7 @@ class TrainConfig:
     grad_accum: int = 1
     lr: float = 3e-4
     warmup_steps: int = 10
+    warmup_cells: int | None = None  # the warm-up in cells (None: warmup_steps steps of batch_size cells, every rank's)
     max_steps: int | None = None  # None: train the epochs through
     epochs: int = 1
     mask_ratio: float = 0.4

@@ -241,8 +241,8 @@ class StepTotals:
     def flags(self) -> tuple[float, float, float, float]:
         """(stop asked, cells, epoch cut, ranks with cells left after the step), every rank's, summed
         over the step's batches: read back at once."""
-        asked, cells, cut, left = self.totals[3:].tolist()
-        return asked, cells, cut, left
+        asked, cells, cut, ranks_left = self.totals[3:].tolist()
+        return asked, cells, cut, ranks_left
 
     def metrics(self, step: int, epoch: int, lr: float, grad_norm, model_config, device, ready_cells) -> "StepMetrics":
         """The step's metrics as the tracker records them (flops of real tokens: `train_flops`)."""

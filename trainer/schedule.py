@@ -27,7 +27,8 @@ def lr_factor(done: float, warmup: float, total: float) -> float:
 class Schedule:
     """Where the learning-rate schedule stands: cells trained in the campaign so far (every rank's,
     every epoch's) and the warm-up in cells, fixed when the campaign starts (`--warmup-steps` of
-    that run's global batch), so a resume on another number of ranks follows the same curve."""
+    that run's global batch, or of a token budget's estimated cells a step), so a resume on another
+    number of ranks follows the same curve."""
 
     cells_done: int = 0
     warmup_cells: int = 0
@@ -36,7 +37,7 @@ class Schedule:
     def of(cls, saved, cfg: TrainConfig, world: int, summaries: dict) -> "Schedule":
         if saved is not None and "schedule" in saved.state:
             return cls(**json.loads(saved.state["schedule"]))
-        fresh = cls(0, cfg.warmup_steps * cfg.batch_size * cfg.grad_accum * world)
+        fresh = cls(0, cfg.warmup_cells or cfg.warmup_steps * cfg.batch_size * cfg.grad_accum * world)
         if saved is not None:  # a checkpoint from before the schedule was kept: the cells its epochs held
             fresh.cells_done = sum(
                 sum(summaries[e].cells_per_rank) for e in range(saved.epoch) if e in summaries

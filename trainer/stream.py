@@ -277,8 +277,7 @@ class ConsumerStream:
 
 
 class EpochIterator:
-    """Batches of one epoch; exactly `steps` of them on every rank (with a token budget, `steps` is
-    None until the trainer learns that no rank has a cell left: `end`)."""
+    """Batches of one epoch; exactly `steps` of them on every rank (a token budget's: see `__init__`)."""
 
     def __init__(self, stream: ConsumerStream, epoch: int, cells_per_rank: list[int]):
         if len(cells_per_rank) != stream.world_size:
@@ -287,6 +286,7 @@ class EpochIterator:
             )
         self.s, self.epoch = stream, epoch
         self.expected = int(cells_per_rank[stream.rank])
+        # a token budget's steps: None until the trainer learns no rank has a cell left (`end`; 0: none has any)
         budget = stream.tokens_per_batch is not None and any(cells_per_rank)
         self.steps = None if budget else steps_per_epoch(cells_per_rank, stream.batch_size)
         self.step = 0
@@ -399,7 +399,7 @@ class EpochIterator:
                 batch.cells_of_partial.setdefault(item.key, []).append(int(item.cell_ids[i]))
         batch.wait_s = waited
         s.stats.wait_s += waited
-        s.stats.cells += take
+        s.stats.cells += len(picks)
         self.step += 1
         return batch
 

@@ -123,8 +123,8 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 if micro < cfg.grad_accum:
                     continue
                 micro = 0
-                asked, cells, cut, left = step.flags()  # every rank's (the step's one wait for the GPU, before metrics)
-                if batches.steps is None and left == 0:  # a token budget's epoch: no rank has a cell left
+                asked, cells, cut, ranks_left = step.flags()  # every rank's (the step's one wait for the GPU)
+                if batches.steps is None and ranks_left == 0:  # a token budget's epoch: no rank has a cell left
                     batches.end()
                 if cut > 0:  # a rank's epoch was cut short by the stop: every rank's is (the same
                     batches.cut = True  # branch below on all ranks: a checkpoint now, no audit of it)
@@ -275,9 +275,10 @@ def forward_backward(run: Run, batch, micro: int) -> tuple[torch.Tensor, torch.T
         loss_sum, n_masked, correct = masked_loss(
             run.step_model, batch, cfg.mask_ratio, generator, cfg.n_bins, run.model.config
         )
-        # (a rank's stop cut its epoch: `cut`; ranks with cells of the epoch left after the step: `left`)
-        left = float(sync and run.batches.cells_left > 0)
-        flags = torch.tensor([float(bool(run.stop_asked)), float(batch.size), float(run.batches.cut), left])
+        # (a rank's stop cut its epoch: `cut`; whether this rank has cells of the epoch left after the step, which
+        # ends a token budget's epoch when no rank has: on the step's last batch only, so the step is whole)
+        has_left = float(sync and run.batches.cells_left > 0)
+        flags = torch.tensor([float(bool(run.stop_asked)), float(batch.size), float(run.batches.cut), has_left])
         flags = (flags.pin_memory() if device.type == "cuda" else flags).to(device, non_blocking=True)
         counts = torch.cat([torch.stack([n_masked.float(), loss_sum.detach().float(), correct.float()]), flags])
         dist.all_reduce(counts)  # global masked count: every position weighs the same
