@@ -182,11 +182,14 @@ def commit(
         storage_options=staging.lance_options(),
     )
 
-    def load(i: int) -> np.ndarray:  # slice i's cell row counts
-        return np.load(io.BytesIO(staging.read_bytes(f"{RECORDS}/counts-{i:06d}.npy")), allow_pickle=False)
+    def read(i: int) -> bytes:  # slice i's cell row counts, as saved (.npy)
+        return staging.read_bytes(f"{RECORDS}/counts-{i:06d}.npy")
 
-    with ThreadPoolExecutor(RECORD_READS) as pool:
-        counts = np.concatenate(list(pool.map(load, range(len(records))))).astype(np.int64)
+    with ThreadPoolExecutor(RECORD_READS) as pool:  # read side by side (object storage), then parsed in turn:
+        saved = list(pool.map(read, range(len(records))))
+    # (np.load parses each header with ast, whose state CPython 3.11 shares between threads: two at once
+    # failed once in the suite, "AST constructor recursion depth mismatch", as python/cpython#106905 reports)
+    counts = np.concatenate([np.load(io.BytesIO(b), allow_pickle=False) for b in saved]).astype(np.int64)
     obs, obs_categories = obs
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     cells = obs.append_column("cell_integer_id", pa.array(np.arange(len(counts), dtype=np.uint32))).append_column(
