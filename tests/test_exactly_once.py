@@ -278,6 +278,45 @@ def test_a_token_budget_batches_the_drawn_cells_that_fit_and_the_epoch_ends_when
     assert len(set(sizes)) > 2 and max(sizes) < 16  # the cells per batch vary with their lengths
 
 
+def test_a_batch_drawn_ahead_is_the_batch_drawn_then_and_one_put_back_is_given_back():
+    """`prepare` (the trainer: while the accelerator runs a step) draws and collates the next batch
+    early: the epoch's batches are the same cells in the same order as drawn one at a time; a
+    prepared batch put back (a stop) returns its cells to the buffer, so `give_back` returns its items."""
+    rng, packed = np.random.default_rng(9), []
+    for unit in range(3):
+        offsets = np.arange(0, 41 * 4, 4, dtype=np.int64)  # 40 cells of 4 tokens
+        cells = np.arange(40 * unit, 40 * unit + 40)
+        tokens = rng.integers(10, 60, size=160).astype(np.uint16)
+        packed.append(pack_item(Item(0, unit, 0, False, run_tag("ahead"), 1, cells, offsets, tokens)))
+
+    def stream():
+        queue = MemoryQueue()
+        queue.put_many(packed, partition=rank_partition(0))
+        return queue, ConsumerStream(queue, rank=0, world_size=1, run="ahead", batch_size=16, poll_s=0.05)
+
+    _, plain = stream()
+    one_at_a_time = [b.cell_ids.tolist() for b in plain.epoch(0, [120])]
+    plain.close()
+    _, ahead = stream()
+    batches, drawn = ahead.epoch(0, [120]), []
+    for batch in batches:
+        drawn.append(batch.cell_ids.tolist())
+        batches.prepare()
+    ahead.close()
+    assert drawn == one_at_a_time and len(drawn) == 8  # (120 cells in batches of 16)
+    assert Counter(c for b in drawn for c in b) == Counter(range(120))
+
+    queue = MemoryQueue()  # one item of 40 cells, batches of 20: the batch drawn ahead holds all it has left
+    queue.put_many(packed[:1], partition=rank_partition(0))
+    stopped = ConsumerStream(queue, rank=0, world_size=1, run="ahead", batch_size=20, poll_s=0.05)
+    batches = stopped.epoch(0, [40])
+    assert next(batches).size == 20
+    batches.prepare()  # drawn ahead; then a stop: it is never trained
+    assert batches.buffer == [] and batches.ready_cells == 20
+    assert stopped.give_back(batches) == 1  # the item is back in the partition for the resumed run
+    assert len(queue.get_many(10, block=False, partition=rank_partition(0))) == 1
+
+
 def test_a_starved_rank_answers_a_stop_with_what_it_holds_and_its_epoch_is_cut():
     """Producers stalled, a stop asked: the rank stops waiting for cells (within its poll), yields a
     batch of what its buffer holds (here the one item that came), and its epoch is not finished (no

@@ -1,24 +1,23 @@
 """The consumer stream of one rank: pop items from its partition, verify and decompress them in
 a background thread, drop duplicate keys, mix cells from many items in a buffer, and yield
-batches as tensors: `batch_size` cells, or with `tokens_per_batch` the cells drawn that fit it. It
-ends an epoch by count: every rank knows every rank's cell count from the epoch's `PlanSummary`,
-so all ranks take the same number of steps with no communication and no end-of-stream marker (a
-rank with fewer cells yields smaller, then empty, final batches). With a token budget a step's
-cells depend on those drawn: each step's all-reduce says whether any rank has cells left, and
-the epoch ends after the step where none has (`EpochIterator.end`).
+batches as tensors: `batch_size` cells, or with `tokens_per_batch` the cells drawn that fit it
+(the trainer has the next one drawn and collated while the accelerator runs a step: `prepare`).
+An epoch ends by count: every rank knows every rank's cell count from the epoch's `PlanSummary`,
+so all take the same number of steps with no communication and no end-of-stream marker (a rank
+with fewer cells yields smaller, then empty, final batches). A token budget's steps take the cells
+drawn: each step's all-reduce says whether a rank has cells left, and the epoch ends after the
+step where none has (`EpochIterator.end`).
 
 A rank that waits `STARVED_AFTER_S` for cells that do not come calls `on_starved`: the trainer
-then asks the driver to produce again the units whose items never reached this rank (a queue get
-whose reply was lost: the server gave the items out, Modal's client retried, and they are gone).
-Units still on their way are not produced twice; the items of a unit produced again that this rank
-did get are dropped by key.
+asks the driver to produce again the units whose items never reached it (a queue get whose reply
+was lost: the server gave the items out, Modal's client retried, and they are gone). Units still
+on their way are not produced twice; items of a unit produced again that it did get are dropped.
 
 A rank asked to stop (`stop_asked`) stops waiting for cells within `poll_s`: its batch is what its
 buffer holds (maybe none), the stop rides on that step's all-reduce, and the epoch iterator is
-`cut` (not finished: the epoch is neither audited nor counted complete; a resume trains its rest).
-A stop thus takes effect in a step or two even when the producers are stalled.
-
-No Lance or Polars here: the GPU image needs only torch, numpy and zstandard.
+`cut` (not finished: no audit, not complete; a resume trains its rest), so a stop takes effect in
+a step or two even when the producers are stalled. No Lance or Polars here: the GPU image needs
+only torch, numpy and zstandard.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from __future__ import annotations
 import queue as stdlib_queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -72,24 +71,14 @@ class Batch:
         return self.lengths is None or int(self.lengths.sum()) < self.tokens.numel()
 
     def to(self, device: torch.device) -> "Batch":
+        """The model's tensors on `device` (labels, cell ids and lengths stay on the host: the class
+        counts and the metrics read them, the model does not)."""
         if device.type == "cpu":
             return self
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(
-            move(self.tokens),
-            move(self.attention_mask),
-            move(self.values),
-            self.labels,  # (host side, as the cell ids: the class counts read them, the model does not)
-            self.cell_ids,
-            self.completed,
-            self.cells_of_partial,
-            self.unit_items,
-            self.wait_s,
-            self.unit_cells,
-            self.lengths,
-            move(self.segments),
-            None if self.spans is None else Spans(move(self.spans.bounds), self.spans.longest),
-        )
+        moved = {k: move(getattr(self, k)) for k in ("tokens", "attention_mask", "values", "segments")}
+        spans = None if self.spans is None else Spans(move(self.spans.bounds), self.spans.longest)
+        return replace(self, **moved, spans=spans)
 
 
 @dataclass
@@ -142,8 +131,8 @@ class ConsumerStream:
         self.trained_cells = {k: set(v) for k, v in (trained_cells or {}).items()}  # partially trained items
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.check = check  # called while waiting for data: raises if the campaign failed (e.g. the driver)
-        # called with (epoch, EpochIterator) after `starved_after_s` with no item while cells are still
-        # expected, and as often again while it lasts: the trainer asks for the units that never came
+        # (epoch, EpochIterator) after `starved_after_s` with no item while cells are expected, and again while
+        # it lasts: the trainer asks for the units that never came
         self.on_starved, self.starved_after_s = on_starved, starved_after_s
         self.stop_asked = stop_asked or (lambda: False)  # a stop was asked of this rank: waiting for cells ends
         self.stats = StreamStats()
@@ -254,6 +243,7 @@ class ConsumerStream:
                 break
         held += self._future
         if epoch is not None:
+            epoch.put_back()  # (a batch drawn ahead, not trained)
             held += list({id(item): item for item, _ in epoch.buffer}.values())
         raws = [item.raw for item in held if getattr(item, "raw", None) is not None]
         given, deadline = 0, time.monotonic() + timeout
@@ -281,9 +271,7 @@ class EpochIterator:
 
     def __init__(self, stream: ConsumerStream, epoch: int, cells_per_rank: list[int]):
         if len(cells_per_rank) != stream.world_size:
-            raise CellfeedError(
-                f"plan lists {len(cells_per_rank)} ranks, the stream has world size {stream.world_size}"
-            )
+            raise CellfeedError(f"the plan lists {len(cells_per_rank)} ranks, the stream {stream.world_size}")
         self.s, self.epoch = stream, epoch
         self.expected = int(cells_per_rank[stream.rank])
         # a token budget's steps: None until the trainer learns no rank has a cell left (`end`; 0: none has any)
@@ -298,6 +286,7 @@ class EpochIterator:
         self.remaining: dict = {}  # item key -> cells of it not yet batched
         self.unit_seqs: dict = {}  # unit -> the seqs of its items received (or trained before), and its item count
         self.stitched_received: set = set()  # boundary cells received
+        self._ahead: tuple | None = None  # the next batch and its cells, drawn ahead (`prepare`)
 
     def complete_units(self) -> set[int]:
         """Units of this epoch whose every item has reached this rank (or was trained before a resume)."""
@@ -323,7 +312,7 @@ class EpochIterator:
     @property
     def ready_cells(self) -> int:
         """Decoded cells this rank holds and has not batched yet (prefetched, buffered, later epochs')."""
-        return self.s.held_cells + len(self.buffer)
+        return self.s.held_cells + len(self.buffer) + (len(self._ahead[1]) if self._ahead else 0)
 
     def _admit(self, item: Item) -> None:
         s = self.s
@@ -374,6 +363,28 @@ class EpochIterator:
     def __next__(self) -> Batch:
         if self.steps is not None and self.step >= self.steps:
             raise StopIteration
+        self.prepare()  # (the trainer may have had it drawn already)
+        (batch, chosen), self._ahead = self._ahead, None
+        for item, i in chosen:  # the batch's cells are taken: what each item has left
+            if not item.stitched:
+                batch.unit_cells[item.key_id] = batch.unit_cells.get(item.key_id, 0) + 1
+            self.remaining[item.key] -= 1
+            if self.remaining[item.key] == 0:
+                del self.remaining[item.key]
+                batch.completed.append(item.key)
+                if not item.stitched:
+                    batch.unit_items[item.key_id] = item.n_items
+            else:
+                batch.cells_of_partial.setdefault(item.key, []).append(int(item.cell_ids[i]))
+        self.s.stats.cells += len(chosen)
+        self.step += 1
+        return batch
+
+    def prepare(self) -> None:
+        """The next batch's cells drawn at random from the buffer (topped up first) and collated, now:
+        the trainer asks while the accelerator runs a step, so the host's part overlaps it."""
+        if self._ahead is not None or (self.steps is not None and self.step >= self.steps):
+            return
         s = self.s
         waited = self._fill()
         take = min(s.batch_size, len(self.buffer))
@@ -386,22 +397,15 @@ class EpochIterator:
             self.buffer[i] = self.buffer[-1]
             self.buffer.pop()
         batch = _collate(chosen, s.pad_to, s.pin_memory, s.pad_token, s.tokens_per_row, s.spans)
-        for item, i in chosen:
-            if not item.stitched:
-                batch.unit_cells[item.key_id] = batch.unit_cells.get(item.key_id, 0) + 1
-            self.remaining[item.key] -= 1
-            if self.remaining[item.key] == 0:
-                del self.remaining[item.key]
-                batch.completed.append(item.key)
-                if not item.stitched:
-                    batch.unit_items[item.key_id] = item.n_items
-            else:
-                batch.cells_of_partial.setdefault(item.key, []).append(int(item.cell_ids[i]))
         batch.wait_s = waited
         s.stats.wait_s += waited
-        s.stats.cells += len(picks)
-        self.step += 1
-        return batch
+        self._ahead = (batch, chosen)
+
+    def put_back(self) -> None:
+        """A prepared batch that will not be trained (a stop): its cells back into the buffer, untaken."""
+        if self._ahead is not None:
+            self.buffer.extend(self._ahead[1])
+            self._ahead = None
 
 
 def _collate(
@@ -442,9 +446,3 @@ def _collate(
         tensors = [t.pin_memory() if t is not None else None for t in tensors]
     cut = Spans(tensors[6], longest) if spans else None
     return Batch(*tensors[:5], lengths=torch.from_numpy(lengths), segments=tensors[5], spans=cut)
-
-
-def collate_items(items: list[Item], batch_size: int, pad_to: int | None = None, pad_token: int = PAD) -> list[Batch]:
-    """Every cell of `items`, in order, as batches (a fixed evaluation set)."""
-    cells = [(item, i) for item in items for i in range(item.n_cells)]
-    return [_collate(cells[a : a + batch_size], pad_to, False, pad_token) for a in range(0, len(cells), batch_size)]
