@@ -280,41 +280,55 @@ def test_a_token_budget_batches_the_drawn_cells_that_fit_and_the_epoch_ends_when
 
 def test_a_batch_drawn_ahead_is_the_batch_drawn_then_and_one_put_back_is_given_back():
     """`prepare` (the trainer: while the accelerator runs a step) draws and collates the next batch
-    early: the epoch's batches are the same cells in the same order as drawn one at a time; a
-    prepared batch put back (a stop) returns its cells to the buffer, so `give_back` returns its items."""
+    early: the epoch's batches are the same cells in the same order as drawn one at a time (a buffer
+    smaller than the epoch, so draws ahead interleave with its refills; batches of cells and of a
+    token budget); a prepared batch put back (a stop) returns its cells to the buffer, so
+    `give_back` returns its item; what drawing ahead raises is raised where the batch is taken."""
     rng, packed = np.random.default_rng(9), []
     for unit in range(3):
-        offsets = np.arange(0, 41 * 4, 4, dtype=np.int64)  # 40 cells of 4 tokens
+        offsets = np.concatenate([[0], np.cumsum(rng.integers(1, 9, size=40))]).astype(np.int64)
+        tokens = rng.integers(10, 60, size=int(offsets[-1])).astype(np.uint16)
         cells = np.arange(40 * unit, 40 * unit + 40)
-        tokens = rng.integers(10, 60, size=160).astype(np.uint16)
         packed.append(pack_item(Item(0, unit, 0, False, run_tag("ahead"), 1, cells, offsets, tokens)))
 
-    def stream():
+    def stream(items=packed, **settings):
         queue = MemoryQueue()
-        queue.put_many(packed, partition=rank_partition(0))
-        return queue, ConsumerStream(queue, rank=0, world_size=1, run="ahead", batch_size=16, poll_s=0.05)
+        queue.put_many(items, partition=rank_partition(0))
+        return queue, ConsumerStream(queue, rank=0, world_size=1, run="ahead", poll_s=0.05, **settings)
 
-    _, plain = stream()
-    one_at_a_time = [b.cell_ids.tolist() for b in plain.epoch(0, [120])]
-    plain.close()
-    _, ahead = stream()
-    batches, drawn = ahead.epoch(0, [120]), []
-    for batch in batches:
-        drawn.append(batch.cell_ids.tolist())
-        batches.prepare()
-    ahead.close()
-    assert drawn == one_at_a_time and len(drawn) == 8  # (120 cells in batches of 16)
-    assert Counter(c for b in drawn for c in b) == Counter(range(120))
+    for budget in (None, 40):
+        epochs = []
+        for ahead in (False, True):
+            _, s = stream(batch_size=16, buffer_cells=50, tokens_per_batch=budget)
+            batches, drawn = s.epoch(0, [120]), []
+            for batch in batches:
+                drawn.append(batch.cell_ids.tolist())
+                if batches.cells_left == 0 and budget:
+                    batches.end()
+                elif ahead:
+                    batches.prepare()
+                    assert batches._ahead is not None or batches.step == batches.steps  # (none after the last)
+            s.close()
+            epochs.append(drawn)
+        assert epochs[0] == epochs[1] and len(epochs[0]) >= 8  # the same batches, cell by cell
+        assert Counter(c for b in epochs[1] for c in b) == Counter(range(120))
 
-    queue = MemoryQueue()  # one item of 40 cells, batches of 20: the batch drawn ahead holds all it has left
-    queue.put_many(packed[:1], partition=rank_partition(0))
-    stopped = ConsumerStream(queue, rank=0, world_size=1, run="ahead", batch_size=20, poll_s=0.05)
+    # one item of 40 cells, batches of 20: the batch drawn ahead holds all the item has left
+    queue, stopped = stream(packed[:1], batch_size=20)
     batches = stopped.epoch(0, [40])
     assert next(batches).size == 20
     batches.prepare()  # drawn ahead; then a stop: it is never trained
-    assert batches.buffer == [] and batches.ready_cells == 20
+    assert batches.buffer == [] and batches._ahead is not None
     assert stopped.give_back(batches) == 1  # the item is back in the partition for the resumed run
     assert len(queue.get_many(10, block=False, partition=rank_partition(0))) == 1
+
+    _, starved = stream(packed[:1], batch_size=30, buffer_cells=30, no_data_timeout_s=0.3)  # 40 of 60 come
+    batches = starved.epoch(0, [60])
+    next(batches)
+    batches.prepare()  # the 20 cells missing: the wait runs out here and is kept ...
+    with pytest.raises(CellfeedError, match="no data for 0s in epoch 0 with 20 of 60 cells still expected"):
+        next(batches)  # ... for where the batch is taken
+    starved.close()
 
 
 def test_a_starved_rank_answers_a_stop_with_what_it_holds_and_its_epoch_is_cut():

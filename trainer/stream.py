@@ -1,23 +1,19 @@
 """The consumer stream of one rank: pop items from its partition, verify and decompress them in
 a background thread, drop duplicate keys, mix cells from many items in a buffer, and yield
 batches as tensors: `batch_size` cells, or with `tokens_per_batch` the cells drawn that fit it
-(the trainer has the next one drawn and collated while the accelerator runs a step: `prepare`).
-An epoch ends by count: every rank knows every rank's cell count from the epoch's `PlanSummary`,
-so all take the same number of steps with no communication and no end-of-stream marker (a rank
-with fewer cells yields smaller, then empty, final batches). A token budget's steps take the cells
-drawn: each step's all-reduce says whether a rank has cells left, and the epoch ends after the
-step where none has (`EpochIterator.end`).
+(the next one drawn while the accelerator runs a step: `prepare`). An epoch ends by count: every
+rank knows each rank's cells from the epoch's `PlanSummary`, so all take the same steps with no
+communication (a rank with fewer cells yields smaller, then empty, final batches); a token
+budget's end after the step whose all-reduce says no rank has cells left (`EpochIterator.end`).
 
-A rank that waits `STARVED_AFTER_S` for cells that do not come calls `on_starved`: the trainer
-asks the driver to produce again the units whose items never reached it (a queue get whose reply
-was lost: the server gave the items out, Modal's client retried, and they are gone). Units still
-on their way are not produced twice; items of a unit produced again that it did get are dropped.
+A rank that waits `STARVED_AFTER_S` for cells that do not come calls `on_starved`: the trainer asks
+the driver to produce again the units whose items never reached it (a get whose reply was lost, its
+items gone); units on their way are not produced twice, and items it did get are dropped by key.
 
 A rank asked to stop (`stop_asked`) stops waiting for cells within `poll_s`: its batch is what its
-buffer holds (maybe none), the stop rides on that step's all-reduce, and the epoch iterator is
-`cut` (not finished: no audit, not complete; a resume trains its rest), so a stop takes effect in
-a step or two even when the producers are stalled. No Lance or Polars here: the GPU image needs
-only torch, numpy and zstandard.
+buffer holds (maybe none), the stop rides on that step's all-reduce, and the epoch is `cut` (no
+audit; a resume trains its rest): a stop takes effect in a step or two even with producers stalled.
+No Lance or Polars here: the GPU image needs only torch, numpy and zstandard.
 """
 
 from __future__ import annotations
@@ -236,11 +232,8 @@ class ConsumerStream:
 
         self.close(wait=True)
         held = []
-        while True:
-            try:
-                held.append(self._items.get_nowait())
-            except stdlib_queue.Empty:
-                break
+        while not self._items.empty():  # (the fetcher has stopped: nothing else takes from it)
+            held.append(self._items.get_nowait())
         held += self._future
         if epoch is not None:
             epoch.put_back()  # (a batch drawn ahead, not trained)
@@ -287,6 +280,7 @@ class EpochIterator:
         self.unit_seqs: dict = {}  # unit -> the seqs of its items received (or trained before), and its item count
         self.stitched_received: set = set()  # boundary cells received
         self._ahead: tuple | None = None  # the next batch and its cells, drawn ahead (`prepare`)
+        self._failed: Exception | None = None  # what drawing it ahead raised
 
     def complete_units(self) -> set[int]:
         """Units of this epoch whose every item has reached this rank (or was trained before a resume)."""
@@ -363,7 +357,9 @@ class EpochIterator:
     def __next__(self) -> Batch:
         if self.steps is not None and self.step >= self.steps:
             raise StopIteration
-        self.prepare()  # (the trainer may have had it drawn already)
+        self.prepare(ahead=False)  # (the trainer may have had it drawn already)
+        if self._failed is not None:  # (raised here, where the batch is taken: after the step before is saved)
+            raise self._failed
         (batch, chosen), self._ahead = self._ahead, None
         for item, i in chosen:  # the batch's cells are taken: what each item has left
             if not item.stitched:
@@ -380,13 +376,18 @@ class EpochIterator:
         self.step += 1
         return batch
 
-    def prepare(self) -> None:
+    def prepare(self, ahead: bool = True) -> float:
         """The next batch's cells drawn at random from the buffer (topped up first) and collated, now:
-        the trainer asks while the accelerator runs a step, so the host's part overlaps it."""
-        if self._ahead is not None or (self.steps is not None and self.step >= self.steps):
-            return
+        the trainer asks while the accelerator runs a step, so the host's part overlaps it, and counts
+        the seconds returned (waiting for data) in that step, not the next (`ahead`)."""
+        if self._ahead is not None or self._failed is not None or (self.steps is not None and self.step >= self.steps):
+            return 0.0
         s = self.s
-        waited = self._fill()
+        try:
+            waited = self._fill()
+        except Exception as exc:  # noqa: BLE001 - (no data, a failed campaign: `__next__` raises it)
+            self._failed = exc
+            return 0.0
         take = min(s.batch_size, len(self.buffer))
         picks = self.rng.choice(len(self.buffer), size=take, replace=False) if take else np.zeros(0, dtype=np.int64)
         if s.tokens_per_batch is not None and take:  # the drawn cells, in their drawn order, while their tokens fit
@@ -397,9 +398,10 @@ class EpochIterator:
             self.buffer[i] = self.buffer[-1]
             self.buffer.pop()
         batch = _collate(chosen, s.pad_to, s.pin_memory, s.pad_token, s.tokens_per_row, s.spans)
-        batch.wait_s = waited
+        batch.wait_s = 0.0 if ahead else waited
         s.stats.wait_s += waited
         self._ahead = (batch, chosen)
+        return waited
 
     def put_back(self) -> None:
         """A prepared batch that will not be trained (a stop): its cells back into the buffer, untaken."""

@@ -119,8 +119,9 @@ def train(cfg: TrainConfig, queue=None, store=None) -> dict:
                 if micro == 0:
                     step = StepTotals(time.perf_counter() - batch.wait_s, torch.zeros(7, device=device))
                 step.add(batch, forward_backward(run, batch, micro))
-                batches.prepare()  # the next batch drawn and collated while the accelerator runs this one
                 micro += 1
+                if not (micro == cfg.grad_accum and run.step + 1 == cfg.max_steps):  # (no next: --steps are done)
+                    step.waited += batches.prepare()  # the next batch drawn while the accelerator runs this one
                 if micro < cfg.grad_accum:
                     continue
                 micro = 0
