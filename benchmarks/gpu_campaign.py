@@ -10,6 +10,7 @@ the GPU ever left waiting for data?
 
     python benchmarks/gpu_campaign.py                # a GPU: scgpt, batch 240, 200k cells, 8 producers
     python benchmarks/gpu_campaign.py --compile      # the same with torch.compile in both
+    python benchmarks/gpu_campaign.py --tokens-per-row 8200 --tokens-per-batch 246000   # packed, by tokens
     python benchmarks/gpu_campaign.py --tiny         # CPU: tiny preset, 3k cells, 12 steps (the tests')
 
 Ends with one JSON line: the device, the campaign's cells/s, median step (ms), data wait per step
@@ -47,6 +48,7 @@ def campaign(args, atlas: str, workdir: Path) -> dict:
                "--steps", str(args.steps), "--warmup-steps", "2", "--checkpoint-every", str(10 * args.steps),
                "--quiet"]  # fmt: skip
     command += ["--compile"] if args.compile else []
+    command += packing(args)
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0:
         fail(f"the campaign exited {done.returncode}: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
@@ -66,6 +68,12 @@ def campaign(args, atlas: str, workdir: Path) -> dict:
     }
 
 
+def packing(args) -> list[str]:
+    """The same packing flags for both runs: rows of --tokens-per-row, batches of --tokens-per-batch."""
+    flags = ["--tokens-per-row", str(args.tokens_per_row)] if args.tokens_per_row else []
+    return flags + (["--tokens-per-batch", str(args.tokens_per_batch)] if args.tokens_per_batch else [])
+
+
 def step_alone(args) -> dict:
     """`benchmarks/train_step.py` with the campaign's preset, batch and length, its cells as long as
     the atlas's (`--lengths atlas`: its plates' depth factors aside), so the two compute nearly the same
@@ -73,6 +81,7 @@ def step_alone(args) -> dict:
     command = [sys.executable, "benchmarks/train_step.py", "--quick", "--preset", args.preset, "--lengths", "atlas",
                "--batch", str(args.batch), "--max-genes", str(args.max_genes), "--steps", str(args.steps)]  # fmt: skip
     command += ["--compile"] if args.compile else []
+    command += packing(args)
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -90,6 +99,10 @@ def main() -> None:
     parser.add_argument("--producers", type=int, default=None, help="producer processes (default 8; 1 tiny)")
     parser.add_argument("--steps", type=int, default=None, help="steps of each run (default 60; 12 tiny)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model in both runs")
+    parser.add_argument("--tokens-per-row", type=int, default=None, help="both runs' batches packed in rows of N")
+    parser.add_argument(
+        "--tokens-per-batch", type=int, default=None, help="both runs' batches: the cells that fit N tokens (packed)"
+    )
     parser.add_argument("--workdir", default=None, help="where the campaign writes (default: a temp dir)")
     args = parser.parse_args()
     args.cells = args.cells or (3_000 if args.tiny else 200_000)
@@ -99,6 +112,8 @@ def main() -> None:
     args.producers = args.producers or (1 if args.tiny else 8)
     args.steps = args.steps or (12 if args.tiny else 60)
     args.timeout_s = 600 if args.tiny else 3600
+    if args.tokens_per_batch and not args.tokens_per_row:  # (a budget needs packed rows: two whole cells each)
+        args.tokens_per_row = 2 * (args.max_genes + 1)
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps, which are not counted")
 
@@ -116,6 +131,8 @@ def main() -> None:
         "producers": args.producers,
         "steps": args.steps,
         "compile": args.compile,
+        "tokens_per_row": args.tokens_per_row or 0,  # 0: a row per cell
+        "tokens_per_batch": args.tokens_per_batch or 0,  # 0: --batch cells a batch
         **ran,
         "step_alone_cells_per_s": alone["cells_per_s"],
         "step_alone_median_ms": alone["median_step_ms"],

@@ -6,6 +6,7 @@ queue that a feeder thread keeps full of scGPT items (random genes, 1024 per cel
     python benchmarks/train_step.py --preset scgpt --batch 240   # on an H100/H200
     python benchmarks/train_step.py --preset scgpt --batch 240 --full-length   # every cell 1,025 tokens
     python benchmarks/train_step.py --preset scgpt --batch 240 --packed --tokens-per-row 8200   # packed rows
+    python benchmarks/train_step.py --preset scgpt --batch 480 --tokens-per-batch 246000   # batches by tokens
     python benchmarks/train_step.py --layout geneformer --lengths atlas --max-genes 2048 --batch 64
     python benchmarks/train_step.py --tiny                       # the test suite's: 6 steps, batch 8, 256 genes
 
@@ -178,6 +179,12 @@ def main() -> None:
         "--tokens-per-row", type=int, default=None, help="packed rows of N tokens (default with --packed: 2 cells)"
     )
     parser.add_argument(
+        "--tokens-per-batch",
+        type=int,
+        default=None,
+        help="a batch: the drawn cells that fit N tokens (at most --batch), packed (--tokens-per-row, implied)",
+    )
+    parser.add_argument(
         "--attention",
         choices=("auto", "dense", "varlen", "flex"),
         default="auto",
@@ -219,11 +226,13 @@ def main() -> None:
     from trainer.model import attention_on
 
     attention = attention_on(args.attention, torch.device("cuda", 0) if cuda else torch.device("cpu"))
-    args.packed = args.packed or args.attention == "flex"
+    args.packed = args.packed or args.attention == "flex" or args.tokens_per_batch is not None
     if args.packed or args.tokens_per_row:
         args.tokens_per_row = args.tokens_per_row or 2 * (args.max_genes + 1)
     if args.tokens_per_row is not None and args.tokens_per_row < args.max_genes + 1:
         parser.error(f"--tokens-per-row {args.tokens_per_row} must hold a whole cell: at least {args.max_genes + 1}")
+    if args.tokens_per_batch is not None and args.tokens_per_batch < args.max_genes + 1:
+        parser.error(f"--tokens-per-batch {args.tokens_per_batch}: a batch must hold a cell, {args.max_genes + 1}")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))  # (a fixed port collides with another run's)
     queue, store = remote(MemoryQueue(), MemoryMap(), args.rpc_latency_ms)
@@ -260,6 +269,7 @@ def main() -> None:
         compile=args.compile,
         pad_to=args.max_genes + 1,
         tokens_per_row=args.tokens_per_row,
+        tokens_per_batch=args.tokens_per_batch,
         packed_attention=attention,
         buffer_cells=4 * batch,
         progress_bar=not (args.quick or args.tiny),
@@ -286,6 +296,7 @@ def main() -> None:
         "lengths": args.lengths,
         "ragged": args.ragged,
         "tokens_per_row": args.tokens_per_row or 0,  # 0: a row per cell
+        "tokens_per_batch": args.tokens_per_batch or 0,  # 0: --batch cells a batch
         "packed_attention": attention,
         "graph_breaks": graph_breaks(preset, args),
         "mfu": None if mfu is None else round(mfu, 4),
