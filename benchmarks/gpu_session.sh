@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_session.sh campaign  # the padded step and the campaign alone (~160 s)
 #   bash benchmarks/gpu_session.sh explore   # a first look (~330 s): compiled and eager (profiled), cuDNN's
 #                                            # attention, Geneformer-2048 padded and packed
+#   bash benchmarks/gpu_session.sh budget    # token-budget batches (~80 s): scGPT and Geneformer-2048 packed,
+#                                            # each batch the cells that fit about what a batch of cells held
 # Each run has its own time limit, so one that hangs cannot take the others' time; the most wanted
 # figures run first. The campaign's atlas is synthesized on the CPUs while the first runs use the GPU.
 set -u
@@ -31,6 +33,12 @@ if [ "${1:-}" = explore ]; then
   step geneformer2048_padded 50 $g --attention dense
   step geneformer2048_packed_flex 75 $g --attention flex
   cat "$out/device.txt" "$out/figures.jsonl"; head -n 30 "$out/profile_full_eager.txt"
+  exit 0
+fi
+if [ "${1:-}" = budget ]; then  # (scGPT's 240 cells average ~154k tokens, Geneformer-2048's 64 ~96k)
+  step scgpt_packed_budget 35 $s --batch 480 --tokens-per-row 8200 --tokens-per-batch 160000
+  step geneformer2048_packed_budget 45 $g --batch 128 --tokens-per-row 16392 --tokens-per-batch 98000
+  cat "$out/device.txt" "$out/figures.jsonl"
   exit 0
 fi
 cells=${CELLS:-20000}
