@@ -15,16 +15,19 @@ from coordination.queues import Map
 from coordination.routing import cell_rank, summary_key, unit_rank
 
 
-def steps_per_epoch(cells_per_rank: list[int], batch_size: int) -> int:
+def steps_per_epoch(cells_per_rank: list[int], batch_size: int, grad_accum: int = 1) -> int:
     """Batches every rank takes: the same number on all ranks (the largest rank's), so DDP
-    agrees on the step count with no communication."""
-    return -(-max(cells_per_rank) // batch_size)
+    agrees on the step count with no communication; whole optimizer steps of `grad_accum`
+    batches (the last one's filled with empty batches: a step cut short at an epoch's end would
+    leave its batches' gradients to the next epoch's first step, or to none)."""
+    batches = -(-max(cells_per_rank) // batch_size)
+    return -(-batches // grad_accum) * grad_accum
 
 
 def optimizer_steps(summaries: list, batch_size: int, grad_accum: int = 1) -> int:
     """Optimizer steps in these epochs (each epoch's batches, `grad_accum` to a step): the one
     count the setup, the trainer and the status line use."""
-    return sum(s.steps(batch_size) // grad_accum for s in summaries)
+    return sum(s.steps(batch_size, grad_accum) // grad_accum for s in summaries)
 
 
 @dataclass
@@ -125,8 +128,8 @@ class PlanSummary:
     def from_bytes(cls, data: bytes) -> "PlanSummary":
         return cls(**json.loads(data))
 
-    def steps(self, batch_size: int) -> int:
-        return steps_per_epoch(self.cells_per_rank, batch_size)
+    def steps(self, batch_size: int, grad_accum: int = 1) -> int:
+        return steps_per_epoch(self.cells_per_rank, batch_size, grad_accum)
 
 
 def run_lengths(values) -> list[list[int]]:

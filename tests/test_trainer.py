@@ -778,8 +778,11 @@ def single_rank(monkeypatch):
         monkeypatch.setenv(name, value)
 
 
-def test_gradient_accumulation_counts_every_batch_of_a_step(atlas, tmp_path, single_rank):
-    """One rank in this process: with grad_accum 2, each logged step holds two batches' cells."""
+@pytest.mark.parametrize("batch, max_steps", [(16, 5), (24, None)], ids=["5-steps", "epoch-of-125-batches"])
+def test_gradient_accumulation_counts_every_batch_of_a_step(atlas, tmp_path, single_rank, batch, max_steps):
+    """One rank in this process: with grad_accum 2, each logged step holds two batches' cells. An epoch
+    of an odd number of batches (3,000 cells in 125 of 24) ends on a whole step, its last batch with an
+    empty one: every cell is in a logged step (a half step left its batch's gradients to no step)."""
     import torch.distributed as dist
 
     from coordination.queues import MemoryMap, MemoryQueue
@@ -803,9 +806,9 @@ def test_gradient_accumulation_counts_every_batch_of_a_step(atlas, tmp_path, sin
         run="accum",
         backend={"kind": "memory"},
         vocab_size=producer.vocab.size,
-        batch_size=16,
+        batch_size=batch,
         grad_accum=2,
-        max_steps=5,
+        max_steps=max_steps,
         run_driver=False,
         progress_bar=False,
         log_path=str(tmp_path / "steps.jsonl"),
@@ -815,7 +818,12 @@ def test_gradient_accumulation_counts_every_batch_of_a_step(atlas, tmp_path, sin
     finally:
         dist.destroy_process_group()
     rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    assert summary["steps"] == 5 and [r["cells"] for r in rows] == [32] * 5
+    cells = [r["cells"] for r in rows if "loss" in r]  # (step rows; the audit's has none)
+    if max_steps:
+        assert summary["steps"] == 5 and cells == [32] * 5
+    else:
+        assert summary["complete"] and summary["steps"] == 63  # ceil(125 / 2)
+        assert cells == [48] * 62 + [24] and sum(cells) == atlas.n_cells
 
 
 def test_checkpoints_keep_the_last_k_and_the_best(tmp_path):

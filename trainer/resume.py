@@ -119,7 +119,7 @@ def total_steps(cfg: TrainConfig, store, summaries: dict, step: int, epoch: int,
     later = [summaries.get(e) or load_summary(store, cfg.run, e) for e in range(epoch + 1, cfg.epochs)]
     return (
         step
-        + steps_per_epoch(left, cfg.batch_size) // cfg.grad_accum
+        + steps_per_epoch(left, cfg.batch_size, cfg.grad_accum) // cfg.grad_accum
         + optimizer_steps(later, cfg.batch_size, cfg.grad_accum)
     )
 

@@ -100,6 +100,7 @@ class ConsumerStream:
         pad_token: int = PAD,
         tokens_per_row: int | None = None,
         tokens_per_batch: int | None = None,
+        grad_accum: int = 1,
         spans: bool = False,
         buffer_cells: int = 4096,
         seed: int = 0,
@@ -117,18 +118,17 @@ class ConsumerStream:
         if batch_size < 1 or buffer_cells < 1 or (tokens_per_batch is not None and tokens_per_batch < 1):
             raise CellfeedError("batch_size, tokens_per_batch and buffer_cells must be >= 1")
         self.queue, self.rank, self.world_size = queue, rank, world_size
-        self.partition = rank_partition(rank)
-        self.tag = run_tag(run)
+        self.partition, self.tag = rank_partition(rank), run_tag(run)
         self.batch_size, self.pad_to, self.buffer_cells = batch_size, pad_to, buffer_cells
         self.pad_token, self.tokens_per_row, self.tokens_per_batch = pad_token, tokens_per_row, tokens_per_batch
+        self.grad_accum = grad_accum  # batches a step: an epoch of batches of cells takes whole steps
         self.spans = spans  # each batch cut into its cells' spans (`Batch.spans`: for varlen attention)
         self.seed, self.no_data_timeout_s, self.poll_s, self.fetch_items = seed, no_data_timeout_s, poll_s, fetch_items
         self.consumed = set(consumed or ())  # keys fully trained on (from a checkpoint)
         self.trained_cells = {k: set(v) for k, v in (trained_cells or {}).items()}  # partially trained items
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.check = check  # called while waiting for data: raises if the campaign failed (e.g. the driver)
-        # (epoch, EpochIterator) after `starved_after_s` with no item while cells are expected, and again while
-        # it lasts: the trainer asks for the units that never came
+        # (epoch, iterator), after `starved_after_s` with no item while cells are due, and again while it lasts
         self.on_starved, self.starved_after_s = on_starved, starved_after_s
         self.stop_asked = stop_asked or (lambda: False)  # a stop was asked of this rank: waiting for cells ends
         self.stats = StreamStats()
@@ -269,7 +269,7 @@ class EpochIterator:
         self.expected = int(cells_per_rank[stream.rank])
         # a token budget's steps: None until the trainer learns no rank has a cell left (`end`; 0: none has any)
         budget = stream.tokens_per_batch is not None and any(cells_per_rank)
-        self.steps = None if budget else steps_per_epoch(cells_per_rank, stream.batch_size)
+        self.steps = None if budget else steps_per_epoch(cells_per_rank, stream.batch_size, stream.grad_accum)
         self.step = 0
         self.cut = False  # a stop ended a batch early: the epoch is not finished, whatever `step` says
         self.received = 0  # cells taken into the buffer

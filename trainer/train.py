@@ -253,6 +253,7 @@ def open_stream(cfg, queue, store, rank, world, progress, saved, epoch, summarie
         pad_token=cfg.pad_token,
         tokens_per_row=cfg.tokens_per_row,
         tokens_per_batch=cfg.tokens_per_batch,
+        grad_accum=cfg.grad_accum,
         spans=attention == "varlen",  # batches cut into their cells' spans for varlen attention only
         buffer_cells=cfg.buffer_cells,
         seed=cfg.seed,
