@@ -282,6 +282,8 @@ def test_cellfeed_local_end_to_end_logging_to_wandb_offline(tmp_path):
         (dict(producers=0), "--producers must be >= 1"),
         (dict(run="has space"), "run name"),
         (dict(steps=0), "--steps must be >= 1"),
+        (dict(tokens_per_row=2000, tokens_per_batch=1000), r"--tokens-per-batch 1000: a batch must hold the longest"),
+        (dict(tokens_per_batch=5000), r"--tokens-per-batch 5000 needs --tokens-per-row: padded, each cell is a row"),
     ],
 )
 def test_campaign_config_is_validated_up_front(change, needle):
