@@ -116,6 +116,7 @@ def snapshot(
     latest = checkpoint.latest_meta(cfg.run_checkpoint_dir)
     step_s = statistics.median(r["step_s"] for r in rows[-ETA_STEPS:]) if rows else None
     step = row["step"] if row else (latest.step if latest else 0)
+    epoch_cells = sum(log.epoch_cells.values())  # the current epoch's cells trained
     return {
         "run": cfg.run,
         "state": state,
@@ -125,7 +126,7 @@ def snapshot(
         "epochs": facts.epochs,
         "cells_per_epoch": facts.cells_per_epoch,
         "epoch": row["epoch"] if row else (latest.epoch if latest else 0),
-        "epoch_cells_trained": sum(log.epoch_cells.values()),
+        "epoch_cells_trained": epoch_cells,
         "step": step,
         # a token budget's step count is an estimate, never below the steps taken; the ETA then goes by cells
         "total_steps": max(facts.total_steps, step) if facts.steps_estimated else facts.total_steps,
@@ -135,7 +136,7 @@ def snapshot(
         "step_s": step_s,
         "wait_ms_ranks": row.get("wait_ms_ranks") if row else None,
         "ready_cells": row.get("ready_cells") if row else None,
-        "eta_s": eta_s(facts, row, step, step_s, sum(log.epoch_cells.values())),
+        "eta_s": eta_s(facts, row, step, step_s, epoch_cells),
         "units_done": units,
         "units_total": facts.units_total,
         "queue": {"tasks": tasks, "ranks": depth},
