@@ -171,8 +171,17 @@ class SeaweedServer:
         self.proc.kill()
         self.proc.wait(timeout=15)
         time.sleep(down_s)
-        self._start()
-        self._wait_ready(start_timeout_s, restarted=True)
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self._start()
+            try:
+                self._wait_ready(start_timeout_s, restarted=True)
+                return
+            except _PortTaken:  # the same ports are needed (clients know them): taken for a moment, wait
+                if attempt == PORT_ATTEMPTS:
+                    raise CellfeedError(
+                        f"SeaweedFS could not restart: a port of its stayed taken; {self._log_hint()}"
+                    ) from None
+                time.sleep(1.0)
 
     @property
     def settings(self) -> dict:
@@ -210,7 +219,7 @@ class SeaweedServer:
         probe = PROBE_BUCKET
         while True:
             if self.proc.poll() is not None:
-                if not restarted and "address already in use" in self._log_of_this_start():
+                if "address already in use" in self._log_of_this_start():
                     raise _PortTaken
                 raise CellfeedError(f"SeaweedFS exited at start ({self.proc.returncode}); {self._log_hint()}")
             try:
@@ -248,7 +257,9 @@ class SeaweedServer:
         """weed's own word on why it takes no writes (a full disk, a volume it could not make), and
         where its log is."""
         log = self._log_of_this_start()
+        # a full disk's words first, else weed's last fatal line (glog's "F1129 12:00:00...")
         why = re.findall(r".*(?:disk free|read.?only|no free volumes|no more volume).*", log, re.I)
+        why = why or re.findall(r"^F\d{4} .*", log, re.M)
         return (f"weed said: {why[-1].strip()}; " if why else "") + f"see {self.root / 'weed.log'}"
 
     def close(self) -> None:
