@@ -93,28 +93,27 @@ class SeaweedServer:
             self.close()
             raise
 
-    def _start_on_free_ports(self, start_timeout_s: float) -> None:
-        # ports are chosen free, then bound by weed a moment later: another process's outgoing
-        # connection can take one in between (ports come from the same ephemeral range). weed then
-        # exits at start with "address already in use": choose again, a few times
+    def _start_on_free_ports(self, start_timeout_s: float, restarted: bool = False) -> None:
+        # ports are chosen free, then bound by weed a moment later: another process can take one in
+        # between, and weed exits at start with "address already in use". A first start chooses again;
+        # a restart needs the same ports (its clients know them) and tries them again a second later
         free_mib = shutil.disk_usage(self.root).free / 2**20
         if free_mib < 2 * MIN_FREE_MIB:  # weed would start, then take no write
             need = f"SeaweedFS needs {2 * MIN_FREE_MIB} MiB free beside {self.root}, the disk has {free_mib:.0f} MiB"
             raise CellfeedError(f"{need}: free some space, or set TMPDIR to a larger disk")
         for attempt in range(1, PORT_ATTEMPTS + 1):
-            if not self.keep:
-                shutil.rmtree(self.root / "data", ignore_errors=True)  # no state from a failed start
-            (self.root / "data").mkdir(exist_ok=True)
-            self._command = self._command_on_free_ports()
+            if not restarted:
+                if not self.keep:
+                    shutil.rmtree(self.root / "data", ignore_errors=True)  # no state from a failed start
+                (self.root / "data").mkdir(exist_ok=True)
+                self._command = self._command_on_free_ports()
             self._start()
             try:
-                self._wait_ready(start_timeout_s)
-                return
+                return self._wait_ready(start_timeout_s, restarted)
             except _PortTaken:
                 if attempt == PORT_ATTEMPTS:
-                    raise CellfeedError(
-                        f"SeaweedFS found a port taken {PORT_ATTEMPTS} times; see {self.root / 'weed.log'}"
-                    ) from None
+                    raise CellfeedError(f"SeaweedFS found a port taken {attempt} times; {self._log_hint()}") from None
+                time.sleep(1.0 if restarted else 0.0)
 
     def _command_on_free_ports(self) -> list[str]:
         names = ("master", "volume", "filer", "s3")
@@ -171,17 +170,7 @@ class SeaweedServer:
         self.proc.kill()
         self.proc.wait(timeout=15)
         time.sleep(down_s)
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            self._start()
-            try:
-                self._wait_ready(start_timeout_s, restarted=True)
-                return
-            except _PortTaken:  # the same ports are needed (clients know them): taken for a moment, wait
-                if attempt == PORT_ATTEMPTS:
-                    raise CellfeedError(
-                        f"SeaweedFS could not restart: a port of its stayed taken; {self._log_hint()}"
-                    ) from None
-                time.sleep(1.0)
+        self._start_on_free_ports(start_timeout_s, restarted=True)
 
     @property
     def settings(self) -> dict:
