@@ -138,3 +138,30 @@ def test_a_disk_too_full_for_seaweedfs_is_one_line_before_it_starts(tmp_path, mo
     with pytest.raises(CellfeedError, match=r"needs 1024 MiB free beside .*, the disk has 300 MiB: free some space"):
         s3_server.SeaweedServer(root=tmp_path / "store")
     assert not list((tmp_path / "store").glob("data"))  # no server was started
+
+
+def test_a_restart_whose_port_stays_taken_tries_the_same_ports_again_then_quotes_weed(tmp_path, monkeypatch):
+    """A restart must come back on the ports its clients know: when weed exits at start because one is
+    taken ("address already in use"), the same command is started again a second later, and after
+    the last try the error quotes weed's fatal line. (`weed` here is a stand-in that fails as weed
+    does: its glog line, exit 255.)"""
+    import pytest
+
+    from app import s3_server
+    from coordination.errors import CellfeedError
+
+    fatal = "F1129 06:52:40.089373 s3.go:434 S3 API Server listener error: bind: address already in use"
+    server = s3_server.SeaweedServer.__new__(s3_server.SeaweedServer)  # (no first start: only the restart's loop)
+    server.root, server.keep, server._cpus = tmp_path, True, None
+    server.log = open(tmp_path / "weed.log", "a")
+    server.endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens: weed's exit is what ends each wait
+    server._command = ["sh", "-c", f"echo '{fatal}'; exit 255"]
+    monkeypatch.setattr(server, "_command_on_free_ports", lambda: pytest.fail("a restart chose new ports"))
+    naps = []
+    monkeypatch.setattr(s3_server.time, "sleep", lambda s: naps.append(s))
+    with pytest.raises(CellfeedError) as raised:
+        server._start_on_free_ports(30.0, restarted=True)
+    server.log.close()
+    assert str(raised.value).startswith(f"SeaweedFS found a port taken 3 times; weed said: {fatal}; see {tmp_path}")
+    assert (tmp_path / "weed.log").read_text().count(fatal) == 3  # three starts, of the same command
+    assert [s for s in naps if s == 1.0] == [1.0, 1.0]  # a second between them
