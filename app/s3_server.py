@@ -88,12 +88,12 @@ class SeaweedServer:
         self._weed, self._cpus = weed, cpus
         self.proc: subprocess.Popen | None = None
         try:
-            self._start_on_free_ports(start_timeout_s)
+            self._start_until_ready(start_timeout_s)
         except BaseException:  # Ctrl-C or a failed start: nothing left running
             self.close()
             raise
 
-    def _start_on_free_ports(self, start_timeout_s: float, restarted: bool = False) -> None:
+    def _start_until_ready(self, start_timeout_s: float, restarted: bool = False) -> None:
         # ports are chosen free, then bound by weed a moment later: another process can take one in
         # between, and weed exits at start with "address already in use". A first start chooses again;
         # a restart needs the same ports (its clients know them) and tries them again a second later
@@ -170,7 +170,7 @@ class SeaweedServer:
         self.proc.kill()
         self.proc.wait(timeout=15)
         time.sleep(down_s)
-        self._start_on_free_ports(start_timeout_s, restarted=True)
+        self._start_until_ready(start_timeout_s, restarted=True)
 
     @property
     def settings(self) -> dict:

@@ -160,7 +160,7 @@ def test_a_restart_whose_port_stays_taken_tries_the_same_ports_again_then_quotes
     naps = []
     monkeypatch.setattr(s3_server.time, "sleep", lambda s: naps.append(s))
     with pytest.raises(CellfeedError) as raised:
-        server._start_on_free_ports(30.0, restarted=True)
+        server._start_until_ready(30.0, restarted=True)
     server.log.close()
     assert str(raised.value).startswith(f"SeaweedFS found a port taken 3 times; weed said: {fatal}; see {tmp_path}")
     assert (tmp_path / "weed.log").read_text().count(fatal) == 3  # three starts, of the same command
