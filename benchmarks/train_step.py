@@ -90,10 +90,10 @@ def graph_breaks(preset: str, args) -> int:
     or the batch's size)."""
     from coordination.wire import unpack_item
     from trainer.model import CellTransformer, ModelConfig, mask_positions, predicted_positions
-    from trainer.stream import _collate
+    from trainer.stream import collate
 
     item = unpack_item(random_items(4, args.max_genes, 0, 0, args.lengths, args.layout == "scgpt")[0])
-    batch = _collate([(item, 0), (item, 1)], args.max_genes + 1, False, tokens_per_row=args.tokens_per_row)
+    batch = collate([(item, 0), (item, 1)], args.max_genes + 1, False, tokens_per_row=args.tokens_per_row)
     # (on the CPU: the dense mask; varlen's and flex's kernels are CUDA's)
     model = CellTransformer(ModelConfig.preset(preset, N_GENES + 4, objective=OBJECTIVE[args.layout]))
     ratio = MASK_RATIO[args.layout]

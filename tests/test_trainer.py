@@ -659,7 +659,7 @@ def test_a_packed_batch_gives_each_cell_the_logits_and_loss_it_has_unpacked(obje
     from types import SimpleNamespace
 
     from trainer.model import loss_at
-    from trainer.stream import _collate
+    from trainer.stream import collate
 
     torch.manual_seed(0)
     rng = np.random.default_rng(1)
@@ -674,7 +674,7 @@ def test_a_packed_batch_gives_each_cell_the_logits_and_loss_it_has_unpacked(obje
         cells.append(SimpleNamespace(offsets=np.array([0, n]), tokens=tokens, values=values if bins else None,
                                      labels=None, cell_ids=np.array([c])))  # fmt: skip
     chosen = [(cell, 0) for cell in cells]
-    flat, packed = _collate(chosen, None, False), _collate(chosen, None, False, tokens_per_row=48)
+    flat, packed = collate(chosen, None, False), collate(chosen, None, False, tokens_per_row=48)
     assert packed.tokens.shape[0] < flat.tokens.shape[0] and packed.tokens.shape[1] == 48 and packed.size == len(cells)
     c = ModelConfig.preset("tiny", 100, n_bins=11, objective=objective)
     model = CellTransformer(c)
@@ -727,7 +727,7 @@ def test_a_packed_batch_gives_each_cell_the_logits_and_loss_it_has_unpacked(obje
         few = [(SimpleNamespace(offsets=np.array([0, 0]), tokens=np.zeros(0, np.int64), values=None, labels=None,
                                 cell_ids=np.array([c])), 0) for c in range(20)]  # fmt: skip
         few.append((cells[1], 0))
-        small = _collate(few, None, False, tokens_per_row=4)
+        small = collate(few, None, False, tokens_per_row=4)
         assert small.tokens.shape == (1, 4) and small.size == 21
         loss_sum, n, _ = masked_loss(model, small, 0.4, torch.Generator().manual_seed(0), 11, c)
         assert int(n) == 1 and torch.isfinite(loss_sum)
@@ -739,7 +739,7 @@ def test_on_cuda_varlen_attention_trains_packed_cells_as_the_dense_mask_does():
     and the gradients the dense per-cell mask gives them (bf16's tolerance)."""
     from types import SimpleNamespace
 
-    from trainer.stream import _collate
+    from trainer.stream import collate
 
     torch.manual_seed(0)
     rng = np.random.default_rng(3)
@@ -748,7 +748,7 @@ def test_on_cuda_varlen_attention_trains_packed_cells_as_the_dense_mask_does():
                         values=rng.integers(1, 11, size=n), labels=None, cell_ids=np.array([c]))
         for c, n in enumerate(rng.integers(0, 300, 40))
     ]  # fmt: skip
-    batch = _collate([(cell, 0) for cell in cells], None, False, tokens_per_row=512).to(torch.device("cuda"))
+    batch = collate([(cell, 0) for cell in cells], None, False, tokens_per_row=512).to(torch.device("cuda"))
     every = torch.arange(512, device="cuda").expand(batch.tokens.shape[0], -1)
     c = ModelConfig.preset("tiny", 100, n_bins=11)
     out = {}

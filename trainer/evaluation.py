@@ -13,7 +13,7 @@ from coordination.routing import EVAL_PARTITION, run_tag
 from coordination.wire import unpack_item
 from trainer.config import TrainConfig
 from trainer.model import masked_loss
-from trainer.stream import _collate
+from trainer.stream import collate
 
 HELD_OUT_QUIET_S = 5.0  # the held-out partition empty this long with the set short: some of it was lost
 
@@ -47,7 +47,7 @@ def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
     cells = [(item, i) for item in items for i in range(item.n_cells)]  # every cell, in order, as batches
     size = cfg.batch_size
     return [
-        _collate(cells[a : a + size], cfg.pad_to, False, cfg.pad_token).to(device) for a in range(0, len(cells), size)
+        collate(cells[a : a + size], cfg.pad_to, False, cfg.pad_token).to(device) for a in range(0, len(cells), size)
     ]
 
 

@@ -397,7 +397,7 @@ class EpochIterator:
         for i in sorted(picks.tolist(), reverse=True):  # swap-remove
             self.buffer[i] = self.buffer[-1]
             self.buffer.pop()
-        batch = _collate(chosen, s.pad_to, s.pin_memory, s.pad_token, s.tokens_per_row, s.spans)
+        batch = collate(chosen, s.pad_to, s.pin_memory, s.pad_token, s.tokens_per_row, s.spans)
         batch.wait_s = 0.0 if ahead else waited
         s.stats.wait_s += waited
         self._ahead = (batch, chosen)
@@ -410,7 +410,7 @@ class EpochIterator:
             self._ahead = None
 
 
-def _collate(
+def collate(
     chosen: list, pad_to: int | None, pin: bool, pad_token: int = PAD, tokens_per_row: int | None = None, spans=True
 ):
     """The drawn cells ((item, index) pairs) as a `Batch`: a row per cell padded to the longest (or
