@@ -751,6 +751,40 @@ def test_with_options_variants_keep_what_they_do_not_set_and_more_than_8_gpus_is
     assert variant.retry_policy.retries == base.retry_policy.retries == 2  # kept from the base (S25)
 
 
+def test_a_preemption_signals_each_process_of_a_container_once(monkeypatch):
+    """C17: one SIGINT per process. The plane signals the container's group and then each listed process
+    outside it; signalled twice, a process could take the second SIGINT inside its handler of the first
+    (a trainer's preemption handler, cut off before it committed its checkpoint)."""
+    from collections import Counter
+
+    from cellfeed_testing.modal_control_plane import containers
+
+    script = (
+        "import subprocess, sys, time\n"
+        "same = subprocess.Popen(['sleep', '60'])\n"
+        "own = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+        "print(same.pid, own.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    try:
+        same, own = map(int, leader.stdout.readline().split())
+        pids = containers._tree(leader.pid)
+        assert sorted(pids) == sorted([leader.pid, same, own]) and os.getpgid(own) != leader.pid
+        delivered = Counter()
+        monkeypatch.setattr(
+            containers.os, "killpg", lambda g, sig: delivered.update(p for p in pids if os.getpgid(p) == g)
+        )
+        monkeypatch.setattr(containers.os, "kill", lambda p, sig: delivered.update([p]))
+        containers._signal_tree(pids, leader.pid, 0)
+        assert delivered == Counter(pids)  # each once: the leader and its child by the group, the other by pid
+    finally:
+        monkeypatch.undo()
+        for pid in containers._tree(leader.pid):
+            os.kill(pid, 9)
+        leader.wait(timeout=10)
+
+
 def test_a_preempted_input_is_interrupted_and_runs_again_not_counted_as_a_retry(plane, probe, tmp_path):
     notes = tmp_path / "notes"
     client = start_client(

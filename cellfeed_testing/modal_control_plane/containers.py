@@ -127,13 +127,17 @@ def _tree(pid: int) -> list[int]:
 
 
 def _signal_tree(pids: list[int], pgid: int, sig: int) -> None:
+    """`sig` once to every process of the container: to its group (which also reaches a process started
+    since `pids` was listed), then to each of `pids` outside that group (one that made its own session).
+    Twice would be a second SIGINT, raised inside the handler of the first, as Modal never does."""
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
     for p in pids:
         try:
-            os.kill(p, sig)
+            if os.getpgid(p) != pgid:
+                os.kill(p, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
