@@ -308,4 +308,5 @@ def describe_resume(cfg: CampaignConfig) -> str:
     return (
         f"resuming run {cfg.run} from its checkpoint at step {latest.step:,} (epoch {latest.epoch}, "
         f"{sum(latest.trained):,} cells of that epoch already trained): {latest.folder}"
+        + (f" ({latest.passed_over})" if latest.passed_over else "")
     )

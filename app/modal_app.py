@@ -181,14 +181,14 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     rank_server()  # it imports torch while the campaign is set up, not inside the preemption-held launch
     ensure_setup(cfg, config, facts, queue, store)
     latest = checkpoint.latest(cfg.run_checkpoint_dir)
-    if latest is not None and not cfg.resume:  # a re-run of this input (preemption) or a continuation
-        print(f"run {cfg.run} has a checkpoint at step {latest.step}: resuming from it", flush=True)
+    if latest is not None:  # a re-run of this input (preemption), a continuation, or a --resume
+        checkpoint.check_same_data(latest.step, latest.data_id, facts.data_id)  # (refused before the record)
+        said = f"; {latest.passed_over}" if latest.passed_over else ""
+        print(f"run {cfg.run} has a checkpoint at step {latest.step}: resuming from it{said}", flush=True)
         cfg.resume = True
     fleet = Fleet(cfg, config, store, produce)
     workdir = Path(tempfile.gettempdir()) / "cellfeed" / cfg.run
     train_cfg, log = ranks_config(cfg, facts)  # (the step log and TensorBoard files on the Volume)
-    if latest is not None:  # (before the record: a resume onto other data is refused, not recorded)
-        checkpoint.check_same_data(latest.step, latest.data_id, facts.data_id)
     write_record(cfg.run_checkpoint_dir, {k: v for k, v in config.items() if k != "carried"})  # (the laptop's paths)
     resume = resume_command(CampaignConfig(**config))  # (the laptop's file paths, not this container's)
     monitor = started_monitor(cfg, facts, queue, store, fleet, train_cfg, log, resume, latest.step if latest else 0)

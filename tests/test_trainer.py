@@ -849,6 +849,32 @@ def test_checkpoints_keep_the_last_k_and_the_best(tmp_path):
     assert checkpoint.prune(tmp_path, keep=1) == ["step-00000004"]  # the best (2) stays with the last
 
 
+def test_a_resume_passes_over_a_latest_checkpoint_that_is_not_whole(tmp_path):
+    """A Volume commit that copies file by file beside the ranks can carry `latest` naming a checkpoint whose
+    files it did not copy (seen: `latest` -> step-00000024, an empty folder). A resume continues from the
+    newest whole one and says so; with none whole it is refused in one line, never started from scratch."""
+    from trainer import checkpoint
+
+    two = lambda text: [text, text]  # noqa: E731  (two ranks' progress)
+    for step in (4, 8, 12):
+        progress = checkpoint.RankProgress(trained=step)
+        checkpoint.save(tmp_path, step, 0, 0, 2, progress, lambda: {"w": torch.zeros(1)}, two, lambda: None, keep=3)
+    cpu = torch.device("cpu")
+    assert (checkpoint.latest(tmp_path).step, checkpoint.latest(tmp_path).passed_over) == (12, "")
+    (tmp_path / "step-00000012" / "state.pt").unlink()  # the newest: no state
+    (tmp_path / "step-00000008" / "progress-rank1.json").unlink()  # the next: a rank's progress missing
+    latest = checkpoint.latest(tmp_path)
+    assert (latest.step, latest.trained) == (4, [4, 4])
+    assert latest.passed_over == "the latest checkpoint, step-00000012, is incomplete: resuming from step-00000004"
+    assert checkpoint.load(tmp_path, cpu).step == 4 and [r.trained for r in checkpoint.load(tmp_path, cpu).ranks] == [
+        4,
+        4,
+    ]
+    (tmp_path / "step-00000004" / "meta.json").unlink()
+    with pytest.raises(CellfeedError, match="step-00000012, is incomplete and no earlier one is whole"):
+        checkpoint.load(tmp_path, cpu)
+
+
 @pytest.mark.parametrize("tamper", [False, True])
 def test_end_of_epoch_audit_passes_exactly_or_fails_loudly(atlas, tmp_path, single_rank, tamper):
     """A whole epoch ends with the count and cell-id hash check; cells other than the plan's

@@ -5,7 +5,9 @@ Layout: `DIR/step-00000120/` holds `state.pt` (tensors only; loaded with weights
 already trained of partly consumed items, and how many cells the rank has trained this epoch).
 Every rank writes its file into a hidden `.step-…tmp` folder; after a barrier rank 0 writes the
 state, renames the folder into place and then points `DIR/latest` at it, so a crash at any
-moment leaves the previous checkpoint intact.
+moment leaves the previous checkpoint intact. A copy made file by file while a checkpoint is written
+(a Volume commit beside the ranks) can carry the new pointer without its whole folder: a resume
+then continues from the newest whole checkpoint and says which one it passed over (`newest_whole`).
 """
 
 from __future__ import annotations
@@ -185,7 +187,8 @@ def save(
         for r, text in enumerate(texts):
             (tmp / f"progress-rank{r}.json").write_text(text)
         torch.save({"step": step, "epoch": epoch, "world": world, **state_fn()}, tmp / "state.pt")
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "epoch": epoch, "eval_loss": eval_loss}))
+        meta = {"step": step, "epoch": epoch, "eval_loss": eval_loss, "world": len(texts)}
+        (tmp / "meta.json").write_text(json.dumps(meta))
         final = root / f"step-{step:08d}"
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
@@ -222,14 +225,41 @@ class Latest:
     trained: list[int]  # cells trained this epoch, per rank
     plan_id: str = ""  # the plan of the epoch it was trained on
     data_id: str = ""  # the data it was trained on (`RankProgress.data_id`)
+    passed_over: str = ""  # a line naming a newer checkpoint that was not whole (`newest_whole`)
+
+
+def whole(folder: Path) -> bool:
+    """Every file `save` writes is in `folder` (the ranks' files counted by its meta.json)."""
+    try:
+        world = json.loads((folder / "meta.json").read_text()).get("world", 1)
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return False
+    return (folder / "state.pt").exists() and all((folder / f"progress-rank{r}.json").exists() for r in range(world))
+
+
+def newest_whole(root: Path) -> tuple[Path | None, str]:
+    """The checkpoint a resume continues from: the one `latest` names, or if that one is not whole (a
+    commit that copied the pointer before the folder) the newest whole one, with a line saying so.
+    None if there is no pointer; an error if no checkpoint is whole."""
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None, ""
+    named = root / pointer.read_text().strip()
+    if whole(named):
+        return named, ""
+    older = [f for f in sorted(root.glob("step-*"), reverse=True) if f.name < named.name and whole(f)]
+    if not older:
+        raise CellfeedError(
+            f"the latest checkpoint, {named}, is incomplete and no earlier one is whole: its files were "
+            "not all saved or copied; start the run again without --resume, or under a new --run"
+        )
+    return older[0], f"the latest checkpoint, {named.name}, is incomplete: resuming from {older[0].name}"
 
 
 def latest(directory: str | os.PathLike) -> Latest | None:
-    root = Path(directory)
-    pointer = root / "latest"
-    if not pointer.exists():
+    folder, passed_over = newest_whole(Path(directory))
+    if folder is None:
         return None
-    folder = root / pointer.read_text().strip()
     ranks = [RankProgress.from_json(f.read_text()) for f in sorted(folder.glob("progress-rank*.json"))]
     step = int(folder.name.removeprefix("step-"))
     return Latest(
@@ -239,6 +269,7 @@ def latest(directory: str | os.PathLike) -> Latest | None:
         [r.trained + r.carried for r in ranks],
         ranks[0].plan_id if ranks else "",
         ranks[0].data_id if ranks else "",
+        passed_over,
     )
 
 
@@ -278,14 +309,12 @@ def check_same_plan(step: int, epoch: int, trained_on: str, store, run: str, epo
 
 
 def load(directory: str | os.PathLike, device) -> Checkpoint | None:
-    """The latest checkpoint (its ranks' progress: as many as wrote it), or None if there is none."""
-    root = Path(directory)
-    pointer = root / "latest"
-    if not pointer.exists():
+    """The checkpoint to resume from (`newest_whole`: its ranks' progress, as many as wrote it), or None."""
+    folder, _ = newest_whole(Path(directory))
+    if folder is None:
         return None
     import torch
 
-    folder = root / pointer.read_text().strip()
     state = torch.load(folder / "state.pt", map_location=device, weights_only=True)
     ranks = [RankProgress.from_json((folder / f"progress-rank{r}.json").read_text()) for r in range(state["world"])]
     return Checkpoint(int(state["step"]), int(state["epoch"]), state, ranks)
