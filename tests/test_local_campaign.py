@@ -190,11 +190,9 @@ def test_resume_says_what_it_resumes_or_that_there_is_nothing(tmp_path):
         f"cellfeed: error: --resume: run 'nothing-yet' has no checkpoint in {tmp_path}/checkpoints/nothing-yet; "
         "leave out --resume to start it, or name an existing run with --run"
     ]
-    folder = tmp_path / "ck" / "r" / "step-00000007"  # a 2-rank checkpoint at step 7, in the trainer's layout
-    folder.mkdir(parents=True)
-    for rank, trained in enumerate((40, 24)):
-        (folder / f"progress-rank{rank}.json").write_text(checkpoint.RankProgress(epoch=1, trained=trained).to_json())
-    (tmp_path / "ck" / "r" / "latest").write_text(folder.name)
+    folder = tmp_path / "ck" / "r" / "step-00000007"  # a 2-rank checkpoint at step 7, as the trainer saves it
+    texts = [checkpoint.RankProgress(epoch=1, trained=trained).to_json() for trained in (40, 24)]
+    checkpoint.save(folder.parent, 7, 1, 0, 2, checkpoint.RankProgress(), dict, lambda _: texts, lambda: None)
     cfg = CampaignConfig(dataset="-", run="r", checkpoint_dir=str(tmp_path / "ck"))
     assert describe_resume(cfg) == (
         f"resuming run r from its checkpoint at step 7 (epoch 1, 64 cells of that epoch already trained): {folder}"
