@@ -785,6 +785,65 @@ def test_a_preemption_signals_each_process_of_a_container_once(monkeypatch):
         leader.wait(timeout=10)
 
 
+def test_a_container_stopped_again_in_its_grace_is_interrupted_once(tmp_path):
+    """A second stop while a container is in its grace (preempted, then its app stopped) sends no second
+    SIGINT into the handler of the first; it SIGKILLs at its own, earlier, deadline."""
+    import asyncio
+
+    from cellfeed_testing.modal_control_plane.containers import Container, Containers
+
+    notes = tmp_path / "sigints"
+    script = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, lambda *_: open(sys.argv[1], 'a').write('SIGINT\\n'))\n"
+        "print('ready', flush=True)\n"
+        "while True:\n"
+        "    time.sleep(0.01)\n"
+    )
+
+    async def stopped_twice() -> int:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, str(notes), stdout=asyncio.subprocess.PIPE, start_new_session=True
+        )
+        assert (await proc.stdout.readline()).strip() == b"ready"
+        c, containers = Container("ta-1", None, 0, tmp_path, proc=proc), Containers(tmp_path, str, None, None)
+        first = asyncio.create_task(containers.kill(c, "preempted", grace_s=30))
+        for _ in range(500):  # the first SIGINT handled (an event, not a time)
+            if notes.exists():
+                break
+            await asyncio.sleep(0.01)
+        await containers.kill(c, "its app stopped", grace_s=0.5)
+        await asyncio.wait_for(first, 10)
+        return proc.returncode
+
+    assert asyncio.run(stopped_twice()) == -9
+    assert notes.read_text() == "SIGINT\n"
+
+
+def test_a_commit_carries_a_file_replaced_by_one_of_the_same_size_and_mtime(tmp_path):
+    """V3: a pointer file replaced (`os.replace`) by one of the same size within one tick of the clock that
+    stamps mtimes looks unchanged by size and mtime; its new inode says it changed, and the commit carries it."""
+    from cellfeed_testing.modal_control_plane.volumes import Volume, VolumeRPCs
+
+    class Rpcs(VolumeRPCs):
+        def __init__(self, v: Volume):
+            self.volumes = {v.volume_id: v}
+
+    committed, view = tmp_path / "committed", tmp_path / "view"
+    committed.mkdir()
+    view.mkdir()
+    (view / "latest").write_text("step-00000028")
+    rpcs, entry = Rpcs(Volume("vo-1", None, committed, 2, 0.0)), [view, {}, False]
+    rpcs.commit_view("vo-1", entry)
+    assert (committed / "latest").read_text() == "step-00000028"
+    was = (view / "latest").stat()
+    (view / ".latest.tmp").write_text("step-00000029")
+    os.utime(view / ".latest.tmp", ns=(was.st_atime_ns, was.st_mtime_ns))  # (the same tick)
+    os.replace(view / ".latest.tmp", view / "latest")
+    rpcs.commit_view("vo-1", entry)
+    assert (committed / "latest").read_text() == "step-00000029"
+
+
 def test_a_preempted_input_is_interrupted_and_runs_again_not_counted_as_a_retry(plane, probe, tmp_path):
     notes = tmp_path / "notes"
     client = start_client(

@@ -117,7 +117,7 @@ class Container:
     volumes: dict = field(default_factory=dict)  # volume id -> [view folder, its files at last sync, read only]
     cluster: object = None  # clusters.Cluster: the attempt's containers, when its function is clustered (K1)
     rank: int = 0  # its rank in that cluster
-    interrupted: int = 0  # how many of its processes the last stop with a grace sent SIGINT to (C17)
+    interrupted: int = 0  # how many of its processes the (one) stop with a grace sent SIGINT to (C17)
     started_at: float = 0.0
     ended_at: float = 0.0
 
@@ -271,14 +271,17 @@ class Containers:
         await self._on_exit(c)
 
     async def kill(self, c: Container, why: str, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGINT to every process of the container, `grace_s`, then SIGKILL (emulator S15)."""
+        """SIGINT to every process of the container, `grace_s`, then SIGKILL (emulator S15). A container
+        is interrupted once: a second stop in its grace (a preemption, then its app stopped) waits with
+        the first, and SIGKILLs at its own deadline, but sends no second SIGINT into the first's handler."""
         if c.proc is None or c.proc.returncode is not None:
             return
         c.killed_why = c.killed_why or why
         pids = _tree(c.proc.pid)
         if grace_s > 0:
-            c.interrupted = len(pids)
-            _signal_tree(pids, c.proc.pid, signal.SIGINT)
+            if not c.interrupted:
+                c.interrupted = len(pids)
+                _signal_tree(pids, c.proc.pid, signal.SIGINT)
             try:
                 await asyncio.wait_for(asyncio.shield(c.proc.wait()), grace_s)
             except asyncio.TimeoutError:

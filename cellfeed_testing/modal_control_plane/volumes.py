@@ -50,8 +50,10 @@ class Volume:
     deleted: bool = False
 
 
-def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    """Every file under `folder`: relative path -> (size, mtime_ns)."""
+def snapshot(folder: Path) -> dict[str, tuple[int, int, int]]:
+    """Every file under `folder`: relative path -> (size, mtime_ns, inode). The inode too: a file replaced
+    (`os.replace`, as a pointer file is) by one of the same size within one tick of the clock that stamps
+    mtimes (a few ms) has a new inode and the same size and mtime."""
     out = {}
     for dirpath, _, files in os.walk(folder):
         for f in files:
@@ -60,7 +62,7 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
                 st = p.lstat()
             except FileNotFoundError:  # deleted since the folder was listed (the container runs on)
                 continue
-            out[str(p.relative_to(folder))] = (st.st_size, st.st_mtime_ns)
+            out[str(p.relative_to(folder))] = (st.st_size, st.st_mtime_ns, st.st_ino)
     return out
 
 
