@@ -436,6 +436,9 @@ def test_driver_reissues_expired_leases(atlas):
     wait_for(lambda: queue.len(partition=TASKS_PARTITION) > 0, "the driver to issue tasks")
     taken = producer._take()
     assert taken is not None
+    # issued again before a healthy producer starts, which would otherwise quit after 0.3 s without a task:
+    # an event, not a race between the lease's 0.2 s and the producer's idle timeout on a loaded machine
+    wait_for(lambda: driver.stats.reissued >= 1, "the dead producer's unit to be issued again")
     Producer(config, queue, store, dataset=atlas).run()  # a healthy producer does the rest
     thread.join(timeout=60)
     # the unit the dead producer took was issued again, and the epoch completed (how soon after the

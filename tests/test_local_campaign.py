@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from benchmarks.chaos import trained_per_epoch
-from cellfeed_testing.procs import children, cmdline, descendants, own_rank_server
+from cellfeed_testing.procs import children, cmdline, descendants, own_rank_server, ranks_held
 from tests.conftest import PBMC, built_once, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -381,13 +381,16 @@ def test_ctrl_c_stops_every_child_once_gracefully_twice_at_once(counts_atlas, tm
         kinds = " ".join(" ".join(cmdline(pid)) for pid in started)
         assert all(k in kinds for k in ("coordination.local_backend", "app.fleet --produce", "trainer.launch")), kinds
         assert any(children(pid) for pid in started if "trainer.launch" in cmdline(pid))  # the rank server's ranks
-        os.killpg(proc.pid, signal.SIGINT)
-        if presses == 2:  # the second once the first is acted on (its line is printed)
-            line = proc.stdout.readline()
-            while line and not line.startswith("stopping (Ctrl-C)"):
-                out, line = out + line, proc.stdout.readline()
-            assert line.startswith("stopping (Ctrl-C): the ranks checkpoint"), out[-2000:]
+        if presses == 1:
             os.killpg(proc.pid, signal.SIGINT)
+        else:  # the second once the first is acted on (its line is printed), the ranks held meanwhile: the
+            with ranks_held(proc.pid, 2):  # first's stop (checkpoint, ranks exit) cannot end before it lands
+                os.killpg(proc.pid, signal.SIGINT)
+                line = proc.stdout.readline()
+                while line and not line.startswith("stopping (Ctrl-C)"):
+                    out, line = out + line, proc.stdout.readline()
+                assert line.startswith("stopping (Ctrl-C): the ranks checkpoint"), out[-2000:]
+                os.killpg(proc.pid, signal.SIGINT)
         rest, err = proc.communicate(timeout=120)
         out += rest
     finally:

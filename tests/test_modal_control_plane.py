@@ -809,7 +809,7 @@ def test_a_container_stopped_again_in_its_grace_is_interrupted_once(tmp_path):
         c, containers = Container("ta-1", None, 0, tmp_path, proc=proc), Containers(tmp_path, str, None, None)
         first = asyncio.create_task(containers.kill(c, "preempted", grace_s=30))
         for _ in range(500):  # the first SIGINT handled (an event, not a time)
-            if notes.exists():
+            if notes.exists() and notes.read_text() == "SIGINT\n":
                 break
             await asyncio.sleep(0.01)
         await containers.kill(c, "its app stopped", grace_s=0.5)

@@ -31,7 +31,8 @@ def cellfeed(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Complete
 
 def epoch_logged(steps: Path) -> int:
     """The epoch of the last step a campaign's rank 0 logged (-1: none yet)."""
-    rows = [json.loads(line) for line in steps.read_text().splitlines() if '"loss"' in line] if steps.exists() else []
+    lines = steps.read_text().splitlines() if steps.exists() else []  # (a row being written is not read)
+    rows = [json.loads(line) for line in lines if '"loss"' in line and line.endswith("}")]
     return rows[-1]["epoch"] if rows else -1
 
 
