@@ -116,15 +116,16 @@ def ranks_held(pid: int, expect: int | None = None):
                 os.kill(rank, signal.SIGCONT)
 
 
-def stop_asked_while_held(pid: int, expect: int, ask, wait_for, during=None):
+def stop_asked_while_held(pid: int, expect: int, ask, wait_for, during=None, sig: int | None = None):
     """`ask()` (e.g. start `cellfeed stop`) while the trainer ranks below `pid` are held, after
     `during()` (what the test reads while they are held); the ranks are let go once the stop signal
-    is pending in each. Returns (`during()`'s value, `ask()`'s). `wait_for(condition, what, timeout)`:
-    the test's own poll."""
+    (`sig`: the trainer's own unless told, e.g. a preemption's SIGINT) is pending in each. Returns
+    (`during()`'s value, `ask()`'s). `wait_for(condition, what, timeout)`: the test's own poll."""
     from trainer.config import STOP_SIGNAL
 
+    sig = sig or STOP_SIGNAL
     with ranks_held(pid, expect) as ranks:
         seen = during() if during is not None else None
         asked = ask()
-        wait_for(lambda: all(pending(r, STOP_SIGNAL) for r in ranks), "the stop signal in every rank", timeout=120)
+        wait_for(lambda: all(pending(r, sig) for r in ranks), f"signal {sig} in every rank", timeout=120)
     return seen, asked

@@ -18,9 +18,11 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -285,6 +287,8 @@ def test_modal_run_whole_path_balanced_preempted_in_its_first_minute_and_again_i
     (`--balance-by tissue --balance-power 1`): the cell logs of the three attempts hold every tissue
     at its quota in each epoch, and the audit says so. (One campaign for both: each check is the
     same as in a campaign of its own, and each campaign here costs ~25 CPU-s.)"""
+    from cellfeed_testing.procs import stop_asked_while_held
+
     audited_0 = re.compile(r"epoch 0: [\d,]+ cells trained, 0 missing, 0 duplicated")
     tissue, names, counts, quotas = tissue_quotas(atlas)
     with control_plane(tmp_path) as plane:
@@ -306,7 +310,12 @@ def test_modal_run_whole_path_balanced_preempted_in_its_first_minute_and_again_i
 
         wait_for(lambda: in_epoch_1() or proc.poll() is not None, "epoch 0's audit and six steps of epoch 1", 300)
         assert proc.poll() is None, "the campaign ended before its second preemption"
-        plane.preempt(call["id"])
+        # preempted while its ranks are held: from here to the campaign's end is 15 steps (~1.5 s), which a
+        # loaded machine could spend between the check above and the SIGINT; held, they wait for it
+        preempting = threading.Thread(target=plane.preempt, args=(call["id"],), daemon=True)
+        pid = call["attempts"][-1]["containers"][0]["pid"]
+        stop_asked_while_held(pid, 2, preempting.start, wait_for, sig=signal.SIGINT)
+        preempting.join(timeout=120)
         code, out, err = finish(proc)
         assert code == 0, err[-3000:]
         (train,) = calls(plane, "train")
