@@ -114,13 +114,15 @@ def stop_campaign(store, run: str, producers: list[subprocess.Popen], server: Se
 
 
 def _produce_main(config_path: str, address: str, token_file: str, name: str) -> None:
-    from producers.producer import Producer
+    from producers.producer import Producer, freeze_setup
     from producers.storage import StorageUnavailable
 
     cfg = CampaignConfig(**json.loads(Path(config_path).read_text()))
     queue, store = connect(cfg.backend_spec("local", address=address, token_file=token_file))
     try:
-        Producer(cfg.producer_config(), queue, store, name=name).run()
+        producer = Producer(cfg.producer_config(), queue, store, name=name)
+        freeze_setup()
+        producer.run()
     except CellfeedError as exc:  # one line; bad data or settings exit with a code that says "do not retry"
         print(f"cellfeed: error: {name}: {exc}", file=sys.stderr, flush=True)
         sys.exit(1 if isinstance(exc, StorageUnavailable) else USER_ERROR_EXIT)

@@ -132,11 +132,12 @@ def produce_body(config: dict, name: str) -> dict:
 
     from coordination.backends import connect
     from producers.kernel_cache import cache_kernels_in
-    from producers.producer import Producer
+    from producers.producer import Producer, freeze_setup
 
     cfg = unpacked(config)
     cache_kernels_in(mounted(KERNELS), cfg.run)  # (where setup compiled the token pass: this one loads it)
     producer = Producer(cfg.producer_config(), *connect(cfg.backend_spec("modal")), name=name)
+    freeze_setup()
     retire = threading.Timer(PRODUCER_HOURS * 3600, producer.stop)
     retire.daemon = True
     retire.start()
@@ -145,13 +146,7 @@ def produce_body(config: dict, name: str) -> dict:
     finally:
         retire.cancel()
         producer.close()
-    return {
-        "cells": stats.cells,
-        "units": stats.units,
-        "items": stats.items,
-        "bytes": stats.bytes,
-        "seconds": dict(stats.seconds),
-    }
+    return {k: getattr(stats, k) for k in ("cells", "units", "items", "bytes")} | {"seconds": dict(stats.seconds)}
 
 
 def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summary.SetupFacts as a dict

@@ -46,7 +46,7 @@ from producers.config import ProducerConfig  # noqa: E402
 from producers.dataset import LOCAL_READ_THREADS, open_dataset  # noqa: E402
 from producers.gene_stats import compute_gene_medians, load_gene_medians, store_gene_stats  # noqa: E402
 from producers.items import CHUNK_CELLS  # noqa: E402
-from producers.producer import Producer  # noqa: E402
+from producers.producer import Producer, freeze_setup  # noqa: E402
 from producers.ranking import rank_order  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
 
@@ -195,6 +195,7 @@ def first_unit(path: str) -> dict:
     queue = MemoryQueue(max_items=10**9, max_bytes=1 << 62)
     producer = Producer(config, queue, MemoryMap(), dataset=ds)
     queue.put_many([encode_task(0, 0)], partition=TASKS_PARTITION)
+    freeze_setup()  # (as a deployed producer: part of its setup)
     t1 = time.perf_counter()
     producer.run(max_units=1)
     return {"setup_s": t1 - t0, "first_unit_s": time.perf_counter() - t1, "cells": producer.stats.cells}
@@ -242,6 +243,11 @@ def main() -> None:
     parser.add_argument(
         "--budget", type=int, default=None, help="cells per configuration (default 40k; 4k quick; 500 tiny)"
     )
+    parser.add_argument(
+        "--no-freeze",
+        action="store_true",
+        help="leave the set-up's objects in the cyclic GC (as producers ran before freeze_setup), for comparison",
+    )
     parser.add_argument("--first-unit", metavar="DATASET", help=argparse.SUPPRESS)  # internal: child step
     args = parser.parse_args()
     if args.first_unit:
@@ -255,6 +261,8 @@ def main() -> None:
         store_gene_stats(ds, compute_gene_medians(ds, progress=False))
         ds = open_dataset(path)
     first = first_units(path, cold=not args.tiny)  # (in child processes; cold: with a numba cache of their own)
+    if not args.no_freeze:
+        freeze_setup()  # what a deployed producer does once set up (app/fleet.py, app/modal_app.py)
 
     # every strategy with the kernel; each tokenizer's block units both ways (kernel, vectorised)
     configs = [("scgpt", 1024, s, "kernel") for s in STRATEGIES]
