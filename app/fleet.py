@@ -13,7 +13,7 @@ from app.config import CampaignConfig
 from coordination.backends import connect
 from coordination.errors import CellfeedError
 from coordination.local_backend import ServerProcess
-from coordination.net import exit_when_parent_goes
+from coordination.net import exit_when_parent_goes, freeze_setup
 from coordination.routing import stop_key
 
 STOP_GRACE_S = 10.0  # how long producers together get to stop at the end before being killed
@@ -114,7 +114,7 @@ def stop_campaign(store, run: str, producers: list[subprocess.Popen], server: Se
 
 
 def _produce_main(config_path: str, address: str, token_file: str, name: str) -> None:
-    from producers.producer import Producer, freeze_setup
+    from producers.producer import Producer
     from producers.storage import StorageUnavailable
 
     cfg = CampaignConfig(**json.loads(Path(config_path).read_text()))

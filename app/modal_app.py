@@ -131,8 +131,9 @@ def produce_body(config: dict, name: str) -> dict:
     import threading
 
     from coordination.backends import connect
+    from coordination.net import freeze_setup
     from producers.kernel_cache import cache_kernels_in
-    from producers.producer import Producer, freeze_setup
+    from producers.producer import Producer
 
     cfg = unpacked(config)
     cache_kernels_in(mounted(KERNELS), cfg.run)  # (where setup compiled the token pass: this one loads it)

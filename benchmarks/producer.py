@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._checks import check_figures, fail  # noqa: E402
 from coordination.arrays import CellRows, offsets_of  # noqa: E402
 from coordination.latency import remote  # noqa: E402
+from coordination.net import freeze_setup  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import TASKS_PARTITION, encode_task  # noqa: E402
@@ -46,7 +47,7 @@ from producers.config import ProducerConfig  # noqa: E402
 from producers.dataset import LOCAL_READ_THREADS, open_dataset  # noqa: E402
 from producers.gene_stats import compute_gene_medians, load_gene_medians, store_gene_stats  # noqa: E402
 from producers.items import CHUNK_CELLS  # noqa: E402
-from producers.producer import Producer, freeze_setup  # noqa: E402
+from producers.producer import Producer  # noqa: E402
 from producers.ranking import rank_order  # noqa: E402
 from producers.synth import cached_atlas  # noqa: E402
 

@@ -1,8 +1,10 @@
 """Processes and sockets on this machine: a free port for local servers, DDP rendezvous and test
-servers; a child that dies with the process that started it."""
+servers; a child that dies with the process that started it; a long-lived process's set-up kept
+out of the cyclic GC."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -73,3 +75,16 @@ def exit_when_parent_goes() -> None:
         os._exit(PARENT_GONE_EXIT)
 
     threading.Thread(target=watch, daemon=True, name="cellfeed-parent-watch").start()
+
+
+def freeze_setup() -> None:
+    """Called by a producer process once it is set up (its modules imported, its `Producer` made), before
+    `run`: what exists by then lives as long as the process, so it leaves the cyclic GC, whose every full
+    collection walked it again (Lance's, numba's, pyarrow's and Polars' modules; a Modal container's freeze
+    at import comes before them). Timed with `gc.callbacks` over scGPT-1024 block units in the benchmark's
+    process (`benchmarks/producer.py` freezes as here): collections took 0.84 ms per 1,000 cells, 0.06 ms
+    frozen, of a producer's ~28 ms. Garbage made later is collected as ever; garbage made before is
+    collected first. Not for a process that goes on to other work (a test): nothing it holds now is ever
+    collected."""
+    gc.collect()
+    gc.freeze()

@@ -15,7 +15,6 @@ and the backpressure are the courier's (`producers.courier`); the settings are
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 import threading
@@ -442,16 +441,3 @@ class Producer:
 def produce(config: ProducerConfig, queue: Queue, store: Map, max_units: int | None = None) -> ProducerStats:
     """Entry point for a producer process or Modal function."""
     return Producer(config, queue, store).run(max_units)
-
-
-def freeze_setup() -> None:
-    """Called by a producer process once it is set up (its modules imported, its `Producer` made), before
-    `run`: what exists by then lives as long as the process, so it leaves the cyclic GC, whose every full
-    collection walked it again (Lance's, numba's, pyarrow's and Polars' modules; a Modal container's freeze
-    at import comes before them). Timed with `gc.callbacks` over scGPT-1024 block units in the benchmark's
-    process (`benchmarks/producer.py` freezes as here): collections took 0.84 ms per 1,000 cells, 0.06 ms
-    frozen, of a producer's ~28 ms. Garbage made later is collected as ever; garbage made before is
-    collected first. Not for a process that goes on to other work (a test): nothing it holds now is ever
-    collected."""
-    gc.collect()
-    gc.freeze()
