@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from collections import Counter
@@ -48,7 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import check_figures, fail, run_probe  # noqa: E402
+from benchmarks._checks import check_figures, fail, machine, run_probe  # noqa: E402
 from benchmarks.downstream import pipeline_epoch  # noqa: E402
 from coordination.balance import Balance  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
@@ -273,7 +272,7 @@ def main() -> None:
     setup = run_probe(SETUP.format(root=str(ROOT), n=setup_cells, alpha=1.0, scattered=False), "the setup")
     spread = run_probe(SETUP.format(root=str(ROOT), n=setup_cells, alpha=1.0, scattered=True), "the scattered setup")
     figures = {
-        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
+        "machine": machine(),
         "cells": ds.n_cells,
         "classes": len(names),
         "epochs": epochs,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import signal
@@ -46,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import check_figures, fail  # noqa: E402
+from benchmarks._checks import check_figures, fail, machine  # noqa: E402
 from cellfeed_testing.procs import children, own_rank_server  # noqa: E402
 from coordination.driver import LEASE_S  # noqa: E402
 
@@ -380,8 +379,7 @@ def main() -> None:
 
     print(
         f"\ncampaign: {args.cells:,} cells x {epochs} epochs, {PRODUCERS} producers, {GPUS} ranks, "
-        f"{args.rpc_latency_ms:.0f} ms a queue/map call, a {args.lease_s:g} s lease; machine: {platform.machine()}, "
-        f"{os.cpu_count()} cores"
+        f"{args.rpc_latency_ms:.0f} ms a queue/map call, a {args.lease_s:g} s lease; machine: {machine()}"
     )
     print(f"{'at':>10}  fault (in the order they ended)")
     for at, kind, n in chaos.faults:
@@ -420,7 +418,7 @@ def main() -> None:
         "wall_s": round(chaos.wall_s, 1),
         "calm_wall_s": round(calm.wall_s, 1) if calm else None,
         "lease_s": args.lease_s,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine(),
     }
     print(json.dumps(figures))
     if chaos.returncode != 0:

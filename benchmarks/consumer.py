@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import threading
@@ -25,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import check_figures, fail  # noqa: E402
+from benchmarks._checks import check_figures, fail, machine  # noqa: E402
 from coordination.errors import CellfeedError  # noqa: E402
 from coordination.latency import remote  # noqa: E402
 from coordination.local_backend import ServerProcess  # noqa: E402
@@ -171,7 +169,7 @@ def main() -> None:
         server.close()
     print(
         f"\n{reps} x {per_rep:,} cells of scGPT items (max_genes 1024, {len(items)} items, "
-        f"{sum(map(len, items)) / per_rep:,.0f} B/cell); machine: {platform.machine()}, {os.cpu_count()} cores"
+        f"{sum(map(len, items)) / per_rep:,.0f} B/cell); machine: {machine()}"
     )
     print(f"{'backend':<9}{'batch':>6}{'cells/s':>10}{'items/s':>9}{'x target':>9}{'waited s':>10}")
     for (name, batch), r in results.items():
@@ -190,7 +188,7 @@ def main() -> None:
         {
             "round_trip_us_memory": round(latency["memory"], 1),
             "round_trip_us_local": round(latency["local"], 1),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "machine": machine(),
         }
     )
     print(json.dumps(figures))

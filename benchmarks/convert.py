@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import check_figures, fail, peak_rss_mb  # noqa: E402
+from benchmarks._checks import check_figures, fail, machine, peak_rss_mb  # noqa: E402
 
 
 def write_h5ad(path: Path, n_cells: int, n_genes: int, seed: int) -> int:
@@ -263,7 +262,7 @@ def main() -> None:
         "synth_cells": n_synth,
         "synth_cells_per_s": round(n_synth / synth_s),
         "synth_peak_rss_mb": round(synth_rss),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine(),
     }
     print(
         f"\n{n_cells:,} cells, {nnz:,} non-zeros ({nnz / n_cells:,.0f}/cell); h5ad {h5_gb:.2f} GB "

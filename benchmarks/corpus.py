@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import subprocess
 import sys
@@ -43,7 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import check_figures, fail, run_probe  # noqa: E402
+from benchmarks._checks import check_figures, fail, machine, run_probe  # noqa: E402
 from benchmarks.chaos import trained_per_epoch  # noqa: E402
 from coordination.corpus import source_of  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
@@ -357,7 +356,7 @@ def main() -> None:
         if args.tiny:
             shutil.rmtree(work, ignore_errors=True)
     figures = {
-        "machine": f"{platform.machine()}, {len(__import__('os').sched_getaffinity(0))} CPUs",
+        "machine": machine(),
         "sources": {n: s for n, s in zip(names, (n_a, n_b, 700))},
         "epochs": args.epochs,
         "per_source_planned": planned,

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -34,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from app.campaign import prepare  # noqa: E402
 from app.config import CampaignConfig  # noqa: E402
 from app.fleet import start_producer, stop_campaign  # noqa: E402
-from benchmarks._checks import BENCH_EXTRA, check_figures, fail, png_path, require, script  # noqa: E402
+from benchmarks._checks import BENCH_EXTRA, check_figures, fail, machine, png_path, require, script  # noqa: E402
 from coordination.backends import BackendSpec, connect  # noqa: E402
 from coordination.driver import Driver  # noqa: E402
 from coordination.local_backend import ServerProcess  # noqa: E402
@@ -137,7 +135,7 @@ def main() -> None:
     results = {n: run(path, n, batch=240, latency_ms=args.rpc_latency_ms) for n in (1, 2)}
     print(
         f"\nlocal campaign, {n_cells:,}-cell atlas, scGPT tokens (1024 genes), one no-op consumer rank, batch 240; "
-        f"machine: {platform.machine()}, {os.cpu_count()} cores"
+        f"machine: {machine()}"
     )
     print("cells/s: whole epoch incl. start-up; steady: between 10% and 90% of the epoch delivered")
     print(f"{'producers':>9}{'cells/s':>10}{'steady':>10}{'seconds':>9}{'waited s':>10}{'max depth':>10}")
@@ -167,7 +165,7 @@ def main() -> None:
         "local_cells_per_s_2_producers": round(results[2]["cells_per_s"]),
         "local_steady_cells_per_s_1_producer": round(results[1]["steady_cells_per_s"]),
         "local_steady_cells_per_s_2_producers": round(results[2]["steady_cells_per_s"]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine(),
     }
     print(json.dumps(figures))
     check_figures(figures)

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -60,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.modal_app import MOUNT_ENV  # noqa: E402  (where containers find the app's Volume views)
-from benchmarks._checks import check_figures, fail  # noqa: E402
+from benchmarks._checks import check_figures, fail, machine  # noqa: E402
 from cellfeed_testing.modal_control_plane import ControlPlane  # noqa: E402
 
 RUN = "chaos"
@@ -409,7 +408,7 @@ def main() -> None:
     print(
         f"\ncampaign through `modal run` (modal {version}, its own client and container entrypoint) on the local "
         f"control plane: {n_cells:,} cells x {epochs} epochs, {PRODUCERS} producers, {GPUS} ranks, 25 ms more a "
-        f"queue/map call, a 4 s lease; machine: {platform.machine()}, {os.cpu_count()} cores"
+        f"queue/map call, a 4 s lease; machine: {machine()}"
     )
     for label, r in zip(chaos.labels, chaos.rules):
         print(describe_rule(label, r))
@@ -447,7 +446,7 @@ def main() -> None:
         "modal_client_version": version,
         "containers_naming_the_client": reported,
         "seed": args.seed,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine(),
     }
     if args.rules_json:
         Path(args.rules_json).write_text(json.dumps([{"label": k, **r} for k, r in zip(chaos.labels, chaos.rules)]))

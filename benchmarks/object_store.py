@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import check_figures, fail  # noqa: E402
+from benchmarks._checks import check_figures, fail, machine  # noqa: E402
 from benchmarks.producer import STRATEGIES, run_config  # noqa: E402
 from cellfeed_testing.object_store import REGION, S3Proxy, SeaweedServer  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
@@ -239,7 +238,7 @@ def main() -> None:
 
     print(
         f"\natlas: {n_cells:,} cells, {opened['local'].n_rows / n_cells:,.0f} non-zeros/cell, "
-        f"{len(opened['local'].fragments)} fragments; machine: {platform.machine()}, {os.cpu_count()} cores; "
+        f"{len(opened['local'].fragments)} fragments; machine: {machine()}; "
         f"one producer, scgpt 1024; proxies {args.latency_ms:.0f} ± {args.jitter_ms:.0f} ms and "
         f"{args.far_latency_ms:.0f} ± {args.far_jitter_ms:.0f} ms, "
         f"{args.bandwidth_mbps:.0f} Mbit/s per connection; upload {upload_s:.1f}s"
@@ -325,7 +324,7 @@ def main() -> None:
         {
             "startup_s": {k: round(v, 2) for k, v in startup.items()},
             "latency_ms": [args.latency_ms, args.far_latency_ms],
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "machine": machine(),
         }
     )
     print(json.dumps(figures))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import check_figures, fail  # noqa: E402
+from benchmarks._checks import check_figures, fail, machine  # noqa: E402
 from coordination.arrays import CellRows, offsets_of  # noqa: E402
 from coordination.latency import remote  # noqa: E402
 from coordination.net import freeze_setup  # noqa: E402
@@ -292,7 +291,7 @@ def main() -> None:
 def report(ds, results: dict, first: dict, floor: float, floor_rows: int) -> None:
     print(
         f"\natlas: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows / ds.n_cells:,.0f} non-zeros/cell; "
-        f"machine: {platform.machine()}, {os.cpu_count()} cores; one producer, local disk"
+        f"machine: {machine()}; one producer, local disk"
     )
     print(
         "stage seconds per 1k cells -- wait: for rows the read-ahead had not read yet; rank/token/pack: "
@@ -359,7 +358,7 @@ def report(ds, results: dict, first: dict, floor: float, floor_rows: int) -> Non
             "floor_cells_per_s": round(floor),
             "scgpt_1024_block_bytes_per_cell": round(results[("scgpt", 1024, "block", "kernel")]["bytes_per_cell"]),
             "pipeline_over_floor": round(seq / floor, 3),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "machine": machine(),
         }
     )
     print(json.dumps(figures))

@@ -31,8 +31,6 @@ import argparse
 import atexit
 import importlib.util
 import json
-import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -44,7 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import BENCH_EXTRA, check_figures, png_path, require, script  # noqa: E402
+from benchmarks._checks import BENCH_EXTRA, check_figures, machine, png_path, require, script  # noqa: E402
 from benchmarks.downstream import (  # noqa: E402
     EVAL_POINTS,
     LABELS,
@@ -217,7 +215,7 @@ def main() -> None:
     print(
         f"\n{len(trained):,} cells in {len(proportions[proportions > 0])} plates stored in order (plate14 held out); "
         f"batch {BATCH}; consumer buffer {args.buffer} cells; throughput: one producer, scGPT 1024, local disk, "
-        f"{platform.machine()}, {os.cpu_count()} cores"
+        f"{machine()}"
     )
     print(
         f"{'setting':<20}{'plate bits':>11}{'sd':>7}{'- random':>9}{'index':>7}{'cells/s':>9}"
