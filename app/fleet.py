@@ -13,7 +13,7 @@ from app.config import CampaignConfig
 from coordination.backends import connect
 from coordination.errors import CellfeedError
 from coordination.local_backend import ServerProcess
-from coordination.net import exit_when_parent_goes, freeze_setup
+from coordination.net import exit_when_parent_goes, freeze_setup, keep_freed_memory
 from coordination.routing import stop_key
 
 STOP_GRACE_S = 10.0  # how long producers together get to stop at the end before being killed
@@ -117,6 +117,7 @@ def _produce_main(config_path: str, address: str, token_file: str, name: str) ->
     from producers.producer import Producer
     from producers.storage import StorageUnavailable
 
+    keep_freed_memory()
     cfg = CampaignConfig(**json.loads(Path(config_path).read_text()))
     queue, store = connect(cfg.backend_spec("local", address=address, token_file=token_file))
     try:

@@ -131,10 +131,11 @@ def produce_body(config: dict, name: str) -> dict:
     import threading
 
     from coordination.backends import connect
-    from coordination.net import freeze_setup
+    from coordination.net import freeze_setup, keep_freed_memory
     from producers.kernel_cache import cache_kernels_in
     from producers.producer import Producer
 
+    keep_freed_memory()
     cfg = unpacked(config)
     cache_kernels_in(mounted(KERNELS), cfg.run)  # (where setup compiled the token pass: this one loads it)
     producer = Producer(cfg.producer_config(), *connect(cfg.backend_spec("modal")), name=name)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._checks import check_figures, fail, machine  # noqa: E402
 from coordination.arrays import CellRows, offsets_of  # noqa: E402
 from coordination.latency import remote  # noqa: E402
-from coordination.net import freeze_setup  # noqa: E402
+from coordination.net import freeze_setup, keep_freed_memory  # noqa: E402
 from coordination.plan import Sampling  # noqa: E402
 from coordination.queues import MemoryMap, MemoryQueue  # noqa: E402
 from coordination.routing import TASKS_PARTITION, encode_task  # noqa: E402
@@ -195,7 +195,8 @@ def first_unit(path: str) -> dict:
     queue = MemoryQueue(max_items=10**9, max_bytes=1 << 62)
     producer = Producer(config, queue, MemoryMap(), dataset=ds)
     queue.put_many([encode_task(0, 0)], partition=TASKS_PARTITION)
-    freeze_setup()  # (as a deployed producer: part of its setup)
+    keep_freed_memory()  # (as a deployed producer: part of its setup)
+    freeze_setup()
     t1 = time.perf_counter()
     producer.run(max_units=1)
     return {"setup_s": t1 - t0, "first_unit_s": time.perf_counter() - t1, "cells": producer.stats.cells}
@@ -244,9 +245,10 @@ def main() -> None:
         "--budget", type=int, default=None, help="cells per configuration (default 40k; 4k quick; 500 tiny)"
     )
     parser.add_argument(
-        "--no-freeze",
+        "--as-before",
         action="store_true",
-        help="leave the set-up's objects in the cyclic GC (as producers ran before freeze_setup), for comparison",
+        help="malloc's defaults and the set-up left in the cyclic GC (a producer before keep_freed_memory and "
+        "freeze_setup), for comparison",
     )
     parser.add_argument("--first-unit", metavar="DATASET", help=argparse.SUPPRESS)  # internal: child step
     args = parser.parse_args()
@@ -261,8 +263,9 @@ def main() -> None:
         store_gene_stats(ds, compute_gene_medians(ds, progress=False))
         ds = open_dataset(path)
     first = first_units(path, cold=not args.tiny)  # (in child processes; cold: with a numba cache of their own)
-    if not args.no_freeze:
-        freeze_setup()  # what a deployed producer does once set up (app/fleet.py, app/modal_app.py)
+    if not args.as_before:  # what a deployed producer does once set up (app/fleet.py, app/modal_app.py)
+        keep_freed_memory()
+        freeze_setup()
 
     # every strategy with the kernel; each tokenizer's block units both ways (kernel, vectorised)
     configs = [("scgpt", 1024, s, "kernel") for s in STRATEGIES]

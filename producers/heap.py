@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import sys
 
+from coordination.net import keep_freed_memory
+
 
 def _tune() -> None:
+    keep_freed_memory()  # large arrays from the heap; freed heap kept
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -30,8 +33,6 @@ def _tune() -> None:
 
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: allocations up to 1 GiB from the heap
-        libc.mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD: keep up to 2 GiB of freed heap
         libc.mallopt(-8, 1)  # M_ARENA_MAX: threads started from now on share the main heap
     except (OSError, AttributeError):  # another libc: its defaults
         pass
