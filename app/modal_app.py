@@ -148,6 +148,7 @@ def produce_body(config: dict, name: str) -> dict:
     finally:
         retire.cancel()
         producer.close()
+        gc.unfreeze()  # (this container may be given another input: its next producer freezes its own set-up)
     return {k: getattr(stats, k) for k in ("cells", "units", "items", "bytes")} | {"seconds": dict(stats.seconds)}
 
 

@@ -35,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._checks import check_figures, fail, machine  # noqa: E402
+from benchmarks._checks import check_figures, fail, machine, peak_rss_mb  # noqa: E402
 from coordination.arrays import CellRows, offsets_of  # noqa: E402
 from coordination.latency import remote  # noqa: E402
 from coordination.net import freeze_setup, keep_freed_memory  # noqa: E402
@@ -186,23 +186,27 @@ def floor_cells_per_s(ds, units, plan_sampling) -> tuple[float, int]:
     return n_cells / best, len(frame)
 
 
-def first_unit(path: str) -> dict:
+def first_unit(path: str, as_before: bool = False) -> dict:
     """(a child process) A fresh producer's setup and first unit (scGPT-1024, block): what a new
-    producer waits before its first items, the kernel's compile or cached load included."""
+    producer waits before its first items, the kernel's compile or cached load included; its process
+    set up as a deployed producer's (`as_before`: malloc's defaults, nothing frozen)."""
     t0 = time.perf_counter()
+    if not as_before:
+        keep_freed_memory()  # (first, as app/fleet.py and app/modal_app.py do)
     ds = open_dataset(path)
     config = ProducerConfig(dataset=ds.uri, run="first", sampling=STRATEGIES["block"], world_size=1)
     queue = MemoryQueue(max_items=10**9, max_bytes=1 << 62)
     producer = Producer(config, queue, MemoryMap(), dataset=ds)
     queue.put_many([encode_task(0, 0)], partition=TASKS_PARTITION)
-    keep_freed_memory()  # (as a deployed producer: part of its setup)
-    freeze_setup()
+    if not as_before:
+        freeze_setup()  # (part of a deployed producer's setup)
     t1 = time.perf_counter()
     producer.run(max_units=1)
-    return {"setup_s": t1 - t0, "first_unit_s": time.perf_counter() - t1, "cells": producer.stats.cells}
+    seconds = time.perf_counter() - t1
+    return {"setup_s": t1 - t0, "first_unit_s": seconds, "cells": producer.stats.cells, "peak_rss_mb": peak_rss_mb()}
 
 
-def first_units(path: str, cold: bool = True) -> dict:
+def first_units(path: str, cold: bool = True, as_before: bool = False) -> dict:
     """A fresh producer's first unit with an empty numba cache (a machine's first producer: the
     kernel compiles) and with the cache the first left (every later producer). `cold=False` (--tiny):
     the warm one only, from this checkout's own cache, which a first unit in this process fills if
@@ -212,13 +216,17 @@ def first_units(path: str, cold: bool = True) -> dict:
     import tempfile
 
     if not cold:
-        first_unit(path)
+        first_unit(path, as_before)
     out = {"cold": None}
     with tempfile.TemporaryDirectory(prefix="cellfeed-numba-") as cache:
         for name in ("cold", "warm") if cold else ("warm",):  # the same cache: the cold run fills it
             env = {**os.environ, "NUMBA_CACHE_DIR": cache} if cold else dict(os.environ)
             run = subprocess.run(
-                [sys.executable, __file__, "--first-unit", path], capture_output=True, text=True, env=env, timeout=600
+                [sys.executable, __file__, "--first-unit", path, *(["--as-before"] if as_before else [])],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=600,
             )
             if run.returncode != 0:
                 print(run.stderr[-2000:], file=sys.stderr)
@@ -253,7 +261,7 @@ def main() -> None:
     parser.add_argument("--first-unit", metavar="DATASET", help=argparse.SUPPRESS)  # internal: child step
     args = parser.parse_args()
     if args.first_unit:
-        print(json.dumps(first_unit(args.first_unit)))
+        print(json.dumps(first_unit(args.first_unit, args.as_before)))
         return
     n_cells = args.cells or (5_000 if args.tiny else 20_000 if args.quick else 200_000)
     budget = args.budget or (500 if args.tiny else 4_000 if args.quick else 40_000)
@@ -262,7 +270,7 @@ def main() -> None:
     if load_gene_medians(ds) is None:
         store_gene_stats(ds, compute_gene_medians(ds, progress=False))
         ds = open_dataset(path)
-    first = first_units(path, cold=not args.tiny)  # (in child processes; cold: with a numba cache of their own)
+    first = first_units(path, cold=not args.tiny, as_before=args.as_before)  # (child processes; cold: own cache)
     if not args.as_before:  # what a deployed producer does once set up (app/fleet.py, app/modal_app.py)
         keep_freed_memory()
         freeze_setup()
@@ -349,7 +357,8 @@ def report(ds, results: dict, first: dict, floor: float, floor_rows: int) -> Non
     print(
         f"a fresh producer's first unit (scGPT-1024 block, {first['warm']['cells']:,} cells): {cold}"
         f"{first['warm']['first_unit_s']:.2f} s with it filled; a unit in steady state "
-        f"{steady['seconds'] / len(steady['units']):.2f} s"
+        f"{steady['seconds'] / len(steady['units']):.2f} s; the fresh producer's peak memory "
+        f"{first['warm']['peak_rss_mb']:,.0f} MB"
     )
     figures.update(
         {
@@ -358,6 +367,7 @@ def report(ds, results: dict, first: dict, floor: float, floor_rows: int) -> Non
             "speedup_raw_block": round(speedup["raw"], 2),
             "first_unit_s_cold_cache": round(first["cold"]["first_unit_s"], 2) if first["cold"] else None,
             "first_unit_s_warm_cache": round(first["warm"]["first_unit_s"], 2),
+            "first_unit_peak_rss_mb": round(first["warm"]["peak_rss_mb"]),
             "floor_cells_per_s": round(floor),
             "scgpt_1024_block_bytes_per_cell": round(results[("scgpt", 1024, "block", "kernel")]["bytes_per_cell"]),
             "pipeline_over_floor": round(seq / floor, 3),

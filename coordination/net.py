@@ -79,23 +79,26 @@ def exit_when_parent_goes() -> None:
 
 def freeze_setup() -> None:
     """Called by a producer process once it is set up (its modules imported, its `Producer` made), before
-    `run`: what exists by then lives as long as the process, so it leaves the cyclic GC, whose every full
+    `run`: what exists by then lives as long as the producer, so it leaves the cyclic GC, whose every full
     collection walked it again (Lance's, numba's, pyarrow's and Polars' modules; a Modal container's freeze
     at import comes before them). Timed with `gc.callbacks` over scGPT-1024 block units in the benchmark's
     process (`benchmarks/producer.py` freezes as here): collections took 0.84 ms per 1,000 cells, 0.06 ms
     frozen, of a producer's ~28 ms. Garbage made later is collected as ever; garbage made before is
-    collected first. Not for a process that goes on to other work (a test): nothing it holds now is ever
-    collected."""
+    collected first. A cycle it holds now is never collected: a process that goes on to other work (a Modal
+    container given another input) calls `gc.unfreeze()` when its producer is done."""
     gc.collect()
     gc.freeze()
 
 
-def keep_freed_memory() -> None:
-    """(Linux, glibc; elsewhere nothing) Allocations up to 1 GiB come from the heap, and up to 2 GiB of freed
-    heap is kept, from now on. A process that allocates and frees arrays of a few MB, over and over (a
-    producer's chunks, a conversion's), otherwise gets each from a fresh mmap or a heap just trimmed, and the
-    kernel zeroes its pages again. A producer's cells per CPU-second rose 1.03-1.06x (scGPT-1024 block, median of
-    6 runs, three pairs of processes: `benchmarks/README.md`, "One producer"). Its memory stays at its peak."""
+def keep_freed_memory(largest: int = 64 << 20) -> None:
+    """(Linux, glibc; elsewhere nothing) From now on, allocations up to `largest` bytes come from the heap (a
+    thread's own arena still maps those past half its 64 MiB), and up to 2 GiB of freed heap is kept. A
+    process that allocates and frees arrays of a few MB, over and over (a producer's chunks and units; a
+    conversion's chunks, ~100 MB: it passes 1 GiB), otherwise gets each from a fresh mmap or a heap just
+    trimmed, and the kernel zeroes its pages again. A producer's cells per CPU-second rose 1.03-1.06x
+    (scGPT-1024 block, median of 6 runs, three pairs of processes: `benchmarks/README.md`, "One producer").
+    Its memory stays at its peak; an allocation past `largest` (a 100M-cell dataset's cell index) is still
+    mapped apart and given back when freed."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -103,7 +106,7 @@ def keep_freed_memory() -> None:
 
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: allocations up to 1 GiB from the heap
+        libc.mallopt(-3, largest)  # M_MMAP_THRESHOLD: allocations up to `largest` from the heap
         libc.mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD: keep up to 2 GiB of freed heap
     except (OSError, AttributeError):  # another libc: its defaults
         pass

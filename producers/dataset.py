@@ -310,7 +310,7 @@ class Dataset:
                 # each decoded, handed over and concatenated on its own (a producer's cells per CPU-second
                 # +10-21%, measured interleaved: benchmarks/README.md, "One producer")
                 scan = self._lance_fragments[frag].scanner(
-                    columns=columns, offset=offset, limit=limit, batch_size=limit
+                    columns=columns, offset=offset, limit=limit, batch_size=max(1, limit)
                 )
                 return scan.to_table()
             except Exception as exc:  # noqa: BLE001 - one line naming the dataset and fragment

@@ -25,7 +25,7 @@ from coordination.net import keep_freed_memory
 
 
 def _tune() -> None:
-    keep_freed_memory()  # large arrays from the heap; freed heap kept
+    keep_freed_memory(1 << 30)  # a chunk's arrays (~100 MB) from the heap; freed heap kept
     if not sys.platform.startswith("linux"):
         return
     try:
