@@ -11,7 +11,9 @@ tokenizer with `kernel = False`: the code the commit before the kernel ran, move
 cells per CPU-second of the producer (all its threads) over the vectorised path's, each the best of
 three interleaved rounds (one with --tiny). The kernel's
 compile (a machine's first producer: an empty numba cache) and a fresh producer's first unit are
-timed in child processes (--tiny: the first unit from a filled cache only, no compile).
+timed in child processes (--tiny: the first unit from a filled cache only, no compile), with the
+fresh producer's peak memory. The process is set up as a deployed producer's (freed memory kept, the
+set-up frozen out of the cyclic GC: `coordination/net.py`); `--as-before` leaves both out.
 
     python benchmarks/producer.py            # 200k-cell atlas, ~40k cells per configuration
     python benchmarks/producer.py --quick    # 20k-cell atlas, under a minute
