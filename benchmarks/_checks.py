@@ -72,6 +72,9 @@ def check_figures(figures: dict, allow_none: tuple[str, ...] = ()) -> None:
         fail(f"figures missing (None, NaN or infinite): {', '.join(missing)}")
 
 
+VECTOR_FLAGS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("sve", "SVE"), ("asimd", "NEON"))  # widest first
+
+
 def machine() -> str:
     """The machine a figure was measured on, named the same way by every benchmark: architecture,
     cores, the CPU's model and its widest vector instructions, e.g. "x86_64, 2 cores, AMD EPYC,
@@ -93,9 +96,6 @@ def machine() -> str:
     except OSError:  # (not Linux: what the platform module knows)
         model = platform.processor()
     return ", ".join(part for part in (platform.machine(), f"{os.cpu_count()} cores", model, simd) if part)
-
-
-VECTOR_FLAGS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("sve", "SVE"), ("asimd", "NEON"))  # widest first
 
 
 def peak_rss_mb() -> float:

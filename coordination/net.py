@@ -90,6 +90,9 @@ def freeze_setup() -> None:
     gc.freeze()
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's <malloc.h>
+
+
 def keep_freed_memory(largest: int = 64 << 20) -> None:
     """(Linux, glibc; elsewhere nothing) From now on, allocations up to `largest` bytes come from the heap (a
     thread's own arena still maps those past half its 64 MiB), and up to 2 GiB of freed heap is kept. A
@@ -99,6 +102,12 @@ def keep_freed_memory(largest: int = 64 << 20) -> None:
     (scGPT-1024 block, median of 6 runs, three pairs of processes: `benchmarks/README.md`, "One producer").
     Its memory stays at its peak; an allocation past `largest` (a 100M-cell dataset's cell index) is still
     mapped apart and given back when freed."""
+    mallopt(M_MMAP_THRESHOLD, largest)  # allocations up to `largest` from the heap
+    mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1)  # keep up to 2 GiB of freed heap
+
+
+def mallopt(param: int, value: int) -> None:
+    """glibc's `mallopt(param, value)` for this process, from now on (Linux, glibc; elsewhere nothing)."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -106,7 +115,6 @@ def keep_freed_memory(largest: int = 64 << 20) -> None:
 
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        libc.mallopt(-3, largest)  # M_MMAP_THRESHOLD: allocations up to `largest` from the heap
-        libc.mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD: keep up to 2 GiB of freed heap
+        libc.mallopt(param, value)
     except (OSError, AttributeError):  # another libc: its defaults
         pass

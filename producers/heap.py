@@ -19,23 +19,12 @@ largest chunk's, which bounds it anyway.
 
 from __future__ import annotations
 
-import sys
-
-from coordination.net import keep_freed_memory
+from coordination.net import M_ARENA_MAX, keep_freed_memory, mallopt
 
 
 def _tune() -> None:
     keep_freed_memory(1 << 30)  # a chunk's arrays (~100 MB) from the heap; freed heap kept
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        libc.mallopt(-8, 1)  # M_ARENA_MAX: threads started from now on share the main heap
-    except (OSError, AttributeError):  # another libc: its defaults
-        pass
+    mallopt(M_ARENA_MAX, 1)  # threads started from now on share the main heap
 
 
 _tune()  # on import, once a process (see the docstring)
