@@ -34,23 +34,25 @@ _JIT = dict(nogil=True, cache=True)
 SCGPT, GENEFORMER, RAW = 0, 1, 2  # what a cell's row holds (numba takes module constants as frozen)
 MODES = {"scgpt": SCGPT, "geneformer": GENEFORMER, "raw": RAW}
 _MAX63 = np.int64(0x7FFFFFFFFFFFFFFF)
+KEY_BYTES = 4  # a sort key's bytes: tokens (uint32), inverted counts or float bits, cut scores
 
 
 @numba.njit(**_JIT)
 def _radix_sort(keys, order, tmp_keys, tmp_order, n, hist):
-    """keys[:n] (non-negative int64) sorted ascending, stably, with `order` carried along: LSD
-    radix over 8-bit digits, skipping each digit every key shares (a cell's keys differ in one or
-    two of their eight bytes)."""
+    """keys[:n] (int64 in 0..2**32-1: every key `_tokenize` makes is) sorted ascending, stably, with
+    `order` carried along: LSD radix over their four 8-bit digits, skipping each digit every key
+    shares (a cell's keys differ in one or two). Four digits, not the int64's eight: the histogram
+    pass does half the work, and the kernel takes ~5% less time (scGPT and Geneformer)."""
     if n < 2:
         return
     hist[:, :] = 0
     for i in range(n):
         k = keys[i]
-        for d in range(8):
+        for d in range(KEY_BYTES):
             hist[d, (k >> (8 * d)) & 255] += 1
     src_k, src_o, dst_k, dst_o = keys, order, tmp_keys, tmp_order
     moved = False
-    for d in range(8):
+    for d in range(KEY_BYTES):
         if hist[d, (src_k[0] >> (8 * d)) & 255] == n:
             continue
         total = 0
@@ -73,10 +75,11 @@ def _radix_sort(keys, order, tmp_keys, tmp_order, n, hist):
 
 
 @numba.njit(**_JIT)
-def _bins_of_cell(vals, m, q, n_bins, is_float, edges, out_bins):
-    """scGPT's bin of each of a cell's m values (`vals`, sorted descending) into `out_bins[:m]`:
-    edges at the cell's quantiles (NumPy's linear method, in the value type as NumPy's _lerp),
-    bin = ceil((#edges <= v + #edges < v) / 2), as `producers.ranking.quantile_bins`."""
+def _bins_of_cell(vals, m, keep, q, n_bins, is_float, edges, out_bins):
+    """scGPT's bin of each of a cell's first `keep` values into `out_bins[:keep]` (`vals[:m]`, sorted
+    descending: edges at the quantiles of all m, NumPy's linear method, in the value type as NumPy's
+    _lerp; bin = ceil((#edges <= v + #edges < v) / 2), as `producers.ranking.quantile_bins`). Only the
+    kept values' bins are walked: a cell past `max_genes` has the rest cut from its row anyway."""
     levels = n_bins - 1
     top = m - 1
     for j in range(levels):
@@ -100,14 +103,14 @@ def _bins_of_cell(vals, m, q, n_bins, is_float, edges, out_bins):
     # too), so both counts only fall: walk them down once
     left, right = levels, levels
     i = 0
-    while i < m:
+    while i < keep:
         v = np.float64(vals[i])
         while left > 0 and edges[left - 1] > v:
             left -= 1
         while right > 0 and edges[right - 1] >= v:
             right -= 1
         bin_ = (left + right + 1) // 2
-        while i < m and np.float64(vals[i]) == v:
+        while i < keep and np.float64(vals[i]) == v:
             out_bins[i] = bin_
             i += 1
 
@@ -269,7 +272,7 @@ def _tokenize(
         np.empty(longest, np.int64),  # and order buffer
         np.empty(longest, out_tokens.dtype),
         np.empty(longest, values.dtype),
-        np.zeros((8, 256), np.int64),  # a histogram per key byte
+        np.zeros((KEY_BYTES, 256), np.int64),  # a histogram per key byte
     )
     edges = np.empty(max(1, n_bins - 1), np.float64)
     f32 = np.empty(1, np.float32)  # a float32 and, the same 4 bytes, its bits: a non-negative
@@ -295,10 +298,10 @@ def _tokenize(
             _reorder(keys, k, tok, val, scratch)
             if mode == GENEFORMER:
                 _exact_ties(keys, k, tok, val, total, medians)
-        if mode == SCGPT:
-            _bins_of_cell(val, k, q, n_bins, is_float, edges, bins)
         # 4. the cell's row: specials around its first max_genes tokens
         keep = min(k, max_genes) if truncate else k
+        if mode == SCGPT:
+            _bins_of_cell(val, k, keep, q, n_bins, is_float, edges, bins)
         at = _write_cell(at, tok, val, bins, keep, mode, head, tail, out_tokens, out_values)
         out_offsets[ci + 1] = at
     return 0
