@@ -6,6 +6,8 @@ rank them with a stable LSD radix sort of one integer key (value or score, desce
 keep token order, so ties go to the lower token, as `producers.ranking.rank_order` breaks them),
 then write the cell's token row: its specials, its top `max_genes` tokens, and beside them scGPT's
 expression bins (from the cell's quantiles, walked once down the sorted values) or raw values.
+scGPT's rank packs each row into its key (`_rank_packed`: value and token, one sort for both
+orders); Geneformer's score cannot give its count back, so its rows follow an order array.
 
 Why numba: the vectorised path (`producers/ranking.py`, kept as the reference the tests compare
 with) makes a pass and a temporary per step (key build, one sort of a whole chunk, gathers,
@@ -38,6 +40,27 @@ KEY_BYTES = 4  # a sort key's bytes: tokens (uint32), inverted counts or float b
 
 
 @numba.njit(**_JIT)
+def _scatter(src_k, dst_k, src_o, dst_o, n, counts, d):
+    """One LSD radix pass: src_k[:n] into dst_k by their digit `d` (byte d), stably, from the digit's
+    256 counts; the order src_o into dst_o beside them where one is given (empty: the keys carry
+    everything)."""
+    total = 0
+    for b in range(256):
+        c = counts[b]
+        counts[b] = total
+        total += c
+    carry = len(src_o) > 0
+    for i in range(n):
+        k = src_k[i]
+        b = (k >> (8 * d)) & 255
+        p = counts[b]
+        counts[b] = p + 1
+        dst_k[p] = k
+        if carry:
+            dst_o[p] = src_o[i]
+
+
+@numba.njit(**_JIT)
 def _radix_sort(keys, order, tmp_keys, tmp_order, n, hist):
     """keys[:n] (int64 in 0..2**32-1: every key `_tokenize` makes is) sorted ascending, stably, with
     `order` carried along: LSD radix over their four 8-bit digits, skipping each digit every key
@@ -55,23 +78,56 @@ def _radix_sort(keys, order, tmp_keys, tmp_order, n, hist):
     for d in range(KEY_BYTES):
         if hist[d, (src_k[0] >> (8 * d)) & 255] == n:
             continue
-        total = 0
-        for b in range(256):
-            c = hist[d, b]
-            hist[d, b] = total
-            total += c
-        for i in range(n):
-            k = src_k[i]
-            b = (k >> (8 * d)) & 255
-            p = hist[d, b]
-            hist[d, b] = p + 1
-            dst_k[p] = k
-            dst_o[p] = src_o[i]
+        _scatter(src_k, dst_k, src_o, dst_o, n, hist[d], d)
         src_k, src_o, dst_k, dst_o = dst_k, dst_o, src_k, src_o
         moved = not moved
     if moved:
         keys[:n] = src_k[:n]
         order[:n] = src_o[:n]
+
+
+@numba.njit(**_JIT)
+def _rank_packed(tok, val, k, is_float, ascending, keys, tmp, hist, f32, bits):
+    """scGPT's rank: tok/val[:k] put in descending value order, equal values in token order, by one
+    radix sort of `(inverted value << 32) | token` (the value as `_rank_keys` inverts it). The row
+    travels in its key: no order array to carry and no gather after. Rows already in token order
+    are sorted by the value's bytes alone (a stable sort keeps them); others by the token's bytes
+    first, so one sort puts them in both orders."""
+    for i in range(k):
+        if is_float:
+            f32[0] = val[i]
+            inv = np.int64(0x7FFFFFFF) - np.int64(bits[0])
+        else:
+            inv = np.int64(65535) - np.int64(val[i])
+        keys[i] = (inv << 32) | np.int64(tok[i])
+    if k > 1:
+        hist[:, :] = 0
+        for i in range(k):
+            key = keys[i]
+            for d in range(4, 8):
+                hist[d, (key >> (8 * d)) & 255] += 1
+            if not ascending:
+                for d in range(4):
+                    hist[d, (key >> (8 * d)) & 255] += 1
+        src, dst = keys, tmp
+        moved = False
+        for d in range(0 if not ascending else 4, 8):
+            if hist[d, (src[0] >> (8 * d)) & 255] == k:
+                continue
+            _scatter(src, dst, src[:0], dst[:0], k, hist[d], d)
+            src, dst = dst, src
+            moved = not moved
+        if moved:
+            keys[:k] = src[:k]
+    for i in range(k):
+        key = keys[i]
+        tok[i] = key & 0xFFFFFFFF
+        inv = key >> 32
+        if is_float:
+            bits[0] = np.int32(0x7FFFFFFF - inv)
+            val[i] = f32[0]
+        else:
+            val[i] = 65535 - inv
 
 
 @numba.njit(**_JIT)
@@ -274,6 +330,7 @@ def _tokenize(
         np.empty(longest, values.dtype),
         np.zeros((KEY_BYTES, 256), np.int64),  # a histogram per key byte
     )
+    packed_hist = np.zeros((8, 256), np.int64)
     edges = np.empty(max(1, n_bins - 1), np.float64)
     f32 = np.empty(1, np.float32)  # a float32 and, the same 4 bytes, its bits: a non-negative
     bits = f32.view(np.int32)  # float orders like its bits, which makes it a radix key
@@ -286,13 +343,15 @@ def _tokenize(
         k, total, ascending = _gather(offsets[c], offsets[c + 1], genes, values, vocab, is_float, tok, val, f32, bits)
         if k < 0:
             return k
+        if mode == SCGPT:  # 2-3. token order and rank in one sort
+            _rank_packed(tok, val, k, is_float, ascending, keys, scratch[1], packed_hist, f32, bits)
         # 2. token order (ties in the ranking go to the lower token)
-        if not ascending:
+        elif not ascending:
             for i in range(k):
                 keys[i] = np.int64(tok[i])
             _reorder(keys, k, tok, val, scratch)
         # 3. rank: a stable sort by one key that ascends as the value (or score) descends
-        if mode != RAW:
+        if mode == GENEFORMER:
             total = totals[c] if len(totals) else total
             _rank_keys(mode, is_float, tok, val, k, total, medians, scores, keys, f32, bits)
             _reorder(keys, k, tok, val, scratch)
