@@ -6,8 +6,9 @@ rank them with a stable LSD radix sort of one integer key (value or score, desce
 keep token order, so ties go to the lower token, as `producers.ranking.rank_order` breaks them),
 then write the cell's token row: its specials, its top `max_genes` tokens, and beside them scGPT's
 expression bins (from the cell's quantiles, walked once down the sorted values) or raw values.
-scGPT's rank packs each row into its key (`_rank_packed`: value and token, one sort for both
-orders); Geneformer's score cannot give its count back, so its rows follow an order array.
+Each sort moves one array of int64 keys that carry their rows (`_sort_keys`): scGPT's is the inverted
+value and the token (`_rank_packed`: one sort for both orders, unpacked after); Geneformer's score cannot
+give its count back, so its keys carry a row index, and the rows are gathered by it once (`_reorder`).
 
 Why numba: the vectorised path (`producers/ranking.py`, kept as the reference the tests compare
 with) makes a pass and a temporary per step (key build, one sort of a whole chunk, gathers,
@@ -36,89 +37,60 @@ _JIT = dict(nogil=True, cache=True)
 SCGPT, GENEFORMER, RAW = 0, 1, 2  # what a cell's row holds (numba takes module constants as frozen)
 MODES = {"scgpt": SCGPT, "geneformer": GENEFORMER, "raw": RAW}
 _MAX63 = np.int64(0x7FFFFFFFFFFFFFFF)
-KEY_BYTES = 4  # a sort key's bytes: tokens (uint32), inverted counts or float bits, cut scores
 
 
 @numba.njit(**_JIT)
-def _scatter(src_k, dst_k, src_o, dst_o, n, counts, d):
-    """One LSD radix pass: src_k[:n] into dst_k by their digit `d` (byte d), stably, from the digit's
-    256 counts; the order src_o into dst_o beside them where one is given (empty: the keys carry
-    everything)."""
-    total = 0
-    for b in range(256):
-        c = counts[b]
-        counts[b] = total
-        total += c
-    carry = len(src_o) > 0
-    for i in range(n):
-        k = src_k[i]
-        b = (k >> (8 * d)) & 255
-        p = counts[b]
-        counts[b] = p + 1
-        dst_k[p] = k
-        if carry:
-            dst_o[p] = src_o[i]
-
-
-@numba.njit(**_JIT)
-def _radix_sort(keys, order, tmp_keys, tmp_order, n, hist):
-    """keys[:n] (int64 in 0..2**32-1: every key `_tokenize` makes is) sorted ascending, stably, with
-    `order` carried along: LSD radix over their four 8-bit digits, skipping each digit every key
-    shares (a cell's keys differ in one or two). Four digits, not the int64's eight: the histogram
-    pass does half the work, and the kernel takes ~5% less time (scGPT and Geneformer)."""
+def _sort_keys(keys, tmp, n, hist, whole):
+    """keys[:n] sorted ascending, stably, as unsigned 64-bit numbers: LSD radix over their high four
+    bytes (`whole`: all eight), skipping each byte every key shares (a cell's keys differ in one to
+    four). A key carries its row: a rank in its high 32 bits, a token or a row index in its low 32, so
+    the sort moves one array and nothing is gathered by an index after it."""
     if n < 2:
         return
     hist[:, :] = 0
     for i in range(n):
-        k = keys[i]
-        for d in range(KEY_BYTES):
-            hist[d, (k >> (8 * d)) & 255] += 1
-    src_k, src_o, dst_k, dst_o = keys, order, tmp_keys, tmp_order
+        key = keys[i]
+        for d in range(4, 8):
+            hist[d, (key >> (8 * d)) & 255] += 1
+        if whole:
+            for d in range(4):
+                hist[d, (key >> (8 * d)) & 255] += 1
+    src, dst = keys, tmp
     moved = False
-    for d in range(KEY_BYTES):
-        if hist[d, (src_k[0] >> (8 * d)) & 255] == n:
+    for d in range(0 if whole else 4, 8):
+        counts = hist[d]
+        if counts[(src[0] >> (8 * d)) & 255] == n:
             continue
-        _scatter(src_k, dst_k, src_o, dst_o, n, hist[d], d)
-        src_k, src_o, dst_k, dst_o = dst_k, dst_o, src_k, src_o
+        total = 0  # the counts made each bucket's first position
+        for b in range(256):
+            c = counts[b]
+            counts[b] = total
+            total += c
+        for i in range(n):
+            key = src[i]
+            b = (key >> (8 * d)) & 255
+            dst[counts[b]] = key
+            counts[b] += 1
+        src, dst = dst, src
         moved = not moved
     if moved:
-        keys[:n] = src_k[:n]
-        order[:n] = src_o[:n]
+        keys[:n] = src[:n]
 
 
 @numba.njit(**_JIT)
 def _rank_packed(tok, val, k, is_float, ascending, keys, tmp, hist, f32, bits):
     """scGPT's rank: tok/val[:k] put in descending value order, equal values in token order, by one
-    radix sort of `(inverted value << 32) | token` (the value as `_rank_keys` inverts it). The row
-    travels in its key: no order array to carry and no gather after. Rows already in token order
-    are sorted by the value's bytes alone (a stable sort keeps them); others by the token's bytes
-    first, so one sort puts them in both orders."""
+    sort of `(inverted value << 32) | token`, unpacked after (the value comes back from its inverse).
+    Rows already in token order are sorted by the value's bytes alone (a stable sort keeps them);
+    others by the token's bytes first, so one sort puts them in both orders."""
     for i in range(k):
-        if is_float:
+        if is_float:  # a non-negative float orders like its bits
             f32[0] = val[i]
             inv = np.int64(0x7FFFFFFF) - np.int64(bits[0])
         else:
             inv = np.int64(65535) - np.int64(val[i])
         keys[i] = (inv << 32) | np.int64(tok[i])
-    if k > 1:
-        hist[:, :] = 0
-        for i in range(k):
-            key = keys[i]
-            for d in range(4, 8):
-                hist[d, (key >> (8 * d)) & 255] += 1
-            if not ascending:
-                for d in range(4):
-                    hist[d, (key >> (8 * d)) & 255] += 1
-        src, dst = keys, tmp
-        moved = False
-        for d in range(0 if not ascending else 4, 8):
-            if hist[d, (src[0] >> (8 * d)) & 255] == k:
-                continue
-            _scatter(src, dst, src[:0], dst[:0], k, hist[d], d)
-            src, dst = dst, src
-            moved = not moved
-        if moved:
-            keys[:k] = src[:k]
+    _sort_keys(keys, tmp, k, hist, not ascending)
     for i in range(k):
         key = keys[i]
         tok[i] = key & 0xFFFFFFFF
@@ -128,6 +100,23 @@ def _rank_packed(tok, val, k, is_float, ascending, keys, tmp, hist, f32, bits):
             val[i] = f32[0]
         else:
             val[i] = 65535 - inv
+
+
+@numba.njit(**_JIT)
+def _reorder(ranks, k, tok, val, scratch):
+    """tok/val[:k] put in the ascending order of ranks[:k] (each below 2**32), stably, by one sort of
+    `(rank << 32) | row` and one gather by the rows; ranks[:k] left sorted."""
+    tmp, hist, tok2, val2 = scratch
+    for i in range(k):
+        ranks[i] = (ranks[i] << 32) | i
+    _sort_keys(ranks, tmp, k, hist, False)
+    for i in range(k):
+        row = ranks[i] & 0xFFFFFFFF
+        tok2[i] = tok[row]
+        val2[i] = val[row]
+        ranks[i] = ranks[i] >> 32
+    tok[:k] = tok2[:k]
+    val[:k] = val2[:k]
 
 
 @numba.njit(**_JIT)
@@ -204,20 +193,6 @@ def _gather(lo, hi, genes, values, vocab, is_float, tok, val, f32, bits):
 
 
 @numba.njit(**_JIT)
-def _reorder(keys, k, tok, val, scratch):
-    """tok/val[:k] put in the ascending order of keys[:k], stably."""
-    order, tmp_keys, tmp_order, tok2, val2, hist = scratch
-    for i in range(k):
-        order[i] = i
-    _radix_sort(keys, order, tmp_keys, tmp_order, k, hist)
-    for i in range(k):
-        tok2[i] = tok[order[i]]
-        val2[i] = val[order[i]]
-    tok[:k] = tok2[:k]
-    val[:k] = val2[:k]
-
-
-@numba.njit(**_JIT)
 def _score(v, t, total, medians):
     """Geneformer's rank value of a count, exactly as the vectorised path computes it."""
     return np.float64(v) / (total if total > 0 else 1.0) * 10_000.0 / medians[np.int64(t)]
@@ -244,25 +219,16 @@ def _exact_ties(keys, k, tok, val, total, medians):
 
 
 @numba.njit(**_JIT)
-def _rank_keys(mode, is_float, tok, val, k, total, medians, scores, keys, f32, bits):
-    """keys[:k]: non-negative, ascending as the rank goes down: the count, or the float's bits
-    (a non-negative float orders like them), or Geneformer's score (counts / total * 10,000 /
-    the gene's median, in float64 as the vectorised path computes it), inverted and cut to its
-    top 32 bits (exponent and 21 bits of mantissa: a radix sort of half the bytes; the scores
-    this cut makes equal are put in exact order after, by `_exact_ties`)."""
-    if mode == GENEFORMER:
-        for i in range(k):
-            scores[i] = _score(val[i], tok[i], total, medians)
-        score_bits = scores.view(np.int64)
-        for i in range(k):
-            keys[i] = (_MAX63 - score_bits[i]) >> 31
-    elif is_float:
-        for i in range(k):
-            f32[0] = val[i]
-            keys[i] = np.int64(0x7FFFFFFF) - np.int64(bits[0])
-    else:
-        for i in range(k):
-            keys[i] = np.int64(65535) - np.int64(val[i])
+def _score_keys(tok, val, k, total, medians, scores, keys):
+    """Geneformer's rank keys: keys[:k] ascend as the score (counts / total * 10,000 / the gene's
+    median, in float64 as the vectorised path computes it) descends: its bits inverted and cut to
+    their top 31 (exponent and 20 bits of mantissa: a radix sort of half the bytes; the scores this
+    cut makes equal are put in exact order after, by `_exact_ties`)."""
+    for i in range(k):
+        scores[i] = _score(val[i], tok[i], total, medians)
+    score_bits = scores.view(np.int64)
+    for i in range(k):
+        keys[i] = (_MAX63 - score_bits[i]) >> 32
 
 
 @numba.njit(**_JIT)
@@ -322,15 +288,8 @@ def _tokenize(
         longest = max(longest, offsets[c + 1] - offsets[c])
     tok, val = np.empty(longest, out_tokens.dtype), np.empty(longest, values.dtype)
     keys, scores, bins = np.empty(longest, np.int64), np.empty(longest, np.float64), np.zeros(longest, np.int64)
-    scratch = (
-        np.empty(longest, np.int64),  # order
-        np.empty(longest, np.int64),  # the sort's other key buffer
-        np.empty(longest, np.int64),  # and order buffer
-        np.empty(longest, out_tokens.dtype),
-        np.empty(longest, values.dtype),
-        np.zeros((KEY_BYTES, 256), np.int64),  # a histogram per key byte
-    )
-    packed_hist = np.zeros((8, 256), np.int64)
+    tmp, hist = np.empty(longest, np.int64), np.zeros((8, 256), np.int64)  # the sort's other buffer, counts
+    scratch = (tmp, hist, np.empty(longest, out_tokens.dtype), np.empty(longest, values.dtype))
     edges = np.empty(max(1, n_bins - 1), np.float64)
     f32 = np.empty(1, np.float32)  # a float32 and, the same 4 bytes, its bits: a non-negative
     bits = f32.view(np.int32)  # float orders like its bits, which makes it a radix key
@@ -343,20 +302,19 @@ def _tokenize(
         k, total, ascending = _gather(offsets[c], offsets[c + 1], genes, values, vocab, is_float, tok, val, f32, bits)
         if k < 0:
             return k
-        if mode == SCGPT:  # 2-3. token order and rank in one sort
-            _rank_packed(tok, val, k, is_float, ascending, keys, scratch[1], packed_hist, f32, bits)
-        # 2. token order (ties in the ranking go to the lower token)
+        # 2-3. rank: a stable sort by a key that ascends as the value (or score) descends, the rows
+        # in token order first (ties in the ranking go to the lower token)
+        if mode == SCGPT:  # (both orders in one sort)
+            _rank_packed(tok, val, k, is_float, ascending, keys, tmp, hist, f32, bits)
         elif not ascending:
             for i in range(k):
                 keys[i] = np.int64(tok[i])
             _reorder(keys, k, tok, val, scratch)
-        # 3. rank: a stable sort by one key that ascends as the value (or score) descends
         if mode == GENEFORMER:
             total = totals[c] if len(totals) else total
-            _rank_keys(mode, is_float, tok, val, k, total, medians, scores, keys, f32, bits)
+            _score_keys(tok, val, k, total, medians, scores, keys)
             _reorder(keys, k, tok, val, scratch)
-            if mode == GENEFORMER:
-                _exact_ties(keys, k, tok, val, total, medians)
+            _exact_ties(keys, k, tok, val, total, medians)
         # 4. the cell's row: specials around its first max_genes tokens
         keep = min(k, max_genes) if truncate else k
         if mode == SCGPT:
