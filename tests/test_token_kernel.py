@@ -159,7 +159,7 @@ def test_a_gene_past_the_lookup_is_refused_in_one_line():
 
 
 def test_geneformer_scores_an_ulp_apart_and_equal_rank_exactly():
-    """The kernel sorts Geneformer's scores by their top 32 bits, then orders the rows that cut
+    """The kernel sorts Geneformer's scores by their top 31 bits, then orders the rows that cut
     makes equal by the exact score: medians one ulp apart, and equal ones (ties: lower token)."""
     rng = np.random.default_rng(8)
     rows = ragged(rng, 40, 300, floats=False, spread=3)  # counts 1..~10: many equal
