@@ -160,11 +160,13 @@ def test_a_gene_past_the_lookup_is_refused_in_one_line():
 
 def test_geneformer_scores_an_ulp_apart_and_equal_rank_exactly():
     """The kernel sorts Geneformer's scores by their top 31 bits, then orders the rows that cut
-    makes equal by the exact score: medians one ulp apart, and equal ones (ties: lower token)."""
+    makes equal by the exact score: medians one ulp apart, 2**30 to 2**32 ulps apart (about where the cut
+    falls: equal after it or not), and equal ones (ties: lower token)."""
     rng = np.random.default_rng(8)
     rows = ragged(rng, 40, 300, floats=False, spread=3)  # counts 1..~10: many equal
     base = np.float64(1.7)
     near = np.array([base, np.nextafter(base, 2), np.nextafter(np.nextafter(base, 2), 2), base * 2])
+    near = np.concatenate([near, base * (1 + np.array([2.0**-22, 2.0**-21, 2.0**-20]))])
     medians = near[rng.integers(0, len(near), size=SMALL.size)]
     kernel = make_tokenizer("geneformer-v1", SMALL, gene_medians=medians, max_genes=100)
     vectorised = make_tokenizer("geneformer-v1", SMALL, gene_medians=medians, max_genes=100)
