@@ -42,8 +42,8 @@ _MAX63 = np.int64(0x7FFFFFFFFFFFFFFF)
 @numba.njit(**_JIT)
 def _sort_keys(keys, tmp, n, hist, whole):
     """keys[:n] sorted ascending, stably, as unsigned 64-bit numbers: LSD radix over their high four
-    bytes (`whole`: all eight), skipping each byte every key shares (a cell's keys differ in one to
-    four). A key carries its row: a rank in its high 32 bits, a token or a row index in its low 32, so
+    bytes (`whole`: all eight), skipping each byte every key shares (a cell's ranks differ in one to
+    four of theirs). A key carries its row: a rank in its high 32 bits, a token or a row index in its low 32, so
     the sort moves one array and nothing is gathered by an index after it."""
     if n < 2:
         return
