@@ -425,15 +425,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console() -> None:
-    """The `cellfeed` command (pyproject's entry point). A `convert` that succeeded ends the process at
-    once, its output flushed: the dataset is complete and published, and Python's teardown of anndata,
-    zarr and pandas takes another ~0.2 s here (measured), in which a Ctrl-C would report a finished
-    conversion as interrupted."""
+    """The `cellfeed` command (pyproject's entry point). A `convert` ends the process at once, its
+    output flushed. Once it succeeded, the dataset is complete and published, and Python's teardown of
+    anndata, zarr and pandas takes another ~0.2 s here (measured), in which a Ctrl-C would report a
+    finished conversion as interrupted. Once it failed or was interrupted, its slices so far are in the
+    staging area, and a teardown would meet a slice thread still in Lance (a second Ctrl-C) and abort."""
     code = main()
-    if code == 0 and sys.argv[1:2] == ["convert"]:
+    if sys.argv[1:2] == ["convert"]:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
     sys.exit(code)
 
 

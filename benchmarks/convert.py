@@ -75,7 +75,10 @@ def convert_child(inp: str, out: str, workers: int) -> None:
     seconds (imports, plan, scan, write, commit: where K = 2 gains and where it does not), its peak
     RSS, and the largest peak RSS a worker reported."""
     start = time.perf_counter()
-    if workers > 1:  # as `cellfeed convert` does (app/cli.py), before its own imports
+    from coordination.net import one_blas_thread
+
+    one_blas_thread()  # as `cellfeed convert` does (app/cli.py), before its own imports
+    if workers > 1:
         from coordination.net import forkserver
         from producers import CONVERT_WORKER_MODULES
 
@@ -97,7 +100,7 @@ def convert_child(inp: str, out: str, workers: int) -> None:
     conv.plan_conversion = timed_step("plan", conv.plan_conversion)
     conv.commit = timed_step("commit", conv.commit)
     run_slices = conv.run_slices  # the scan's and the write's slices, each phase timed whole
-    conv.run_slices = lambda task, *a: timed_step(task.__name__.split("_")[0], run_slices)(task, *a)
+    conv.run_slices = lambda task, *a, **kw: timed_step(task.__name__.split("_")[0], run_slices)(task, *a, **kw)
     own["imports"] = time.perf_counter() - start
     ds = conv.convert([inp], out, workers=workers, progress=False, on_slice=lambda r: peaks.append(r["peak_rss_mb"]))
     print(

@@ -93,6 +93,15 @@ def freeze_setup() -> None:
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's <malloc.h>
 
 
+def one_blas_thread() -> None:
+    """(in a process, before anything imports NumPy) NumPy's OpenBLAS starts a thread per core as NumPy
+    loads, and each spins for ~0.1 CPU-s doing nothing (measured here: 0.10 CPU-s on its one extra thread,
+    beside NumPy's own 0.07); a conversion's three processes paid it three times. No cellfeed process
+    multiplies matrices with NumPy (the trainer's are torch's), so OpenBLAS gets one thread; the
+    process's children inherit it. A value already set wins."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def keep_freed_memory(largest: int = 64 << 20) -> None:
     """(Linux, glibc; elsewhere nothing) From now on, allocations up to `largest` bytes come from the heap (a
     thread's own arena still maps those past half its 64 MiB), and up to 2 GiB of freed heap is kept. A

@@ -15,11 +15,12 @@
                             row); genes; config.json last (`producers/writer.py:finish_dataset`)
 
 A slice's work is `scan_slice` and `write_slice`, functions of the plan (JSON) and the slice's
-number: they run in this process (`workers=1`), in local worker processes, or in Modal containers
-(`app/modal_convert.py`). A slice never splits a cell, and every slice but the last holds whole
-content-hash blocks, so 1 worker or 64, in any order of completion, write the same tables and the
-same `content_sha256`. Nothing is readable at the output until the commit: locally the staging
-folder (`.OUT.partial-<plan>`) is renamed into place; on S3 config.json, written last, makes it a
+number: they run in this process (`workers=1`), in this process and `workers - 1` local worker
+processes beside it (the same ones for both steps), or in Modal containers (`app/modal_convert.py`).
+A slice never splits a cell, and every slice but the last holds whole content-hash blocks, so 1
+worker or 64, in any order of completion, write the same tables and the same `content_sha256`.
+Nothing is readable at the output until the commit: locally the staging folder
+(`.OUT.partial-<plan>`) is renamed into place; on S3 config.json, written last, makes it a
 dataset. An interrupted conversion keeps its staging area: the same command again reuses every
 slice that finished.
 """
@@ -35,7 +36,8 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import lance
 import numpy as np
@@ -44,11 +46,20 @@ from lance.fragment import FragmentMetadata
 from tqdm import tqdm
 
 from coordination.errors import CellfeedError
-from coordination.net import die_with_parent, forkserver
+from coordination.net import forkserver
 from producers import CONVERT_WORKER_MODULES
 from producers.dataset import LANCE_FILE_VERSION, TABLES, Dataset, expression_schema
 from producers.h5ad import align_genes, arrow_frame, obs_frame, open_source
-from producers.slices import RECORDS, ConvertPlan, scan_slice, slice_record, write_slice
+from producers.slices import (
+    RECORDS,
+    ConvertPlan,
+    run_slices,
+    scan_slice,
+    slice_record,
+    start_helpers,
+    stop_helpers,
+    write_slice,
+)
 from producers.storage import LocalLocation, Location, S3Settings, location
 from producers.writer import CONTENT_BLOCK_CELLS, ROWS_PER_FRAGMENT, ContentHash, finish_dataset, output_exists
 
@@ -247,38 +258,6 @@ def _remove_unreferenced(staging: Location, expression) -> None:
             os.remove(folder / name)
 
 
-# --- running slices: here, or in worker processes -----------------------------------------------------
-
-
-def run_slices(task, plan: ConvertPlan, indexes: list[int], args: tuple, workers: int, on_done) -> dict[int, object]:
-    """`task(plan_json, index, *args)` for each slice index, in this process (one worker) or in
-    `workers` processes; `on_done(index, result)` as each finishes. The first failure stops the
-    rest; an interrupt kills the workers at once (their results so far stay in the staging area)."""
-    plan_json, results = plan.to_json(), {}
-    if workers <= 1 or len(indexes) <= 1:
-        for i in indexes:
-            results[i] = task(plan_json, i, *args)
-            on_done(i, results[i])
-        return results
-    context = forkserver(CONVERT_WORKER_MODULES)  # (started already by `convert`)
-    pool = ProcessPoolExecutor(min(workers, len(indexes)), mp_context=context, initializer=die_with_parent)
-    try:
-        pending = {pool.submit(task, plan_json, i, *args): i for i in indexes}
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)  # (FIRST_EXCEPTION waits for all or a failure)
-            for future in done:
-                i = pending.pop(future)
-                results[i] = future.result()  # a worker's error, raised here
-                on_done(i, results[i])
-        pool.shutdown()
-        return results
-    except BaseException:
-        for process in list(getattr(pool, "_processes", {}).values()):  # (no public way before Python 3.14)
-            process.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-
-
 def convert(
     inputs: list[str],
     out: str,
@@ -302,7 +281,6 @@ def convert(
     `runner` runs the slices elsewhere (`run_slices`' signature; Modal's: app/modal_convert.py);
     `progress`: a bar on a terminal (True), none (False), or a line per slice ("lines");
     `on_published()`: called the moment the dataset is out (the command stops taking Ctrl-C there)."""
-    run = runner or run_slices
     if workers > 1 and runner is None:  # its imports run beside the planning (the CLI starts it sooner still)
         forkserver(CONVERT_WORKER_MODULES)
     plan, sources, final = plan_conversion(
@@ -322,6 +300,9 @@ def convert(
     # minutes of the coordinator's own time)
     obs_reader = ThreadPoolExecutor(1, thread_name_prefix="obs")
     obs = obs_reader.submit(obs_frame, sources)
+    # the worker processes, once the plan has checked every input; the same ones scan and write
+    helpers = start_helpers(min(workers, len(slices))) if runner is None else None
+    run = runner or partial(run_slices, helpers=helpers)
     try:
         bar = _bar(progress, total, "check values")
         with bar:
@@ -355,6 +336,7 @@ def convert(
             raise
     finally:
         obs_reader.shutdown(wait=False, cancel_futures=True)
+        stop_helpers(helpers)  # (idle by now: a failure in `run_slices` killed them)
     return commit(plan, sources, final, value_type, layer, obs.result(), on_published)
 
 

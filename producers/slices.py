@@ -1,28 +1,35 @@
 """A conversion's unit of work (`producers/convert.py` plans, runs and commits them): the plan every
 worker gets as JSON, and what a worker does with one slice of it -- scan its values, or write its rows
 as uncommitted Lance fragments with a record of them in the staging area. Both run the same in this
-process, a local worker process or a Modal container."""
+process, a local worker process or a Modal container; `run_slices` runs them here and in local worker
+processes beside this one."""
 
 from __future__ import annotations
 
 import producers.heap  # noqa: F401  (first, before Lance starts a thread: its docstring)
 
 # isort: split
+import importlib
 import io
 import json
 import resource
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pyarrow as pa
 from lance.fragment import write_fragments
 
+from coordination.net import die_with_parent, forkserver
+from producers import CONVERT_WORKER_MODULES
 from producers.dataset import LANCE_FILE_VERSION, TABLES, expression_schema
 from producers.h5ad import Matrix
 from producers.storage import Location, S3Settings, location
 from producers.writer import ContentHash
 
 RECORDS = "_convert"  # the staging area's slice records (removed at the commit)
+LOCAL_SLICE_WAIT_S = 300.0  # after a failure or an interrupt: for the slice on this process's thread to end
 SCAN_CELLS = 512  # CSR rows a scan reads at once: ~0.8M values at 1,600 a cell, so its four passes stay in cache
 
 
@@ -184,3 +191,89 @@ def slice_record(plan: ConvertPlan, staging: Location, index: int) -> dict | Non
     if record.get("key") != plan.key or not all(staging.exists(f"{table}/data/{p}") for p in files):
         return None
     return record
+
+
+# --- where slices run: in this process, and in worker processes beside it -----------------------------
+
+
+def run_slices(
+    task, plan: ConvertPlan, indexes: list[int], args: tuple, workers: int, on_done, helpers=None
+) -> dict[int, object]:
+    """`task(plan_json, index, *args)` for each slice index, `workers` at a time: one in this process
+    (on a thread: it has imported everything already and its heap is warm) and one in each of
+    `workers - 1` worker processes (`helpers`, from `start_helpers`, kept by the caller for its next
+    phase; else started here and stopped after); each takes the next slice as it finishes one.
+    `on_done(index, result)` as each finishes. The first failure stops the rest: the worker processes
+    are killed at once, and the slice this process is on is let finish (as one worker's is: Lance's
+    write does not stop midway), which leaves its result in the staging area with theirs so far."""
+    plan_json, results, todo = plan.to_json(), {}, list(reversed(indexes))
+    if workers <= 1 or len(indexes) <= 1:
+        for i in indexes:
+            results[i] = task(plan_json, i, *args)
+            on_done(i, results[i])
+        return results
+    pool = helpers or start_helpers(min(workers, len(indexes)))
+    pending = {}  # future -> (slice, whether it runs here)
+
+    def hand_out(here: bool) -> None:
+        if todo:
+            i = todo.pop()
+            future = _on_a_thread(task, plan_json, i, *args) if here else pool.submit(task, plan_json, i, *args)
+            pending[future] = (i, here)
+
+    try:
+        for here in [True] + [False] * (min(workers, len(indexes)) - 1):
+            hand_out(here)
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)  # (FIRST_EXCEPTION waits for all or a failure)
+            for future in done:
+                i, here = pending.pop(future)
+                results[i] = future.result()  # a worker's error, raised here
+                hand_out(here)
+                on_done(i, results[i])
+    except BaseException:
+        stop_helpers(pool, kill=True)
+        wait([f for f, (_, here) in pending.items() if here], timeout=LOCAL_SLICE_WAIT_S)
+        raise
+    if helpers is None:
+        stop_helpers(pool)
+    return results
+
+
+def start_helpers(workers: int) -> ProcessPoolExecutor | None:
+    """The `workers - 1` worker processes a conversion's slices run in beside this process (None for
+    one worker), started now from the workers' forkserver: each imports a slice's modules at once (its
+    first task), beside whatever this process does next."""
+    if workers <= 1:
+        return None
+    context = forkserver(CONVERT_WORKER_MODULES)  # (started already by `convert`)
+    pool = ProcessPoolExecutor(workers - 1, mp_context=context, initializer=die_with_parent)
+    for _ in range(workers - 1):  # (a process a task: each submit to an idle-less pool starts one)
+        pool.submit(importlib.import_module, "producers.slices")
+    return pool
+
+
+def stop_helpers(pool: ProcessPoolExecutor | None, kill: bool = False) -> None:
+    """Wait for the helpers to end (they are idle), or `kill` them at once (a failure, an interrupt)."""
+    if pool is None:
+        return
+    if kill:  # (no public way before Python 3.14; None once shut down)
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            process.kill()
+    pool.shutdown(wait=not kill, cancel_futures=kill)
+
+
+def _on_a_thread(fn, *args) -> Future:
+    """`fn(*args)` on a daemon thread of its own, as a future (a daemon: an exit waits for it only as
+    long as `run_slices` does)."""
+    future = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # (raised where the result is taken)
+                future.set_exception(exc)
+
+    threading.Thread(target=run, name="slice", daemon=True).start()
+    return future

@@ -341,7 +341,7 @@ def test_any_number_of_workers_in_any_order_writes_the_same_dataset(tmp_path, mo
     order = []
     real_run = conv.run_slices
 
-    def shuffled(task, plan, indexes, args, workers, on_done):
+    def shuffled(task, plan, indexes, args, workers, on_done, helpers=None):
         indexes = list(np.random.default_rng(5).permutation(indexes))
         order.append(indexes)
         return real_run(task, plan, indexes, args, 1, on_done)
@@ -378,7 +378,7 @@ def test_each_slice_is_reported_as_its_worker_finishes_it(tmp_path):
     when every slice was done, so slice 1 timed out)."""
     from types import SimpleNamespace
 
-    from producers.convert import run_slices
+    from producers.slices import run_slices
 
     gate, reported = tmp_path / "slice-0-reported", []
 
@@ -392,9 +392,10 @@ def test_each_slice_is_reported_as_its_worker_finishes_it(tmp_path):
     assert reported[0] == (0, 0) and sorted(reported) == [(i, i) for i in range(4)]
 
 
-def _heaps_after_a_thread_allocates(plan_json: str, index: int, report: str) -> int:
+def _heaps_after_a_thread_allocates(plan_json: str, index: int, report: str) -> tuple[int, int]:
     """(a worker's task) A thread makes and frees a 160 MB array, as Lance's reader thread makes a
-    slice's chunks; then glibc's own account of this process's heaps (`malloc_info`), counted."""
+    slice's chunks; then glibc's own account of this process's heaps (`malloc_info`), counted, and
+    the process's pid."""
     import ctypes
     import threading
 
@@ -407,7 +408,7 @@ def _heaps_after_a_thread_allocates(plan_json: str, index: int, report: str) -> 
     stream = libc.fopen(report.encode(), b"w")
     libc.malloc_info(0, ctypes.c_void_p(stream))
     libc.fclose(ctypes.c_void_p(stream))
-    return open(report).read().count("<heap nr=")
+    return os.getpid(), open(report).read().count("<heap nr=")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
@@ -418,11 +419,34 @@ def test_a_conversion_workers_threads_share_one_heap(tmp_path):
     the forkserver's preload, the thread's allocation makes a second heap."""
     from types import SimpleNamespace
 
-    from producers.convert import run_slices
+    from producers.slices import run_slices
 
     plan = SimpleNamespace(to_json=lambda: "{}")
     heaps = run_slices(_heaps_after_a_thread_allocates, plan, [0, 1], (str(tmp_path / "heaps.xml"),), 2, lambda *_: 0)
-    assert heaps == {0: 1, 1: 1}
+    # slice 0 ran in this process (the coordinator's own share: its heaps are the test process's), slice 1
+    # in the worker process
+    assert heaps[0][0] == os.getpid() and heaps[1][0] != os.getpid() and heaps[1][1] == 1
+
+
+def _pid(plan_json: str, index: int) -> int:
+    """(a worker's task) The process it ran in."""
+    return os.getpid()
+
+
+def test_one_worker_process_beside_this_one_does_both_steps():
+    """Two workers are this process and one worker process, started once: both take slices in each
+    step, and the second step's slices run in the same worker process as the first's."""
+    from types import SimpleNamespace
+
+    from producers.slices import run_slices, start_helpers, stop_helpers
+
+    plan, helpers = SimpleNamespace(to_json=lambda: "{}"), start_helpers(2)
+    try:
+        steps = [run_slices(_pid, plan, [0, 1, 2, 3], (), 2, lambda *_: 0, helpers=helpers) for _ in range(2)]
+    finally:
+        stop_helpers(helpers)
+    (worker,) = set(steps[0].values()) - {os.getpid()}
+    assert [set(step.values()) for step in steps] == [{os.getpid(), worker}] * 2
 
 
 def test_an_interrupted_conversion_leaves_nothing_and_its_rerun_reuses_its_slices(tmp_path):
@@ -451,6 +475,7 @@ def test_an_interrupted_conversion_leaves_nothing_and_its_rerun_reuses_its_slice
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0 and "run the same command again" in err, err
+    assert err.rstrip().endswith("KeyboardInterrupt"), err  # (the interrupt itself, not an error stopping workers)
     assert not out.exists()
     with pytest.raises(CellfeedError):
         open_dataset(out)
