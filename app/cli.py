@@ -425,11 +425,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console() -> None:
-    """The `cellfeed` command (pyproject's entry point). A `convert` ends the process at once, its
-    output flushed. Once it succeeded, the dataset is complete and published, and Python's teardown of
-    anndata, zarr and pandas takes another ~0.2 s here (measured), in which a Ctrl-C would report a
-    finished conversion as interrupted. Once it failed or was interrupted, its slices so far are in the
-    staging area, and a teardown would meet a slice thread still in Lance (a second Ctrl-C) and abort."""
+    """The `cellfeed` command (pyproject's entry point). A `convert` that returns (done, refused or
+    interrupted) ends the process at once, its output flushed. Once it succeeded, the dataset is
+    complete and published, and Python's teardown of anndata, zarr and pandas takes another ~0.2 s
+    here (measured), in which a Ctrl-C would report a finished conversion as interrupted. Once it was
+    refused or interrupted, its slices so far are in the staging area, and a teardown could meet a
+    slice thread still in Lance (a second Ctrl-C) and abort."""
     code = main()
     if sys.argv[1:2] == ["convert"]:
         sys.stdout.flush()

@@ -45,7 +45,7 @@ def convert_body(
 
 
 def modal_runner(worker, root: str):
-    """`producers.convert.run_slices`' contract, on Modal: one call of `worker` per slice, all spawned
+    """`producers.slices.run_slices`' contract, on Modal: one call of `worker` per slice, all spawned
     at once, their results gathered in order (each call waited for with Modal's transient errors
     retried: app/modal_calls.py)."""
     from app.modal_calls import result, spawn

@@ -9,10 +9,11 @@ Builds a CSR h5ad of synthetic Tahoe-like cells (median ~1,500 non-zeros, 62,710
 converts it with K = 1 and K = 2 workers (`producers/convert.py`: slices converted apart, committed
 once), to local disk and to SeaweedFS through a proxy adding 100+-20 ms to every response, and
 times `cellfeed synth` of the same size. Each run is a process of its own: its coordinator's peak
-RSS is its own, and each worker reports its own. The K = 2 datasets must equal K = 1's (content
-hash, cells, rows). Prints a table, each K's phases (imports, plan, scan, write, commit) and, last,
-one JSON line with `speedup_2_workers` (K = 2's cells/s over K = 1's, local disk, same input, same
-run). Exits 1 (one line on stderr) when a step failed or a dataset does not hold every cell.
+RSS is its own, and each worker reports its own (with K = 2 the coordinator is one of them). The K = 2
+datasets must equal K = 1's (content hash, cells, rows). Prints a table, each K's phases (imports,
+plan, scan, write, commit) and, last, one JSON line with `speedup_2_workers` (K = 2's cells/s over
+K = 1's, local disk, same input, same run). Exits 1 (one line on stderr) when a step failed or a
+dataset does not hold every cell.
 """
 
 from __future__ import annotations

@@ -300,10 +300,10 @@ def convert(
     # minutes of the coordinator's own time)
     obs_reader = ThreadPoolExecutor(1, thread_name_prefix="obs")
     obs = obs_reader.submit(obs_frame, sources)
-    # the worker processes, once the plan has checked every input; the same ones scan and write
-    helpers = start_helpers(min(workers, len(slices))) if runner is None else None
-    run = runner or partial(run_slices, helpers=helpers)
+    helpers = None  # the worker processes, started once the plan has checked every input: they scan and write
     try:
+        helpers = start_helpers(min(workers, len(slices))) if runner is None else None
+        run = runner or partial(run_slices, helpers=helpers)
         bar = _bar(progress, total, "check values")
         with bar:
             scans = run(
@@ -336,7 +336,7 @@ def convert(
             raise
     finally:
         obs_reader.shutdown(wait=False, cancel_futures=True)
-        stop_helpers(helpers)  # (idle by now: a failure in `run_slices` killed them)
+        stop_helpers(helpers)  # (idle by now, or killed by a failure in `run_slices`)
     return commit(plan, sources, final, value_type, layer, obs.result(), on_published)
 
 

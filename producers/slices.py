@@ -176,7 +176,7 @@ def write_slice(plan_json: str, index: int, value_type: str, settings: S3Setting
     return {
         "cells": record["cells"],
         "bytes": sum(d["file_size_bytes"] for f in record["fragments"] for d in f["files"]),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # this worker's, so far
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # this process's, so far
     }
 
 
@@ -206,7 +206,7 @@ def run_slices(
     `on_done(index, result)` as each finishes. The first failure stops the rest: the worker processes
     are killed at once, and the slice this process is on is let finish (as one worker's is: Lance's
     write does not stop midway), which leaves its result in the staging area with theirs so far."""
-    plan_json, results, todo = plan.to_json(), {}, list(reversed(indexes))
+    plan_json, results, todo = plan.to_json(), {}, iter(indexes)
     if workers <= 1 or len(indexes) <= 1:
         for i in indexes:
             results[i] = task(plan_json, i, *args)
@@ -216,8 +216,8 @@ def run_slices(
     pending = {}  # future -> (slice, whether it runs here)
 
     def hand_out(here: bool) -> None:
-        if todo:
-            i = todo.pop()
+        i = next(todo, None)
+        if i is not None:
             future = _on_a_thread(task, plan_json, i, *args) if here else pool.submit(task, plan_json, i, *args)
             pending[future] = (i, here)
 
@@ -229,8 +229,8 @@ def run_slices(
             for future in done:
                 i, here = pending.pop(future)
                 results[i] = future.result()  # a worker's error, raised here
-                hand_out(here)
                 on_done(i, results[i])
+                hand_out(here)
     except BaseException:
         stop_helpers(pool, kill=True)
         wait([f for f, (_, here) in pending.items() if here], timeout=LOCAL_SLICE_WAIT_S)
@@ -248,9 +248,14 @@ def start_helpers(workers: int) -> ProcessPoolExecutor | None:
         return None
     context = forkserver(CONVERT_WORKER_MODULES)  # (started already by `convert`)
     pool = ProcessPoolExecutor(workers - 1, mp_context=context, initializer=die_with_parent)
-    for _ in range(workers - 1):  # (a process a task: each submit to an idle-less pool starts one)
-        pool.submit(importlib.import_module, "producers.slices")
+    for _ in range(workers - 1):  # (a process a task: each submit to a pool with no idle process starts one)
+        pool.submit(_import_slice_modules)
     return pool
+
+
+def _import_slice_modules() -> None:
+    """(a worker's first task) This module and what it imports, from the forkserver's preload on."""
+    importlib.import_module(__name__)
 
 
 def stop_helpers(pool: ProcessPoolExecutor | None, kill: bool = False) -> None:
