@@ -13,6 +13,7 @@ import importlib
 import io
 import json
 import resource
+import sys
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
@@ -231,9 +232,12 @@ def run_slices(
                 results[i] = future.result()  # a worker's error, raised here
                 on_done(i, results[i])
                 hand_out(here)
-    except BaseException:
+    except BaseException as exc:
         stop_helpers(pool, kill=True)
-        wait([f for f, (_, here) in pending.items() if here], timeout=LOCAL_SLICE_WAIT_S)
+        local = [f for f, (_, here) in pending.items() if here and not f.done()]
+        if local and isinstance(exc, KeyboardInterrupt):  # (a slice on object storage can take seconds)
+            print("convert: interrupted; this process's slice ends first (Ctrl-C again: leave it)", file=sys.stderr)
+        wait(local, timeout=LOCAL_SLICE_WAIT_S)
         raise
     if helpers is None:
         stop_helpers(pool)
