@@ -9,7 +9,6 @@ from __future__ import annotations
 import producers.heap  # noqa: F401  (first, before Lance starts a thread: its docstring)
 
 # isort: split
-import importlib
 import io
 import json
 import resource
@@ -258,8 +257,8 @@ def start_helpers(workers: int) -> ProcessPoolExecutor | None:
 
 
 def _import_slice_modules() -> None:
-    """(a worker's first task) This module and what it imports, from the forkserver's preload on."""
-    importlib.import_module(__name__)
+    """(a worker's first task) Nothing to run: unpickling this function imports its module, and with it
+    what a slice needs beyond the forkserver's preload."""
 
 
 def stop_helpers(pool: ProcessPoolExecutor | None, kill: bool = False) -> None:
