@@ -214,8 +214,11 @@ def main() -> None:
         )
         if written.returncode != 0:
             fail(f"writing the object-storage input failed (exit {written.returncode}): {written.stderr[-500:]}")
-        s3 = s3_runs(small, args.latency_ms)
-        fan_out = modal_fan_out(small, n_s3, work / "plane", slices=2 if args.tiny else 8)  # (a container a call)
+        from cellfeed_testing.object_store import SeaweedServer
+
+        with SeaweedServer() as server:  # (one store, a bucket each: a start is 3-8 s here)
+            s3 = s3_runs(small, args.latency_ms, server)
+            fan_out = modal_fan_out(small, n_s3, work / "plane", server, slices=2 if args.tiny else 8)
         synth_s, synth_rss = timed(
             cli + ["synth", str(work / "synth"), "--cells", str(n_synth), "--genes", str(args.genes), "--quiet"]
         )
@@ -297,16 +300,16 @@ def main() -> None:
     check_figures(figures)
 
 
-def modal_fan_out(h5: Path, n_cells: int, root: Path, slices: int = 8) -> dict:
+def modal_fan_out(h5: Path, n_cells: int, root: Path, server, slices: int = 8) -> dict:
     """`modal run app/modal_app.py::convert` (modal's own CLI and client) against the local Modal
     control plane (cellfeed_testing/modal_control_plane: containers are processes here, not Modal's
     machines): the input on the inputs Volume, the output to SeaweedFS through the app's Secret,
-    `slices` slices, the first slice call's first attempt failing (Modal's retry runs it again)."""
+    `slices` slices (a container a call), the first slice call's first attempt failing (Modal's retry
+    runs it again). `server`: the SeaweedFS it writes to (its own bucket)."""
     import math
 
     from benchmarks.modal_chaos import SECRET, client_env
     from cellfeed_testing.modal_control_plane import ControlPlane
-    from cellfeed_testing.object_store import SeaweedServer
     from producers.convert import convert
     from producers.dataset import open_dataset
     from producers.storage import S3Settings
@@ -314,52 +317,50 @@ def modal_fan_out(h5: Path, n_cells: int, root: Path, slices: int = 8) -> dict:
 
     block = CONTENT_BLOCK_CELLS if n_cells >= slices * CONTENT_BLOCK_CELLS else math.ceil(n_cells / slices)
     slice_cells = block * math.ceil(n_cells / slices / block)
-    with SeaweedServer() as server:
-        server.client().create_bucket(Bucket="fan-out")
-        mounts = {"/inputs": "CELLFEED_INPUTS_MOUNT"}
-        with ControlPlane(root, secrets={SECRET: server.settings}, mount_env=mounts) as plane:
-            shutil.copy(h5, plane.volume_folder("cellfeed-inputs") / h5.name)  # (`modal volume put`)
-            plane.fail("convert_slice", 1)
-            cmd = [sys.executable, "-m", "modal", "run", "app/modal_app.py::convert", "--inputs", h5.name]
-            cmd += ["--out", "s3://fan-out/atlas", "--slice-cells", str(slice_cells), "--block-cells", str(block)]
-            t = time.perf_counter()
-            run = subprocess.run(cmd, cwd=ROOT, env=client_env(plane), capture_output=True, text=True, timeout=1200)
-            seconds = time.perf_counter() - t
-            calls = plane.history("convert_slice")
-        if run.returncode != 0:
-            print(run.stdout[-2000:], run.stderr[-3000:], file=sys.stderr)
-            fail(f"the Modal fan-out failed (exit {run.returncode})")
-        ds = open_dataset("s3://fan-out/atlas", S3Settings.from_env(server.settings))
-        local = convert([str(h5)], str(root / "local"), slice_cells=slice_cells, block_cells=block, progress=False)
-        done = sum(c["status"] == "success" for c in calls)
-        n_slices = math.ceil(n_cells / slice_cells)
-        if done != len(calls) or len(calls) != 2 * n_slices:
-            fail(f"the Modal fan-out made {len(calls)} slice calls ({done} succeeded), not {2 * n_slices}")
-        return {
-            "seconds": seconds,
-            "slices": n_slices,
-            "calls": len(calls),
-            "retried": sum(len(c["attempts"]) - 1 for c in calls),
-            "cells": ds.n_cells,
-            "rows": ds.n_rows,
-            "content": ds.config["metadata"]["content_sha256"],
-            "local_content": local.config["metadata"]["content_sha256"],  # the same blocks, converted here
-        }
+    server.client().create_bucket(Bucket="fan-out")
+    mounts = {"/inputs": "CELLFEED_INPUTS_MOUNT"}
+    with ControlPlane(root, secrets={SECRET: server.settings}, mount_env=mounts) as plane:
+        shutil.copy(h5, plane.volume_folder("cellfeed-inputs") / h5.name)  # (`modal volume put`)
+        plane.fail("convert_slice", 1)
+        cmd = [sys.executable, "-m", "modal", "run", "app/modal_app.py::convert", "--inputs", h5.name]
+        cmd += ["--out", "s3://fan-out/atlas", "--slice-cells", str(slice_cells), "--block-cells", str(block)]
+        t = time.perf_counter()
+        run = subprocess.run(cmd, cwd=ROOT, env=client_env(plane), capture_output=True, text=True, timeout=1200)
+        seconds = time.perf_counter() - t
+        calls = plane.history("convert_slice")
+    if run.returncode != 0:
+        print(run.stdout[-2000:], run.stderr[-3000:], file=sys.stderr)
+        fail(f"the Modal fan-out failed (exit {run.returncode})")
+    ds = open_dataset("s3://fan-out/atlas", S3Settings.from_env(server.settings))
+    local = convert([str(h5)], str(root / "local"), slice_cells=slice_cells, block_cells=block, progress=False)
+    done = sum(c["status"] == "success" for c in calls)
+    n_slices = math.ceil(n_cells / slice_cells)
+    if done != len(calls) or len(calls) != 2 * n_slices:
+        fail(f"the Modal fan-out made {len(calls)} slice calls ({done} succeeded), not {2 * n_slices}")
+    return {
+        "seconds": seconds,
+        "slices": n_slices,
+        "calls": len(calls),
+        "retried": sum(len(c["attempts"]) - 1 for c in calls),
+        "cells": ds.n_cells,
+        "rows": ds.n_rows,
+        "content": ds.config["metadata"]["content_sha256"],
+        "local_content": local.config["metadata"]["content_sha256"],  # the same blocks, converted here
+    }
 
 
-def s3_runs(h5: Path, latency_ms: float) -> dict:
-    """K = 1 and K = 2 into SeaweedFS through the latency proxy (the store and proxy on this machine)."""
+def s3_runs(h5: Path, latency_ms: float, server) -> dict:
+    """K = 1 and K = 2 into SeaweedFS (`server`, a bucket of their own) through the latency proxy (the
+    store and proxy on this machine)."""
     from benchmarks.object_store import ProxyProcess
-    from cellfeed_testing.object_store import SeaweedServer
 
-    with SeaweedServer() as server:
-        server.client().create_bucket(Bucket="bench")
-        proxy = ProxyProcess(server.endpoint, None, latency_ms=latency_ms, jitter_ms=latency_ms / 5)
-        try:
-            env = {**os.environ, **server.settings, "AWS_ENDPOINT_URL": proxy.endpoint}
-            return {f"s3_{k}": converted(h5, f"s3://bench/k{k}", k, env) for k in (1, 2)}
-        finally:
-            proxy.close()
+    server.client().create_bucket(Bucket="bench")
+    proxy = ProxyProcess(server.endpoint, None, latency_ms=latency_ms, jitter_ms=latency_ms / 5)
+    try:
+        env = {**os.environ, **server.settings, "AWS_ENDPOINT_URL": proxy.endpoint}
+        return {f"s3_{k}": converted(h5, f"s3://bench/k{k}", k, env) for k in (1, 2)}
+    finally:
+        proxy.close()
 
 
 if __name__ == "__main__":
