@@ -296,9 +296,8 @@ def convert(
     )
     slices = plan.slices()
     total = sum(plan.file_cells)
-    # every cell's obs is the commit's alone: read beside the write, not before it (at 100M cells, minutes
-    # of the coordinator's own time), nor beside the scan, whose small reads it slowed (the GIL: with one
-    # worker, 300k cells took 8.3-8.6 s against 8.8-9.3 s)
+    # every cell's obs is the commit's alone: read beside the write, not before it (100M cells: minutes of
+    # this process's time), nor beside the scan, whose small reads waited on it for the GIL (DESIGN)
     obs_reader = ThreadPoolExecutor(1, thread_name_prefix="obs")
     helpers = None  # the worker processes, started once the plan has checked every input: they scan and write
     try:
