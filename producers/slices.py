@@ -217,9 +217,14 @@ def run_slices(
 
     def hand_out(here: bool) -> None:
         i = next(todo, None)
-        if i is not None:
-            future = _on_a_thread(task, plan_json, i, *args) if here else pool.submit(task, plan_json, i, *args)
-            pending[future] = (i, here)
+        if i is None:
+            return
+        if not here:
+            pending[pool.submit(task, plan_json, i, *args)] = (i, False)
+            return
+        future = Future()  # recorded before its thread starts: an interrupt from here on finds it
+        pending[future] = (i, True)
+        _start_on_a_thread(future, task, plan_json, i, *args)
 
     try:
         for here in [True] + [False] * (min(workers, len(indexes)) - 1):
@@ -233,7 +238,8 @@ def run_slices(
                 hand_out(here)
     except BaseException as exc:
         stop_helpers(pool, kill=True)
-        local = [f for f, (_, here) in pending.items() if here and not f.done()]
+        # this process's slice, let finish if it began (one that had not is cancelled: its thread then skips it)
+        local = [f for f, (_, here) in pending.items() if here and not f.cancel() and not f.done()]
         if local and isinstance(exc, KeyboardInterrupt):  # (a slice on object storage can take seconds)
             print("convert: interrupted; this process's slice ends first (Ctrl-C again: leave it)", file=sys.stderr)
         wait(local, timeout=LOCAL_SLICE_WAIT_S)
@@ -271,10 +277,9 @@ def stop_helpers(pool: ProcessPoolExecutor | None, kill: bool = False) -> None:
     pool.shutdown(wait=not kill, cancel_futures=kill)
 
 
-def _on_a_thread(fn, *args) -> Future:
-    """`fn(*args)` on a daemon thread of its own, as a future (a daemon: an exit waits for it only as
-    long as `run_slices` does)."""
-    future = Future()
+def _start_on_a_thread(future: Future, fn, *args) -> None:
+    """`fn(*args)` on a daemon thread of its own, its outcome in `future`, unless `future` is cancelled
+    first (a daemon: an exit waits for it only as long as `run_slices` does)."""
 
     def run() -> None:
         if future.set_running_or_notify_cancel():
@@ -284,4 +289,3 @@ def _on_a_thread(fn, *args) -> Future:
                 future.set_exception(exc)
 
     threading.Thread(target=run, name="slice", daemon=True).start()
-    return future

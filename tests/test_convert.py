@@ -558,6 +558,46 @@ def test_planning_reads_no_obs_and_the_commit_gets_every_cells_obs(tmp_path, mon
     assert ds.obs().to_pydict()["cell_id"] == [f"c{i}" for i in range(50)]
 
 
+def _slow_slice(plan_json: str, index: int, marker: str) -> int:
+    """(a task) Ends a moment after it starts, with a file saying it did."""
+    time.sleep(0.3)
+    open(f"{marker}.{index}", "w").close()
+    return index
+
+
+@pytest.mark.parametrize("started", [True, False])
+def test_a_ctrl_c_while_this_process_takes_its_slice_waits_for_it_only_if_it_began(tmp_path, monkeypatch, started):
+    """Ctrl-C landing as `run_slices` hands this process its first slice: a slice whose thread has
+    started is let finish (its future is recorded before the thread starts; it was recorded after, so
+    an interrupt in between left the slice running unwaited while the command went on to exit); one
+    whose thread never started is cancelled and not waited for (`wait`'s timeout is 300 s)."""
+    from concurrent.futures import wait as real_wait
+    from types import SimpleNamespace
+
+    import producers.slices as slices
+
+    real_start, waited = slices._start_on_a_thread, []
+
+    def interrupted(future, fn, *args):
+        if started:
+            real_start(future, fn, *args)
+        raise KeyboardInterrupt
+
+    def wait(futures, **kw):
+        waited.append(list(futures))
+        return real_wait(futures, **kw)
+
+    monkeypatch.setattr(slices, "_start_on_a_thread", interrupted)
+    monkeypatch.setattr(slices, "wait", wait)
+    marker, plan = str(tmp_path / "done"), SimpleNamespace(to_json=lambda: "{}")
+    with pytest.raises(KeyboardInterrupt):
+        slices.run_slices(_slow_slice, plan, [0, 1, 2], (marker,), 2, lambda *_: 0)
+    assert len(waited) == 1 and len(waited[0]) == (1 if started else 0)
+    assert os.path.exists(f"{marker}.0") == started  # (waited for: done before the interrupt went on)
+    if started:
+        assert waited[0][0].result() == 0
+
+
 def test_a_ctrl_c_once_the_dataset_is_out_does_not_report_the_conversion_interrupted(tmp_path, monkeypatch):
     """A Ctrl-C that lands after the dataset is published (the command's last moments): the conversion is
     done, so `cellfeed convert` says what it wrote and exits 0, and gives Ctrl-C back afterwards."""
