@@ -547,8 +547,16 @@ def test_status_and_stop_from_the_laptop_then_the_readmes_resume_finishes_the_ca
             return json.loads(out.stdout)
 
         def held_in_epoch_1() -> dict:  # (while the ranks are held: still in epoch 1, and its status)
+            from coordination.routing import state_key
+
             assert epoch_logged(plane, task) == 1, "the campaign was past epoch 1 before its ranks were held"
-            return wait_for(lambda: (s := status())["epoch"] >= 1 and s, "the status in epoch 1 (every 5 s)")
+            # the status the train function puts in the run's Dict every 5 s: one of epoch 1, seen in the
+            # plane (a `cellfeed status` a look started ~10 processes), then the command once
+            published = lambda: json.loads(plane.dict_value(f"cellfeed-{RUN}", state_key(RUN)) or "{}")  # noqa: E731
+            wait_for(lambda: published().get("epoch", -1) >= 1, "the status in epoch 1 (every 5 s)")
+            snap = status()
+            assert snap["epoch"] >= 1, snap
+            return snap
 
         snap, stopper = stop_asked_while_held(
             call["attempts"][0]["containers"][0]["pid"],

@@ -96,6 +96,17 @@ class ControlPlane:
         until it has its final output, then `success`, `failure`, `timeout` or `cancelled`."""
         return self.call(self._describe())
 
+    def dict_value(self, name: str, key):
+        """What `modal.Dict.from_name(name).get(key)` would return (None: no such entry), read in the
+        plane: a test that waits on an entry starts no process and makes no call for each look."""
+        from modal._serialization import deserialize, serialize
+
+        value = self.call(self._dict_peek(name, serialize(key)))
+        return None if value is None else deserialize(value, None)
+
+    async def _dict_peek(self, name: str, key: bytes) -> bytes | None:
+        return self.servicer.store.dict_peek(name, key)
+
     def call_list(self, function: str | None = None) -> list[dict]:
         """`describe()["calls"]`, of one function (its name as defined: `train`, `produce`, ...) or all."""
         return [c for c in self.describe()["calls"] if function is None or c["function"] == function]

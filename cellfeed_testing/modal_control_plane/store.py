@@ -266,6 +266,11 @@ class Store:
     def dict_get(self, oid: str, key: bytes) -> bytes | None:
         return self._entry(self.by_id("dict", oid), key, touch=True)
 
+    def dict_peek(self, name: str, key: bytes) -> bytes | None:
+        """(the plane's own look, no client's call) Dict `name`'s entry, its last use left as it was."""
+        oid = self.names.get(("dict", DEFAULT_ENVIRONMENT, name))
+        return None if oid is None else self._entry(self.by_id("dict", oid), key, touch=False)
+
     def dict_pop(self, oid: str, key: bytes) -> bytes | None:
         d: DictState = self.by_id("dict", oid)
         value = self._entry(d, key, touch=False)
