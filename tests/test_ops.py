@@ -73,9 +73,11 @@ def test_the_readmes_stop_and_resume_then_status_report_and_tensorboard(tmp_path
 
         def held_in_epoch_1() -> dict:  # (while the ranks are held: still in epoch 1, and its status)
             assert epoch_logged(run / "steps.jsonl") == 1, "the campaign was past epoch 1 before its ranks were held"
+            from app.journal import Journal
+
             # the status the campaign writes every 2 s (its journal's state.json, replaced whole): one of epoch
             # 1, then the command once
-            wait_for(lambda: json.loads((run / "state.json").read_text())["epoch"] >= 1, "a status in epoch 1")
+            wait_for(lambda: (Journal(run).read_state() or {}).get("epoch", -1) >= 1, "a status in epoch 1")
             out = status("--json")
             assert out.returncode == 0, out.stderr[-2000:]
             snap = json.loads(out.stdout)
