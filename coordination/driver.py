@@ -86,6 +86,11 @@ class Flight:
     seq: int  # its place in the FIFO task list's issue order
     taken_at: float | None = None  # when the task list had moved past it (someone took it)
     seen_at: float | None = None  # when it was last taken or named held in an event (a claim lasts lease_s)
+    holder: str | None = None  # the producer that last named it held
+
+    def lost(self, now: float) -> None:
+        """Its producer will not finish it: issued again in this pass, not a lease later."""
+        self.taken_at, self.seen_at = self.taken_at or now, float("-inf")
 
 
 @dataclass
@@ -301,20 +306,22 @@ class Driver:
             if event["redo"]:  # a rank's
                 redo += event["redo"]
                 continue
-            self.producers[event["p"]] = {
-                **(event["totals"] or self.producers.get(event["p"], {})),
-                "heard": time.time(),
-            }
+            producer = event["p"]
+            self.producers[producer] = {**(event["totals"] or self.producers.get(producer, {})), "heard": time.time()}
+            if event["started"]:  # a process under a name an earlier one had: what that one held is lost
+                for e, state in active.items():
+                    for u, flight in state.flights.items():
+                        if flight.holder == producer and (e, u) not in event["held"]:
+                            flight.lost(now)
             for e, u in event["done"]:
                 if e in active and active[e].flights.pop(u, None) is not None:
                     progressed = True
             for e, u in event["held"]:
                 if e in active and u in active[e].flights:
-                    active[e].flights[u].seen_at = now
+                    active[e].flights[u].seen_at, active[e].flights[u].holder = now, producer
             for e, u in event["released"]:  # its producer is going away: issued again in this pass
-                flight = active[e].flights.get(u) if e in active else None
-                if flight is not None:
-                    flight.taken_at, flight.seen_at = flight.taken_at or now, float("-inf")
+                if e in active and u in active[e].flights:
+                    active[e].flights[u].lost(now)
         return redo, progressed
 
     def _mark_taken(self, active: dict, order: deque, taken_before: int, now: float) -> None:

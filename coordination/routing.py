@@ -48,12 +48,16 @@ def decode_task(data: bytes) -> tuple[int, int]:
     return int(task["epoch"]), int(task["unit"])
 
 
-def encode_event(producer: str, *, done=(), held=(), totals: dict | None = None, redo=(), released=()) -> bytes:
+def encode_event(
+    producer: str, *, done=(), held=(), totals: dict | None = None, redo=(), released=(), started: bool = False
+) -> bytes:
     """A producer's event: units it finished (`done`) and holds now (`held`), as (epoch, unit)
     pairs, and optionally its running totals. Every event is also a heartbeat. A producer that is
     going away (preempted, failed) names the units it will not finish (`released`): they are issued
-    again at once instead of when their lease runs out. A consumer rank's event (`producer`
-    "rank-<r>") asks for units again (`redo`): their items never reached it."""
+    again at once instead of when their lease runs out. A producer's first event says it `started`:
+    a process that takes a name an earlier one had (a producer restarted after dying, Modal's retry
+    of its call) tells the driver that the earlier one's units are lost. A consumer rank's event
+    (`producer` "rank-<r>") asks for units again (`redo`): their items never reached it."""
     return json.dumps(
         {
             "p": producer,
@@ -62,6 +66,7 @@ def encode_event(producer: str, *, done=(), held=(), totals: dict | None = None,
             "totals": totals,
             "redo": [list(u) for u in redo],
             "released": [list(u) for u in released],
+            "started": started,
         }
     ).encode()
 
@@ -72,6 +77,7 @@ def decode_event(data: bytes) -> dict:
     event["held"] = [tuple(u) for u in event["held"]]
     event["redo"] = [tuple(u) for u in event.get("redo", ())]
     event["released"] = [tuple(u) for u in event.get("released", ())]
+    event["started"] = bool(event.get("started"))
     return event
 
 

@@ -63,6 +63,7 @@ class Courier:
         self._thread: threading.Thread | None = None
         self._outbox: stdlib_queue.Queue = stdlib_queue.Queue(maxsize=OUTBOX_JOBS)
         self._beat_at = 0.0
+        self._started = False  # its first event says so (`encode_event`'s `started`)
         self._full_wait_s = FULL_WAIT_MIN_S  # how long to wait before looking again at a full partition
         self._full_at: dict[str, int] = {}  # partitions that refused a put -> their length then
 
@@ -191,7 +192,8 @@ class Courier:
         events partition is waited on (the driver drains it every pass), without heartbeats."""
         with self._held_lock:
             held = list(self._held)
-        batches = deque([[encode_event(self.name, done=done, held=held, totals=self.totals())]])
+        event = encode_event(self.name, done=done, held=held, totals=self.totals(), started=not self._started)
+        self._started, batches = True, deque([[event]])
         deadline = time.monotonic() + self.put_timeout_s
         while batches:
             if not self._put_next(batches, EVENTS_PARTITION, deadline):

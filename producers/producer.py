@@ -15,6 +15,7 @@ and the backpressure are the courier's (`producers.courier`); the settings are
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import threading
@@ -62,6 +63,7 @@ from producers.storage import LocalLocation, StorageUnavailable
 MAX_READ_AHEAD = 16  # units read ahead at most
 LOCAL_READ_AHEAD = 2  # on local disk: a read is CPU work; deeper only measured its own queueing and grew
 READ_AHEAD_BYTES = 512 << 20  # rows held by the units read ahead at most (a b=16 f=256 unit holds ~100 MB)
+_UNNAMED = itertools.count()  # a producer made without a name: its number in this process
 
 
 @dataclass
@@ -130,7 +132,8 @@ class Producer:
         if self.strata is not None:  # each cell's class as its label: the trainer counts the mix it trains
             self.labels = self.strata.labels(self.sources[-1].offset + self.sources[-1].ds.n_cells)
         self.tag = run_tag(config.run)
-        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        # (a name of its own: a producer started under another's name would tell the driver that one died)
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}:{next(_UNNAMED)}"
         self.stats = ProducerStats()
         self._setup_loop()
         if config.reads_in_flight:  # each dataset's reads in flight fixed, not paced (`_pace_reads`)

@@ -523,12 +523,26 @@ def test_a_rank_asks_for_its_epochs_missing_items_while_later_epochs_items_keep_
         feeder.join(timeout=5)
 
 
+def events_read_by_the_driver(queue: MemoryQueue, monkeypatch) -> list[dict]:
+    """Every producer event the driver drains from `queue` from now on, decoded, as it reads them."""
+    from coordination.routing import EVENTS_PARTITION, decode_event
+
+    seen, queue_get = [], queue.get_many
+
+    def watching_get(n, block=True, timeout=None, *, partition=None):
+        out = queue_get(n, block, timeout, partition=partition)
+        if partition == EVENTS_PARTITION:
+            seen.extend(decode_event(e) for e in out)
+        return out
+
+    monkeypatch.setattr(queue, "get_many", watching_get)
+    return seen
+
+
 def test_a_producer_going_away_names_its_units_and_they_are_issued_at_once(atlas, monkeypatch):
     """A producer interrupted mid-unit (Modal's preemption raises KeyboardInterrupt in its body)
     names the units it took and will not finish in one last event; the driver issues them again in
     its next pass, long before their lease (60 s here) would run out, and the epoch completes."""
-    from coordination.routing import EVENTS_PARTITION, decode_event
-
     queue, store = MemoryQueue(), MemoryMap()
     config = ProducerConfig(
         dataset=atlas.uri,
@@ -550,16 +564,7 @@ def test_a_producer_going_away_names_its_units_and_they_are_issued_at_once(atlas
         return Producer.process(going, epoch, unit, rows)
 
     monkeypatch.setattr(going, "process", preempted_at_second_unit)
-    seen = []
-    queue_get = queue.get_many
-
-    def watching_get(n, block=True, timeout=None, *, partition=None):  # the driver's drain: keep what it saw
-        out = queue_get(n, block, timeout, partition=partition)
-        if partition == EVENTS_PARTITION:
-            seen.extend(decode_event(e) for e in out)
-        return out
-
-    monkeypatch.setattr(queue, "get_many", watching_get)
+    seen = events_read_by_the_driver(queue, monkeypatch)
     driver = Driver(queue, store, "away", lease_s=60, poll_s=0.05, stall_timeout_s=60)
     thread = driver.start([0])
     with pytest.raises(KeyboardInterrupt):
@@ -571,6 +576,51 @@ def test_a_producer_going_away_names_its_units_and_they_are_issued_at_once(atlas
     thread.join(timeout=30)
     assert not thread.is_alive() and driver.error is None and driver.stats.epochs == 1
     assert released and all(e == 0 for e, _ in released) and done[0] not in {u for _, u in released}
+
+
+def test_a_producer_killed_outright_and_started_again_under_its_name_has_its_units_issued_at_once(atlas, monkeypatch):
+    """A producer killed outright says nothing (no `released` event). When a process starts again
+    under its name (the local fleet's restart, Modal's retry of its call), its first event says so,
+    and the driver issues the units the dead one was last named holding in its next pass: the epoch
+    completes long before their 60 s lease would have run out."""
+    queue, store = MemoryQueue(), MemoryMap()
+    config = ProducerConfig(
+        dataset=atlas.uri,
+        run="again",
+        world_size=1,
+        max_genes=8,
+        idle_timeout_s=0.5,
+        sampling=Sampling("sequential", unit_cells=200),
+        heartbeat_s=0.05,
+    )
+    publish_summary(store, "again", PlanSummary.of(Producer(config, queue, store, dataset=atlas).plan(0), 1))
+    seen = events_read_by_the_driver(queue, monkeypatch)
+    dying = Producer(config, queue, store, dataset=atlas, name="producer-0")
+    done = []
+
+    def killed_at_second_unit(epoch, unit, rows):
+        if done:  # once the driver has read that it holds units, it dies without a word
+            wait_for(lambda: any(e["p"] == "producer-0" and e["held"] for e in seen), "an event naming units held")
+            raise KeyboardInterrupt
+        done.append(unit)
+        return Producer.process(dying, epoch, unit, rows)
+
+    monkeypatch.setattr(dying, "process", killed_at_second_unit)
+    monkeypatch.setattr(dying.courier, "release", lambda: None)  # killed outright: no last event
+    driver = Driver(queue, store, "again", lease_s=60, poll_s=0.05, stall_timeout_s=60)
+    thread = driver.start([0])
+    with pytest.raises(KeyboardInterrupt):
+        dying.run()
+    held = {u for e in seen if e["p"] == "producer-0" for u in e["held"]}
+    assert held and driver.stats.reissued == 0  # its units are still in their lease
+    assert not any(e["started"] for e in seen[1:])  # only a producer's first event says it started
+    again = Producer(config, queue, store, dataset=atlas, name="producer-0")
+    again.run()  # its first event says it started: the dead one's units are issued again and it makes them
+    thread.join(timeout=30)
+    assert not thread.is_alive() and driver.error is None and driver.stats.epochs == 1
+    assert driver.stats.reissued >= len(held - {(0, u) for u in done})
+    starts = [e for e in seen if e["started"]]
+    assert [e["p"] for e in starts] == ["producer-0", "producer-0"]
 
 
 def test_the_last_line_says_complete_only_when_every_epoch_was_trained_and_audited():
