@@ -372,7 +372,8 @@ def main() -> None:
     checked, lost, duplicated = lost_and_duplicated(trained_per_epoch(work / "chaos"), expected, epochs)
     restarts = sum(1 for line in chaos.stdout.splitlines() if "restarting it" in line)
     summary = work / "chaos" / "summary.rank0"
-    reissued = json.loads(summary.read_text()).get("units_reissued", 0) if summary.exists() else None
+    facts = json.loads(summary.read_text()) if summary.exists() else {}
+    reissued, released = facts.get("units_reissued"), facts.get("units_released")
     per_unit = cells_per_unit(chaos.stdout)
     # made again: units whose holder fell silent
     reproduced = round(reissued * per_unit) if reissued is not None and per_unit else None
@@ -396,7 +397,7 @@ def main() -> None:
     print(
         f"cells checked {checked:,} ({epochs} epochs): lost {lost}, duplicated {duplicated}; "
         f"{reissued} units issued again (~{reproduced if reproduced is None else f'{reproduced:,}'} cells produced "
-        "again)"
+        f"again; {released} of them at once, at their producer's word or its restart, the rest at their lease's end)"
     )
     overhead = round(chaos.wall_s / calm.wall_s, 3) if calm else None
     print(
@@ -413,6 +414,7 @@ def main() -> None:
         "completed": chaos.returncode == 0,
         "producer_restarts": restarts,
         "units_reissued": reissued,
+        "units_released": released,
         "cells_reproduced": reproduced,
         "overhead_ratio": overhead,
         "wall_s": round(chaos.wall_s, 1),

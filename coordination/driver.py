@@ -64,6 +64,7 @@ def heartbeat_interval(lease_s: float) -> float:
 class DriverStats:
     issued: int = 0
     reissued: int = 0
+    released: int = 0  # units marked lost at a producer's word (its `released`, or a restart under its name)
     skipped_units: int = 0  # a resumed epoch's units not produced again (trained through)
     already_produced: int = 0  # later epochs' units an earlier driver of the run saw done (not produced again)
     redone: int = 0  # units produced again because a rank never got their items (a lost reply)
@@ -88,9 +89,12 @@ class Flight:
     seen_at: float | None = None  # when it was last taken or named held in an event (a claim lasts lease_s)
     holder: str | None = None  # the producer that last named it held
 
-    def lost(self, now: float) -> None:
-        """Its producer will not finish it: issued again in this pass, not a lease later."""
+    def lost(self, now: float) -> bool:
+        """Its producer will not finish it: issued again in this pass, not a lease later. False if
+        it was already."""
+        was = self.seen_at == float("-inf")
         self.taken_at, self.seen_at = self.taken_at or now, float("-inf")
+        return not was
 
 
 @dataclass
@@ -312,7 +316,7 @@ class Driver:
                 for e, state in active.items():
                     for u, flight in state.flights.items():
                         if flight.holder == producer and (e, u) not in event["held"]:
-                            flight.lost(now)
+                            self.stats.released += flight.lost(now)
             for e, u in event["done"]:
                 if e in active and active[e].flights.pop(u, None) is not None:
                     progressed = True
@@ -321,7 +325,7 @@ class Driver:
                     active[e].flights[u].seen_at, active[e].flights[u].holder = now, producer
             for e, u in event["released"]:  # its producer is going away: issued again in this pass
                 if e in active and u in active[e].flights:
-                    active[e].flights[u].lost(now)
+                    self.stats.released += active[e].flights[u].lost(now)
         return redo, progressed
 
     def _mark_taken(self, active: dict, order: deque, taken_before: int, now: float) -> None:

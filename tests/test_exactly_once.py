@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -599,8 +600,9 @@ def test_a_producer_killed_outright_and_started_again_under_its_name_has_its_uni
     done = []
 
     def killed_at_second_unit(epoch, unit, rows):
-        if done:  # once the driver has read that it holds units, it dies without a word
-            wait_for(lambda: any(e["p"] == "producer-0" and e["held"] for e in seen), "an event naming units held")
+        if done:  # once the driver has read an event naming every unit it holds, it dies without a word
+            named = lambda: {u for e in seen if e["p"] == "producer-0" for u in e["held"]}  # noqa: E731
+            wait_for(lambda: set(dying.courier._held) <= named(), "a heartbeat naming every unit it holds")
             raise KeyboardInterrupt
         done.append(unit)
         return Producer.process(dying, epoch, unit, rows)
@@ -614,11 +616,17 @@ def test_a_producer_killed_outright_and_started_again_under_its_name_has_its_uni
     held = {u for e in seen if e["p"] == "producer-0" for u in e["held"]}
     assert held and driver.stats.reissued == 0  # its units are still in their lease
     assert not any(e["started"] for e in seen[1:])  # only a producer's first event says it started
-    again = Producer(config, queue, store, dataset=atlas, name="producer-0")
-    again.run()  # its first event says it started: the dead one's units are issued again and it makes them
-    thread.join(timeout=30)
-    assert not thread.is_alive() and driver.error is None and driver.stats.epochs == 1
-    assert driver.stats.reissued >= len(held - {(0, u) for u in done})
+    # its first event says it started: the dead one's units are issued again, and it makes them (it stays
+    # until the epoch is done: not a race between its idle timeout and the driver's next pass)
+    again = Producer(replace(config, idle_timeout_s=60), queue, store, dataset=atlas, name="producer-0")
+    making = threading.Thread(target=again.run, daemon=True)
+    making.start()
+    wait_for(lambda: not thread.is_alive(), "the epoch to complete well within the 60 s lease", timeout=30)
+    again.stop()
+    making.join(timeout=30)
+    assert driver.error is None and driver.stats.epochs == 1 and not making.is_alive()
+    lost = held - {(0, u) for u in done}
+    assert driver.stats.released == len(lost) and driver.stats.reissued >= len(lost)
     starts = [e for e in seen if e["started"]]
     assert [e["p"] for e in starts] == ["producer-0", "producer-0"]
 

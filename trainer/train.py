@@ -398,6 +398,7 @@ def finish(run: Run) -> dict:
     summary["last_step"] = run.step
     summary["resume_skipped_units"] = driver.stats.skipped_units if driver is not None else 0
     summary["units_reissued"] = driver.stats.reissued if driver is not None else 0  # their holders fell silent
+    summary["units_released"] = driver.stats.released if driver is not None else 0  # ... or said so, or restarted
     summary["units_redone"] = driver.stats.redone if driver is not None else 0  # their items never reached a rank
     summary["params"] = run.model.n_params()
     summary["final_params_checksum"] = float(sum(p.detach().double().sum() for p in run.model.parameters()))
