@@ -397,7 +397,7 @@ def main() -> None:
     print(
         f"cells checked {checked:,} ({epochs} epochs): lost {lost}, duplicated {duplicated}; "
         f"{reissued} units issued again (~{reproduced if reproduced is None else f'{reproduced:,}'} cells produced "
-        f"again; {released} of them at once, at their producer's word or its restart, the rest at their lease's end)"
+        f"again; {released} given up at once by their producer's word or its restart, the others at their lease's end)"
     )
     overhead = round(chaos.wall_s / calm.wall_s, 3) if calm else None
     print(

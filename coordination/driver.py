@@ -87,7 +87,7 @@ class Flight:
     seq: int  # its place in the FIFO task list's issue order
     taken_at: float | None = None  # when the task list had moved past it (someone took it)
     seen_at: float | None = None  # when it was last taken or named held in an event (a claim lasts lease_s)
-    holder: str | None = None  # the producer that last named it held
+    holder: str | None = None  # the first producer to name it held since it was issued: most likely its taker
 
     def lost(self, now: float) -> bool:
         """Its producer will not finish it: issued again in this pass, not a lease later. False if
@@ -322,7 +322,8 @@ class Driver:
                     progressed = True
             for e, u in event["held"]:
                 if e in active and u in active[e].flights:
-                    active[e].flights[u].seen_at, active[e].flights[u].holder = now, producer
+                    flight = active[e].flights[u]  # (a stalled producer waking later does not become its holder)
+                    flight.seen_at, flight.holder = now, flight.holder or producer
             for e, u in event["released"]:  # its producer is going away: issued again in this pass
                 if e in active and u in active[e].flights:
                     self.stats.released += active[e].flights[u].lost(now)

@@ -232,7 +232,7 @@ def test_chaos():
     assert figures["fault_kinds"] == {"kill": 1, "stall": 1, "pause": 1}
     assert (figures["cells_checked"], figures["cells_lost"], figures["cells_duplicated"]) == (2 * 400, 0, 0)
     assert figures["producer_restarts"] >= 1 and figures["units_reissued"] >= 1
-    assert 0 <= figures["units_released"] <= figures["units_reissued"]
+    assert isinstance(figures["units_released"], int) and figures["units_released"] >= 0
     assert finite(figures["wall_s"]) and figures["overhead_ratio"] is None and figures["calm_wall_s"] is None
 
 
