@@ -126,6 +126,7 @@ def test_convert():
     for key in ("convert_cells_per_s", "convert_2_workers_cells_per_s", "s3_10ms_cells_per_s", "synth_cells_per_s"):
         assert finite(figures[key]) and figures[key] > 0, key
     assert finite(figures["speedup_2_workers"], figures["convert_worker_peak_rss_mb"])
+    assert figures["steady_speedup_2_workers"] is None  # (500 cells are one slice: no worker writes a second)
     for k in ("1_workers", "2_workers"):  # where a conversion's time goes, phase by phase
         phases = figures["phase_seconds"][k]
         assert list(phases) == ["imports", "plan", "scan", "write", "commit"] and finite(*phases.values()), k
