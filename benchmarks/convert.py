@@ -109,8 +109,9 @@ def convert_child(inp: str, out: str, workers: int) -> None:
     conv.run_slices = lambda task, *a, **kw: timed_step(task.__name__.split("_")[0], run_slices)(task, *a, **kw)
     own["imports"] = time.perf_counter() - start
     ds = conv.convert([inp], out, workers=workers, progress=False, on_slice=on_slice)
-    # the steady rate: cells written once every worker has finished its first slice, over the time since
-    # (what the workers do side by side, without the start that only one process does: imports, plan, scan)
+    # the steady rate: the cells of every slice after the first K to finish (each worker's first, as the
+    # workers start together), over the time since: the workers side by side, without the start (imports,
+    # plan, the scan, and the first slice a process writes)
     steady = None
     if len(done) > workers:
         steady = sum(c for _, c in done[workers:]) / (done[-1][0] - done[workers - 1][0])
