@@ -9,6 +9,9 @@
 #                                            # attention, Geneformer-2048 padded and packed
 #   bash benchmarks/gpu_session.sh budget    # token-budget batches (~80 s): scGPT and Geneformer-2048 packed,
 #                                            # each batch the cells that fit about what a batch of cells held
+#   bash benchmarks/gpu_session.sh again     # what changed since the last GPU figures (~465 s of limits): the
+#                                            # CUDA tests, padded rows (padding tails cut in spans), packed and
+#                                            # token-budget batches, and the campaign, padded and by tokens
 # Each run has its own time limit, so one that hangs cannot take the others' time; the most wanted
 # figures run first. The campaign's atlas is synthesized on the CPUs while the first runs use the GPU.
 set -u
@@ -42,6 +45,21 @@ if [ "${1:-}" = budget ]; then  # (scGPT's 240 cells average ~154k tokens, Genef
   exit 0
 fi
 cells=${CELLS:-20000}
+if [ "${1:-}" = again ]; then  # the campaign first after the tests: the figure most wanted
+  $PY -c "from producers.synth import cached_atlas; cached_atlas($cells)" > "$out/atlas.log" 2>&1 &
+  step cuda_tests 40 -m pytest -q -n 0 -p no:cacheprovider -rs tests/test_trainer.py -k "cuda or packed_batch or packing"
+  wait
+  step campaign 120 benchmarks/gpu_campaign.py --steps 30 --cells "$cells"
+  step scgpt_padded 35 $s
+  step scgpt_packed_varlen 35 $s --packed --tokens-per-row 8200
+  step scgpt_packed_budget 35 $s --batch 480 --tokens-per-row 8200 --tokens-per-batch 160000
+  step geneformer2048_padded 40 $g
+  step geneformer2048_packed_varlen 40 $g --packed --tokens-per-row 16392
+  step campaign_packed_budget 120 benchmarks/gpu_campaign.py --steps 30 --cells "$cells" --batch 480 \
+    --tokens-per-row 8200 --tokens-per-batch 160000
+  cat "$out/device.txt" "$out/figures.jsonl"; tail -n 3 "$out/cuda_tests.log"
+  exit 0
+fi
 $PY -c "from producers.synth import cached_atlas; cached_atlas($cells)" > "$out/atlas.log" 2>&1 &
 atlas=$!
 if [ "${1:-}" = campaign ]; then  # the padded step and the campaign alone (~160 s)
