@@ -12,6 +12,8 @@
 #   bash benchmarks/gpu_session.sh again     # what changed since the last GPU figures (~465 s of limits): the
 #                                            # CUDA tests, padded rows (padding tails cut in spans), packed and
 #                                            # token-budget batches, and the campaign, padded and by tokens
+#   bash benchmarks/gpu_session.sh compiled  # the compiled step (~225 s of limits): full length, and packed rows
+#                                            # (whose compilation of varied row counts takes ~100 s)
 # Each run has its own time limit, so one that hangs cannot take the others' time; the most wanted
 # figures run first. The campaign's atlas is synthesized on the CPUs while the first runs use the GPU.
 set -u
@@ -41,6 +43,12 @@ fi
 if [ "${1:-}" = budget ]; then  # (scGPT's 240 cells average ~154k tokens, Geneformer-2048's 64 ~96k)
   step scgpt_packed_budget 35 $s --batch 480 --tokens-per-row 8200 --tokens-per-batch 160000
   step geneformer2048_packed_budget 45 $g --batch 128 --tokens-per-row 16392 --tokens-per-batch 98000
+  cat "$out/device.txt" "$out/figures.jsonl"
+  exit 0
+fi
+if [ "${1:-}" = compiled ]; then
+  step scgpt_full_compiled 75 $s --full-length --compile
+  step scgpt_packed_varlen_compiled 150 $s --packed --tokens-per-row 8200 --compile
   cat "$out/device.txt" "$out/figures.jsonl"
   exit 0
 fi
