@@ -117,6 +117,7 @@ CAMPAIGN_FLAGS = (
     "preset",
     "lr",
     "warmup_steps",
+    "compile",
     "checkpoint_every",
     "keep_checkpoints",
     "resume",

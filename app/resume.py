@@ -19,8 +19,8 @@ from producers.tokenizers import layout
 # line: the world and the producers (an interrupted epoch is re-planned over the new ranks, exactly
 # once), more epochs (or steps), the dataset's location (its content must be the same: the
 # checkpoint's data identity is checked), the corpus's mixture (from the epoch after the
-# checkpoint), how often things are done, how a batch is laid out (`--tokens-per-row`), and the
-# remote world's settings. Every other flag defines
+# checkpoint), how often things are done, how a batch is laid out (`--tokens-per-row`), whether the
+# model is compiled (`--compile`), and the remote world's settings. Every other flag defines
 # the campaign (its data, tokens, sampling, seed, model and schedule): a resume that changes one is
 # refused.
 CAMPAIGN_RECORD = "campaign.json"
@@ -44,6 +44,7 @@ RESUME_CHANGES = frozenset(
         "trace_units",
         "tokens_per_row",  # (how a batch's cells are laid out: the same cells, the same schedule)
         "tokens_per_batch",  # (how many cells a batch draws: the schedule counts cells, the audit too)
+        "compile",  # (how the step runs: the same model, cells and schedule)
     }
 )
 

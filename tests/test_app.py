@@ -95,6 +95,27 @@ def modal_run_context(args: list[str]):
     return command.make_context(name, rest, parent=group)
 
 
+def test_every_setting_a_user_gives_is_a_flag_of_both_commands():
+    """Each CampaignConfig field is a flag of `modal run` (and but the Modal-only ones of `cellfeed local`),
+    with its help, unless it is set elsewhere (`not_flags`). `compile` had help, a config field and a
+    path to `torch.compile` in the trainer, but was in neither command's flags: `--compile` was refused."""
+    from dataclasses import fields
+
+    from app.flags import CAMPAIGN_FLAGS, FLAG_HELP, MODAL_FLAGS
+
+    not_flags = {  # each set elsewhere, as said
+        "checkpoint_dir",  # the run's folder: `--workdir` locally, the checkpoints Volume on Modal
+        "cells_per_item",  # the wire's item size (DESIGN, "Items")
+        "label_column",  # an obs column carried as labels (producers/config.py): the trainer uses none
+        "carried",  # Modal: the laptop's files carried into containers
+        "mixtures",  # the corpus changes a run's resumes made, from its record
+    }
+    settings = {f.name for f in fields(CampaignConfig)} - not_flags
+    assert settings == set(MODAL_FLAGS) == set(FLAG_HELP)
+    assert set(MODAL_FLAGS) - set(CAMPAIGN_FLAGS) == {"attempt_hours", "modal_retry_s", "audit_cells"}
+    assert "compile" in CAMPAIGN_FLAGS
+
+
 def test_every_flag_round_trips_through_modal_run_and_cellfeed_local():
     """The same flags give the same CampaignConfig through `modal run`'s options (built by
     modal's own CLI code from the entrypoint) and `cellfeed local`'s parser."""
