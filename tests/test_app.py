@@ -177,6 +177,8 @@ def test_a_resume_continues_its_recorded_campaign_and_says_or_refuses_each_chang
     assert resumed_flags("r", recorded, {"audit_cells": True})[1] == [
         "--audit-cells from this resume on (the campaign had False)"
     ]
+    flags, notes = resumed_flags("r", recorded, {"compile": True})  # (how the step runs, not what it computes)
+    assert flags["compile"] is True and notes == ["--compile from this resume on (the campaign had False)"]
     with pytest.raises(CellfeedError, match=r"^--batch-size 64: run r was started with --batch-size 32, which is"):
         resumed_flags("r", recorded, {"batch_size": 64})
     with pytest.raises(CellfeedError, match=r"^--epochs 2: run r's campaign has 3 epochs; a resume may add epochs"):
