@@ -83,6 +83,8 @@ class CampaignConfig:
             raise CellfeedError("give a dataset (a local path or s3://bucket/prefix) or a --corpus file, one of them")
         if self.corpus and (self.subset_filter or self.eval_filter):
             raise CellfeedError("with --corpus, give each source's subset_filter / eval_filter in the corpus file")
+        if self.corpus and self.gene_column != type(self).gene_column:  # (the producers read the file's)
+            raise CellfeedError(f"--gene-column {self.gene_column}: with --corpus, set gene_column in the corpus file")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,40}", self.run):
             raise CellfeedError(f"run name {self.run!r}: use 1-41 letters, digits, '.', '_' or '-'")
         if layout(self.tokenizer).objective is None:

@@ -16,7 +16,7 @@ def describe(ds, n_values: int = 3) -> str:
         f"fragments   {len(sizes)} (rows per fragment: min {min(sizes, default=0):,}, max {max(sizes, default=0):,})",
         f"straddling  {len(straddling):,} cells cut by a fragment boundary",
     ]
-    # var too: its columns are what a corpus's `gene_column` (`--gene-column`) may name, and the
+    # var too: its columns are what `--gene-column` (a corpus's `gene_column`) may name, and the
     # example values show which one holds the identifiers a vocabulary uses (Ensembl ids, symbols)
     for title, table, names in (
         ("obs columns:", ds.cells, ds.obs_columns),

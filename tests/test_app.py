@@ -116,6 +116,15 @@ def test_every_setting_a_user_gives_is_a_flag_of_both_commands():
     assert "compile" in CAMPAIGN_FLAGS
 
 
+def test_a_gene_column_flag_with_a_corpus_is_refused_for_the_files_own(tmp_path):
+    """The producers read a corpus's `gene_column` from its file (`ProducerConfig.corpus_spec`): a
+    `--gene-column` beside `--corpus` would be dropped without a word, so it is refused in one line."""
+    says = r"^--gene-column feature_name: with --corpus, set gene_column in the corpus file$"
+    with pytest.raises(CellfeedError, match=says):
+        CampaignConfig(corpus=str(tmp_path / "c.toml"), run="c", gene_column="feature_name").validate()
+    assert CampaignConfig(corpus=str(tmp_path / "c.toml"), run="c").validate().gene_column == "gene_id"
+
+
 def test_every_flag_round_trips_through_modal_run_and_cellfeed_local():
     """The same flags give the same CampaignConfig through `modal run`'s options (built by
     modal's own CLI code from the entrypoint) and `cellfeed local`'s parser."""
