@@ -61,8 +61,6 @@ class CampaignConfig:
     keep_checkpoints: int = 2  # the last k, and the best by held-out loss
     resume: bool = False
     seed: int = 0
-    cells_per_item: int = 128
-    label_column: str | None = None
     lease_s: float = LEASE_S  # a unit whose producer is silent this long is issued again
     rpc_latency_ms: float = 0.0  # every queue/map call costs this long (± 40%) more, as Modal's round trips
     attempt_hours: float = 22.0  # Modal: a train call hands over to a new one after this long (calls end at 24 h)
@@ -107,7 +105,6 @@ class CampaignConfig:
             "keep_checkpoints",
             "n_scanners",
             "unit_cells",
-            "cells_per_item",
             "eval_every",
             "eval_cells",
         ):
@@ -155,7 +152,7 @@ class CampaignConfig:
             raise CellfeedError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         self.sampling.validate()
         if self.balance is not None:
-            self.balance.validate()  # (with label_column: refused by the producers' config, at setup)
+            self.balance.validate()
         return self
 
     @property
@@ -256,8 +253,6 @@ class CampaignConfig:
             max_genes=self.genes_per_cell,
             tokenizer_params=params,
             world_size=self.world_size,
-            cells_per_item=self.cells_per_item,
-            label_column=self.label_column,
             balance=self.balance,
             subset_filter=self.subset_filter,
             exclude_filter=self.eval_filter,

@@ -96,17 +96,17 @@ def modal_run_context(args: list[str]):
 
 
 def test_every_setting_a_user_gives_is_a_flag_of_both_commands():
-    """Each CampaignConfig field is a flag of `modal run` (and but the Modal-only ones of `cellfeed local`),
-    with its help, unless it is set elsewhere (`not_flags`). `compile` had help, a config field and a
-    path to `torch.compile` in the trainer, but was in neither command's flags: `--compile` was refused."""
+    """Each CampaignConfig field is a flag of `modal run`, and all but its three Modal-only ones of
+    `cellfeed local`, with help, unless `not_flags` says what sets it. `compile` had help, a config field
+    and a path to `torch.compile` in the trainer, but was in neither command's flags: `--compile` was
+    refused. (`cells_per_item` and `label_column`, which nothing could set, left the campaign's config:
+    the producer's own defaults were all a campaign ever had.)"""
     from dataclasses import fields
 
     from app.flags import CAMPAIGN_FLAGS, FLAG_HELP, MODAL_FLAGS
 
     not_flags = {  # each set elsewhere, as said
         "checkpoint_dir",  # the run's folder: `--workdir` locally, the checkpoints Volume on Modal
-        "cells_per_item",  # the wire's item size (DESIGN, "Items")
-        "label_column",  # an obs column carried as labels (producers/config.py): the trainer uses none
         "carried",  # Modal: the laptop's files carried into containers
         "mixtures",  # the corpus changes a run's resumes made, from its record
     }
