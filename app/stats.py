@@ -38,6 +38,8 @@ def class_stats(args) -> int:
 
     balance = Balance(args.balance_by, args.balance_power).validate()
     corpus = args.dataset.endswith(".toml")
+    if corpus and args.subset_filter:  # (as `cellfeed local` refuses it: a corpus's sources carry their own)
+        raise CellfeedError("with a corpus, give each source's subset_filter in the corpus file")
     spec = CorpusSpec.read(args.dataset) if corpus else CorpusSpec.single(args.dataset, args.subset_filter)
     sources = open_sources(spec, verify=False)
     strata = balance_strata(sources, balance)

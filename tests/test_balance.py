@@ -330,6 +330,15 @@ def test_a_missing_column_or_a_class_without_cells_is_refused_before_any_produce
     assert "class 'heart'" in line and "has no cells" in line and "remove_unused_categories" in line
 
 
+def test_stats_of_a_corpus_refuses_a_subset_filter_for_its_sources_own(tmp_path, capsys):
+    """As `cellfeed local` does: a corpus's sources carry their filters (it was dropped without a word)."""
+    from app.cli import main
+
+    code = main(["stats", str(tmp_path / "c.toml"), "--balance-by", "tissue", "--subset-filter", "plate = 'p1'"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["cellfeed: error: with a corpus, give each source's subset_filter in the corpus file"]
+
+
 def test_stats_shows_the_class_mix_balancing_would_plan(atlas):
     out = run_cli("stats", atlas.uri, "--balance-by", "tissue", "--balance-power", "1")
     assert out.returncode == 0, out.stderr
