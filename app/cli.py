@@ -197,13 +197,15 @@ LOCAL_HELP = {
 def add_campaign_flags(p: argparse.ArgumentParser) -> None:
     """The campaign's flags, help from `app.flags.FLAG_HELP`, defaults of the local run."""
     from app.flags import CAMPAIGN_FLAGS, flag_choices, flag_defaults
+    from app.resume import RESUME_CHANGES
 
     defaults, choices = flag_defaults(LOCAL_DEFAULTS), flag_choices()
     for name in CAMPAIGN_FLAGS:
         flag, default = "--" + name.replace("_", "-"), defaults.get(name)
         text = LOCAL_HELP.get(name, FLAG_HELP[name]).replace("%", "%%")  # argparse formats help with %
-        if isinstance(default, bool):
-            p.add_argument(flag, action="store_true", help=text)
+        if isinstance(default, bool):  # (one a resume may change has --no-X too: a resume may turn it off)
+            action = argparse.BooleanOptionalAction if name in RESUME_CHANGES else "store_true"
+            p.add_argument(flag, action=action, default=default, help=text)
             continue
         if name in choices:
             kind, metavar = str, None
@@ -344,7 +346,8 @@ def add_campaign_commands(command) -> None:
     p.add_argument("--workdir", default="runs", help="where runs, logs and checkpoints go")
     p.add_argument(
         "--audit-cells",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,  # (a resume may turn it off: app/resume.py:RESUME_CHANGES)
+        default=False,
         help="write each rank's trained cell ids per step to WORKDIR/RUN/cells.rank<r>.jsonl",
     )
     p.add_argument(

@@ -85,6 +85,8 @@ def resumed_flags(run: str, recorded: dict, given: dict, defaults: dict | None =
     flags = {name: value for name, value in recorded.items() if name in kept}
     if flags.get("epochs") is not None or given.get("epochs") is not None:  # --steps beside --epochs stopped
         flags.pop("steps", None)  # that run early: the campaign's end is its epochs
+    if flags.get("corpus"):  # a corpus names its genes' column in its file: a record made before --gene-column
+        flags.pop("gene_column", None)  # with --corpus was refused may hold one that was dropped, never used
     notes = []
     for name, value in given.items():
         before = flags.get(name, defaults.get(name))

@@ -14,6 +14,8 @@ def cmd_stats(args) -> int:
 
     if args.balance_by:
         return class_stats(args)
+    if args.subset_filter:  # (it was dropped: gene medians are of every cell)
+        raise CellfeedError(f"--subset-filter {args.subset_filter}: only with --balance-by (medians are of every cell)")
     if args.dataset.endswith(".toml"):
         return corpus_stats(args)
     ds = open_dataset(args.dataset)
@@ -39,7 +41,9 @@ def class_stats(args) -> int:
     balance = Balance(args.balance_by, args.balance_power).validate()
     corpus = args.dataset.endswith(".toml")
     if corpus and args.subset_filter:  # (as `cellfeed local` refuses it: a corpus's sources carry their own)
-        raise CellfeedError("with a corpus, give each source's subset_filter in the corpus file")
+        raise CellfeedError(
+            f"--subset-filter {args.subset_filter}: with a corpus, give it per source in the corpus file"
+        )
     spec = CorpusSpec.read(args.dataset) if corpus else CorpusSpec.single(args.dataset, args.subset_filter)
     sources = open_sources(spec, verify=False)
     strata = balance_strata(sources, balance)

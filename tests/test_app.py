@@ -165,7 +165,7 @@ def test_a_resume_continues_its_recorded_campaign_and_says_or_refuses_each_chang
     recorded value (locally before anything starts; `modal run`: tests/test_modal_campaign.py)."""
     from dataclasses import asdict
 
-    from app.cli import main
+    from app.cli import build_parser, main
     from app.resume import resumed_flags
 
     recorded = asdict(CampaignConfig(dataset="/d", run="r", epochs=3, batch_size=32, producers=2, seed=7))
@@ -188,6 +188,14 @@ def test_a_resume_continues_its_recorded_campaign_and_says_or_refuses_each_chang
     ]
     flags, notes = resumed_flags("r", recorded, {"compile": True})  # (how the step runs, not what it computes)
     assert flags["compile"] is True and notes == ["--compile from this resume on (the campaign had False)"]
+    # ... and off again, locally too (`--no-compile`)
+    assert build_parser().parse_args(["local", "--no-compile", "--no-audit-cells"]).compile is False
+    flags, notes = resumed_flags("r", {**recorded, "compile": True}, {"compile": False})
+    assert flags["compile"] is False and notes == ["--no-compile from this resume on (the campaign had True)"]
+    # a corpus's record from before --gene-column with --corpus was refused: the dropped column is dropped again
+    corpus = {**recorded, "dataset": None, "corpus": "/c.toml", "gene_column": "feature_name"}
+    flags, notes = resumed_flags("r", corpus, {})
+    assert "gene_column" not in flags and CampaignConfig(**flags).validate().gene_column == "gene_id"
     with pytest.raises(CellfeedError, match=r"^--batch-size 64: run r was started with --batch-size 32, which is"):
         resumed_flags("r", recorded, {"batch_size": 64})
     with pytest.raises(CellfeedError, match=r"^--epochs 2: run r's campaign has 3 epochs; a resume may add epochs"):

@@ -330,13 +330,21 @@ def test_a_missing_column_or_a_class_without_cells_is_refused_before_any_produce
     assert "class 'heart'" in line and "has no cells" in line and "remove_unused_categories" in line
 
 
-def test_stats_of_a_corpus_refuses_a_subset_filter_for_its_sources_own(tmp_path, capsys):
-    """As `cellfeed local` does: a corpus's sources carry their filters (it was dropped without a word)."""
+def test_stats_refuses_a_subset_filter_it_would_drop(tmp_path, capsys):
+    """With a corpus (its sources carry their filters, as `cellfeed local` says), and without
+    --balance-by (gene medians are of every cell): it was dropped without a word."""
     from app.cli import main
 
     code = main(["stats", str(tmp_path / "c.toml"), "--balance-by", "tissue", "--subset-filter", "plate = 'p1'"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err == ["cellfeed: error: with a corpus, give each source's subset_filter in the corpus file"]
+    assert code == 2 and err == [
+        "cellfeed: error: --subset-filter plate = 'p1': with a corpus, give it per source in the corpus file"
+    ]
+    code = main(["stats", str(tmp_path / "ds"), "--subset-filter", "plate = 'p1'"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [
+        "cellfeed: error: --subset-filter plate = 'p1': only with --balance-by (medians are of every cell)"
+    ]
 
 
 def test_stats_shows_the_class_mix_balancing_would_plan(atlas):
