@@ -40,15 +40,21 @@ from benchmarks._checks import check_figures, fail  # noqa: E402
 WARMUP_STEPS = 3  # the first steps (allocation, compilation, producers filling the queue) are not counted
 
 
-def campaign(args, atlas: str, workdir: Path) -> dict:
-    """`cellfeed local` on `atlas`: its step rows' medians past the warm-up."""
+def campaign_command(args, atlas: str, workdir: Path) -> list[str]:
+    """The `cellfeed local` command line of the campaign (tests/test_benchmarks.py parses it with
+    `cellfeed`'s own parser: `--compile` was once passed to a command that did not take it)."""
     command = [sys.executable, "-m", "app.cli", "local", "--dataset", atlas, "--workdir", str(workdir),
                "--run", "gpu", "--preset", args.preset, "--batch-size", str(args.batch),
                "--max-genes", str(args.max_genes), "--producers", str(args.producers), "--gpus", "1",
                "--steps", str(args.steps), "--warmup-steps", "2", "--checkpoint-every", str(10 * args.steps),
                "--quiet"]  # fmt: skip
     command += ["--compile"] if args.compile else []
-    command += packing(args)
+    return command + packing(args)
+
+
+def campaign(args, atlas: str, workdir: Path) -> dict:
+    """`cellfeed local` on `atlas`: its step rows' medians past the warm-up."""
+    command = campaign_command(args, atlas, workdir)
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0:
         fail(f"the campaign exited {done.returncode}: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")

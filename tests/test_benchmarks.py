@@ -84,6 +84,38 @@ def test_gpu_campaign():
     assert figures["mfu"] is None and figures["step_alone_mfu"] is None  # n/a on a CPU
 
 
+@pytest.mark.token_pass_free
+@pytest.mark.parametrize("compiled, packed", [(True, False), (False, True), (True, True)])
+def test_the_gpu_campaigns_command_is_one_cellfeed_local_takes(tmp_path, compiled, packed):
+    """Every mode of `benchmarks/gpu_campaign.py` gives `cellfeed local` flags it takes, with their values:
+    `--compile` was passed to a command that refused it, and only a GPU run found it (d70d9be)."""
+    from types import SimpleNamespace
+
+    from app.cli import build_parser
+    from benchmarks.gpu_campaign import campaign_command
+
+    args = SimpleNamespace(
+        preset="scgpt",
+        batch=240,
+        max_genes=1024,
+        producers=8,
+        steps=30,
+        compile=compiled,
+        tokens_per_row=8200 if packed else None,
+        tokens_per_batch=160_000 if packed else None,
+    )
+    command = campaign_command(args, "/atlas", tmp_path)
+    assert command[1:4] == ["-m", "app.cli", "local"]
+    parsed = build_parser().parse_args(command[3:])  # (a flag it does not take: SystemExit, one line)
+    assert (parsed.compile, parsed.tokens_per_row, parsed.tokens_per_batch, parsed.batch_size, parsed.steps) == (
+        compiled,
+        args.tokens_per_row,
+        args.tokens_per_batch,
+        240,
+        30,
+    )
+
+
 def test_a_consumer_benchmark_whose_feeder_dies_ends_at_once_with_its_error():
     """The feeder thread's death (a put the queue refuses) ends the measurement within a poll,
     naming the error, instead of leaving the stream to wait out its 600 s for data."""
