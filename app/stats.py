@@ -18,6 +18,8 @@ def cmd_stats(args) -> int:
         raise CellfeedError(f"--subset-filter {args.subset_filter}: only with --balance-by (medians are of every cell)")
     if args.dataset.endswith(".toml"):
         return corpus_stats(args)
+    if args.out:  # (it was dropped: a dataset's medians are stored in it)
+        raise CellfeedError(f"--out {args.out}: only with a corpus; a dataset's medians are stored in it")
     ds = open_dataset(args.dataset)
     medians = compute_gene_medians(ds, progress=not args.quiet)
     store_gene_stats(ds, medians)

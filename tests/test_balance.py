@@ -330,9 +330,10 @@ def test_a_missing_column_or_a_class_without_cells_is_refused_before_any_produce
     assert "class 'heart'" in line and "has no cells" in line and "remove_unused_categories" in line
 
 
-def test_stats_refuses_a_subset_filter_it_would_drop(tmp_path, capsys):
-    """With a corpus (its sources carry their filters, as `cellfeed local` says), and without
-    --balance-by (gene medians are of every cell): it was dropped without a word."""
+def test_stats_refuses_a_subset_filter_or_an_out_it_would_drop(tmp_path, capsys):
+    """A --subset-filter with a corpus (its sources carry their filters, as `cellfeed local` says) or
+    without --balance-by (gene medians are of every cell), an --out for one dataset (its medians are
+    stored in it): each was dropped without a word."""
     from app.cli import main
 
     code = main(["stats", str(tmp_path / "c.toml"), "--balance-by", "tissue", "--subset-filter", "plate = 'p1'"])
@@ -344,6 +345,11 @@ def test_stats_refuses_a_subset_filter_it_would_drop(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [
         "cellfeed: error: --subset-filter plate = 'p1': only with --balance-by (medians are of every cell)"
+    ]
+    code = main(["stats", str(tmp_path / "ds"), "--out", "medians.json"])  # (so was --out, but with a corpus)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [
+        "cellfeed: error: --out medians.json: only with a corpus; a dataset's medians are stored in it"
     ]
 
 
