@@ -26,6 +26,7 @@ import hmac
 import json
 import os
 import secrets
+import select
 import shutil
 import socket
 import socketserver
@@ -58,6 +59,7 @@ class Op(enum.IntEnum):
 
 OK, FULL, EMPTY, TOO_LARGE, MISSING, ERROR, GONE, REQUEST_TOO_LARGE = range(8)  # a response's status
 MAX_AUTH_FRAME = 4096  # the hello's size at most (read before the caller is known)
+START_TIMEOUT_S = 60.0  # the server says where it listens by now (it starts in well under a second)
 REFUSED = (
     "refused: this queue server answers only its run's processes, which read its token from the "
     "run's folder (is this the right run, or its folder another user's?)"
@@ -234,6 +236,8 @@ class ServerProcess:
     a private temporary folder); `where` is what a `BackendSpec` needs to reach it. It ends with
     this process, however this process ends: it watches the pipe on its stdin."""
 
+    command = (sys.executable, "-m", "coordination.local_backend")
+
     def __init__(self, token_file: str | os.PathLike | None = None):
         self._own_folder = None
         if token_file is None:
@@ -242,16 +246,22 @@ class ServerProcess:
         self.token_file = str(Path(token_file).resolve())
         Path(self.token_file).unlink(missing_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "coordination.local_backend", "--token-file", self.token_file],
+            [*self.command, "--token-file", self.token_file],
             start_new_session=True,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
-        line = self.proc.stdout.readline().strip()
+        # its first line says where it listens; a server alive but stuck before it is not waited on forever
+        said, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
+        line = self.proc.stdout.readline().strip() if said else ""
         if not line.startswith("listening "):
             self.proc.kill()
-            raise CellfeedError("the local queue server did not start")
+            self.proc.wait(timeout=10)
+            if self._own_folder:
+                shutil.rmtree(self._own_folder, ignore_errors=True)
+            why = f"it said {line!r}" if line else "it exited" if said else f"nothing said in {START_TIMEOUT_S:g} s"
+            raise CellfeedError(f"the local queue server did not start ({why})")
         self.address = line.split()[1]
 
     @property

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import queue as stdlib_queue
+import re
+import sys
 import threading
 import time
 
@@ -175,6 +177,26 @@ def test_server_process_and_its_disappearance():
     # a refused connection fails at once; 15 s (the client's bounded waits, generously for a busy machine) only
     # separates failing from hanging on a server that is gone
     assert time.monotonic() - start < 15
+
+
+@pytest.mark.parametrize(
+    "program, says",
+    [
+        ("import time; time.sleep(600)", "nothing said in 0.5 s"),  # alive, stuck before it listens
+        ("pass", "it exited"),
+        ("print('no address', flush=True); import time; time.sleep(600)", "it said 'no address'"),
+    ],
+    ids=["stuck", "exited", "other-line"],
+)
+def test_a_queue_server_that_does_not_start_is_one_line_not_a_hang(monkeypatch, tmp_path, program, says):
+    """The server's first line says where it listens; one that never says it (stuck, gone, or saying
+    something else) is killed and named within START_TIMEOUT_S, not waited on for ever."""
+    from coordination import local_backend
+
+    monkeypatch.setattr(local_backend, "START_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(ServerProcess, "command", (sys.executable, "-c", program))
+    with pytest.raises(CellfeedError, match=rf"^the local queue server did not start \({re.escape(says)}\)$"):
+        ServerProcess(token_file=tmp_path / "token")
 
 
 def test_the_server_answers_only_its_runs_processes(tmp_path):

@@ -238,3 +238,21 @@ def test_a_rendezvous_port_is_one_no_outgoing_connection_can_be_given_meanwhile(
         assert all(low // 2 <= p < low for p in ports) and len(ports) > 1, ports
         with socket.socket(family) as s:
             s.bind((host, ports.pop()))
+
+
+@pytest.mark.token_pass_free
+def test_a_killed_rank_whose_exit_is_never_reported_is_not_waited_on_forever(monkeypatch, capsys):
+    """A rank stuck in the kernel (a hung driver call) outlives SIGKILL and its exit never comes:
+    `reap` gives up after KILL_WAIT_S, says so, and counts it killed, so `wait_all` and
+    `checkpoint_and_stop` (a preemption's save window) go on. A rank whose exit came returns its code."""
+    import threading
+    from types import SimpleNamespace
+
+    from trainer import launch
+
+    monkeypatch.setattr(launch, "KILL_WAIT_S", 0.2)
+    server = SimpleNamespace(changed=threading.Condition())  # (no rank server: no exit is ever reported)
+    stuck, ended = Rank(server, pid=12345), Rank(server, pid=12346)
+    ended.returncode = 3
+    assert (launch.reap(stuck), launch.reap(ended)) == (-int(signal.SIGKILL), 3)
+    assert "rank pid 12345: killed, its exit not reported in 0 s; going on" in capsys.readouterr().err

@@ -384,6 +384,19 @@ def _be_a_rank(socks: list[socket.socket], fds: list[int], request: dict, server
             os._exit(code)
 
 
+KILL_WAIT_S = 30.0  # a SIGKILLed rank's exit is reported by now, unless it is stuck in the kernel (a hung driver call)
+
+
+def reap(p: Rank) -> int:
+    """A killed rank's exit code, waited on for at most KILL_WAIT_S: a rank stuck in the kernel is said on
+    stderr and counted as killed (-SIGKILL), so a preemption's save window is not spent waiting for it."""
+    try:
+        return p.wait(timeout=KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        print(f"rank pid {p.pid}: killed, its exit not reported in {KILL_WAIT_S:.0f} s; going on", file=sys.stderr)
+        return -int(signal.SIGKILL)
+
+
 def wait_all(procs: list[Rank], timeout: float) -> list[int]:
     """Exit codes; if one rank fails the others are stopped (DDP would hang waiting for it)."""
     deadline = time.monotonic() + timeout
@@ -396,7 +409,7 @@ def wait_all(procs: list[Rank], timeout: float) -> list[int]:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-            codes = [p.wait() for p in procs]
+            codes = [reap(p) for p in procs]
             break
         time.sleep(0.1)
     return codes
@@ -423,7 +436,7 @@ def checkpoint_and_stop(procs: list[Rank], timeout: float) -> list[int | None]:
     for p in procs:
         if p.poll() is None:
             p.kill()
-            p.wait()
+            reap(p)
     return codes
 
 
