@@ -985,3 +985,34 @@ def test_a_checkpoint_of_an_unfused_optimizer_resumes_fused_and_steps_the_same()
     stepped(fused, new, grads[2:])
     stepped(unfused, old, grads[2:])
     assert torch.allclose(new, old, rtol=0, atol=1e-6), (new - old).abs().max()
+
+
+@pytest.mark.token_pass_free
+def test_a_held_out_set_that_cannot_be_put_back_is_one_error_not_a_hang():
+    """The trainer pops the held-out set and puts it back for a later attempt; a partition still full
+    after the data timeout (someone else's items in the room it made) is an error naming it, not a
+    wait for ever (the put had no timeout)."""
+    from coordination.arrays import CellRows
+    from coordination.queues import Full
+    from coordination.routing import EVAL_PARTITION, run_tag
+    from coordination.wire import pack_items
+    from trainer.evaluation import load_held_out
+
+    rows = CellRows(
+        np.arange(4), np.arange(0, 25, 5, dtype=np.int64), np.arange(20, dtype=np.uint32), np.ones(20, np.float32)
+    )
+    cfg = TrainConfig(
+        run="held", backend={"kind": "memory"}, vocab_size=64, eval_cells=4, no_data_timeout_s=3, pad_to=8
+    )
+
+    class FullAfterItsPops(MemoryQueue):  # (a queue whose eval partition is refilled by another as it is emptied)
+        def put_many(self, values, block=True, timeout=None, *, partition=None):
+            assert partition == EVAL_PARTITION and timeout == cfg.no_data_timeout_s  # (a bounded wait)
+            raise Full
+
+    queue = FullAfterItsPops()
+    MemoryQueue.put_many(queue, pack_items(rows, epoch=0, key_id=0, run_tag=run_tag("held")), partition=EVAL_PARTITION)
+    with pytest.raises(
+        CellfeedError, match=r"^the held-out set could not be put back in 3s: its partition stayed full$"
+    ):
+        load_held_out(queue, cfg, torch.device("cpu"))

@@ -8,7 +8,7 @@ import time
 import torch
 
 from coordination.errors import CellfeedError
-from coordination.queues import Empty, request_batches
+from coordination.queues import Empty, Full, request_batches
 from coordination.routing import EVAL_PARTITION, run_tag
 from coordination.wire import unpack_item
 from trainer.config import TrainConfig
@@ -43,7 +43,12 @@ def load_held_out(queue, cfg: TrainConfig, device: torch.device) -> list:
         raw += got
         items += [unpack_item(b, run_tag=run_tag(cfg.run)) for b in got]
     for batch in request_batches(raw):  # put back: a re-run of this trainer (preemption) reads them too
-        queue.put_many(batch, partition=EVAL_PARTITION)
+        try:  # (room it just made: a partition still full after the data timeout is an error, not a hang)
+            queue.put_many(batch, timeout=cfg.no_data_timeout_s, partition=EVAL_PARTITION)
+        except Full:
+            raise CellfeedError(
+                f"the held-out set could not be put back in {cfg.no_data_timeout_s:.0f}s: its partition stayed full"
+            ) from None
     cells = [(item, i) for item in items for i in range(item.n_cells)]  # every cell, in order, as batches
     size = cfg.batch_size
     return [
