@@ -256,3 +256,28 @@ def test_a_killed_rank_whose_exit_is_never_reported_is_not_waited_on_forever(mon
     ended.returncode = 3
     assert (launch.reap(stuck), launch.reap(ended)) == (-int(signal.SIGKILL), 3)
     assert "rank pid 12345: killed, its exit not reported in 0 s; going on" in capsys.readouterr().err
+
+
+@pytest.mark.token_pass_free
+def test_a_rank_server_event_that_cannot_be_read_ends_the_server_not_its_reader_alone(tmp_path, capsys):
+    """The launcher's reader of the server's events must not die alone: its ranks' exits would never
+    come, `poll` say "running" for ever and `wait` hang. A message it cannot read ends the server's
+    view as a hang-up does: said on stderr, every rank still running counted as killed, waiters woken."""
+    import json
+    import socket
+
+    from trainer.launch import KILL_WAIT_S
+
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listening.bind(str(tmp_path / "s"))
+    listening.listen(1)
+    server = RankServer(str(tmp_path / "s"))  # (the launcher's end of a shared server: this test plays the server)
+    peer, _ = listening.accept()
+    with peer, listening:
+        peer.send(json.dumps({"started": 4242}).encode())
+        wait_for(lambda: len(server.started) == 1, "the rank's start", timeout=10)
+        (rank,) = server.started
+        assert rank.poll() is None
+        peer.send(b"\xff not an event")
+        assert rank.wait(timeout=KILL_WAIT_S) == -signal.SIGKILL and server.ended
+    assert "rank server: an event could not be read" in capsys.readouterr().err

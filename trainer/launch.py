@@ -200,32 +200,39 @@ class RankServer:
         return f"exit code {self.proc.poll()}" if self.proc is not None else "the shared server hung up"
 
     def _read(self) -> None:
-        while True:
-            try:
-                message = self.sock.recv(MAX_MESSAGE)
-            except OSError:
-                message = b""
-            if not message:  # the server ended (killed with its container, or a bug): so did its ranks
-                try:
-                    if self.proc is not None:
-                        self.proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
+        """The server's events, until they end: it hung up (killed with its container, or a bug: so
+        did its ranks), or a message here could not be read (this thread would die, and its ranks'
+        exits never come). Either way every rank still running counts as killed, and waiters wake."""
+        try:
+            while message := self._recv():
                 with self.changed:
-                    self.ended = True
-                    for rank in self.ranks.values():
-                        rank.returncode = -signal.SIGKILL
-                    self.ranks.clear()
+                    event = json.loads(message)
+                    if "started" in event:
+                        rank = self.ranks[event["started"]] = Rank(self, event["started"])
+                        self.started.append(rank)
+                    else:
+                        self.ranks.pop(event["exited"]).returncode = event["code"]
                     self.changed.notify_all()
-                return
+            try:  # (hung up: the server is ending)
+                if self.proc is not None:
+                    self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        except Exception as exc:
+            print(f"rank server: an event could not be read ({exc!r}); its ranks count as killed", file=sys.stderr)
+        finally:
             with self.changed:
-                event = json.loads(message)
-                if "started" in event:
-                    rank = self.ranks[event["started"]] = Rank(self, event["started"])
-                    self.started.append(rank)
-                else:
-                    self.ranks.pop(event["exited"]).returncode = event["code"]
+                self.ended = True
+                for rank in self.ranks.values():
+                    rank.returncode = -signal.SIGKILL
+                self.ranks.clear()
                 self.changed.notify_all()
+
+    def _recv(self) -> bytes:
+        try:
+            return self.sock.recv(MAX_MESSAGE)
+        except OSError:
+            return b""
 
 
 _server: RankServer | None = None
