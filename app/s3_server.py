@@ -296,6 +296,7 @@ class S3Proxy:
         self._listener = socket.create_server(("127.0.0.1", port))
         self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self._closed = threading.Event()
+        self.error: OSError | None = None  # why it stopped accepting, other than `close` (its owner checks)
         threading.Thread(target=self._accept, daemon=True, name="s3-proxy").start()
 
     def _ttfb(self) -> float:
@@ -306,7 +307,9 @@ class S3Proxy:
         while not self._closed.is_set():
             try:
                 client, _ = self._listener.accept()
-            except OSError:
+            except OSError as exc:
+                if not self._closed.is_set():  # (not `close`: out of file descriptors, say) the proxy has stopped
+                    self.error = exc
                 return
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
@@ -436,6 +439,8 @@ def serve(
         ]
         print("\n".join(lines), flush=True)
         while (code := server.proc.poll()) is None:
+            if proxy is not None and proxy.error is not None:
+                raise CellfeedError(f"the latency proxy stopped accepting connections ({proxy.error}); start it again")
             time.sleep(0.5)
         log = (server.root / "weed.log").read_text(errors="replace").strip().splitlines()  # close may remove it
         raise CellfeedError(f"SeaweedFS exited ({code}): {log[-1] if log else 'no log'}")

@@ -413,3 +413,20 @@ def test_a_producer_on_s3_paces_its_reads_by_its_own_work_and_makes_every_cell_o
         assert ds.read_slots.limit == fixed and ds.read_slots.fixed
     else:
         assert 4 <= ds.read_slots.limit <= REMOTE_READS_MAX  # paced: no longer the start's 1,000
+
+
+@pytest.mark.token_pass_free
+def test_a_latency_proxy_that_stops_accepting_says_why_and_close_does_not():
+    """Its accepting thread must not end unseen: an accept that fails (out of file descriptors, say)
+    is kept as `error`, which `cellfeed s3-server` checks and raises; `close` is no error."""
+    import socket
+
+    from cellfeed_testing.object_store import S3Proxy
+
+    with S3Proxy("http://127.0.0.1:9", latency_ms=0, jitter_ms=0) as proxy:  # (the upstream is never reached here)
+        proxy._listener.shutdown(socket.SHUT_RDWR)  # (its accept fails now, as one out of descriptors would)
+        wait_for(lambda: proxy.error is not None, "the proxy's accept to fail", timeout=10)
+        assert isinstance(proxy.error, OSError)
+    with S3Proxy("http://127.0.0.1:9", latency_ms=0, jitter_ms=0) as proxy:
+        pass
+    assert proxy.error is None
