@@ -32,7 +32,8 @@ from coordination.net import free_port
 from coordination.routing import producers_key
 from coordination.summary import class_mix_line
 from trainer import checkpoint
-from trainer.launch import ask_to_stop, launch, wait_all
+from trainer.launch import launch
+from trainer.ranks import ask_to_stop, wait_all
 
 STATUS_EVERY_S = 2.0
 MIN_LOCAL_RANKS = 4  # `cellfeed local --gpus` may go to twice the cores, and at least this far

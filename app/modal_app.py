@@ -160,7 +160,8 @@ def train_body(config: dict, facts: dict) -> dict:  # facts: coordination.summar
     from coordination.backends import connect
     from coordination.summary import SetupFacts
     from trainer import checkpoint
-    from trainer.launch import checkpoint_and_stop, launch, rank_server
+    from trainer.launch import launch, rank_server
+    from trainer.ranks import checkpoint_and_stop
 
     started = time.monotonic()
     here = cluster() if config.get("nodes", 1) > 1 else None  # `--nodes`: this container's place in the cluster

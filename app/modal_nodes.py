@@ -55,7 +55,8 @@ def node_body(config: dict, here, gpus: int, nodes: int, commit, save_s: float) 
     from coordination.backends import connect
     from coordination.errors import CellfeedError
     from trainer.config import TrainConfig
-    from trainer.launch import checkpoint_and_stop, launch, wait_all
+    from trainer.launch import launch
+    from trainer.ranks import checkpoint_and_stop, wait_all
 
     cfg = CampaignConfig(**config)
     _, store = connect(cfg.backend_spec("modal"))

@@ -68,7 +68,7 @@ def watch(ranks, fleet: Fleet, deadline: float, monitor) -> None:
     (`monitor`), the ranks are asked to checkpoint and stop (at the deadline the call then hands
     over to a new one). The producer calls are looked at after 1 s, then at doubling gaps up to
     FLEET_CHECK_S: most failures come at the start."""
-    from trainer.launch import ask_to_stop
+    from trainer.ranks import ask_to_stop
 
     asked, gap = False, FIRST_FLEET_CHECK_S
     next_look = time.monotonic() + gap
@@ -122,7 +122,7 @@ def stop_campaign(cfg: CampaignConfig, config: dict, ranks, fleet: Fleet, store,
     plans and checkpoints are kept, the resume command is said, and the run's claim released."""
     from coordination.modal_backend import ModalUnreachable
     from coordination.routing import stop_key
-    from trainer.launch import checkpoint_and_stop
+    from trainer.ranks import checkpoint_and_stop
 
     checkpoint_and_stop(ranks, timeout=FAILURE_SAVE_S)  # healthy ranks save a checkpoint; a broken DDP is killed
     if not isinstance(error, ModalUnreachable):  # (Modal's network may be what failed)

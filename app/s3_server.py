@@ -6,10 +6,9 @@ for a user until Ctrl-C; tests and benchmarks use them directly:
     with SeaweedServer() as server, S3Proxy(server.endpoint, latency_ms=30, jitter_ms=10) as proxy:
         ...  # AWS_ENDPOINT_URL=proxy.endpoint
 
-The proxy forwards bytes unchanged (so S3 request signatures stay valid: the client signs for
-the proxy's address, which is the Host header the server sees) and delays the first byte of each
-response by a time to first byte, per request on keep-alive connections; each connection's
-bytes are paced to `bandwidth_mbps`.
+The proxy forwards bytes unchanged (so S3 request signatures stay valid: the client signs for the proxy's
+address, which is the Host header the server sees) and delays the first byte of each response by a time to
+first byte, per request on keep-alive connections; each connection's bytes are paced to `bandwidth_mbps`.
 """
 
 from __future__ import annotations
@@ -271,10 +270,9 @@ class SeaweedServer:
 
 
 class S3Proxy:
-    """A TCP proxy on 127.0.0.1 (on `port`, else a free one): each request's response waits
-    `latency_ms` ± `jitter_ms` from the moment the request's first bytes arrived (time to first
-    byte), and each connection's responses are paced to `bandwidth_mbps` (0: unlimited). Counts
-    requests and bytes."""
+    """A TCP proxy on 127.0.0.1 (on `port`, else a free one): each request's response waits `latency_ms`
+    ± `jitter_ms` from the moment the request's first bytes arrived (time to first byte), and each
+    connection's responses are paced to `bandwidth_mbps` (0: unlimited). Counts requests and bytes."""
 
     def __init__(
         self,
@@ -307,9 +305,8 @@ class S3Proxy:
         while not self._closed.is_set():
             try:
                 client, _ = self._listener.accept()
-            except OSError as exc:
-                if not self._closed.is_set():  # (not `close`: out of file descriptors, say) the proxy has stopped
-                    self.error = exc
+            except OSError as exc:  # (`close`, or out of file descriptors, say: then it has stopped, and says why)
+                self.error = None if self._closed.is_set() else exc
                 return
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
@@ -411,8 +408,7 @@ def serve(
     except OSError:
         raise CellfeedError(f"port {port} on 127.0.0.1 is in use: choose another with --port") from None
     proxied = latency_ms > 0 or bandwidth_mbps > 0
-    # SIGTERM stops it as Ctrl-C does
-    signal.signal(signal.SIGTERM, lambda *_: signal.default_int_handler(signal.SIGINT, None))
+    signal.signal(signal.SIGTERM, lambda *_: signal.default_int_handler(signal.SIGINT, None))  # (as Ctrl-C does)
     server = proxy = None
     try:
         server = SeaweedServer(root=root, s3_port=None if proxied else port)

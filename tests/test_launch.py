@@ -248,13 +248,13 @@ def test_a_killed_rank_whose_exit_is_never_reported_is_not_waited_on_forever(mon
     import threading
     from types import SimpleNamespace
 
-    from trainer import launch
+    from trainer import ranks
 
-    monkeypatch.setattr(launch, "KILL_WAIT_S", 0.2)
+    monkeypatch.setattr(ranks, "KILL_WAIT_S", 0.2)
     server = SimpleNamespace(changed=threading.Condition())  # (no rank server: no exit is ever reported)
     stuck, ended = Rank(server, pid=12345), Rank(server, pid=12346)
     ended.returncode = 3
-    assert (launch.reap(stuck), launch.reap(ended)) == (-int(signal.SIGKILL), 3)
+    assert (ranks.reap(stuck), ranks.reap(ended)) == (-int(signal.SIGKILL), 3)
     assert "rank pid 12345: killed, its exit not reported in 0 s; going on" in capsys.readouterr().err
 
 
@@ -266,7 +266,7 @@ def test_a_rank_server_event_that_cannot_be_read_ends_the_server_not_its_reader_
     import json
     import socket
 
-    from trainer.launch import KILL_WAIT_S
+    from trainer.ranks import KILL_WAIT_S
 
     listening = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listening.bind(str(tmp_path / "s"))

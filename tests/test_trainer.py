@@ -27,8 +27,9 @@ from producers.held_out import produce_held_out
 from producers.producer import Producer
 from tests.conftest import synth_once, wait_for
 from trainer.config import TrainConfig
-from trainer.launch import launch, wait_all
+from trainer.launch import launch
 from trainer.model import CellTransformer, ModelConfig, mask_positions, masked_loss, train_flops
+from trainer.ranks import wait_all
 from trainer.stream import Batch
 
 WORLD = 2

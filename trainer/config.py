@@ -10,7 +10,7 @@ from coordination.backends import BackendSpec
 from coordination.driver import LEASE_S
 from coordination.vocab import CLS, EOS, MASK, PAD
 
-STOP_SIGNAL = signal.SIGUSR2  # "checkpoint and stop after this step" (`trainer.launch.ask_to_stop`)
+STOP_SIGNAL = signal.SIGUSR2  # "checkpoint and stop after this step" (`trainer.ranks.ask_to_stop`)
 
 
 @dataclass

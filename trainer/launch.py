@@ -39,7 +39,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -389,62 +388,6 @@ def _be_a_rank(socks: list[socket.socket], fds: list[int], request: dict, server
             sys.stderr.flush()
         finally:
             os._exit(code)
-
-
-KILL_WAIT_S = 30.0  # a SIGKILLed rank's exit is reported by now, unless it is stuck in the kernel (a hung driver call)
-
-
-def reap(p: Rank) -> int:
-    """A killed rank's exit code, waited on for at most KILL_WAIT_S: a rank stuck in the kernel is said on
-    stderr and counted as killed (-SIGKILL), so a preemption's save window is not spent waiting for it."""
-    try:
-        return p.wait(timeout=KILL_WAIT_S)
-    except subprocess.TimeoutExpired:
-        print(f"rank pid {p.pid}: killed, its exit not reported in {KILL_WAIT_S:.0f} s; going on", file=sys.stderr)
-        return -int(signal.SIGKILL)
-
-
-def wait_all(procs: list[Rank], timeout: float) -> list[int]:
-    """Exit codes; if one rank fails the others are stopped (DDP would hang waiting for it)."""
-    deadline = time.monotonic() + timeout
-    codes = [None] * len(procs)
-    while None in codes:
-        for i, p in enumerate(procs):
-            if codes[i] is None:
-                codes[i] = p.poll()
-        if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            codes = [reap(p) for p in procs]
-            break
-        time.sleep(0.1)
-    return codes
-
-
-def ask_to_stop(procs: list[Rank]) -> None:
-    """Ask every running rank to checkpoint after its current step and exit (`trainer.config.STOP_SIGNAL`)."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                p.send_signal(STOP_SIGNAL)
-            except ProcessLookupError:
-                pass
-
-
-def checkpoint_and_stop(procs: list[Rank], timeout: float) -> list[int | None]:
-    """`ask_to_stop`, wait up to `timeout` seconds, then kill what is left. Exit codes (None: it
-    had to be killed)."""
-    ask_to_stop(procs)
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    codes = [p.poll() for p in procs]
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            reap(p)
-    return codes
 
 
 def main() -> None:

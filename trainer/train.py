@@ -4,7 +4,7 @@ Run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (to
 `trainer.launch`): `python -m trainer.train --config config.json`. gloo on CPU, NCCL + bf16
 autocast on GPU, unchanged.
 
-SIGUSR2 asks a rank to checkpoint and stop (`trainer.launch.checkpoint_and_stop`: before a
+SIGUSR2 asks a rank to checkpoint and stop (`trainer.ranks.checkpoint_and_stop`: before a
 preempted container goes, or when a Modal call's day is nearly over); so does SIGINT, which a
 preemption sends to every process of the container. The request rides on the
 step's all-reduce, so every rank stops after the same step; the summary says `complete: false`.
