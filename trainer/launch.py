@@ -212,11 +212,9 @@ class RankServer:
                     else:
                         self.ranks.pop(event["exited"]).returncode = event["code"]
                     self.changed.notify_all()
-            try:  # (hung up: the server is ending)
-                if self.proc is not None:
+            if self.proc is not None:  # (hung up: the server is ending)
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
         except Exception as exc:
             print(f"rank server: an event could not be read ({exc!r}); its ranks count as killed", file=sys.stderr)
         finally:

@@ -19,11 +19,13 @@ if TYPE_CHECKING:
 KILL_WAIT_S = 30.0  # a SIGKILLed rank's exit is reported by now, unless it is stuck in the kernel (a hung driver call)
 
 
-def reap(p: Rank) -> int:
-    """A killed rank's exit code, waited on for at most KILL_WAIT_S: a rank stuck in the kernel is said on
-    stderr and counted as killed (-SIGKILL), so a preemption's save window is not spent waiting for it."""
+def reap(p: Rank, deadline: float | None = None) -> int:
+    """A killed rank's exit code, waited on until `deadline` (default KILL_WAIT_S from now; one deadline for
+    all of a launcher's ranks, not KILL_WAIT_S each): a rank stuck in the kernel is said on stderr and
+    counted as killed (-SIGKILL), so a preemption's save window is not spent waiting for it."""
+    deadline = time.monotonic() + KILL_WAIT_S if deadline is None else deadline
     try:
-        return p.wait(timeout=KILL_WAIT_S)
+        return p.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         print(f"rank pid {p.pid}: killed, its exit not reported in {KILL_WAIT_S:.0f} s; going on", file=sys.stderr)
         return -int(signal.SIGKILL)
@@ -41,7 +43,8 @@ def wait_all(procs: list[Rank], timeout: float) -> list[int]:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-            codes = [reap(p) for p in procs]
+            until = time.monotonic() + KILL_WAIT_S
+            codes = [reap(p, until) for p in procs]
             break
         time.sleep(0.1)
     return codes
@@ -68,5 +71,8 @@ def checkpoint_and_stop(procs: list[Rank], timeout: float) -> list[int | None]:
     for p in procs:
         if p.poll() is None:
             p.kill()
-            reap(p)
+    until = time.monotonic() + KILL_WAIT_S
+    for p in procs:
+        if p.poll() is None:
+            reap(p, until)
     return codes
